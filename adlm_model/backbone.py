@@ -1,0 +1,211 @@
+"""The DiT backbone (METHOD.md sections 1-2; the SEDD/MDLM "DDiT").
+
+Rotary embeddings (half rotation, base 10000), adaLN modulation with zero-initialised
+projections, float32 LayerNorm, GELU-tanh MLP, dropout, and a zero-initialised output layer.
+Time conditioning on or off: off feeds sigma = 0, a learned constant condition.
+
+The input is either token ids (an embedding) or, for the ADLM denoiser, a dense vector per
+position (``Linear(width -> hidden)`` of the anchor's logits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import attention
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale) + shift
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm computed in float32 (weight only, as in the DDiT), cast back to the input dtype."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            y = F.layer_norm(x.float(), [self.dim])
+        return (y * self.weight.float()).to(x.dtype) if x.dtype != torch.float32 else y * self.weight
+
+
+class Rotary(nn.Module):
+    """Rotary position embeddings, rotate-half convention, base 10000."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, length: int, offset: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (length, offset, str(device))
+        if key not in self._cache:
+            t = torch.arange(offset, offset + length, device=device, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq.to(device))
+            emb = torch.cat([freqs, freqs], dim=-1)
+            # (1, L, 1, D) broadcasts over batch and heads of (B, L, H, D)
+            if len(self._cache) > 64:
+                self._cache.clear()
+            self._cache[key] = (emb.cos()[None, :, None, :], emb.sin()[None, :, None, :])
+        return self._cache[key]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return (x * cos.to(x.dtype)) + (rotate_half(x) * sin.to(x.dtype))
+
+
+class TimestepEmbedder(nn.Module):
+    """Sinusoidal embedding of sigma followed by an MLP (DiT)."""
+
+    def __init__(self, cond_dim: int, freq_dim: int = 256) -> None:
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, cond_dim), nn.SiLU(), nn.Linear(cond_dim, cond_dim))
+
+    def forward(self, sigma: torch.Tensor, max_period: float = 10000.0) -> torch.Tensor:
+        half = self.freq_dim // 2
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=sigma.device, dtype=torch.float32) / half)
+        args = sigma.float()[:, None] * freqs[None]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        return self.mlp(emb)
+
+
+@dataclass
+class KVCache:
+    """Per-layer keys and values of a clean prefix (AR and BD3-LM sampling).
+
+    ``mode='read'`` attends to the cached prefix plus the current tokens without storing them;
+    ``mode='append'`` also appends the current tokens' keys/values.
+    """
+
+    k: list[torch.Tensor | None] = field(default_factory=list)
+    v: list[torch.Tensor | None] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return 0 if not self.k or self.k[0] is None else self.k[0].shape[1]
+
+    def ensure(self, n_layers: int) -> None:
+        if len(self.k) < n_layers:
+            self.k += [None] * (n_layers - len(self.k))
+            self.v += [None] * (n_layers - len(self.v))
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, hidden: int, heads: int, cond_dim: int, mlp_ratio: int = 4, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = LayerNorm(hidden)
+        self.attn_qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.attn_out = nn.Linear(hidden, hidden, bias=False)
+        self.norm2 = LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, mlp_ratio * hidden), nn.GELU(approximate="tanh"),
+                                 nn.Linear(mlp_ratio * hidden, hidden))
+        self.dropout = nn.Dropout(dropout)
+        self.adaLN_modulation = nn.Linear(cond_dim, 6 * hidden)
+        nn.init.zeros_(self.adaLN_modulation.weight)
+        nn.init.zeros_(self.adaLN_modulation.bias)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], *,
+                causal: bool = False, mask: torch.Tensor | None = None,
+                cache: KVCache | None = None, layer: int = 0, cache_mode: str = "read") -> torch.Tensor:
+        b, n, d = x.shape
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c)[:, None].chunk(6, dim=2)
+        h = modulate(self.norm1(x), shift_msa, scale_msa)
+        q, k, v = self.attn_qkv(h).view(b, n, 3, self.heads, d // self.heads).unbind(2)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            if cache.k[layer] is not None:
+                k = torch.cat([cache.k[layer], k], dim=1)
+                v = torch.cat([cache.v[layer], v], dim=1)
+            if cache_mode == "append":
+                cache.k[layer], cache.v[layer] = k, v
+        a = attention(q, k, v, causal=causal, mask=mask).reshape(b, n, d)
+        x = x + gate_msa * self.dropout(self.attn_out(a))
+        x = x + gate_mlp * self.dropout(self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp)))
+        return x
+
+
+class FinalLayer(nn.Module):
+    """adaLN-modulated LayerNorm then a zero-initialised Linear(hidden -> width)."""
+
+    def __init__(self, hidden: int, width: int, cond_dim: int) -> None:
+        super().__init__()
+        self.norm_final = LayerNorm(hidden)
+        self.linear = nn.Linear(hidden, width)
+        self.adaLN_modulation = nn.Linear(cond_dim, 2 * hidden)
+        for m in (self.linear, self.adaLN_modulation):
+            nn.init.zeros_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    def modulated(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """The final hidden state the output layer is affine in (used by the fused ADLM path)."""
+        shift, scale = self.adaLN_modulation(c)[:, None].chunk(2, dim=2)
+        return modulate(self.norm_final(x), shift, scale)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.modulated(x, c))
+
+
+class DiT(nn.Module):
+    """A stack of DiT blocks with an embedding (``input_mode='tokens'``) or a dense input layer.
+
+    ``forward(inp, sigma)`` -> logits (B, L, width). ``causal`` selects causal attention (AR);
+    ``mask`` an arbitrary boolean attention mask.
+    """
+
+    def __init__(self, *, width: int, hidden: int, heads: int, n_blocks: int, cond_dim: int,
+                 mlp_ratio: int = 4, dropout: float = 0.1, input_mode: str = "tokens",
+                 input_width: int | None = None, causal: bool = False) -> None:
+        super().__init__()
+        self.input_mode = input_mode
+        self.causal = causal
+        if input_mode == "tokens":
+            self.vocab_embed = nn.Embedding(width, hidden)
+            nn.init.kaiming_uniform_(self.vocab_embed.weight, a=math.sqrt(5))
+        elif input_mode == "dense":
+            self.dense_in = nn.Linear(input_width or width, hidden)
+        else:
+            raise ValueError(f"input_mode must be 'tokens' or 'dense', got {input_mode!r}")
+        self.sigma_map = TimestepEmbedder(cond_dim)
+        self.rotary = Rotary(hidden // heads)
+        self.blocks = nn.ModuleList(DiTBlock(hidden, heads, cond_dim, mlp_ratio, dropout) for _ in range(n_blocks))
+        self.output_layer = FinalLayer(hidden, width, cond_dim)
+
+    def embed(self, inp: torch.Tensor) -> torch.Tensor:
+        return self.vocab_embed(inp) if self.input_mode == "tokens" else self.dense_in(inp)
+
+    def trunk(self, x: torch.Tensor, sigma: torch.Tensor, *, mask: torch.Tensor | None = None,
+              cache: KVCache | None = None, cache_mode: str = "read", position_offset: int | None = None,
+              causal: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedded input -> (final modulated hidden state, conditioning vector)."""
+        c = F.silu(self.sigma_map(sigma))
+        if position_offset is None:
+            position_offset = cache.length if cache is not None else 0
+        rope = self.rotary(x.shape[1], position_offset, x.device)
+        if cache is not None:
+            cache.ensure(len(self.blocks))
+        causal = self.causal if causal is None else causal
+        for i, block in enumerate(self.blocks):
+            x = block(x, c, rope, causal=causal, mask=mask, cache=cache, layer=i, cache_mode=cache_mode)
+        return self.output_layer.modulated(x, c), c
+
+    def forward(self, inp: torch.Tensor, sigma: torch.Tensor, **kw) -> torch.Tensor:
+        h, _ = self.trunk(self.embed(inp), sigma, **kw)
+        return self.output_layer.linear(h)

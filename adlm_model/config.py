@@ -1,0 +1,144 @@
+"""Typed, validated configuration of the models (METHOD.md sections 1-3, 7).
+
+One dataclass describes every model kind (``mdlm``, ``adlm``, ``ar``, ``bd3lm``); the fields that
+only one kind uses say so in their docstring. Presets: ``tiny`` (CPU tests and the demo),
+``small`` (the paper's) and ``medium``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+MODEL_KINDS = ("mdlm", "adlm", "ar", "bd3lm")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the field and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """Architecture and objective of one model."""
+
+    kind: str = "adlm"
+    """Model kind: ``mdlm``, ``adlm`` (anchor + denoiser), ``ar`` (causal) or ``bd3lm`` (blocks)."""
+    vocab_size: int = 50257
+    """Tokenizer vocabulary size (GPT-2: 50257, bert-base-uncased: 30522)."""
+    mask_id: int = 50257
+    """Absorbing mask id. GPT-2 appends one (50257); BERT uses its own ``[MASK]`` = 103."""
+    seq_len: int = 1024
+    """Training sequence length L (rows of the shards)."""
+    hidden: int = 768
+    """Hidden size of every DiT block."""
+    heads: int = 12
+    """Attention heads."""
+    n_blocks: int = 12
+    """Blocks of the backbone; for ADLM, of the anchor network."""
+    denoiser_blocks: int = 6
+    """ADLM only: blocks of the denoiser (the paper uses ``n_blocks // 2``)."""
+    cond_dim: int = 128
+    """Width of the timestep (sigma) conditioning vector that drives adaLN."""
+    mlp_ratio: int = 4
+    """MLP hidden size as a multiple of ``hidden``."""
+    dropout: float = 0.1
+    """Dropout after attention and MLP (reference 0.1)."""
+    time_conditioning: bool = False
+    """Feed sigma(t) to adaLN. Off (the ADLM reference) feeds sigma = 0: a learned constant."""
+    gamma: float = 3e-3
+    """ADLM only: the anchor loss weight gamma (METHOD.md section 2)."""
+    tau: int = 5
+    """ADLM only: a token is an anchor when it occurs at most tau times in its own sequence."""
+    gamma_ramp_steps: int = 3000
+    """ADLM only: steps over which gamma_k ramps linearly from 0 to gamma (reference gamma/beta*K)."""
+    block_size: int = 4
+    """BD3-LM only: block size b (divides ``seq_len``)."""
+    noise_eps: float = 1e-3
+    """eps of the log-linear schedule alpha_t = 1 - (1 - eps) t."""
+    sampling_eps: float = 1e-3
+    """Lower bound of training/eval times: t = (1 - sampling_eps) u + sampling_eps."""
+    clip_low: float = 0.0
+    """BD3-LM clipped schedule: lower bound beta of the masking rate (0 = not clipped)."""
+    clip_high: float = 1.0
+    """BD3-LM clipped schedule: upper bound omega of the masking rate (1 = not clipped)."""
+
+    @property
+    def width(self) -> int:
+        """Output width: the vocabulary plus the mask id when it lies outside it."""
+        return max(self.vocab_size, self.mask_id + 1)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def validate(self) -> "ModelConfig":
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        need(self.kind in MODEL_KINDS, f"unknown model kind {self.kind!r}: use one of {', '.join(MODEL_KINDS)}")
+        need(self.vocab_size > 1, f"vocab_size must be > 1, got {self.vocab_size}")
+        need(0 <= self.mask_id <= self.vocab_size, f"mask_id {self.mask_id} must lie in [0, vocab_size={self.vocab_size}]")
+        need(self.seq_len >= 4, f"seq_len must be >= 4, got {self.seq_len}")
+        need(self.hidden > 0 and self.heads > 0, "hidden and heads must be positive")
+        need(self.hidden % self.heads == 0, f"hidden {self.hidden} must be divisible by heads {self.heads}")
+        need(self.head_dim % 2 == 0, f"head_dim {self.head_dim} must be even for rotary embeddings")
+        need(self.n_blocks >= 1, f"n_blocks must be >= 1, got {self.n_blocks}")
+        need(self.kind != "adlm" or self.denoiser_blocks >= 1, "ADLM needs denoiser_blocks >= 1")
+        need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
+        need(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
+        need(self.tau >= 0, f"tau must be >= 0, got {self.tau}")
+        need(self.gamma_ramp_steps >= 0, f"gamma_ramp_steps must be >= 0, got {self.gamma_ramp_steps}")
+        need(0 < self.noise_eps < 1, f"noise_eps must be in (0, 1), got {self.noise_eps}")
+        need(0 <= self.sampling_eps < 1, f"sampling_eps must be in [0, 1), got {self.sampling_eps}")
+        need(0 <= self.clip_low < self.clip_high <= 1, "need 0 <= clip_low < clip_high <= 1")
+        if self.kind == "bd3lm":
+            need(self.block_size >= 1 and self.seq_len % self.block_size == 0,
+                 f"block_size {self.block_size} must divide seq_len {self.seq_len}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        return cls(**check_keys(cls, d, "model")).validate()
+
+    def replace(self, **kw: Any) -> "ModelConfig":
+        check_keys(type(self), kw, "model")
+        return dataclasses.replace(self, **kw).validate()
+
+
+def check_keys(cls: type, d: dict[str, Any], where: str) -> dict[str, Any]:
+    """Reject unknown keys with a message listing the known ones."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown {where} config key(s) {', '.join(unknown)}; known keys: {', '.join(known)}")
+    return dict(d)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # CPU-sized: a few million parameters with an 8,192-entry vocabulary (ENVIRONMENT.md).
+    "tiny": dict(hidden=256, heads=4, n_blocks=4, denoiser_blocks=2, cond_dim=64,
+                 vocab_size=8192, mask_id=8192, seq_len=128),
+    # The paper's (METHOD.md section 2): 12 + 6 blocks of 768 with 12 heads, GPT-2 vocabulary.
+    "small": dict(hidden=768, heads=12, n_blocks=12, denoiser_blocks=6, cond_dim=128,
+                  vocab_size=50257, mask_id=50257, seq_len=1024),
+    "medium": dict(hidden=1024, heads=16, n_blocks=24, denoiser_blocks=12, cond_dim=128,
+                   vocab_size=50257, mask_id=50257, seq_len=1024),
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """A preset by name with overrides, validated."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}: use one of {', '.join(PRESETS)}")
+    d = {**PRESETS[name], **overrides}
+    return ModelConfig.from_dict(d)
+

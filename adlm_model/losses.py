@@ -1,0 +1,169 @@
+"""Objectives: SUBS, the MDLM NELBO, ADLM's ANELBO, and the AR NLL (METHOD.md sections 1-3).
+
+Every objective returns per-batch *sums* and token counts (``LossOutput``) besides the mean it
+backpropagates, so that perplexity pools exactly across batches and workers:
+``PPL = exp(sum of nll_sum / sum of n_tokens)``. Pad positions (attention mask 0) never count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .config import ModelConfig
+from .schedule import LogLinearSchedule, antithetic_times, mask_tokens
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    """What training backpropagates: total per-token loss summed, divided by n_tokens."""
+    nll_sum: torch.Tensor
+    """Sum over tokens of the (denoiser) NELBO or AR NLL, detached, float64."""
+    n_tokens: torch.Tensor
+    """Number of non-pad tokens the sum runs over."""
+    anchor_sum: torch.Tensor | None = None
+    """ADLM: sum over tokens of w(t) a^l (-log softmax(y_phi)^l[x^l]), detached (before gamma_k)."""
+    n_anchor: torch.Tensor | None = None
+    """ADLM: number of anchor tokens (a^l = 1) in the batch."""
+    gamma_k: float | None = None
+    """ADLM: anchor weight at this step."""
+
+
+def conditioning_sigma(cfg: ModelConfig, schedule: LogLinearSchedule, t: torch.Tensor) -> torch.Tensor:
+    """sigma(t) with time conditioning on; zeros (a learned constant condition) with it off."""
+    return schedule.sigma(t) if cfg.time_conditioning else torch.zeros_like(t)
+
+
+def suppress_mask(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """float32 logits with the mask column at -inf (SUBS "zero masking probability")."""
+    lf = logits.float()
+    return lf.index_fill(-1, torch.tensor([mask_id], device=lf.device), float("-inf"))
+
+
+def subs_log_probs(logits: torch.Tensor, z_t: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """The full SUBS distribution log p_theta(. | z_t), float32 (METHOD.md section 1).
+
+    Mask column -inf, log-softmax, and at every unmasked position a one-hot on z_t
+    ("carry-over unmasking").
+    """
+    logp = torch.log_softmax(suppress_mask(logits, mask_id), dim=-1)
+    unmasked = z_t != mask_id
+    if unmasked.any():
+        carry = torch.full_like(logp, float("-inf")).scatter_(-1, z_t[..., None], 0.0)
+        logp = torch.where(unmasked[..., None], carry, logp)
+    return logp
+
+
+def subs_nll(logits: torch.Tensor, x: torch.Tensor, z_t: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """-log p_theta(x^l | z_t) under SUBS, per token (B, L): 0 wherever z_t^l is not the mask."""
+    lf = suppress_mask(logits, mask_id)
+    nll = torch.logsumexp(lf, dim=-1) - lf.gather(-1, x[..., None]).squeeze(-1)
+    return torch.where(z_t == mask_id, nll, torch.zeros_like(nll))
+
+
+def anchor_mask(x: torch.Tensor, attention_mask: torch.Tensor | None, tau: int, width: int) -> torch.Tensor:
+    """a^l = 1 when token x^l occurs at most tau times in its own clean sequence (METHOD.md sec. 2).
+
+    Counts run over the non-pad positions (BOS/EOS included); pads are never anchors. Vectorised
+    with a per-row scatter-add, no Python loop.
+    """
+    valid = torch.ones_like(x, dtype=torch.int32) if attention_mask is None else attention_mask.to(torch.int32)
+    counts = torch.zeros(x.shape[0], width, dtype=torch.int32, device=x.device).scatter_add_(1, x, valid)
+    return (counts.gather(1, x) <= tau) & valid.bool()
+
+
+def gamma_at(step: int, gamma: float, ramp_steps: int) -> float:
+    """gamma_k = min(gamma, beta k / K) with beta/K = gamma / ramp_steps: a linear ramp."""
+    if ramp_steps <= 0:
+        return gamma
+    return gamma * min(1.0, step / ramp_steps)
+
+
+def _valid(x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    return torch.ones_like(x, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+
+
+def _noise(cfg: ModelConfig, schedule: LogLinearSchedule, x: torch.Tensor, t: torch.Tensor | None,
+           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if t is None:
+        t = antithetic_times(x.shape[0], generator, cfg.sampling_eps, device=x.device)
+    z_t, _ = mask_tokens(x, schedule.move_chance(t)[:, None], cfg.mask_id, generator)
+    return t, z_t, conditioning_sigma(cfg, schedule, t)
+
+
+def mdlm_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig,
+                   *, t: torch.Tensor | None = None, z_t: torch.Tensor | None = None,
+                   generator: torch.Generator | None = None,
+                   schedule: LogLinearSchedule | None = None) -> LossOutput:
+    """Continuous-time NELBO: E_t[w(t) sum_l 1{z_t^l = m} (-log p(x^l | z_t))], w(t) = 1/t."""
+    schedule = schedule or LogLinearSchedule(cfg.noise_eps)
+    if z_t is None:
+        t, z_t, sigma = _noise(cfg, schedule, x, t, generator)
+    else:
+        sigma = conditioning_sigma(cfg, schedule, t)
+    valid = _valid(x, attention_mask)
+    per_token = schedule.loss_weight(t)[:, None] * subs_nll(model.denoiser_logits(z_t, sigma), x, z_t, cfg.mask_id)
+    per_token = per_token * valid
+    n = valid.sum()
+    total = per_token.sum()
+    return LossOutput(loss=total / n.clamp(min=1), nll_sum=total.detach().double(), n_tokens=n)
+
+
+def adlm_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig,
+                   *, step: int = 0, t: torch.Tensor | None = None, z_t: torch.Tensor | None = None,
+                   generator: torch.Generator | None = None,
+                   schedule: LogLinearSchedule | None = None) -> LossOutput:
+    """ANELBO (METHOD.md section 2), per token l:
+
+    w(t) [1{z_t^l = m} (-log p_psi(x^l | y_phi(z_t))) - gamma_k a^l log softmax(y_phi(z_t))^l[x^l]]
+    """
+    schedule = schedule or LogLinearSchedule(cfg.noise_eps)
+    if z_t is None:
+        t, z_t, sigma = _noise(cfg, schedule, x, t, generator)
+    else:
+        sigma = conditioning_sigma(cfg, schedule, t)
+    valid = _valid(x, attention_mask)
+    w = schedule.loss_weight(t)[:, None]
+    anchor_logits, denoiser_logits = model(z_t, sigma)
+    nelbo = w * subs_nll(denoiser_logits, x, z_t, cfg.mask_id) * valid
+    # The anchor term: plain log-softmax of the anchor logits, all positions, no SUBS.
+    a = anchor_mask(x, attention_mask, cfg.tau, cfg.width)
+    anchor_nll = torch.logsumexp(anchor_logits.float(), -1) - anchor_logits.float().gather(-1, x[..., None]).squeeze(-1)
+    anchor_term = w * anchor_nll * a
+    g = gamma_at(step, cfg.gamma, cfg.gamma_ramp_steps)
+    n = valid.sum()
+    total = nelbo.sum() + g * anchor_term.sum()
+    return LossOutput(loss=total / n.clamp(min=1), nll_sum=nelbo.sum().detach().double(), n_tokens=n,
+                      anchor_sum=anchor_term.sum().detach().double(), n_anchor=a.sum(), gamma_k=g)
+
+
+def ar_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None,
+                 cfg: ModelConfig, **_: object) -> LossOutput:
+    """Next-token NLL with causal attention; token l+1 is predicted from tokens <= l."""
+    logits = suppress_mask(model(x), cfg.mask_id)[:, :-1]
+    target = x[:, 1:]
+    valid = _valid(x, attention_mask)[:, 1:]
+    nll = (torch.logsumexp(logits, -1) - logits.gather(-1, target[..., None]).squeeze(-1)) * valid
+    n = valid.sum()
+    total = nll.sum()
+    return LossOutput(loss=total / n.clamp(min=1), nll_sum=total.detach().double(), n_tokens=n)
+
+
+def compute_loss(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig, *,
+                 step: int = 0, train: bool = True, generator: torch.Generator | None = None,
+                 t: torch.Tensor | None = None) -> LossOutput:
+    """The training loss (train=True) or the evaluation bound (train=False) for ``cfg.kind``.
+
+    Evaluation of ADLM reports the pure denoiser NELBO (the anchor term is training-only).
+    """
+    if cfg.kind == "ar":
+        return ar_objective(model, x, attention_mask, cfg)
+    if cfg.kind == "adlm" and train:
+        return adlm_objective(model, x, attention_mask, cfg, step=step, t=t, generator=generator)
+    if cfg.kind == "bd3lm":
+        from .bd3lm import bd3lm_objective  # noqa: PLC0415 - optional module, built on this one
+        return bd3lm_objective(model, x, attention_mask, cfg, t=t, generator=generator)
+    return mdlm_objective(model, x, attention_mask, cfg, t=t, generator=generator)

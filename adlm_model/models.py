@@ -1,0 +1,104 @@
+"""The model kinds on the DiT backbone (METHOD.md sections 1-3).
+
+- ``MDLM``: one bidirectional DiT on token ids; its logits go through SUBS.
+- ``ADLM``: an anchor DiT (``n_blocks``) on token ids whose raw logits feed, through a dense
+  ``Linear(width -> hidden)``, a denoiser DiT (``denoiser_blocks``) whose logits go through SUBS.
+  Trained jointly end to end. For inference the anchor output layer and the denoiser input layer
+  collapse into one ``hidden x hidden`` affine map (``fused=True``): exact, and it removes two
+  vocabulary-sized matmuls per token.
+- ``AR``: the same backbone with causal attention and a next-token loss.
+
+Every diffusion model exposes ``denoiser_logits(z_t, sigma)``, the logits before SUBS.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .backbone import DiT
+from .config import ModelConfig
+
+
+def _dit(cfg: ModelConfig, n_blocks: int, **kw) -> DiT:
+    return DiT(width=cfg.width, hidden=cfg.hidden, heads=cfg.heads, n_blocks=n_blocks, cond_dim=cfg.cond_dim,
+               mlp_ratio=cfg.mlp_ratio, dropout=cfg.dropout, **kw)
+
+
+class MDLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = _dit(cfg, cfg.n_blocks)
+
+    def denoiser_logits(self, z_t: torch.Tensor, sigma: torch.Tensor, **kw) -> torch.Tensor:
+        return self.backbone(z_t, sigma, **kw)
+
+    forward = denoiser_logits
+
+
+class ADLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.anchor = _dit(cfg, cfg.n_blocks)
+        self.denoiser = _dit(cfg, cfg.denoiser_blocks, input_mode="dense", input_width=cfg.width)
+        self._fused: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, z_t: torch.Tensor, sigma: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training path: (anchor logits y_phi(z_t), denoiser logits x_psi(y_phi(z_t)))."""
+        anchor_logits = self.anchor(z_t, sigma, **kw)
+        return anchor_logits, self.denoiser(anchor_logits, sigma, **kw)
+
+    def fused_projection(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_f = W_in W_out (hidden x hidden) and b_f = W_in b_out + b_in, computed once per weights.
+
+        (h W_out^T + b_out) W_in^T + b_in = h (W_in W_out)^T + (W_in b_out + b_in).
+        """
+        out, inp = self.anchor.output_layer.linear, self.denoiser.dense_in
+        tensors = (out.weight, out.bias, inp.weight, inp.bias)
+        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in tensors)
+        if self._fused is None or self._fused[0] != key:
+            with torch.no_grad():
+                w = (inp.weight.double() @ out.weight.double()).to(out.weight.dtype)
+                b = (inp.weight.double() @ out.bias.double() + inp.bias.double()).to(out.bias.dtype)
+            self._fused = (key, w, b)
+        return self._fused[1], self._fused[2]
+
+    def denoiser_logits(self, z_t: torch.Tensor, sigma: torch.Tensor, fused: bool | None = None, **kw) -> torch.Tensor:
+        """Denoiser logits; ``fused`` (default: when not training) skips the anchor logits."""
+        if fused is None:
+            fused = not (self.training and torch.is_grad_enabled())
+        if not fused:
+            return self.forward(z_t, sigma, **kw)[1]
+        w, b = self.fused_projection()
+        h, _ = self.anchor.trunk(self.anchor.embed(z_t), sigma, **kw)
+        x = torch.nn.functional.linear(h, w, b)
+        hd, _ = self.denoiser.trunk(x, sigma, **kw)
+        return self.denoiser.output_layer.linear(hd)
+
+
+class AR(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = _dit(cfg, cfg.n_blocks, causal=True)
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor | None = None, **kw) -> torch.Tensor:
+        if sigma is None:
+            sigma = torch.zeros(x.shape[0], device=x.device)
+        return self.backbone(x, sigma, **kw)
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """The network for ``cfg.kind``; BD3-LM uses the MDLM network with block attention masks."""
+    cfg.validate()
+    if cfg.kind == "adlm":
+        return ADLM(cfg)
+    if cfg.kind == "ar":
+        return AR(cfg)
+    return MDLM(cfg)  # mdlm and bd3lm share the network; bd3lm differs in masks and objective
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

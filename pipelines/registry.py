@@ -1,0 +1,88 @@
+"""The MLflow model registry as the pipeline uses it.
+
+Contract shared by training, tuning and evaluation:
+
+- A checkpoint directory (``adlm_model.checkpoint`` layout: ``config.json``, ``model.safetensors``,
+  ``ema.safetensors``) is logged as the run artifact folder ``checkpoint`` and registered with
+  ``create_model_version(name, source=<artifact URI of that folder>, run_id=...)``.
+- Versions carry tags (``kind``, ``gamma``, ``tau``, ``data_manifest_hash``, ``val_ppl``,
+  ``checkpoint_uri``, ...) and aliases (``candidate``, ``champion``); stages are never used.
+- ``resolve_model(uri)`` accepts ``models:/name@alias``, ``models:/name/3`` or a local checkpoint
+  directory and returns a local directory to ``load_checkpoint`` from.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL_NAME = "adlm"
+CHECKPOINT_ARTIFACT = "checkpoint"
+
+
+class RegistryError(ValueError):
+    """A model URI, alias or version that the registry does not have."""
+
+
+def _client(tracking_uri: str | None):
+    import mlflow  # noqa: PLC0415
+
+    return mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+
+def register_checkpoint(run_id: str, name: str, tags: dict[str, Any], *, tracking_uri: str | None = None,
+                        aliases: tuple[str, ...] = ("candidate",), artifact_path: str = CHECKPOINT_ARTIFACT):
+    """Register the run's logged checkpoint folder as a new version with tags and aliases."""
+    client = _client(tracking_uri)
+    try:
+        client.get_registered_model(name)
+    except Exception:  # noqa: BLE001 - RESOURCE_DOES_NOT_EXIST
+        try:
+            client.create_registered_model(name, description="ADLM pipeline checkpoints (safetensors + JSON config)")
+        except Exception:  # noqa: BLE001 - created concurrently
+            pass
+    source = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/" + artifact_path
+    mv = client.create_model_version(name, source=source, run_id=run_id,
+                                     tags={k: str(v) for k, v in {**tags, "checkpoint_uri": source}.items()})
+    for alias in aliases:
+        client.set_registered_model_alias(name, alias, mv.version)
+    return mv
+
+
+def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
+    """``models:/name@alias`` -> (name, None, alias); ``models:/name/3`` -> (name, "3", None)."""
+    m = re.fullmatch(r"models:/([^/@]+)(?:@([\w\-.]+)|/(\d+))", uri)
+    if not m:
+        raise RegistryError(f"bad model URI {uri!r}: use models:/NAME@ALIAS, models:/NAME/VERSION or a checkpoint dir")
+    return m.group(1), m.group(3), m.group(2)
+
+
+def get_version(uri: str, tracking_uri: str | None = None):
+    """The ModelVersion a ``models:/`` URI names, or a one-line RegistryError."""
+    name, version, alias = parse_model_uri(uri)
+    client = _client(tracking_uri)
+    try:
+        if alias is not None:
+            return client.get_model_version_by_alias(name, alias)
+        return client.get_model_version(name, version)
+    except Exception as e:  # noqa: BLE001 - MlflowException of any code
+        what = f"alias {alias!r}" if alias else f"version {version}"
+        raise RegistryError(f"registered model {name!r} has no {what} in {tracking_uri or 'the tracking store'}: "
+                            f"list versions with `mlflow models` or the UI, or pass a checkpoint directory") from e
+
+
+def resolve_model(uri: str, tracking_uri: str | None = None, dst: str | os.PathLike | None = None) -> Path:
+    """A local checkpoint directory for a registry URI or a path."""
+    if not uri.startswith("models:/"):
+        p = Path(uri).expanduser()
+        if not (p / "config.json").is_file():
+            raise RegistryError(f"{uri} is neither a models:/ URI nor a checkpoint directory with config.json")
+        return p
+    mv = get_version(uri, tracking_uri)
+    import mlflow  # noqa: PLC0415
+
+    local = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst) if dst else None,
+                                                tracking_uri=tracking_uri)
+    return Path(local)

@@ -1,0 +1,65 @@
+"""Shared test setup: offline environment, every cache in the session's temp folder, one local Ray."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+os.environ.update(_ENV)
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+os.environ.pop("ADLM_WORKDIR", None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_caches(tmp_path_factory: pytest.TempPathFactory) -> None:
+    base = tmp_path_factory.mktemp("caches")
+    os.environ["HF_HOME"] = str(base / "hf")
+    os.environ["HF_DATASETS_CACHE"] = str(base / "hf" / "datasets")
+    os.environ["MPLCONFIGDIR"] = str(base / "mpl")
+    os.environ["ADLM_CACHE"] = str(base / "adlm")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray runtime (2 CPUs, dashboard on a free loopback port) for the whole test session."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1",
+                 dashboard_port=free_port(), log_to_driver=False, configure_logging=False,
+                 runtime_env={"env_vars": dict(_ENV)})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture()
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh work directory with its own sqlite MLflow store."""
+    d = tmp_path / "work"
+    d.mkdir()
+    monkeypatch.setenv("ADLM_WORKDIR", str(d))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{d / 'mlflow.db'}")
+    return d
