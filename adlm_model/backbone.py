@@ -59,6 +59,12 @@ class Rotary(nn.Module):
             self._cache[key] = (emb.cos()[None, :, None, :], emb.sin()[None, :, None, :])
         return self._cache[key]
 
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin at explicit positions (1-D); BD3-LM training gives x_t and x_0 the same positions."""
+        freqs = torch.outer(positions.to(torch.float32), self.inv_freq.to(positions.device))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -104,6 +110,15 @@ class KVCache:
         if len(self.k) < n_layers:
             self.k += [None] * (n_layers - len(self.k))
             self.v += [None] * (n_layers - len(self.v))
+
+    def keep_last(self, n: int) -> None:
+        """Drop all but the last ``n`` cached positions (a sliding window for generation beyond the
+        training length). Rotary keys carry absolute positions and attention scores depend only on
+        relative ones, so callers keep passing absolute ``position_offset`` values."""
+        if self.length <= n:
+            return
+        self.k = [None if k is None else k[:, k.shape[1] - n:] for k in self.k]
+        self.v = [None if v is None else v[:, v.shape[1] - n:] for v in self.v]
 
 
 class DiTBlock(nn.Module):
@@ -193,12 +208,20 @@ class DiT(nn.Module):
 
     def trunk(self, x: torch.Tensor, sigma: torch.Tensor, *, mask: torch.Tensor | None = None,
               cache: KVCache | None = None, cache_mode: str = "read", position_offset: int | None = None,
-              causal: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Embedded input -> (final modulated hidden state, conditioning vector)."""
+              causal: bool | None = None, position_ids: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedded input -> (final modulated hidden state, conditioning vector).
+
+        Rotary positions: ``position_ids`` (1-D, one per input position) when given, else
+        ``position_offset + arange(L)`` with the offset defaulting to the cache length.
+        """
         c = F.silu(self.sigma_map(sigma))
-        if position_offset is None:
-            position_offset = cache.length if cache is not None else 0
-        rope = self.rotary(x.shape[1], position_offset, x.device)
+        if position_ids is not None:
+            rope = self.rotary.at(position_ids)
+        else:
+            if position_offset is None:
+                position_offset = cache.length if cache is not None else 0
+            rope = self.rotary(x.shape[1], position_offset, x.device)
         if cache is not None:
             cache.ensure(len(self.blocks))
         causal = self.causal if causal is None else causal

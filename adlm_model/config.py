@@ -73,7 +73,7 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ConfigError(msg)
@@ -106,10 +106,10 @@ class ModelConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         return cls(**check_keys(cls, d, "model")).validate()
 
-    def replace(self, **kw: Any) -> "ModelConfig":
+    def replace(self, **kw: Any) -> ModelConfig:
         check_keys(type(self), kw, "model")
         return dataclasses.replace(self, **kw).validate()
 

@@ -165,5 +165,5 @@ def compute_loss(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor
         return adlm_objective(model, x, attention_mask, cfg, step=step, t=t, generator=generator)
     if cfg.kind == "bd3lm":
         from .bd3lm import bd3lm_objective  # noqa: PLC0415 - optional module, built on this one
-        return bd3lm_objective(model, x, attention_mask, cfg, t=t, generator=generator)
+        return bd3lm_objective(model, x, attention_mask, cfg, t=t, generator=generator, train=train)
     return mdlm_objective(model, x, attention_mask, cfg, t=t, generator=generator)

@@ -1,0 +1,467 @@
+"""Samplers: MDLM ancestral (with caching), ReMDM-loop, ADLM's anchored sampler, AR, BD3-LM.
+
+Everything follows METHOD.md section 4:
+
+- start from the all-mask sequence (prefix positions excepted), run ``T`` steps on
+  ``t = linspace(1, 1e-5, T + 1)``, ``dt = (1 - 1e-5) / T``, ``move_chance = t``;
+- categoricals are drawn with float64 Gumbel noise (``argmax p / E``, ``E = -log u``), always from
+  the ``torch.Generator`` the caller passes, never the global RNG;
+- nucleus filtering (top-``p``, the reference rule: keep tokens while the sorted cumulative mass
+  is ``<= p``, always the first) applies to ``p_x0`` at every position it is drawn from;
+- one final greedy step fills any mask left (no nucleus there).
+
+ADLM (the paper's Algorithm 1) is the same sampler run on the composed network ``psi(phi(z_t))``
+through ``model.denoiser_logits(..., fused=True)``: the anchor logits are never materialised.
+
+**How a step is drawn.** Every transition of section 4 has the same shape at each position: a
+masked position stays masked with probability ``p_stay`` and otherwise takes a token from
+``p_x0``; an unmasked position is remasked with probability ``p_remask`` (0 except in ReMDM's
+loop phase) and otherwise keeps its token (SUBS carry-over). ``transition_probs`` writes that
+distribution out in full (the tests compare it with the formulas); ``diffusion_step`` samples it
+in two stages: one float64 uniform per position decides "mask or not", then a float64 Gumbel
+categorical over the vocabulary is drawn only at the positions that unmask. The law is exactly
+the same as one categorical over ``vocabulary + mask``; the point is cost: a step that changes
+nothing costs ``B x L`` uniforms instead of ``B x L x V`` Gumbel draws.
+
+**Caching** (MDLM's ``ddpm_cache``, per row): with time conditioning off, ``p_x0`` depends only
+on the tokens, so a row whose tokens did not change since its ``p_x0`` was computed reuses it
+without calling the network. The cached and the uncached paths run the same code and draw the
+same random numbers in the same order (the draws do not depend on whether the network ran), so
+they give identical tokens for the same seed.
+
+**Prefix conditioning** (``prefix=``), for every sampler:
+
+- a LongTensor ``(P,)`` or ``(B, P)`` with ``P <= length``: the leading ``P`` tokens are given;
+- a pair ``(tokens, keep)``: ``tokens`` LongTensor ``(B or 1, length)``, ``keep`` bool of the same
+  shape; positions with ``keep`` are given (anywhere: infilling for the diffusion samplers, forced
+  tokens for AR). Given tokens are never changed and never remasked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .config import ModelConfig
+from .losses import conditioning_sigma, suppress_mask
+from .schedule import LogLinearSchedule
+
+SAMPLERS = ("mdlm", "remdm-loop", "ar", "bd3lm")
+T_MIN = 1e-5
+"""Last time of the sampling grid: ``linspace(1, T_MIN, T + 1)`` (METHOD.md section 4)."""
+
+Progress = Callable[[int, int], None]
+
+
+class SamplerError(ValueError):
+    """Bad sampler arguments; the message names the argument and the fix."""
+
+
+@dataclass(frozen=True)
+class ReMDMLoop:
+    """ReMDM-loop schedule (METHOD.md section 4); reference values eta 0.02, t_on 0.55, t_off 0.05,
+    alpha_on 0.9."""
+
+    eta: float = 0.02
+    """Remasking probability of an unmasked token in the loop phase (sigma = eta)."""
+    t_on: float = 0.55
+    """Above t_on: MDLM steps that bring alpha from 0 to alpha_on."""
+    t_off: float = 0.05
+    """At or below t_off: MDLM steps that bring alpha from alpha_on to 1."""
+    alpha_on: float = 0.9
+    """alpha held during the loop phase t_off < t <= t_on."""
+
+    def validate(self) -> ReMDMLoop:
+        if not 0.0 < self.t_off < self.t_on < 1.0:
+            raise SamplerError(f"ReMDM-loop needs 0 < t_off < t_on < 1, got t_off={self.t_off}, t_on={self.t_on}")
+        if not 0.0 < self.alpha_on < 1.0:
+            raise SamplerError(f"ReMDM-loop needs 0 < alpha_on < 1, got {self.alpha_on}")
+        if not 0.0 <= self.eta <= 1.0 or 1 - self.alpha_on - self.alpha_on * self.eta < 0:
+            raise SamplerError(f"ReMDM-loop eta={self.eta} must satisfy 0 <= eta <= (1 - alpha_on) / alpha_on")
+        return self
+
+
+# --------------------------------------------------------------------------------------------
+# Primitive draws
+
+
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of (possibly unnormalised) ``probs`` (..., V) with float64 Gumbel noise.
+
+    ``argmax_v p_v / E_v`` with ``E_v = 1e-10 - log(u_v + 1e-10)`` ~ Exp(1) (the reference's
+    form) picks ``v`` with probability ``p_v / sum p``. float64 noise: float32 truncates the
+    exponential's tail and measurably lowers the diversity of samples.
+    """
+    u = torch.rand(probs.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    return (probs.double() / (1e-10 - torch.log(u + 1e-10))).argmax(dim=-1)
+
+
+def nucleus(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """Top-p filtering of probabilities along the last dim, renormalised (reference rule: keep the
+    sorted tokens whose cumulative mass is <= p, and always the most likely one)."""
+    if p >= 1.0:
+        return probs
+    sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+    keep = torch.cumsum(sorted_p, dim=-1) <= p
+    keep[..., 0] = True
+    sorted_p = sorted_p * keep
+    sorted_p = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+
+
+# --------------------------------------------------------------------------------------------
+# Transitions of METHOD.md section 4
+
+
+def mask_probabilities(sampler: str, t: float, s: float, remdm: ReMDMLoop | None = None) -> tuple[float, float]:
+    """``(p_stay, p_remask)`` of one step from ``t`` to ``s = t - dt``.
+
+    - MDLM: ``q = p_x0 (t - s)``, mass ``s`` on the mask, normalised by ``t``: ``p_stay = s / t``.
+    - ReMDM-loop, ``t > t_on``: the same with ``move_chance(t) = 1 - (1 - t) alpha_on / (1 - t_on)``.
+    - ReMDM-loop, ``t <= t_off``: the same with ``move_chance(t) = t (1 - alpha_on) / t_off``.
+    - ReMDM-loop otherwise: an unmasked token is remasked with ``eta``; a masked one stays masked
+      with ``(1 - alpha_on - alpha_on eta) / (1 - alpha_on)``.
+    """
+    if sampler == "mdlm":
+        return max(s, 0.0) / t, 0.0
+    if sampler != "remdm-loop":
+        raise SamplerError(f"no diffusion transition for sampler {sampler!r}")
+    r = remdm or ReMDMLoop()
+    a = r.alpha_on
+    if t > r.t_on:
+        mt = 1 - (1 - t) * a / (1 - r.t_on)
+        ms = 1 - (1 - s) * a / (1 - r.t_on)
+        return max(ms, 0.0) / mt, 0.0
+    if t <= r.t_off:
+        mt = t * (1 - a) / r.t_off
+        ms = s * (1 - a) / r.t_off
+        return max(ms, 0.0) / mt, 0.0
+    return (1 - a - a * r.eta) / (1 - a), r.eta
+
+
+def remdm_phase(t: float, remdm: ReMDMLoop) -> str:
+    """``'on'`` (t > t_on), ``'loop'`` or ``'off'`` (t <= t_off)."""
+    return "on" if t > remdm.t_on else ("off" if t <= remdm.t_off else "loop")
+
+
+def transition_probs(p_x0: torch.Tensor, x: torch.Tensor, mask_id: int, p_stay: float, p_remask: float,
+                     keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The full transition distribution ``q(z_s | z_t)`` (B, L, W), float64, that
+    ``diffusion_step`` samples: masked positions ``(1 - p_stay) p_x0 + p_stay e_m``; unmasked
+    positions ``(1 - p_remask) e_x + p_remask e_m`` (given prefix positions: ``e_x``)."""
+    p = p_x0.double()
+    e_m = torch.zeros_like(p)
+    e_m[..., mask_id] = 1.0
+    e_x = torch.zeros_like(p).scatter_(-1, x[..., None], 1.0)
+    is_mask = (x == mask_id)[..., None]
+    remask = torch.full_like(x, p_remask, dtype=torch.float64)
+    if keep is not None:
+        remask = remask.masked_fill(keep, 0.0)
+    remask = remask[..., None]
+    q_masked = (1 - p_stay) * p + p_stay * e_m
+    q_unmasked = (1 - remask) * e_x + remask * e_m
+    return torch.where(is_mask, q_masked, q_unmasked)
+
+
+def diffusion_step(x: torch.Tensor, p_x0: torch.Tensor | None, keep: torch.Tensor, mask_id: int, p_stay: float,
+                   p_remask: float, generator: torch.Generator) -> torch.Tensor:
+    """Draw ``z_s ~ transition_probs(p_x0, x, ...)`` in two stages (see the module docstring).
+
+    Random numbers drawn: ``B x L`` float64 uniforms, then ``n x W`` float64 Gumbel uniforms for
+    the ``n`` positions that unmask. ``p_x0`` need only be valid at masked positions.
+    """
+    u = torch.rand(x.shape, generator=generator, dtype=torch.float64, device=x.device)
+    is_mask = x == mask_id
+    unmask = is_mask & (u >= p_stay)
+    x_new = x.clone()
+    if p_remask > 0:
+        x_new[~is_mask & ~keep & (u < p_remask)] = mask_id
+    idx = unmask.nonzero(as_tuple=True)
+    if idx[0].numel():
+        x_new[idx] = sample_categorical(p_x0[idx], generator)
+    return x_new
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers shared with bd3lm.py
+
+
+def resolve_prefix(prefix: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None, batch_size: int, length: int,
+                   cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prefix`` (see the module docstring) -> ``(tokens (B, length) long, keep (B, length) bool)``."""
+    tokens = torch.full((batch_size, length), cfg.mask_id, dtype=torch.long, device=device)
+    keep = torch.zeros((batch_size, length), dtype=torch.bool, device=device)
+    if prefix is None:
+        return tokens, keep
+    if isinstance(prefix, tuple | list):
+        if len(prefix) != 2:
+            raise SamplerError("prefix as a pair must be (tokens (B, length), keep (B, length) bool)")
+        tok, kp = (torch.as_tensor(p, device=device) for p in prefix)
+        if tok.dim() == 1:
+            tok = tok[None]
+        if kp.dim() == 1:
+            kp = kp[None]
+        if tok.shape[-1] != length or kp.shape[-1] != length or tok.shape[0] not in (1, batch_size) \
+                or kp.shape[0] not in (1, batch_size):
+            raise SamplerError(f"prefix tokens/keep must have shape ({batch_size} or 1, {length}), "
+                               f"got {tuple(tok.shape)} and {tuple(kp.shape)}")
+        tok, kp = tok.long().expand(batch_size, length), kp.bool().expand(batch_size, length)
+    else:
+        tok = torch.as_tensor(prefix, device=device).long()
+        if tok.dim() == 1:
+            tok = tok[None]
+        if tok.dim() != 2 or tok.shape[0] not in (1, batch_size) or tok.shape[1] > length:
+            raise SamplerError(f"prefix must be a LongTensor (P,) or ({batch_size}, P) with P <= length={length}, "
+                               f"got shape {tuple(tok.shape)}")
+        p = tok.shape[1]
+        tok = torch.cat([tok.expand(batch_size, p), tokens[:, p:]], dim=1)
+        kp = torch.zeros_like(keep)
+        kp[:, :p] = True
+    given = tok[kp]
+    if given.numel() and (given.min() < 0 or given.max() >= cfg.width or (given == cfg.mask_id).any()):
+        raise SamplerError(f"prefix tokens must be ids in [0, {cfg.width}) other than the mask id {cfg.mask_id}")
+    tokens = torch.where(kp, tok, tokens)
+    return tokens, kp.clone()
+
+
+def denoiser_fn(model: nn.Module) -> Callable[..., torch.Tensor]:
+    """The logits-before-SUBS callable of a diffusion model; ADLM through the fused projection."""
+    if not hasattr(model, "denoiser_logits"):
+        raise SamplerError(f"{type(model).__name__} has no denoiser_logits: use sampler='ar' for AR models")
+    if hasattr(model, "fused_projection"):
+        return lambda z, sigma, **kw: model.denoiser_logits(z, sigma, fused=True, **kw)
+    return model.denoiser_logits
+
+
+def subs_probs(logits: torch.Tensor, z: torch.Tensor, mask_id: int, nucleus_p: float) -> torch.Tensor:
+    """SUBS ``p_x0`` as float32 probabilities; nucleus applied at the masked positions (unmasked
+    positions carry over their token, so nothing is ever drawn there)."""
+    probs = torch.softmax(suppress_mask(logits, mask_id), dim=-1)
+    if nucleus_p < 1.0:
+        m = z == mask_id
+        if m.any():
+            probs[m] = nucleus(probs[m], nucleus_p)
+    return probs
+
+
+def _sigma(cfg: ModelConfig, t: float, n: int, device: torch.device) -> torch.Tensor:
+    return conditioning_sigma(cfg, LogLinearSchedule(cfg.noise_eps), torch.full((n,), t, device=device))
+
+
+class _RowCache:
+    """``p_x0`` per batch row with a validity flag; ``use=False`` recomputes every row every time."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, float, torch.Tensor | None], torch.Tensor], batch: int,
+                 use: bool, device: torch.device) -> None:
+        self.fn, self.use = fn, use
+        self.p: torch.Tensor | None = None
+        self.valid = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.calls = 0  # network calls (rows x calls would also be a fair count; calls is what MDLM reports)
+
+    def get(self, x: torch.Tensor, t: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """p_x0 for all rows, recomputing the invalid rows (restricted to ``rows`` when given)."""
+        need = ~self.valid if self.use else torch.ones_like(self.valid)
+        if rows is not None:
+            need = need & rows
+        if self.p is None or bool(need.all()):
+            self.p = self.fn(x, t, None)
+            self.calls += 1
+        elif bool(need.any()):
+            ix = need.nonzero(as_tuple=True)[0]
+            self.p[ix] = self.fn(x[ix], t, ix)
+            self.calls += 1
+        self.valid |= need
+        return self.p
+
+    def invalidate(self, changed: torch.Tensor) -> None:
+        self.valid &= ~changed
+
+
+# --------------------------------------------------------------------------------------------
+# Diffusion samplers (MDLM, ReMDM-loop; ADLM through denoiser_fn)
+
+
+def _check_common(cfg: ModelConfig, batch_size: int, length: int, steps: int, nucleus_p: float,
+                  generator: torch.Generator | None) -> None:
+    if batch_size < 1:
+        raise SamplerError(f"batch_size must be >= 1, got {batch_size}")
+    if length < 1:
+        raise SamplerError(f"length must be >= 1, got {length}")
+    if steps < 1:
+        raise SamplerError(f"steps must be >= 1, got {steps}")
+    if not 0.0 < nucleus_p <= 1.0:
+        raise SamplerError(f"nucleus_p must be in (0, 1], got {nucleus_p}")
+    if not isinstance(generator, torch.Generator):
+        raise SamplerError("pass generator=torch.Generator(device).manual_seed(seed): samplers never use global RNG")
+
+
+def diffusion_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *, steps: int,
+                     sampler: str, nucleus_p: float, generator: torch.Generator, progress: Progress | None,
+                     cache: bool, remdm: ReMDMLoop | None = None, stats: dict | None = None) -> torch.Tensor:
+    """MDLM ancestral or ReMDM-loop sampling of ``(B, L)`` from the all-mask sequence (given
+    positions kept); see the module docstring."""
+    m = cfg.mask_id
+    fn = denoiser_fn(model)
+    x = torch.where(keep, tokens, torch.full_like(tokens, m))
+    b, device = x.shape[0], x.device
+
+    def p_x0(z: torch.Tensor, t: float, rows: torch.Tensor | None) -> torch.Tensor:
+        return subs_probs(fn(z, _sigma(cfg, t, z.shape[0], device)), z, m, nucleus_p)
+
+    rc = _RowCache(p_x0, b, cache and not cfg.time_conditioning, device)
+    ts = torch.linspace(1.0, T_MIN, steps + 1, dtype=torch.float64).tolist()
+    dt = (1.0 - T_MIN) / steps
+    for i in range(steps):
+        t = ts[i]
+        p_stay, p_remask = mask_probabilities(sampler, t, t - dt, remdm)
+        has_mask = (x == m).any(-1)
+        if p_remask == 0.0 and not bool(has_mask.any()):
+            # Nothing can change any more (no mask, no remasking): skip the network, draw as usual
+            # so that cached and uncached runs stay in step.
+            probs = rc.p  # never indexed: no position can unmask
+        else:
+            probs = rc.get(x, t)
+        x_new = diffusion_step(x, probs, keep, m, p_stay, p_remask, generator)
+        rc.invalidate((x_new != x).any(-1))
+        x = x_new
+        if progress is not None:
+            progress(i + 1, steps + 1)
+    rows = (x == m).any(-1)
+    if bool(rows.any()):  # final greedy step: fill every mask left with the argmax of p_x0
+        probs = rc.get(x, ts[-1], rows=rows)
+        greedy = probs.argmax(-1)
+        x = torch.where(x == m, greedy, x)
+    if progress is not None:
+        progress(steps + 1, steps + 1)
+    if stats is not None:
+        stats["network_calls"] = rc.calls
+    return x
+
+
+# --------------------------------------------------------------------------------------------
+# AR
+
+
+def ar_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *, nucleus_p: float,
+              generator: torch.Generator, progress: Progress | None, cache: bool,
+              bos_id: int | None = None) -> torch.Tensor:
+    """Left to right with nucleus; ``cache`` uses a KV cache (one token per step after the prompt)
+    and gives the same tokens as recomputing the whole prefix every step."""
+    from .backbone import KVCache  # noqa: PLC0415 - only AR and BD3-LM need it
+
+    tokens, keep = tokens.clone(), keep.clone()
+    if not bool(keep[:, 0].all()):
+        if bos_id is None:
+            raise SamplerError("AR sampling needs a first token: pass prefix=... or bos_id=...")
+        tokens[:, 0] = torch.where(keep[:, 0], tokens[:, 0], torch.full_like(tokens[:, 0], bos_id))
+        keep[:, 0] = True
+    b, length = tokens.shape
+    x = tokens.clone()
+    lead = int(keep.all(0).long().cumprod(0).sum())  # leading positions given in every row
+    total = length - lead
+
+    def draw(logits: torch.Tensor) -> torch.Tensor:
+        probs = nucleus(torch.softmax(suppress_mask(logits, cfg.mask_id), dim=-1), nucleus_p)
+        return sample_categorical(probs, generator)
+
+    kv = KVCache() if cache else None
+    if lead < length:
+        logits = model(x[:, :lead], cache=kv, cache_mode="append")[:, -1] if cache else None
+        for i in range(lead, length):
+            if not cache:
+                logits = model(x[:, :i])[:, -1]
+            x[:, i] = torch.where(keep[:, i], tokens[:, i], draw(logits))
+            if cache and i + 1 < length:
+                logits = model(x[:, i:i + 1], cache=kv, cache_mode="append")[:, -1]
+            if progress is not None:
+                progress(i - lead + 1, total)
+    return x
+
+
+# --------------------------------------------------------------------------------------------
+# The public entry point
+
+
+def sample(model: nn.Module, cfg: ModelConfig, *, batch_size: int, length: int, steps: int, sampler: str = "mdlm",
+           nucleus_p: float = 1.0, generator: torch.Generator,
+           prefix: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+           progress: Progress | None = None, cache: bool = True, **sampler_kwargs) -> torch.Tensor:
+    """Generate token ids ``(batch_size, length)`` (the SAMPLERS contract).
+
+    - ``sampler``: ``mdlm`` (ancestral), ``remdm-loop``, ``ar``, ``bd3lm`` (block by block). An
+      ADLM model runs the diffusion samplers on its composed network (fused projection).
+    - ``steps``: ``T`` of the diffusion grid (per block for ``bd3lm``; ignored by ``ar``, which
+      takes one step per token).
+    - ``nucleus_p``: top-p on ``p_x0`` (1 = off). ``generator``: the only source of randomness.
+    - ``prefix``: given tokens, kept fixed (module docstring). ``progress(step, total)``: called
+      after each step (diffusion: ``T + 1`` steps with the greedy one; AR: one per token; BD3-LM:
+      one per block).
+    - ``cache``: MDLM/ReMDM/ADLM/BD3-LM reuse ``p_x0`` when a row did not change (exact; only with
+      time conditioning off); AR uses a KV cache.
+    - ``sampler_kwargs``: ReMDM-loop ``eta``, ``t_on``, ``t_off``, ``alpha_on`` (reference 0.02,
+      0.55, 0.05, 0.9); AR ``bos_id`` (first token when no prefix gives one); BD3-LM see
+      ``adlm_model.bd3lm.sample_blocks`` (``block_size``, ``kv_cache``, ``context``, ``eos_id``,
+      ``entropy_threshold``, ``entropy_window``, ``pad_id``, ``bos_id``). ``stats`` (a dict) receives
+      counters such as ``network_calls``.
+
+    The model is put in eval mode for the call (and restored) and run under ``torch.no_grad``.
+    """
+    if sampler not in SAMPLERS:
+        raise SamplerError(f"unknown sampler {sampler!r}: use one of {', '.join(SAMPLERS)}")
+    _check_common(cfg, batch_size, length, steps, nucleus_p, generator)
+    device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
+    tokens, keep = resolve_prefix(prefix, batch_size, length, cfg, device)
+    kw = dict(sampler_kwargs)
+    stats = kw.pop("stats", None)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            if sampler in ("mdlm", "remdm-loop"):
+                remdm = None
+                if sampler == "remdm-loop":
+                    known = {"eta", "t_on", "t_off", "alpha_on"}
+                    _reject_unknown(kw, known, sampler)
+                    remdm = ReMDMLoop(**kw).validate()
+                else:
+                    _reject_unknown(kw, set(), sampler)
+                return diffusion_sample(model, cfg, tokens, keep, steps=steps, sampler=sampler, nucleus_p=nucleus_p,
+                                        generator=generator, progress=progress, cache=cache, remdm=remdm,
+                                        stats=stats)
+            if sampler == "ar":
+                _reject_unknown(kw, {"bos_id"}, sampler)
+                return ar_sample(model, cfg, tokens, keep, nucleus_p=nucleus_p, generator=generator,
+                                 progress=progress, cache=cache, bos_id=kw.get("bos_id"))
+            from .bd3lm import sample_blocks  # noqa: PLC0415 - bd3lm builds on this module
+
+            out = sample_blocks(model, cfg, tokens, keep, steps=steps, nucleus_p=nucleus_p, generator=generator,
+                                progress=progress, cache=cache, stats=stats, **kw)
+            return out.tokens
+    finally:
+        model.train(was_training)
+
+
+def _reject_unknown(kw: dict, known: set[str], sampler: str) -> None:
+    unknown = sorted(set(kw) - known)
+    if unknown:
+        raise SamplerError(f"unknown option(s) {', '.join(unknown)} for sampler {sampler!r}; "
+                           f"known: {', '.join(sorted(known)) or 'none'}")
+
+
+def unigram_entropy(x: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of each row's token-id histogram (METHOD.md section 6; BD3-LM's stop rule)."""
+    out = torch.empty(x.shape[0], dtype=torch.float64)
+    for i, row in enumerate(x):
+        _, counts = torch.unique(row, return_counts=True)
+        p = counts.double() / counts.sum()
+        out[i] = -(p * p.log()).sum()
+    return out
+
+
+__all__ = [
+    "SAMPLERS", "T_MIN", "ReMDMLoop", "SamplerError", "diffusion_step", "mask_probabilities", "nucleus",
+    "remdm_phase", "resolve_prefix", "sample", "sample_categorical", "transition_probs", "unigram_entropy",
+]

@@ -1,0 +1,331 @@
+"""The model core against METHOD.md sections 1-3: exact likelihoods, SUBS, the anchor mask and
+ramp, gradient flow, parameter counts, causality, learning, and checkpoints."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from adlm_model import (
+    EMA,
+    CheckpointError,
+    ConfigError,
+    ModelConfig,
+    anchor_mask,
+    build_model,
+    compute_loss,
+    count_parameters,
+    gamma_at,
+    load_checkpoint,
+    preset,
+    save_checkpoint,
+    subs_log_probs,
+    subs_nll,
+)
+from adlm_model.losses import adlm_objective, mdlm_objective
+
+# ---------------------------------------------------------------- a toy distribution, enumerable
+
+
+class ToyExactDenoiser(nn.Module):
+    """p(x^l | visible tokens of z) of a known distribution over all V^L sequences.
+
+    It does not depend on t, like the exact conditional of an absorbing diffusion (METHOD.md sec. 1).
+    """
+
+    def __init__(self, probs: torch.Tensor, vocab: int, length: int, mask_id: int, mix_uniform: float = 0.0):
+        super().__init__()
+        self.seqs = torch.tensor(list(itertools.product(range(vocab), repeat=length)))  # (S, L)
+        self.probs = probs.double()
+        self.onehot = nn.functional.one_hot(self.seqs, vocab + 1).double()  # (S, L, width)
+        self.mask_id, self.vocab, self.mix = mask_id, vocab, mix_uniform
+
+    def denoiser_logits(self, z: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        masked = z == self.mask_id
+        consistent = (masked[:, None, :] | (z[:, None, :] == self.seqs[None])).all(-1)  # (B, S)
+        w = consistent.double() * self.probs[None]
+        p = torch.einsum("bs,slv->blv", w, self.onehot) / w.sum(1)[:, None, None]
+        if self.mix:
+            uniform = torch.zeros_like(p)
+            uniform[..., : self.vocab] = 1.0 / self.vocab
+            p = (1 - self.mix) * p + self.mix * uniform
+        return p.clamp_min(1e-300).log().float()
+
+    def forward(self, z, sigma):  # the ADLM interface: (anchor logits, denoiser logits)
+        logits = self.denoiser_logits(z, sigma)
+        return torch.randn_like(logits), logits
+
+
+def _toy(seed: int = 0, vocab: int = 3, length: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.rand(vocab**length, generator=g) ** 3
+    probs = probs / probs.sum()
+    cfg = ModelConfig(kind="mdlm", vocab_size=vocab, mask_id=vocab, seq_len=length, hidden=8, heads=2,
+                      n_blocks=1, cond_dim=8)
+    return probs, cfg
+
+
+@pytest.mark.parametrize("seq_index", [0, 17, 80])
+def test_nelbo_of_exact_denoiser_converges_to_exact_nll(seq_index: int) -> None:
+    probs, cfg = _toy()
+    exact = ToyExactDenoiser(probs, 3, 4, cfg.mask_id)
+    x = exact.seqs[seq_index].repeat(200_000, 1)
+    nll = -math.log(probs[seq_index].item())
+    out = mdlm_objective(exact, x, None, cfg, generator=torch.Generator().manual_seed(1))
+    per_seq = out.nll_sum.item() / x.shape[0]
+    assert out.n_tokens.item() == x.numel()
+    assert abs(per_seq - nll) / nll < 0.01, (per_seq, nll)
+
+
+def test_imperfect_denoiser_gives_a_larger_bound() -> None:
+    """Over x ~ p (a single sequence may be favoured by a flatter model), with the same t and masks."""
+    probs, cfg = _toy(seed=4)
+    exact = ToyExactDenoiser(probs, 3, 4, cfg.mask_id)
+    idx = torch.multinomial(probs, 40_000, replacement=True, generator=torch.Generator().manual_seed(5))
+    x = exact.seqs[idx]
+    entropy = -(probs * probs.log()).sum().item()
+    best = mdlm_objective(exact, x, None, cfg, generator=torch.Generator().manual_seed(1)).nll_sum.item() / len(x)
+    assert abs(best - entropy) / entropy < 0.01
+    for mix in (0.05, 0.3):
+        worse = ToyExactDenoiser(probs, 3, 4, cfg.mask_id, mix_uniform=mix)
+        value = mdlm_objective(worse, x, None, cfg, generator=torch.Generator().manual_seed(1)).nll_sum.item() / len(x)
+        assert value > best + 0.005, (mix, value, best)
+
+
+def test_anelbo_denoiser_term_is_the_nelbo() -> None:
+    probs, cfg = _toy()
+    cfg = cfg.replace(kind="adlm", gamma=0.5, gamma_ramp_steps=0)
+    exact = ToyExactDenoiser(probs, 3, 4, cfg.mask_id)
+    idx = torch.multinomial(probs, 40_000, replacement=True, generator=torch.Generator().manual_seed(3))
+    x = exact.seqs[idx]
+    out = adlm_objective(exact, x, None, cfg, step=10, generator=torch.Generator().manual_seed(2))
+    ref = mdlm_objective(exact, x, None, cfg, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(out.nll_sum, ref.nll_sum)  # the denoiser term is exactly the MDLM NELBO
+    entropy = -(probs * probs.log()).sum().item()
+    assert abs(out.nll_sum.item() / x.shape[0] - entropy) / entropy < 0.01
+    # The anchor term is added to the training loss only, scaled by gamma_k.
+    assert out.gamma_k == 0.5
+    expected = (out.nll_sum + 0.5 * out.anchor_sum) / out.n_tokens
+    assert torch.allclose(out.loss.double(), expected, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- SUBS
+
+
+def test_subs_carry_over_and_zero_mask_probability() -> None:
+    torch.manual_seed(0)
+    mask_id, width = 7, 8
+    logits = torch.randn(3, 5, width)
+    z = torch.tensor([[1, 7, 3, 7, 0], [7, 7, 7, 7, 7], [2, 2, 2, 2, 2]])
+    logp = subs_log_probs(logits, z, mask_id)
+    assert torch.isneginf(logp[..., mask_id]).all()
+    unmasked = z != mask_id
+    assert torch.equal(logp[unmasked].exp(), nn.functional.one_hot(z[unmasked], width).float())
+    assert torch.allclose(logp[~unmasked].exp().sum(-1), torch.ones(int((~unmasked).sum())))
+    x = torch.tensor([[1, 4, 3, 2, 0], [0, 1, 2, 3, 4], [2, 2, 2, 2, 2]])
+    nll = subs_nll(logits, x, z, mask_id)
+    assert torch.equal(nll[unmasked], torch.zeros(int(unmasked.sum())))
+    assert torch.allclose(nll[~unmasked], -logp[~unmasked].gather(-1, x[~unmasked][:, None]).squeeze(-1))
+
+
+def test_pads_never_count() -> None:
+    cfg = preset("tiny", kind="mdlm", n_blocks=1, hidden=32, heads=2, cond_dim=16, seq_len=16, vocab_size=50,
+                 mask_id=50, dropout=0.0)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.1)
+    x = torch.randint(0, 50, (4, 16))
+    am = torch.ones_like(x)
+    am[:, 10:] = 0
+    out = compute_loss(model, x, am, cfg, generator=torch.Generator().manual_seed(0))
+    x2 = x.clone()
+    x2[:, 10:] = (x2[:, 10:] + 1) % 50  # change only pad tokens' targets
+    # Same masks: the per-token terms at pad positions are dropped, so the sums agree on the rest.
+    out2 = compute_loss(model, x2, am, cfg, generator=torch.Generator().manual_seed(0))
+    assert out.n_tokens.item() == 40 and out2.n_tokens.item() == 40
+    assert out.nll_sum.item() == pytest.approx(out2.nll_sum.item(), rel=0.2)  # pads attend, but do not count
+    ar_cfg = cfg.replace(kind="ar")
+    assert compute_loss(build_model(ar_cfg), x, am, ar_cfg).n_tokens.item() == 4 * 9
+
+
+# ---------------------------------------------------------------- anchor mask and gamma ramp
+
+
+def test_anchor_mask_equals_plain_count() -> None:
+    g = torch.Generator().manual_seed(0)
+    bos = eos = 20
+    for tau in (0, 1, 2, 5):
+        x = torch.randint(0, 8, (6, 30), generator=g)  # small vocabulary: many repeats
+        x[:, 0] = bos
+        x[:, 25] = eos
+        am = torch.ones_like(x)
+        am[2, 26:] = 0
+        am[4, 20:] = 0
+        x[2, 26:] = 0  # pad id 0 also occurs as a real token
+        a = anchor_mask(x, am, tau, width=21)
+        for b in range(x.shape[0]):
+            row = [int(v) for v, m in zip(x[b], am[b], strict=True) if m]
+            for pos in range(x.shape[1]):
+                want = bool(am[b, pos]) and row.count(int(x[b, pos])) <= tau
+                assert bool(a[b, pos]) == want, (tau, b, pos)
+
+
+def test_gamma_ramp_reference_values() -> None:
+    gamma, beta, k_max = 3e-3, 1.0, 1_000_000
+    ramp = round(gamma / beta * k_max)  # 3,000 steps
+    assert ramp == 3000
+    for k in (0, 1, 1500, 2999, 3000, 3001, 500_000, 1_000_000):
+        assert gamma_at(k, gamma, ramp) == pytest.approx(min(gamma, beta * k / k_max), rel=1e-9, abs=1e-15)
+    assert gamma_at(5, gamma, 0) == gamma
+
+
+# ---------------------------------------------------------------- architecture
+
+
+def test_parameter_counts_small() -> None:
+    adlm = build_model(preset("small", kind="adlm"))
+    mdlm = build_model(preset("small", kind="mdlm"))
+    assert count_parameters(adlm.anchor) == pytest.approx(169.6e6, rel=0.005)
+    assert count_parameters(adlm.denoiser) == pytest.approx(123.6e6, rel=0.005)
+    assert count_parameters(adlm) == pytest.approx(293.2e6, rel=0.005)
+    assert count_parameters(mdlm) == pytest.approx(169.6e6, rel=0.005)
+    assert adlm.denoiser.dense_in.in_features == 50258 and adlm.denoiser.dense_in.bias is not None
+
+
+def _randomised(cfg: ModelConfig, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = build_model(cfg)
+    for p in model.parameters():  # leave the zero-init so that every path carries signal
+        nn.init.normal_(p, std=0.05)
+    return model
+
+
+def test_gradients_reach_anchor_through_denoiser_term() -> None:
+    cfg = preset("tiny", kind="adlm", gamma=0.0, hidden=32, heads=2, cond_dim=16, n_blocks=2, denoiser_blocks=1,
+                 vocab_size=40, mask_id=40, seq_len=12, dropout=0.0)
+    model = _randomised(cfg)
+    x = torch.randint(0, 40, (4, 12))
+    out = compute_loss(model, x, None, cfg, step=100, generator=torch.Generator().manual_seed(0))
+    assert out.gamma_k == 0.0
+    out.loss.backward()
+    for name, p in model.anchor.named_parameters():
+        if name.startswith("sigma_map"):
+            continue  # time conditioning is off: sigma = 0 zeroes the first layer's sin half only
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_fused_adlm_inference_equals_unfused() -> None:
+    cfg = preset("tiny", kind="adlm", hidden=64, heads=4, cond_dim=16, n_blocks=2, denoiser_blocks=1,
+                 vocab_size=300, mask_id=300, seq_len=16, dropout=0.0)
+    model = _randomised(cfg).eval()
+    z = torch.randint(0, 301, (2, 16))
+    sigma = torch.zeros(2)
+    with torch.no_grad():
+        fused = model.denoiser_logits(z, sigma, fused=True)
+        unfused = model.denoiser_logits(z, sigma, fused=False)
+    assert torch.allclose(fused, unfused, atol=1e-4, rtol=1e-4)
+
+
+def test_ar_is_causal() -> None:
+    cfg = preset("tiny", kind="ar", hidden=32, heads=2, cond_dim=16, n_blocks=2, vocab_size=50, mask_id=50,
+                 seq_len=16, dropout=0.0)
+    model = _randomised(cfg).eval()
+    x = torch.randint(0, 50, (2, 16))
+    y = x.clone()
+    y[:, 9:] = (y[:, 9:] + 7) % 50
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    assert torch.allclose(a[:, :9], b[:, :9], atol=1e-6)
+    assert not torch.allclose(a[:, 9:], b[:, 9:], atol=1e-3)
+
+
+def test_bidirectional_models_see_the_future() -> None:
+    cfg = preset("tiny", kind="mdlm", hidden=32, heads=2, cond_dim=16, n_blocks=2, vocab_size=50, mask_id=50,
+                 seq_len=16, dropout=0.0)
+    model = _randomised(cfg).eval()
+    x = torch.randint(0, 50, (2, 16))
+    y = x.clone()
+    y[:, 12] = (y[:, 12] + 3) % 50
+    with torch.no_grad():
+        diff = (model(x, torch.zeros(2))[:, 0] - model(y, torch.zeros(2))[:, 0]).abs().max()
+    assert diff > 1e-5
+
+
+# ---------------------------------------------------------------- the models learn
+
+
+def _progressions(n: int, vocab: int, length: int, g: torch.Generator) -> torch.Tensor:
+    """x^l = (s + l) mod V with a uniform start s: entropy log V per sequence."""
+    start = torch.randint(0, vocab, (n, 1), generator=g)
+    return (start + torch.arange(length)[None]) % vocab
+
+
+@pytest.mark.parametrize("kind", ["mdlm", "adlm", "ar"])
+def test_plain_loop_learns_toy_pattern(kind: str) -> None:
+    vocab, length = 16, 16
+    cfg = ModelConfig(kind=kind, vocab_size=vocab, mask_id=vocab, seq_len=length, hidden=64, heads=4,
+                      n_blocks=2, denoiser_blocks=1, cond_dim=32, dropout=0.0, gamma=3e-3, gamma_ramp_steps=50)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for step in range(250):
+        x = _progressions(64, vocab, length, g)
+        out = compute_loss(model, x, None, cfg, step=step, generator=g)
+        opt.zero_grad()
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(out.nll_sum.item() / out.n_tokens.item())
+    # Per-token entropy: log V per sequence spread over L tokens (diffusion); 0 for AR after token 1.
+    entropy = 0.0 if kind == "ar" else math.log(vocab) / length
+    final = sum(losses[-25:]) / 25
+    assert losses[0] > 1.0
+    assert final < entropy + 0.12, (kind, final, entropy)
+
+
+# ---------------------------------------------------------------- EMA and checkpoints
+
+
+def test_checkpoint_round_trip_is_bit_exact(tmp_path) -> None:
+    cfg = preset("tiny", kind="adlm", hidden=32, heads=2, cond_dim=16, n_blocks=2, denoiser_blocks=1,
+                 vocab_size=60, mask_id=60, seq_len=16)
+    model = _randomised(cfg)
+    ema = EMA(model, decay=0.9)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    ema.update(model)
+    save_checkpoint(tmp_path / "ck", model, cfg, ema_state=ema.state_dict(), meta={"step": 3})
+    loaded, cfg2, meta = load_checkpoint(tmp_path / "ck", use_ema=False)
+    assert cfg2 == cfg and meta == {"step": 3}
+    for (n1, a), (n2, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert n1 == n2 and torch.equal(a, b)
+    loaded_ema, _, _ = load_checkpoint(tmp_path / "ck", use_ema=True)
+    for name, p in loaded_ema.named_parameters():
+        assert torch.equal(p, ema.shadow[name])
+    with pytest.raises(CheckpointError, match=r"vocab_size=60 but 8192 was expected"):
+        load_checkpoint(tmp_path / "ck", expect={"vocab_size": 8192})
+    with pytest.raises(CheckpointError, match=r"kind='adlm' but 'mdlm' was expected"):
+        load_checkpoint(tmp_path / "ck", expect={"kind": "mdlm"})
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_checkpoint(tmp_path / "missing")
+
+
+def test_config_errors_are_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"unknown model config key\(s\) hiden; known keys: kind, vocab_size"):
+        ModelConfig.from_dict({"hiden": 3})
+    with pytest.raises(ConfigError, match="unknown model kind 'gpt'"):
+        preset("tiny", kind="gpt")
+    with pytest.raises(ConfigError, match="gamma must be >= 0"):
+        preset("tiny", gamma=-1.0)
+    with pytest.raises(ConfigError, match="tau must be >= 0"):
+        preset("tiny", tau=-1)
+    with pytest.raises(ConfigError, match="block_size 5 must divide seq_len 128"):
+        preset("tiny", kind="bd3lm", block_size=5)
