@@ -264,6 +264,10 @@ class BlockContext:
             prev = self.clean[:, ws:start] if rows is None else self.clean[rows, ws:start]
             seq = torch.cat([prev, z], dim=1)
             mask = block_causal_mask(seq.shape[1], self.b, z.device)
+        net = getattr(self.model, "backbone", None)
+        if isinstance(net, DiT):  # only the block's positions go through the vocabulary projection
+            h, _ = net.trunk(net.embed(seq), sigma, mask=mask, position_offset=ws)
+            return net.output_layer.linear(h[:, -z.shape[1]:])
         return self.fn(seq, sigma, mask=mask, position_offset=ws)[:, -z.shape[1]:]
 
     def commit(self, z: torch.Tensor, start: int, sigma: torch.Tensor) -> None:

@@ -63,3 +63,11 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("ADLM_WORKDIR", str(d))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{d / 'mlflow.db'}")
     return d
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory, ray_session) -> Path:
+    """Tiny real shards (embedded-corpus text, a 512-entry BPE, rows of 32) shared by the train/tune tests."""
+    from test_train_support import make_tiny_data
+
+    return make_tiny_data(tmp_path_factory.mktemp("tiny-data"))

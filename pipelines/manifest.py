@@ -1,0 +1,279 @@
+"""The manifest of one prepared split: what the shards hold and how they were made (METHOD.md section 5).
+
+``python -m pipelines.prepare_data ... --out DIR`` writes ``DIR/<split>/part-00000.parquet ...`` (column
+``input_ids``: fixed_size_list<int32>[L]; in ``pad`` mode also ``attention_mask``: fixed_size_list<int8>[L])
+and ``DIR/<split>/manifest.json``. Training and evaluation call ``read_manifest(split_dir)`` and
+``Manifest.check_fits(model_cfg)`` so that data made with another tokenizer, mask id or length is refused
+with one clear line instead of training on garbage.
+
+Paths may be local or object-store URIs (``s3://``, ``gs://``, ``file://``) through pyarrow filesystems.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = 1
+
+
+class DataMismatchError(ValueError):
+    """Prepared data that does not fit the model (tokenizer vocabulary, mask id, length)."""
+
+
+class ManifestError(ValueError):
+    """A missing, unreadable or inconsistent manifest / shard; the message says the fix."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Filesystems: local paths and object-store URIs alike.
+
+
+def is_uri(path: str | os.PathLike) -> bool:
+    s = str(path)
+    return "://" in s and not s.startswith("file://")
+
+
+def get_fs(path: str | os.PathLike) -> tuple[Any, str]:
+    """(pyarrow filesystem, path inside it) for a local path, ``file://`` or an object-store URI."""
+    import pyarrow.fs as pafs
+
+    s = str(path)
+    if "://" in s:
+        fs, inner = pafs.FileSystem.from_uri(s)
+        return fs, inner.rstrip("/")
+    return pafs.LocalFileSystem(), str(Path(s).expanduser().resolve())
+
+
+def join(base: str | os.PathLike, *parts: str) -> str:
+    """Join path components, keeping URIs URIs."""
+    s = str(base)
+    if "://" in s:
+        return "/".join([s.rstrip("/"), *parts])
+    return str(Path(s, *parts))
+
+
+def read_bytes(path: str | os.PathLike) -> bytes:
+    fs, p = get_fs(path)
+    with fs.open_input_stream(p) as f:
+        return f.read()
+
+
+def exists(path: str | os.PathLike) -> bool:
+    import pyarrow.fs as pafs
+
+    fs, p = get_fs(path)
+    return fs.get_file_info(p).type != pafs.FileType.NotFound
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write to ``<path>.tmp`` then rename: a reader never sees a half-written file."""
+    fs, p = get_fs(path)
+    parent = p.rsplit("/", 1)[0]
+    fs.create_dir(parent, recursive=True)
+    tmp = p + ".tmp"
+    with fs.open_output_stream(tmp) as f:
+        f.write(data)
+    fs.move(tmp, p)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    fs, p = get_fs(path)
+    h = hashlib.sha256()
+    with fs.open_input_stream(p) as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ShardInfo:
+    """One Parquet shard of a split."""
+
+    name: str
+    """File name inside the split folder (``part-00000.parquet``)."""
+    rows: int
+    """Rows in the shard."""
+    sha256: str
+    """sha256 of the file's bytes."""
+    bytes: int = 0
+    """File size."""
+
+
+@dataclass
+class Manifest:
+    """Everything a consumer needs to know about one prepared split."""
+
+    source: str
+    """Named source (``openwebtext``, ``embedded``, ...) or the local path/glob it was read from."""
+    split: str
+    """Split name (``train``, ``validation``, ``test``)."""
+    tokenizer: dict[str, Any]
+    """``{"name", "hash", "path", "origin"}`` of the tokenizer (``hash``: TokenizerInfo.content_hash)."""
+    vocab_size: int
+    """Tokenizer vocabulary size including added tokens."""
+    mask_id: int
+    """Absorbing mask id the model must use (GPT-2: 50257, appended; BERT: 103)."""
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int | None
+    length: int
+    """Row length L (the model's seq_len)."""
+    mode: str
+    """``wrap`` (packed across documents, BOS ... EOS rows) or ``pad`` (one sentence a row, padded)."""
+    rows: int
+    """Rows over all shards."""
+    tokens: int
+    """Real (non-padding) token positions over all rows, framing included."""
+    shards: list[ShardInfo] = field(default_factory=list)
+    documents: int = 0
+    """Documents read from the source for this split."""
+    documents_used: int = 0
+    """Documents that produced tokens."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Documents skipped, by reason (``empty``, ...)."""
+    invalid_utf8_replaced: int = 0
+    """Documents whose invalid UTF-8 bytes were replaced by U+FFFD."""
+    truncated: int = 0
+    """``pad`` mode: rows whose sentence was longer than L - 2 and got cut."""
+    dropped_tail_tokens: int = 0
+    """``wrap`` mode: tokens of the stream's incomplete last row (dropped, as the reference does)."""
+    detokenizer: str | None = None
+    """Detokenizer applied before tokenisation (``wikitext``, ``ptb``, ``lm1b``, ...)."""
+    text_field: str | None = None
+    token_frequency: dict[str, int] = field(default_factory=dict)
+    """Count of every token id that occurs (framing included, padding excluded); keys are ids as strings."""
+    project_version: str = ""
+    created_at: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
+    """Library versions that produced the shards (ray, tokenizers, pyarrow, ...)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The preparation options (for reproduction)."""
+    format: int = MANIFEST_FORMAT
+    split_dir: str = field(default="", compare=False)
+    """Where the manifest was read from (not stored)."""
+
+    # -- paths -------------------------------------------------------------------------------------------
+    def shard_uris(self) -> list[str]:
+        """Every shard as a path or URI string (works for object stores)."""
+        return [join(self.split_dir, s.name) for s in self.shards]
+
+    def shard_paths(self) -> list[Path]:
+        """Every shard as a local Path (for object-store data use ``shard_uris``)."""
+        if is_uri(self.split_dir):
+            raise ManifestError(f"{self.split_dir} is not local; use Manifest.shard_uris()")
+        base = self.split_dir[len("file://"):] if self.split_dir.startswith("file://") else self.split_dir
+        return [Path(base) / s.name for s in self.shards]
+
+    # -- identity ----------------------------------------------------------------------------------------
+    def content_hash(self) -> str:
+        """sha256 over what determines the rows: tokenizer, ids, length, mode and every shard's sha256.
+
+        Timestamps and library versions are left out, so identical data gives identical hashes.
+        """
+        payload = {
+            "tokenizer": self.tokenizer.get("hash"), "vocab_size": self.vocab_size, "mask_id": self.mask_id,
+            "bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id, "length": self.length,
+            "mode": self.mode, "rows": self.rows,
+            "shards": [[s.name, s.rows, s.sha256] for s in self.shards],
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def model_overrides(self) -> dict[str, int]:
+        """ModelConfig fields this data dictates: ``vocab_size``, ``mask_id``, ``seq_len``."""
+        return {"vocab_size": self.vocab_size, "mask_id": self.mask_id, "seq_len": self.length}
+
+    @property
+    def width(self) -> int:
+        """Model output width the data needs (vocabulary plus an appended mask id)."""
+        return max(self.vocab_size, self.mask_id + 1)
+
+    def check_fits(self, model_cfg: Any) -> None:
+        """Raise DataMismatchError (one line) unless the model's vocab_size, mask_id and seq_len fit.
+
+        ``model_cfg``: an ``adlm_model.ModelConfig`` or a dict with those keys. The autoregressive kind
+        never uses the mask id, so it is not compared for ``kind == "ar"``.
+        """
+        def get(k: str) -> Any:
+            return model_cfg.get(k) if isinstance(model_cfg, dict) else getattr(model_cfg, k, None)
+
+        problems = []
+        if get("vocab_size") != self.vocab_size:
+            problems.append(f"tokenizer vocab {self.vocab_size} (data) vs vocab_size={get('vocab_size')} (model)")
+        if get("kind") != "ar" and get("mask_id") != self.mask_id:
+            problems.append(f"mask id {self.mask_id} (data) vs mask_id={get('mask_id')} (model)")
+        if get("seq_len") != self.length:
+            problems.append(f"length {self.length} (data) vs seq_len={get('seq_len')} (model)")
+        if problems:
+            fix = ", ".join(f"{k}={v}" for k, v in self.model_overrides().items())
+            raise DataMismatchError(
+                f"data {self.split_dir or self.split} (tokenizer {self.tokenizer.get('name')}) does not fit the "
+                f"model: {'; '.join(problems)}; fix: build the model with {fix} or prepare the data with the "
+                "model's tokenizer and length")
+
+    def verify(self, checksums: bool = True) -> None:
+        """Raise ManifestError if a shard is missing or (``checksums``) its sha256 differs."""
+        for s, uri in zip(self.shards, self.shard_uris(), strict=True):
+            if not exists(uri):
+                raise ManifestError(f"shard {uri} listed in the manifest is missing; rerun prepare_data "
+                                    "(it resumes and rewrites missing shards)")
+            if checksums and sha256_file(uri) != s.sha256:
+                raise ManifestError(f"shard {uri} does not match its sha256 in the manifest; rerun "
+                                    "prepare_data (it rewrites corrupt shards) or use --overwrite")
+
+    # -- (de)serialisation -------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("split_dir", None)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=False, ensure_ascii=False) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], split_dir: str = "") -> Manifest:
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        kw["shards"] = [ShardInfo(**s) for s in d.get("shards", [])]
+        kw["split_dir"] = split_dir
+        return cls(**kw)
+
+    def write(self, split_dir: str | os.PathLike) -> str:
+        """Write ``manifest.json`` atomically into ``split_dir``; returns its path."""
+        p = join(split_dir, MANIFEST_NAME)
+        write_bytes_atomic(p, self.to_json().encode("utf-8"))
+        self.split_dir = str(split_dir)
+        return p
+
+
+def read_manifest(split_dir: str | os.PathLike) -> Manifest:
+    """Read ``<split_dir>/manifest.json`` (``split_dir`` may also be the manifest file itself or a URI)."""
+    s = str(split_dir)
+    if s.endswith(".json"):
+        s = s.rsplit("/", 1)[0] if "://" in s else str(Path(s).parent)
+    p = join(s, MANIFEST_NAME)
+    try:
+        raw = read_bytes(p)
+    except (FileNotFoundError, OSError) as e:
+        raise ManifestError(f"no {MANIFEST_NAME} in {s}; prepare the data first: python -m pipelines.prepare_data "
+                            "--source ... --out DIR (then pass DIR/<split>)") from e
+    try:
+        d = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{p} is not valid JSON ({e}); rerun prepare_data with --overwrite") from e
+    if not isinstance(d, dict) or "shards" not in d:
+        raise ManifestError(f"{p} is not a prepare_data manifest; rerun prepare_data with --overwrite")
+    if not is_uri(s) and not s.startswith("file://"):
+        s = str(Path(s).expanduser().resolve())
+    return Manifest.from_dict(d, split_dir=s)

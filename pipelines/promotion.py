@@ -1,0 +1,342 @@
+"""Staged evaluation and gated promotion of registry versions (``candidate`` -> ``champion``).
+
+``stage_all`` (CLI: ``python -m pipelines.evaluate --stage-all``) walks every version of the registered
+model that has not been decided yet (no final ``eval.status``), oldest first, and records each step on the
+version as tags:
+
+1. **Fast stage** (``eval.stage1``): the validation bound on a fixed subset (the first ``stage1_rows``
+   rows, the evaluation's seed and batch size), compared with ``stage1_max_ppl`` and with the current
+   champion's figure on the very same subset (``stage1_tolerance``: how far above the champion a candidate
+   may be and still earn the full stage). A failing version never runs the full stage.
+2. **Full stage** (``eval.stage2``): ``stage2_suite`` (full validation and zero-shot perplexities,
+   generation, gen-PPL with entropy, MAUVE) through ``evaluate.evaluate_model``'s machinery; the headline
+   figures become version tags (``val_ppl``, ``gen_ppl``, ``entropy``, ``mauve`` and their settings).
+3. **Gate** (``eval.stage3``): validation PPL must beat the champion's (measured on the same data with the
+   same settings) by ``margin``; gen-PPL, entropy and MAUVE must lie within their bounds. A passing version
+   gets the alias ``champion``; the previous champion is tagged ``eval.replaced_by`` / ``eval.replaced_at``.
+
+Every decided version loses the ``candidate`` alias and carries ``eval.status`` (``promoted`` or
+``rejected``) and, when rejected, ``eval.reasons``. Champion figures measured for a comparison are cached
+on the champion as ``eval.ppl.<hash>`` tags (keyed by data hash, rows, batch size, draws, seed), so they
+are computed once. Re-running changes nothing: decided versions are skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from .evaluate import EvalConfig, EvalError, EvalResult, Plan, evaluate_model, parse_suite
+
+FINAL_STATUSES = ("promoted", "rejected")
+CHAMPION = "champion"
+CANDIDATE = "candidate"
+
+
+class PromotionError(ValueError):
+    """A staged-evaluation request that cannot run (no such registered model, bad gate settings)."""
+
+
+@dataclass
+class PromotionConfig:
+    """Stages and gate of ``--stage-all``; every field can be set with ``--set key=value``."""
+
+    model_name: str = "adlm"
+    """Registered model whose waiting versions are processed."""
+    stage1_rows: int = 256
+    """Fast stage: score the first N validation rows."""
+    stage1_max_ppl: float = math.inf
+    """Fast stage: the subset's validation bound must be at most this (inf: no threshold)."""
+    stage1_tolerance: float = 0.05
+    """Fast stage: the bound may exceed the champion's on the same subset by at most this fraction."""
+    stage2_suite: tuple[str, ...] = ("ppl", "zero_shot", "generate", "gen_ppl", "mauve")
+    """Full stage suite (``zero_shot`` is skipped when no zero-shot sets are configured)."""
+    margin: float = 0.0
+    """Gate: validation PPL must be below champion PPL x (1 - margin) (0: strictly lower)."""
+    gen_ppl_max: float = math.inf
+    """Gate: gen-PPL must be at most this."""
+    entropy_min: float = 0.0
+    """Gate: mean unigram entropy must be at least this (guards against repetitive samples)."""
+    entropy_max: float = math.inf
+    """Gate: mean unigram entropy must be at most this."""
+    mauve_min: float = 0.0
+    """Gate: MAUVE must be at least this."""
+
+    def validate(self) -> PromotionConfig:
+        problems = []
+        if self.stage1_rows < 1:
+            problems.append(f"stage1_rows must be >= 1, got {self.stage1_rows}")
+        if self.stage1_tolerance < 0:
+            problems.append(f"stage1_tolerance must be >= 0, got {self.stage1_tolerance}")
+        if not 0 <= self.margin < 1:
+            problems.append(f"margin must be in [0, 1), got {self.margin}")
+        if self.entropy_min > self.entropy_max:
+            problems.append(f"entropy_min {self.entropy_min} > entropy_max {self.entropy_max}")
+        if problems:
+            raise PromotionError("; ".join(problems))
+        try:
+            suite = parse_suite(self.stage2_suite)
+        except EvalError as e:
+            raise PromotionError(f"stage2_suite: {e}") from e
+        if "ppl" not in suite:
+            raise PromotionError("stage2_suite must include ppl: the gate compares validation perplexities")
+        return self
+
+
+@dataclass
+class StageOutcome:
+    """What ``stage_all`` did to one version."""
+
+    version: str
+    status: str
+    """``promoted``, ``rejected`` (or ``skipped`` when already decided)."""
+    stage: int
+    """Last stage reached (1, 2, 3)."""
+    reasons: list[str] = field(default_factory=list)
+    figures: dict[str, float] = field(default_factory=dict)
+    replaced: str | None = None
+    """The champion this version replaced."""
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _client(tracking_uri: str) -> Any:
+    import mlflow
+
+    return mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+
+def _alias_version(client: Any, name: str, alias: str) -> str | None:
+    try:
+        return str(client.get_model_version_by_alias(name, alias).version)
+    except Exception:  # noqa: BLE001 - RESOURCE_DOES_NOT_EXIST
+        return None
+
+
+def waiting_versions(client: Any, name: str) -> list[Any]:
+    """Versions without a final ``eval.status`` (oldest first); the champion itself is never waiting."""
+    champion = _alias_version(client, name, CHAMPION)
+    versions = client.search_model_versions(f"name='{name}'")
+    out = [mv for mv in versions
+           if (mv.tags or {}).get("eval.status") not in FINAL_STATUSES and str(mv.version) != champion]
+    return sorted(out, key=lambda mv: int(mv.version))
+
+
+class _Stager:
+    """Runs the stages for one registered model with one executor (one Ray session for all versions)."""
+
+    def __init__(self, promo: PromotionConfig, cfg: EvalConfig, *, workdir: str | os.PathLike | None,
+                 tracking_uri: str, executor: Any) -> None:
+        self.promo, self.cfg, self.workdir, self.tracking_uri, self.executor = promo, cfg, workdir, tracking_uri, executor
+        self.client = _client(tracking_uri)
+        self.name = promo.model_name
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def tag(self, version: str, tags: dict[str, Any]) -> None:
+        for k, v in tags.items():
+            self.client.set_model_version_tag(self.name, version, k, str(v))
+
+    def uri(self, version: str) -> str:
+        return f"models:/{self.name}/{version}"
+
+    def plan(self, version: str, suite: tuple[str, ...], cfg: EvalConfig) -> Plan:
+        from .evaluate import plan_evaluation
+
+        return plan_evaluation(self.uri(version), suite, cfg, workdir=self.workdir, tracking_uri=self.tracking_uri)
+
+    def run(self, plan: Plan, stage: str | None, tag_version: bool, log: bool = True) -> EvalResult:
+        from .evaluate import log_result, run_plan
+
+        result = run_plan(plan, self.executor)
+        if log:
+            log_result(result, plan, stage=stage, tag_version=tag_version)
+        return result
+
+    def champion_ppl(self, champion: str, cfg: EvalConfig, key: str) -> float:
+        """The champion's validation bound under exactly ``key`` (same data, rows, seed, ...); cached as a tag."""
+        tag = "eval.ppl." + hashlib.sha256(key.encode()).hexdigest()[:12]
+        tags = self.client.get_model_version(self.name, champion).tags or {}
+        if tag in tags and tags.get(tag + ".key") == key:
+            return float(tags[tag])
+        result = self.run(self.plan(champion, ("ppl",), cfg), stage=None, tag_version=False, log=False)
+        got = result.table[0]["key"]
+        if got != key:  # the champion resolved other data: the figures would not be comparable
+            raise EvalError(f"champion v{champion} was measured as {got}, not {key}")
+        value = result.metrics["val_ppl"]
+        self.tag(champion, {tag: repr(value), tag + ".key": key})
+        return value
+
+    def decide(self, version: str, status: str, stage: int, reasons: list[str], figures: dict[str, float],
+               replaced: str | None = None) -> StageOutcome:
+        tags: dict[str, Any] = {"eval.status": status, "eval.decided_at": _now(), "eval.stage": stage}
+        if reasons:
+            tags["eval.reasons"] = "; ".join(reasons)
+        self.tag(version, tags)
+        if _alias_version(self.client, self.name, CANDIDATE) == version:
+            self.client.delete_registered_model_alias(self.name, CANDIDATE)
+        return StageOutcome(version=version, status=status, stage=stage, reasons=reasons, figures=figures,
+                            replaced=replaced)
+
+    # -- the stages ---------------------------------------------------------------------------------------
+    def process(self, version: str) -> StageOutcome:
+        from adlm_model.checkpoint import CheckpointError
+
+        from .eval_lm import EvalLMError
+        from .manifest import DataMismatchError, ManifestError
+        from .metrics import MetricError
+        from .registry import RegistryError
+        from .tokenization import TokenizerError
+
+        bad_input = (EvalError, CheckpointError, DataMismatchError, ManifestError, EvalLMError, MetricError,
+                     RegistryError, TokenizerError)
+        champion = _alias_version(self.client, self.name, CHAMPION)
+        self.tag(version, {"eval.status": "running", "eval.started_at": _now(), "eval.stage": 1})
+        figures: dict[str, float] = {}
+
+        # Stage 1: the fast validation bound on a fixed subset.
+        cfg1 = dataclasses.replace(self.cfg, splits=("validation",), max_rows=self.promo.stage1_rows, zero_shot=())
+        try:
+            plan1 = self.plan(version, ("ppl",), cfg1)
+        except bad_input as e:
+            self.tag(version, {"eval.stage1": "failed"})
+            return self.decide(version, "rejected", 1, [f"stage 1: {e}"], figures)
+        r1 = self.run(plan1, stage="1", tag_version=False)
+        fast, key1 = r1.metrics["val_ppl"], r1.table[0]["key"]
+        figures["stage1_val_ppl"] = fast
+        reasons = []
+        if not math.isfinite(fast) or fast > self.promo.stage1_max_ppl:
+            reasons.append(f"stage 1: validation bound {fast:.4f} on the first {self.promo.stage1_rows} rows is "
+                           f"above the threshold {self.promo.stage1_max_ppl:g}")
+        s1 = {"eval.stage1.val_ppl": f"{fast:.6g}", "eval.stage1.key": key1}
+        if champion is not None:
+            # Measure the champion on the candidate's data (same subset, seed, batch size).
+            champ_cfg = dataclasses.replace(cfg1, data=os.path.dirname(plan1.datasets[0].split_dir))
+            try:
+                champ_fast = self.champion_ppl(champion, champ_cfg, key1)
+            except bad_input as e:
+                reasons.append(f"stage 1: champion v{champion} cannot be measured on this data ({e})")
+            else:
+                figures["stage1_champion_val_ppl"] = champ_fast
+                s1.update({"eval.stage1.champion": champion, "eval.stage1.champion_val_ppl": f"{champ_fast:.6g}"})
+                limit = champ_fast * (1 + self.promo.stage1_tolerance)
+                if fast > limit:
+                    reasons.append(f"stage 1: validation bound {fast:.4f} is more than {self.promo.stage1_tolerance:.0%} "
+                                   f"above champion v{champion}'s {champ_fast:.4f} on the same rows")
+        s1["eval.stage1"] = "failed" if reasons else "passed"
+        self.tag(version, s1)
+        if reasons:
+            return self.decide(version, "rejected", 1, reasons, figures)
+
+        # Stage 2: the full evaluation.
+        suite = [s for s in parse_suite(self.promo.stage2_suite) if s != "zero_shot" or self.cfg.zero_shot]
+        self.tag(version, {"eval.stage": 2})
+        try:
+            plan2 = self.plan(version, tuple(suite), self.cfg)
+        except bad_input as e:
+            self.tag(version, {"eval.stage2": "failed"})
+            return self.decide(version, "rejected", 2, [f"stage 2: {e}"], figures)
+        r2 = self.run(plan2, stage="2", tag_version=True)
+        m = r2.metrics
+        figures.update({k: m[k] for k in ("val_ppl", "gen_ppl", "entropy", "mauve") if k in m})
+        self.tag(version, {"eval.stage2": "passed", "eval.stage": 3})
+
+        # Stage 3: the gate.
+        p = self.promo
+        reasons = []
+        if champion is not None:
+            val_row = next(r for r in r2.table if r["quantity"] == "validation PPL")
+            champ_cfg = dataclasses.replace(self.cfg, splits=("validation",),
+                                            data=os.path.dirname(plan2.datasets[0].split_dir))
+            try:
+                champ_val = self.champion_ppl(champion, champ_cfg, val_row["key"])
+            except bad_input as e:
+                reasons.append(f"gate: champion v{champion} cannot be measured on this data ({e})")
+            else:
+                figures["champion_val_ppl"] = champ_val
+                self.tag(version, {"eval.gate.champion": champion, "eval.gate.champion_val_ppl": f"{champ_val:.6g}"})
+                if not m["val_ppl"] < champ_val * (1 - p.margin):
+                    reasons.append(f"gate: validation PPL {m['val_ppl']:.4f} does not beat champion v{champion}'s "
+                                   f"{champ_val:.4f} by the margin {p.margin:.1%}")
+        elif not math.isfinite(m["val_ppl"]):
+            reasons.append("gate: validation PPL is not finite")
+        if "gen_ppl" in m and not m["gen_ppl"] <= p.gen_ppl_max:
+            reasons.append(f"gate: gen-PPL {m['gen_ppl']:.4f} above the bound {p.gen_ppl_max:g}")
+        if "entropy" in m and not p.entropy_min <= m["entropy"] <= p.entropy_max:
+            reasons.append(f"gate: entropy {m['entropy']:.4f} outside [{p.entropy_min:g}, {p.entropy_max:g}]")
+        if "mauve" in m and not m["mauve"] >= p.mauve_min:
+            reasons.append(f"gate: MAUVE {m['mauve']:.4f} below the bound {p.mauve_min:g}")
+        self.tag(version, {"eval.stage3": "failed" if reasons else "passed"})
+        if reasons:
+            return self.decide(version, "rejected", 3, reasons, figures)
+        when = _now()
+        self.client.set_registered_model_alias(self.name, CHAMPION, version)
+        self.tag(version, {"eval.promoted_at": when, **({"eval.previous_champion": champion} if champion else {})})
+        if champion is not None:
+            self.tag(champion, {"eval.replaced_by": version, "eval.replaced_at": when})
+        return self.decide(version, "promoted", 3, [], figures, replaced=champion)
+
+
+def check_stage_all(promo: PromotionConfig, cfg: EvalConfig, tracking_uri: str) -> None:
+    """Bad settings or a missing registered model fail here, before any version is touched."""
+    from .eval_lm import check_eval_lm, check_featurizer
+    from .metrics import check_mauve_inputs
+
+    promo.validate()
+    cfg.validate()
+    suite = parse_suite(promo.stage2_suite)
+    if "gen_ppl" in suite:
+        check_eval_lm(cfg.eval_lm, tracking_uri=tracking_uri)
+    if "mauve" in suite:
+        check_mauve_inputs(cfg.num_samples, cfg.num_samples, cfg.mauve_min_samples)
+        check_featurizer(cfg.mauve_featurizer)
+    client = _client(tracking_uri)
+    try:
+        client.get_registered_model(promo.model_name)
+    except Exception as e:  # noqa: BLE001
+        raise PromotionError(f"no registered model {promo.model_name!r} in {tracking_uri}: train with registration "
+                             "on (python -m pipelines.train ...) or pass --name") from e
+
+
+def stage_all(promo: PromotionConfig | None = None, cfg: EvalConfig | None = None, *,
+              workdir: str | os.PathLike | None = None, tracking_uri: str | None = None, in_process: bool = False,
+              ray_address: str | None = None) -> list[StageOutcome]:
+    """Process every waiting version of ``promo.model_name`` (oldest first); returns what happened to each."""
+    from .common import resolve_tracking_uri
+    from .evaluate import LocalExecutor, RayExecutor, start_ray
+
+    promo, cfg = promo or PromotionConfig(), cfg or EvalConfig()
+    tracking_uri = tracking_uri or resolve_tracking_uri(workdir)
+    check_stage_all(promo, cfg, tracking_uri)
+    client = _client(tracking_uri)
+    waiting = waiting_versions(client, promo.model_name)
+    if not waiting:
+        return []
+    if in_process:
+        executor: Any = LocalExecutor()
+    else:
+        start_ray(ray_address)
+        executor = RayExecutor(cfg.cpus_per_task, cfg.gpus_per_task)
+    stager = _Stager(promo, cfg, workdir=workdir, tracking_uri=tracking_uri, executor=executor)
+    return [stager.process(str(mv.version)) for mv in waiting]
+
+
+def outcomes_markdown(outcomes: list[StageOutcome]) -> str:
+    if not outcomes:
+        return "No registry version is waiting for evaluation."
+    lines = ["| version | status | stage | figures | reasons |", "|---|---|---|---|---|"]
+    for o in outcomes:
+        figs = ", ".join(f"{k}={v:.4g}" for k, v in o.figures.items())
+        extra = f" (replaced v{o.replaced})" if o.replaced else ""
+        lines.append(f"| {o.version} | {o.status}{extra} | {o.stage} | {figs} | {'; '.join(o.reasons)} |")
+    return "\n".join(lines)
+
+
+__all__ = ["PromotionConfig", "PromotionError", "StageOutcome", "check_stage_all", "evaluate_model",
+           "outcomes_markdown", "stage_all", "waiting_versions"]

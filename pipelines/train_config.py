@@ -1,0 +1,336 @@
+"""Typed training configuration (METHOD.md section 7): YAML recipes plus ``--set key.sub=value``.
+
+A recipe is a YAML mapping with the sections below; every section and key is optional and falls
+back to the reference recipe of METHOD.md section 7. Unknown sections or keys fail with one line
+that lists the known ones.
+
+::
+
+    model:   {preset: tiny, kind: adlm, gamma: 3e-3, ...}   # ModelConfig fields (+ optional preset)
+    data:    {train: data/embedded/train, validation: data/embedded/validation}
+    optim:   {lr: 3e-4, betas: [0.9, 0.999], eps: 1e-8, weight_decay: 0.0, warmup_steps: 2500,
+              schedule: constant, clip: 1.0}
+    batch:   {global_batch: 512, micro_batch: 16}              # accumulation is derived
+    run:     {name: ..., max_steps: ..., val_every: ..., val_batches: ..., ckpt_every: ..., ...}
+    scaling: {num_workers: 2, use_gpu: false, cpus_per_worker: 0.5, strategy: ddp, bf16: true}
+    failure: {max_failures: 0}
+    ema: 0.9999
+    mlflow:  {experiment: adlm, registered_model: adlm, register: true}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from adlm_model.config import MODEL_KINDS, PRESETS, ConfigError, ModelConfig, check_keys, preset
+
+
+@dataclass
+class DataSection:
+    """Where the Parquet shards are (written by ``pipelines.prepare_data``)."""
+
+    train: str = "data/embedded/train"
+    """Training split directory (holds ``manifest.json``); a relative path lies under the work directory."""
+    validation: str = "data/embedded/validation"
+    """Validation split directory; a relative path lies under the work directory."""
+    shuffle_buffer: int = 256
+    """Rows in each worker's seeded local shuffle buffer (0 = no local shuffle); block order is seeded too."""
+
+
+@dataclass
+class OptimSection:
+    """AdamW and the learning-rate schedule (reference: lr 3e-4, betas 0.9/0.999, eps 1e-8, no decay)."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (reference 0)."""
+    warmup_steps: int = 2500
+    """Linear warm-up steps from 0 to ``lr`` (reference 2,500)."""
+    schedule: str = "constant"
+    """After warm-up: ``constant`` (reference) or ``cosine`` (decays to ``min_lr_ratio * lr`` at max_steps)."""
+    min_lr_ratio: float = 0.1
+    """Cosine only: the final learning rate as a fraction of ``lr``."""
+    clip: float = 1.0
+    """Gradient clipping by global norm (0 disables)."""
+
+
+@dataclass
+class BatchSection:
+    """Batch sizes in sequences; accumulation = global_batch / (micro_batch * workers)."""
+
+    global_batch: int = 512
+    """Sequences per optimiser step over all workers (reference 512)."""
+    micro_batch: int = 16
+    """Sequences per forward/backward pass on one worker."""
+
+
+@dataclass
+class RunSection:
+    """Length, cadence and identity of a run."""
+
+    name: str = "adlm"
+    """Run name: Ray Train run folder and MLflow run name. Rerunning the same name resumes it."""
+    max_steps: int = 1_000_000
+    """Optimiser steps to train for (reference 1M)."""
+    val_every: int = 500
+    """Validate (EMA weights, NELBO bound) every N steps and at the end."""
+    val_batches: int = 16
+    """Micro-batches of validation data per worker per validation (0 = the whole split)."""
+    ckpt_every: int = 500
+    """Checkpoint every N steps (and at the end)."""
+    num_to_keep: int = 3
+    """Checkpoints Ray Train keeps."""
+    log_every: int = 10
+    """MLflow metrics and a progress line every N steps."""
+    seed: int = 0
+    """Seeds model init, data order, noise and dropout."""
+    storage_path: str = ""
+    """Ray Train storage; empty = ``<workdir>/ray_results``. On a cluster: shared storage (s3://, NFS)."""
+
+
+@dataclass
+class ScalingSection:
+    """Ray Train ScalingConfig and the parallel strategy."""
+
+    num_workers: int = 2
+    """Training workers; 0 runs the loop in the driver process (Ray Train local mode, for quick tests)."""
+    use_gpu: bool = False
+    """One GPU per worker; backend nccl (gloo on CPU)."""
+    cpus_per_worker: float = 0.5
+    """CPUs each worker reserves; leave some for Ray Data's read tasks (ENVIRONMENT.md)."""
+    strategy: str = "ddp"
+    """``ddp`` or ``fsdp`` (shards parameters, gradients and optimiser state; for larger models)."""
+    bf16: bool = True
+    """bf16 autocast on GPU workers; ignored on CPU (19x slower there)."""
+
+
+@dataclass
+class FailureSection:
+    """Ray Train FailureConfig."""
+
+    max_failures: int = 0
+    """Worker-group restarts allowed; each restart resumes from the latest checkpoint."""
+
+
+@dataclass
+class MLflowSection:
+    """Tracking and registration."""
+
+    experiment: str = "adlm"
+    """MLflow experiment name."""
+    registered_model: str = "adlm"
+    """Registered model that receives the final EMA checkpoint."""
+    register: bool = True
+    """Register the final checkpoint (alias ``candidate``)."""
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataSection, "optim": OptimSection, "batch": BatchSection, "run": RunSection,
+    "scaling": ScalingSection, "failure": FailureSection, "mlflow": MLflowSection,
+}
+TOP_KEYS = ("model", *SECTIONS, "ema")
+
+
+@dataclass
+class TrainConfig:
+    """A full training recipe."""
+
+    model: ModelConfig = field(default_factory=lambda: preset("tiny"))
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    batch: BatchSection = field(default_factory=BatchSection)
+    run: RunSection = field(default_factory=RunSection)
+    scaling: ScalingSection = field(default_factory=ScalingSection)
+    failure: FailureSection = field(default_factory=FailureSection)
+    ema: float = 0.9999
+    """EMA decay of the weights used for validation, checkpoints and sampling (reference 0.9999)."""
+    mlflow: MLflowSection = field(default_factory=MLflowSection)
+
+    # ----- derived -----
+    @property
+    def world(self) -> int:
+        """Processes that split the global batch (local mode counts as one)."""
+        return max(1, self.scaling.num_workers)
+
+    @property
+    def accumulation(self) -> int:
+        return self.batch.global_batch // (self.batch.micro_batch * self.world)
+
+    def validate(self) -> TrainConfig:
+        """Every check that needs no data or Ray; raises ConfigError with one line."""
+
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        self.model.validate()
+        o, b, r, s = self.optim, self.batch, self.run, self.scaling
+        need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
+        need(len(o.betas) == 2 and all(0 <= x < 1 for x in o.betas), f"optim.betas must be two numbers in [0, 1), got {o.betas}")
+        need(o.eps > 0 and o.weight_decay >= 0, "optim.eps must be > 0 and optim.weight_decay >= 0")
+        need(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+        need(o.schedule in ("constant", "cosine"), f"optim.schedule must be constant or cosine, got {o.schedule!r}")
+        need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+        need(o.clip >= 0, f"optim.clip must be >= 0 (0 disables), got {o.clip}")
+        need(b.global_batch >= 1 and b.micro_batch >= 1, "batch.global_batch and batch.micro_batch must be >= 1")
+        need(b.global_batch % (b.micro_batch * self.world) == 0,
+             f"batch.global_batch {b.global_batch} is not divisible by workers x micro_batch = {self.world} x "
+             f"{b.micro_batch}; pick a global batch that is a multiple of {self.world * b.micro_batch}")
+        need(r.max_steps >= 1, f"run.max_steps must be >= 1, got {r.max_steps}")
+        for k in ("val_every", "ckpt_every", "log_every", "num_to_keep"):
+            need(getattr(r, k) >= 1, f"run.{k} must be >= 1, got {getattr(r, k)}")
+        need(r.val_batches >= 0, f"run.val_batches must be >= 0, got {r.val_batches}")
+        need(bool(r.name) and "/" not in r.name, f"run.name must be a non-empty name without '/', got {r.name!r}")
+        need(s.num_workers >= 0, f"scaling.num_workers must be >= 0, got {s.num_workers}")
+        need(s.cpus_per_worker > 0, f"scaling.cpus_per_worker must be > 0, got {s.cpus_per_worker}")
+        need(s.strategy in ("ddp", "fsdp"), f"scaling.strategy must be ddp or fsdp, got {s.strategy!r}")
+        need(self.failure.max_failures >= -1, "failure.max_failures must be >= 0 (or -1 for unlimited)")
+        need(0 <= self.ema < 1, f"ema decay must be in [0, 1), got {self.ema}")
+        need(self.data.shuffle_buffer >= 0, "data.shuffle_buffer must be >= 0")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["model"] = self.model.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"a training config must be a mapping of sections, got {type(raw).__name__}")
+        unknown = sorted(set(raw) - set(TOP_KEYS))
+        if unknown:
+            raise ConfigError(f"unknown config section(s) {', '.join(unknown)}; known: {', '.join(TOP_KEYS)}")
+        kw: dict[str, Any] = {"model": build_model_config(raw.get("model") or {})}
+        for name, sec in SECTIONS.items():
+            d = raw.get(name) or {}
+            if not isinstance(d, dict):
+                raise ConfigError(f"config section {name!r} must be a mapping, got {d!r}")
+            kw[name] = sec(**_coerce(sec, check_keys(sec, d, name), name))
+        if "ema" in raw:
+            kw["ema"] = _number(raw["ema"], "ema")
+        return cls(**kw).validate()
+
+    def resolve_path(self, p: str, workdir: Path) -> Path:
+        """Data paths: absolute as given, relative ones under the work directory."""
+        q = Path(os.path.expanduser(p))
+        return q if q.is_absolute() else workdir / q
+
+
+def build_model_config(d: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from a ``model:`` section: optional ``preset`` name plus field overrides."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"config section 'model' must be a mapping, got {d!r}")
+    d = dict(d)
+    name = d.pop("preset", None)
+    if "kind" in d and d["kind"] not in MODEL_KINDS:
+        raise ConfigError(f"unknown model kind {d['kind']!r}: use one of {', '.join(MODEL_KINDS)}")
+    check_keys(ModelConfig, d, "model")
+    d = _coerce(ModelConfig, d, "model")
+    if name is None:
+        return ModelConfig.from_dict(d)
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}: use one of {', '.join(PRESETS)}")
+    return preset(name, **d)
+
+
+def _number(v: Any, where: str) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where} must be a number, got {v!r}") from None
+
+
+def _coerce(cls: type, d: dict[str, Any], where: str) -> dict[str, Any]:
+    """YAML gives ``3e-4`` as a string and ints for floats: coerce to the field's declared type."""
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    out = {}
+    for k, v in d.items():
+        t = str(types[k])
+        try:
+            if t == "float" and not isinstance(v, bool):
+                v = float(v)
+            elif t == "int" and not isinstance(v, bool):
+                if isinstance(v, float) and not v.is_integer():
+                    raise ValueError
+                v = int(float(v)) if isinstance(v, str) else int(v)
+            elif t == "bool":
+                if isinstance(v, str) and v.lower() in ("true", "false"):
+                    v = v.lower() == "true"
+                if not isinstance(v, bool):
+                    raise ValueError
+            elif t == "str":
+                v = str(v)
+            elif t.startswith("list"):
+                v = [float(x) for x in v]
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}.{k} must be of type {t}, got {v!r}") from None
+        out[k] = v
+    return out
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one ``key.sub=value`` (value parsed as YAML) to a raw recipe dict in place."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r} must look like section.key=value (e.g. run.max_steps=100)")
+    key, value = assignment.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"--set {assignment!r} has an empty key")
+    if parts[0] not in TOP_KEYS:
+        raise ConfigError(f"--set {assignment!r}: unknown section {parts[0]!r}; known: {', '.join(TOP_KEYS)}")
+    node = raw
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {assignment!r}: {p!r} is not a section")
+        node = nxt
+    node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+
+
+def load_raw(path: str | os.PathLike | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist; pass one of configs/*.yaml")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of sections")
+    return raw
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Load a YAML recipe, apply ``--set`` overrides, validate."""
+    raw = load_raw(path)
+    for a in overrides:
+        apply_override(raw, a)
+    return TrainConfig.from_dict(raw)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1} (MLflow params)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

@@ -1,0 +1,150 @@
+"""BD3-LM (METHOD.md section 3): masks, b = L equals MDLM, KV cache equals recomputation, any length."""
+
+from __future__ import annotations
+
+import torch
+from test_samplers import M, V, gen, micro, randomized
+
+from adlm_model import compute_loss, sample
+from adlm_model.bd3lm import (
+    BlockContext,
+    bd3lm_objective,
+    block_diff_mask,
+    block_diffusion_logits,
+    clip_intervals,
+    sample_blocks,
+    search_clipped_schedule,
+)
+from adlm_model.losses import mdlm_objective
+
+L = 24
+
+
+def test_block_diff_mask_structure() -> None:
+    # L = 4, b = 2: x_t = 0..3, x_0 = 4..7
+    got = block_diff_mask(4, 2).int()
+    want = torch.tensor([
+        [1, 1, 0, 0, 0, 0, 0, 0],  # x_t block 0: own block only
+        [1, 1, 0, 0, 0, 0, 0, 0],
+        [0, 0, 1, 1, 1, 1, 0, 0],  # x_t block 1: own block + clean block 0
+        [0, 0, 1, 1, 1, 1, 0, 0],
+        [0, 0, 0, 0, 1, 1, 0, 0],  # x_0 block 0: block-causal
+        [0, 0, 0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 0, 1, 1, 1, 1],
+        [0, 0, 0, 0, 1, 1, 1, 1],
+    ])
+    assert torch.equal(got, want)
+
+
+def test_block_logits_depend_only_on_allowed_tokens() -> None:
+    cfg = micro("bd3lm")
+    model = randomized(cfg)
+    x0 = torch.randint(0, V, (1, L), generator=gen(1))
+    zt = torch.where(torch.rand(1, L, generator=gen(2)) < 0.5, torch.full_like(x0, M), x0)
+    sigma = torch.zeros(1)
+    with torch.no_grad():
+        base = block_diffusion_logits(model, zt, x0, sigma, 4)
+        # change clean x_0 from block 2 on, and the noisy x_t of block 4
+        x0b = x0.clone()
+        x0b[:, 8:] = (x0b[:, 8:] + 1) % V
+        ztb = zt.clone()
+        ztb[:, 16:20] = (x0[:, 16:20] + 3) % V
+        other = block_diffusion_logits(model, ztb, x0b, sigma, 4)
+    # x_t blocks 0-2 see their own block and clean blocks < their own: all unchanged
+    assert torch.allclose(base[:, :12], other[:, :12], atol=1e-5)
+    # block 3 sees clean block 2, block 4 its own changed x_t: both change
+    assert not torch.allclose(base[:, 12:16], other[:, 12:16], atol=1e-3)
+    assert not torch.allclose(base[:, 16:20], other[:, 16:20], atol=1e-3)
+
+
+def test_b_equals_L_gives_mdlm_loss() -> None:
+    cfg = micro("bd3lm").replace(block_size=L)
+    model = randomized(cfg)
+    x = torch.randint(0, V, (3, L), generator=gen(5))
+    am = torch.ones_like(x)
+    am[2, -5:] = 0
+    t = torch.tensor([0.2, 0.55, 0.9])
+    with torch.no_grad():
+        bd3 = bd3lm_objective(model, x, am, cfg, t=t, generator=gen(9))
+        mdlm = mdlm_objective(model, x, am, cfg, t=t, generator=gen(9))
+    assert bd3.n_tokens == mdlm.n_tokens
+    assert torch.allclose(bd3.loss, mdlm.loss, rtol=1e-5)
+    assert float(mdlm.loss) > 0.1
+
+
+def test_objective_per_block_times_and_eval_bounds() -> None:
+    cfg = micro("bd3lm", clip_low=0.3, clip_high=0.8)
+    model = randomized(cfg).train()
+    x = torch.randint(0, V, (2, L), generator=gen(5))
+    out = compute_loss(model, x, None, cfg, generator=gen(1))
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and out.n_tokens == 2 * L
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    # per-block times of shape (B, n_blocks) are accepted
+    t = torch.linspace(0.1, 0.9, 2 * (L // 4)).view(2, L // 4)
+    assert torch.isfinite(bd3lm_objective(model, x, None, cfg, t=t, generator=gen()).loss)
+
+
+def test_kv_cached_block_logits_equal_recomputation() -> None:
+    cfg = micro("bd3lm")
+    model = randomized(cfg)
+    clean = torch.randint(0, V, (2, 12), generator=gen(3))
+    noisy = torch.where(torch.rand(2, 4, generator=gen(4)) < 0.5, torch.full((2, 4), M), clean[:, :4])
+    sigma = torch.zeros(2)
+    with torch.no_grad():
+        ctx = {kv: BlockContext(model, 4, L, kv_cache=kv) for kv in (True, False)}
+        for c in ctx.values():
+            for k in range(3):
+                c.commit(clean[:, 4 * k:4 * k + 4], 4 * k, sigma)
+        got = ctx[True].logits(noisy, 12, sigma)
+        want = ctx[False].logits(noisy, 12, sigma)
+        rows = torch.tensor([1])
+        got_row = ctx[True].logits(noisy[rows], 12, sigma[rows], rows)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(got_row, want[rows], atol=1e-5)
+    # the tokens of whole runs agree too
+    out = [sample(model, cfg, batch_size=2, length=L, steps=8, sampler="bd3lm", nucleus_p=0.9, generator=gen(7),
+                  kv_cache=kv) for kv in (True, False)]
+    assert torch.equal(out[0], out[1])
+
+
+def test_generates_twice_the_training_length() -> None:
+    cfg = micro("bd3lm")
+    model = randomized(cfg)
+    x = sample(model, cfg, batch_size=2, length=2 * L + 2, steps=4, sampler="bd3lm", generator=gen(),
+               prefix=torch.tensor([3, 4, 5]))
+    assert x.shape == (2, 2 * L + 2) and not (x == M).any()
+    assert (x[:, :3] == torch.tensor([3, 4, 5])).all()
+
+
+def test_stops_at_eos_and_low_entropy() -> None:
+    cfg = micro("bd3lm")
+    model = randomized(cfg)
+    eos = 7
+    res = sample_blocks(model, cfg, *_empty(3, 2 * L), steps=4, nucleus_p=1.0, generator=gen(2), eos_id=eos)
+    for row, n in zip(res.tokens, res.lengths.tolist(), strict=True):
+        if n < 2 * L:
+            assert row[n - 1] == eos and (row[:n - 1] != eos).all() and (row[n:] == eos).all()
+        else:
+            assert (row != eos).all()
+    # a threshold above any possible entropy stops every row at its first check, without its window
+    res = sample_blocks(model, cfg, *_empty(2, 2 * L), steps=4, nucleus_p=1.0, generator=gen(2),
+                        entropy_threshold=100.0, entropy_window=8, pad_id=0)
+    assert res.lengths.tolist() == [12 - 8, 12 - 8] and (res.tokens[:, 4:] == 0).all()
+
+
+def _empty(b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.full((b, n), M), torch.zeros(b, n, dtype=torch.bool)
+
+
+def test_clip_grid_and_variance_search() -> None:
+    grid = clip_intervals(widths=(0.9,), delta=0.05, eps=1e-3)
+    assert grid == [(1e-3, 1.0), (1e-3, 0.9), (0.05, 0.95), (0.1, 1.0)]
+    cfg = micro("bd3lm")
+    model = randomized(cfg)
+    batches = [(torch.randint(0, V, (4, L), generator=gen(i)), None) for i in range(2)]
+    res = search_clipped_schedule(model, batches, cfg, intervals=[(1e-3, 1.0), (0.3, 0.8), (0.5, 0.6)])
+    assert set(res.variances) == {(1e-3, 1.0), (0.3, 0.8), (0.5, 0.6)}
+    assert res.variances[(res.beta, res.omega)] == min(res.variances.values())
+    # a narrow band away from t -> 0 (where w(t) = 1/t explodes) has less variance than [eps, 1]
+    assert res.variances[(0.5, 0.6)] < res.variances[(1e-3, 1.0)]

@@ -1,0 +1,219 @@
+"""pipelines.prepare_data end to end on a small real corpus (King James chapters) with real Ray Data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines.corpora import SourceError, bible_documents
+from pipelines.manifest import DataMismatchError, read_manifest
+from pipelines.prepare_data import FAIL_ENV, PrepareError, prepare
+from pipelines.tokenization import TokenizerError, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[str]:
+    """60 real documents (Bible chapters cut to 1,200 characters) with two empty ones among them."""
+    d = [c[:1200] for c in bible_documents()[:60]]
+    d[5] = ""
+    d[17] = "   "
+    return d
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory, docs: list[str]) -> Path:
+    p = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    p.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(docs)), encoding="utf-8")
+    return p
+
+
+def _rows(split_dir: Path) -> tuple[np.ndarray, np.ndarray | None, list]:
+    m = read_manifest(split_dir)
+    tabs = [pq.read_table(p) for p in m.shard_paths()]
+    L = m.length
+    ids = np.concatenate([t.column("input_ids").combine_chunks().flatten().to_numpy() for t in tabs]).reshape(-1, L)
+    mask = None
+    if "attention_mask" in tabs[0].column_names:
+        mask = np.concatenate([t.column("attention_mask").combine_chunks().flatten().to_numpy()
+                               for t in tabs]).reshape(-1, L)
+    return ids, mask, tabs
+
+
+def _shas(out: Path, split: str = "train") -> list[str]:
+    return [s.sha256 for s in read_manifest(out / split).shards]
+
+
+def test_wrap_rows_decode_to_the_documents(ray_session, tmp_path: Path, corpus: Path, docs: list[str]) -> None:
+    out = tmp_path / "wrap"
+    ms = prepare(dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=64, shard_rows=40, quiet=True))
+    m = ms["train"]
+    tok = load_tokenizer("gpt2")
+    ids, mask, tabs = _rows(out / "train")
+    assert mask is None
+    assert str(tabs[0].schema.field("input_ids").type) == "fixed_size_list<element: int32>[64]"
+    assert len(m.shards) >= 3 and m.rows == len(ids) == sum(s.rows for s in m.shards)
+    # Framing: BOS ... EOS, both 50256 for GPT-2.
+    assert (ids[:, 0] == 50256).all() and (ids[:, -1] == 50256).all()
+    # The body of the rows is exactly the stream of documents + EOS, minus the dropped tail.
+    kept = [d for d in docs if d.strip()]
+    stream = np.concatenate([np.array(x + [50256], np.int32) for x in tok.encode(kept)])
+    body = ids[:, 1:-1].reshape(-1)
+    assert len(stream) - len(body) == m.dropped_tail_tokens < 62
+    np.testing.assert_array_equal(body, stream[: len(body)])
+    text = tok.decode(body.tolist())
+    full = "".join(d + "<|endoftext|>" for d in kept)
+    assert full.startswith(text) and len(full) - len(text) < 62 * 20
+    # Manifest: counts and ids.
+    assert (m.vocab_size, m.mask_id, m.bos_id, m.eos_id, m.length, m.mode) == (50257, 50257, 50256, 50256, 64, "wrap")
+    assert m.documents == 60 and m.documents_used == 58 and m.skipped == {"empty": 2}
+    assert m.tokens == m.rows * 64 == sum(m.token_frequency.values())
+    assert m.token_frequency["50256"] == 2 * m.rows + int((body == 50256).sum())
+    assert m.tokenizer["name"] == "gpt2" and m.tokenizer["hash"] == tok.content_hash
+    import adlm_model
+
+    assert m.project_version == adlm_model.__version__
+    m.check_fits({"kind": "mdlm", "vocab_size": 50257, "mask_id": 50257, "seq_len": 64})
+    with pytest.raises(DataMismatchError, match="length 64 .* seq_len=128"):
+        m.check_fits({"kind": "mdlm", "vocab_size": 50257, "mask_id": 50257, "seq_len": 128})
+
+
+def test_pad_rows_are_exact(ray_session, tmp_path: Path, corpus: Path, docs: list[str]) -> None:
+    out = tmp_path / "pad"
+    ms = prepare(dict(source=[str(corpus)], out=str(out), tokenizer="bert-base-uncased", mode="pad", length=48,
+                      max_truncated=1.0, shard_rows=25, quiet=True))
+    m = ms["train"]
+    tok = load_tokenizer("bert-base-uncased")
+    ids, mask, tabs = _rows(out / "train")
+    assert str(tabs[0].schema.field("attention_mask").type) == "fixed_size_list<element: int8>[48]"
+    kept = [d for d in docs if d.strip()]
+    enc = tok.encode(kept)
+    assert len(ids) == len(kept) == m.rows
+    for row, msk, x in zip(ids, mask, enc, strict=True):
+        n = min(len(x), 46)
+        expect = [101] + x[:n] + [102] + [0] * (46 - n)
+        assert row.tolist() == expect
+        assert msk.tolist() == [1] * (n + 2) + [0] * (46 - n)
+    assert m.truncated == sum(len(x) > 46 for x in enc) > 0
+    assert (m.pad_id, m.mask_id, m.bos_id, m.eos_id) == (0, 103, 101, 102)
+    assert m.tokens == int(mask.sum())
+
+
+def test_pad_length_too_short_fails_before_any_work(tmp_path: Path, corpus: Path) -> None:
+    out = tmp_path / "short"
+    with pytest.raises(PrepareError, match=r"--length 16 truncates .* use --length \d+"):
+        prepare(dict(source=[str(corpus)], out=str(out), tokenizer="bert-base-uncased", mode="pad", length=16))
+    assert not out.exists()
+
+
+def test_killed_run_resumes_to_identical_shards(ray_session, tmp_path: Path, corpus: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    opts = dict(source=[str(corpus)], tokenizer="gpt2", length=32, shard_rows=30, quiet=True)
+    ref = prepare({**opts, "out": str(tmp_path / "ref")})["train"]
+    assert len(ref.shards) >= 4
+    out = tmp_path / "killed"
+    monkeypatch.setenv(FAIL_ENV, "3")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        prepare({**opts, "out": str(out)})
+    monkeypatch.delenv(FAIL_ENV)
+    names = sorted(p.name for p in (out / "train").glob("part-*"))
+    assert names == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    assert not (out / "train" / "manifest.json").exists()
+    # Damage it further: a lost shard and a stale temporary file. The rerun keeps the intact prefix.
+    (out / "train" / "part-00001.parquet").unlink()
+    (out / "train" / "part-00002.parquet.tmp").write_bytes(b"half")
+    resumed = prepare({**opts, "out": str(out)})["train"]
+    assert _shas(out) == _shas(tmp_path / "ref") and resumed.content_hash() == ref.content_hash()
+    assert not list((out / "train").glob("*.tmp"))
+    for s in ref.shards:
+        assert (out / "train" / s.name).read_bytes() == (tmp_path / "ref" / "train" / s.name).read_bytes()
+    # Complete: a rerun only verifies; other options on the same output are refused before any work.
+    assert prepare({**opts, "out": str(out)})["train"].content_hash() == ref.content_hash()
+    with pytest.raises(PrepareError, match="--overwrite"):
+        prepare({**opts, "out": str(out), "length": 48})
+
+
+def test_splits_trained_tokenizer_and_uri_output(ray_session, tmp_path: Path, docs: list[str]) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_bytes("\n".join(docs[:30]).encode() + b"\nbad \xff\xfe byte\n\n")
+    pq.write_table(__import__("pyarrow").table({"body": docs[30:50]}), src / "b.parquet")
+    (tmp_path / "val.txt").write_text("\n".join(docs[50:]), encoding="utf-8")
+    out_uri = (tmp_path / "out").as_uri()  # file:// goes through the pyarrow filesystem path, as s3:// does
+    ms = prepare(dict(source=[f"train={src}", f"validation={tmp_path / 'val.txt'}"], out=out_uri,
+                      train_tokenizer=400, text_field="body", length=40, shard_rows=50, quiet=True))
+    tok_file = tmp_path / "out" / "tokenizer.json"
+    assert tok_file.is_file()
+    tok = load_tokenizer(str(tok_file))
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id, tok.mask_id) == (400, 0, 0, 1, 2)
+    for split, m in ms.items():
+        assert m.tokenizer["hash"] == tok.content_hash and m.vocab_size == 400 and m.mask_id == 2
+        ids, _, _ = _rows(tmp_path / "out" / split)
+        assert ids.max() < 400 and (ids[:, 0] == 0).all()
+    train = ms["train"]
+    assert train.invalid_utf8_replaced == 1 and train.skipped.get("empty", 0) >= 1
+    # Byte-level BPE is lossless: the rows decode to the documents (text lines, then the Parquet column).
+    body = _rows(tmp_path / "out" / "train")[0][:, 1:-1].reshape(-1).tolist()
+    text = tok.decode(body, skip_special_tokens=False)
+    lines = [x for x in "\n".join(docs[:30]).splitlines() if x.strip()]  # .txt: one document a line
+    assert text.startswith("<|endoftext|>".join(lines))
+    assert read_manifest(f"{out_uri}/validation").shard_uris()[0].startswith("file://")
+
+
+def test_bad_input_fails_before_ray(tmp_path: Path, corpus: Path) -> None:
+    import ray
+
+    was = ray.is_initialized()
+    with pytest.raises(SourceError, match="unknown dataset 'openwebtxt'; known: embedded, openwebtext, lm1b"):
+        prepare(dict(source=["openwebtxt"], out=str(tmp_path / "x")))
+    with pytest.raises(SourceError, match="no input files"):
+        prepare(dict(source=[str(tmp_path / "missing.jsonl")], out=str(tmp_path / "x"), tokenizer="gpt2"))
+    with pytest.raises(PrepareError, match="below 4"):
+        prepare(dict(source=[str(corpus)], out=str(tmp_path / "x"), tokenizer="gpt2", length=3))
+    with pytest.raises(SourceError, match="no field 'body'.*--text-field"):
+        prepare(dict(source=[str(corpus)], out=str(tmp_path / "x"), tokenizer="gpt2", text_field="body"))
+    with pytest.raises(TokenizerError, match="does not exist"):
+        prepare(dict(source=[str(corpus)], out=str(tmp_path / "x"), tokenizer=str(tmp_path / "nope.json")))
+    # A tokenizer without any special token cannot frame rows.
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel()
+    t.train_from_iterator(["plain text only"] * 10, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    t.save(str(tmp_path / "plain.json"))
+    with pytest.raises(TokenizerError, match="has no BOS/EOS token"):
+        prepare(dict(source=[str(corpus)], out=str(tmp_path / "x"), tokenizer=str(tmp_path / "plain.json")))
+    assert not (tmp_path / "x").exists()
+    assert ray.is_initialized() == was
+
+
+def test_cli_help_and_error_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from pipelines.prepare_data import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    for flag in ("--source", "--out", "--tokenizer", "--train-tokenizer", "--length", "--mode", "--text-field",
+                 "--shard-rows", "--actors", "--actor-cpus", "--overwrite", "--max-truncated"):
+        assert flag in help_text
+    assert main(["--source", "nosuchset", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown dataset 'nosuchset'" in err[0]
+
+
+@pytest.mark.slow
+def test_embedded_default_fits_the_tiny_model(ray_session, tmp_path: Path) -> None:
+    from adlm_model import preset
+
+    ms = prepare(dict(source=["embedded"], out=str(tmp_path / "emb"), quiet=True))
+    assert set(ms) == {"train", "validation", "test"}
+    m = ms["train"]
+    assert m.vocab_size == 8192 and m.length == 128 and m.rows > 10_000 and m.source == "embedded"
+    m.check_fits(preset("tiny", **m.model_overrides()))
+    assert (tmp_path / "emb" / "tokenizer.json").is_file()
+    # Rerun: verified and reused, not recomputed.
+    again = prepare(dict(source=["embedded"], out=str(tmp_path / "emb"), quiet=True))
+    assert {s: x.content_hash() for s, x in again.items()} == {s: x.content_hash() for s, x in ms.items()}

@@ -1,0 +1,243 @@
+"""pipelines/train.py on real local Ray, real shards from prepare_data and a real sqlite MLflow store:
+a 2-worker run trains, validates, checkpoints and registers; a resumed run equals an uninterrupted
+one; a killed worker is restarted and the run ends at max_steps; bad inputs fail before Ray."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_train_support import TINY_MODEL, data_overrides
+
+from adlm_model import ConfigError, load_checkpoint
+from pipelines import train as train_mod
+from pipelines.manifest import DataMismatchError
+from pipelines.train_config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(data: Path, name: str, *extra: str):
+    return load_config(ROOT / "configs" / "demo.yaml", [
+        *data_overrides(data), *TINY_MODEL, f"run.name={name}", "batch.global_batch=16", "batch.micro_batch=4",
+        "run.val_every=10", "run.ckpt_every=5", "run.log_every=1", "run.val_batches=2", "run.num_to_keep=2",
+        "optim.warmup_steps=5", "optim.lr=3e-3", "ema=0.9", "scaling.num_workers=2", "failure.max_failures=1",
+        "mlflow.experiment=test-train", *extra])
+
+
+def _history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    import mlflow
+
+    return sorted((m.step, m.value) for m in mlflow.MlflowClient(uri).get_metric_history(run_id, key))
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path, ray_session):
+    """One work directory and sqlite store for the module; the uninterrupted 40-step reference run."""
+    wd = tmp_path_factory.mktemp("train-work")
+    uri = f"sqlite:///{wd / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ADLM_WORKDIR", str(wd))
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        full = train_mod.train(_cfg(tiny_data, "full", "run.max_steps=40"))
+        yield {"wd": wd, "uri": uri, "full": full, "data": tiny_data}
+
+
+@pytest.fixture()
+def env(shared, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("ADLM_WORKDIR", str(shared["wd"]))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", shared["uri"])
+    return shared
+
+
+@pytest.mark.slow
+def test_two_worker_run_trains_validates_checkpoints_and_registers(env) -> None:
+    import mlflow
+    from pipelines.registry import get_version, resolve_model
+
+    res, uri = env["full"], env["uri"]
+    assert res.step == 40 and res.registered_version is not None
+    # It learned: training loss at the end below the start, validation bound finite and improving.
+    loss = _history(uri, res.run_id, "train/loss")
+    assert [s for s, _ in loss] == list(range(1, 41))
+    assert sum(v for _, v in loss[-5:]) / 5 < sum(v for _, v in loss[:5]) / 5 - 0.3
+    val = _history(uri, res.run_id, "val/ppl")
+    assert [s for s, _ in val] == [10, 20, 30, 40] and val[-1][1] < val[0][1] and math.isfinite(val[-1][1])
+    assert res.val_ppl == pytest.approx(val[-1][1])
+    for key in ("train/nll", "train/anchor_loss", "train/gamma_k", "train/lr", "train/grad_norm",
+                "train/tokens_per_s"):
+        assert _history(uri, res.run_id, key), key
+    gk = dict(_history(uri, res.run_id, "train/gamma_k"))
+    assert gk[1] == 0.0 and gk[40] == pytest.approx(3e-3)  # ramp over 5 steps (METHOD.md section 2)
+    # Checkpoints through Ray Train: num_to_keep=2 of every 5 steps, rank files of both workers.
+    run_dir = env["wd"] / "ray_results" / "full"
+    assert [s for s, _ in train_mod.list_checkpoints(run_dir)] == [35, 40]
+    ck = run_dir / "checkpoint_00000040"
+    assert {"rng_rank0.json", "rng_rank1.json", "trainer_state.json", "ema.safetensors"} <= {p.name for p in ck.iterdir()}
+    assert not list(ck.glob("*.pkl")) and not list(ck.glob("*.pt"))
+    # MLflow: params = full config + manifest hash; plot and checkpoint artifacts; candidate alias.
+    client = mlflow.MlflowClient(uri)
+    run = client.get_run(res.run_id)
+    assert run.data.params["model.kind"] == "adlm" and run.data.params["optim.lr"] == "0.003"
+    assert len(run.data.params["data_manifest_hash"]) == 64
+    arts = {a.path for a in client.list_artifacts(res.run_id)} | {a.path for a in client.list_artifacts(res.run_id, "checkpoint")}
+    assert {"plots", "checkpoint/config.json", "checkpoint/ema.safetensors", "checkpoint/tokenizer.json"} <= arts
+    mv = get_version("models:/adlm@candidate", uri)
+    assert str(mv.version) == res.registered_version and mv.run_id == res.run_id
+    for tag in ("kind", "gamma", "tau", "data_manifest_hash", "val_ppl", "run_name", "checkpoint_uri"):
+        assert tag in mv.tags, tag
+    assert mv.tags["data_manifest_hash"] == run.data.params["data_manifest_hash"]
+    local = resolve_model("models:/adlm@candidate", uri, dst=env["wd"] / "dl")
+    model, cfg, meta = load_checkpoint(local, expect={"kind": "adlm"})
+    for key in ("step", "mlflow_run_id", "run_name", "tokenizer", "data_manifest_hash", "train_config"):
+        assert key in meta, key
+    assert meta["step"] == 40 and meta["mlflow_run_id"] == res.run_id and (local / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+def test_resume_equals_uninterrupted_run(env) -> None:
+    import mlflow
+
+    data, uri = env["data"], env["uri"]
+    first = train_mod.train(_cfg(data, "half", "run.max_steps=20"))
+    second = train_mod.train(_cfg(data, "half", "run.max_steps=40"))
+    assert first.run_id == second.run_id and second.step == 40
+    runs = mlflow.MlflowClient(uri).search_runs(
+        [mlflow.MlflowClient(uri).get_experiment_by_name("test-train").experiment_id],
+        filter_string="tags.`adlm.run_name` = 'half'")
+    assert len(runs) == 1
+    resumed, full = _history(uri, second.run_id, "train/loss"), _history(uri, env["full"].run_id, "train/loss")
+    assert [s for s, _ in resumed] == list(range(1, 41))  # no duplicated or missing steps
+    for (s1, a), (s2, b) in zip(resumed, full, strict=True):
+        assert s1 == s2 and abs(a - b) < 1e-5, (s1, a, b)
+    assert second.val_ppl == pytest.approx(env["full"].val_ppl, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_killed_worker_is_restarted_and_finishes_at_max_steps(env, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(train_mod.CRASH_ENV, "13")
+    res = train_mod.train(_cfg(env["data"], "crash", "run.max_steps=20"))
+    uri = env["uri"]
+    assert res.step == 20
+    assert (env["wd"] / "ray_results" / "crash" / ".crashed_once").read_text() == "13"
+    resumed = [int(v) for _, v in _history(uri, res.run_id, "train/resumed_from")]
+    assert resumed == [10] and 13 - resumed[0] <= 5  # lost at most one checkpoint interval
+    loss = _history(uri, res.run_id, "train/loss")
+    assert [s for s, _ in loss] == list(range(1, 21))  # the replayed steps were not logged twice
+    # The restart continued exactly: same losses as the uninterrupted run.
+    full = dict(_history(uri, env["full"].run_id, "train/loss"))
+    assert all(abs(v - full[s]) < 1e-5 for s, v in loss)
+
+
+def _no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*a, **k):
+        raise AssertionError("Ray was started before the input was validated")
+
+    monkeypatch.setattr(train_mod, "_ensure_ray", boom)
+
+
+@pytest.mark.parametrize("override, message", [
+    (["model.vocab_size=600"], "tokenizer vocab 512 (data) vs vocab_size=600 (model)"),
+    (["model.mask_id=7"], "mask id"),
+    (["model.seq_len=64"], "length 32 (data) vs seq_len=64 (model)"),
+])
+def test_data_that_does_not_fit_the_model_is_refused(tiny_data, workdir, monkeypatch, override, message) -> None:
+    _no_ray(monkeypatch)
+    cfg = _cfg(tiny_data, "bad", *override)
+    with pytest.raises(DataMismatchError, match="does not fit the model") as e:
+        train_mod.train(cfg)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_data_inputs(tiny_data, workdir, monkeypatch, tmp_path) -> None:
+    _no_ray(monkeypatch)
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_data, broken)
+    for p in (broken / "train").glob("part-*.parquet"):
+        p.unlink()
+    with pytest.raises(ConfigError, match=r"data.train: shard .*part-00000.parquet is missing; rerun pipelines.prepare_data"):
+        train_mod.train(_cfg(broken, "bad"))
+    with pytest.raises(ConfigError, match="data.validation: no manifest.json"):
+        train_mod.train(_cfg(tiny_data, "bad", f"data.validation={tmp_path / 'nowhere'}"))
+    # Validation tokenized by another tokenizer than train.
+    other = tmp_path / "other"
+    shutil.copytree(tiny_data, other)
+    m = json.loads((other / "validation" / "manifest.json").read_text())
+    m["tokenizer"]["hash"] = "0" * 64
+    (other / "validation" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ConfigError, match="tokenized differently"):
+        train_mod.train(_cfg(other, "bad"))
+
+
+@pytest.mark.parametrize("override, message", [
+    (["batch.global_batch=18"], "batch.global_batch 18 is not divisible by workers x micro_batch = 2 x 4"),
+    (["model.gamma=-0.1"], "gamma must be >= 0, got -0.1"),
+    (["model.tau=-1"], "tau must be >= 0, got -1"),
+    (["model.kind=gpt"], "unknown model kind 'gpt': use one of mdlm, adlm, ar, bd3lm"),
+    (["optim.learning_rate=1"], "unknown optim config key(s) learning_rate; known keys: lr, betas"),
+    (["model.hiden=3"], "unknown model config key(s) hiden; known keys: kind, vocab_size"),
+    (["trainer.x=1"], "unknown section 'trainer'; known: model, data"),
+    (["optim.schedule=linear"], "optim.schedule must be constant or cosine"),
+    (["scaling.strategy=zero"], "scaling.strategy must be ddp or fsdp"),
+])
+def test_bad_config_values(tiny_data, override, message) -> None:
+    with pytest.raises(ConfigError) as e:
+        _cfg(tiny_data, "bad", *override)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cli_help_and_one_line_error(tiny_data, workdir) -> None:
+    out = subprocess.run([sys.executable, "-m", "pipelines.train", "--help"], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    for flag in ("--config", "--set", "--workdir", "--print-config"):
+        assert flag in out
+    r = subprocess.run([sys.executable, "-m", "pipelines.train", "--config", "configs/demo.yaml",
+                        *sum((["--set", a] for a in data_overrides(tiny_data)), []), "--set", "model.tau=-2"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and r.stderr.strip() == "error: tau must be >= 0, got -2"
+
+
+def test_lr_schedule() -> None:
+    f = train_mod.lr_factor
+    assert [f(s, 4, "constant", 100, 0.1) for s in (0, 1, 3, 4, 50, 99)] == [0.25, 0.5, 1.0, 1.0, 1.0, 1.0]
+    assert f(4, 4, "cosine", 104, 0.1) == pytest.approx(1.0)
+    assert f(54, 4, "cosine", 104, 0.1) == pytest.approx(0.55)
+    assert f(104, 4, "cosine", 104, 0.1) == pytest.approx(0.1)
+
+
+def test_tracker_survives_an_outage(tmp_path, monkeypatch) -> None:
+    """A tracking server that is down: metrics are buffered with a warning, never raised; sent on recovery."""
+    import socket
+
+    import mlflow
+    from pipelines.common import ensure_experiment
+    from pipelines.tracking import ResilientLogger, find_or_create_run
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    good = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id, created = find_or_create_run(good, ensure_experiment("outage", good, tmp_path), "r")
+    assert created and find_or_create_run(good, ensure_experiment("outage", good, tmp_path), "r") == (run_id, False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = ResilientLogger(f"http://127.0.0.1:{port}", run_id, skip_through_step=-1, retry_s=0.0)
+    for step in range(1, 4):
+        log.log_metrics({"train/loss": 1.0 / step}, step)
+        assert log.flush() is False
+    assert len(log.buffer) == 3 and log.failures == 3
+    log.tracking_uri = good  # the server is back
+    assert log.flush(block=True) is True and not log.buffer
+    hist = mlflow.MlflowClient(good).get_metric_history(run_id, "train/loss")
+    assert sorted(m.step for m in hist) == [1, 2, 3]
+    # A restarted logger skips steps that are already stored (no duplicated steps after a restart).
+    again = ResilientLogger(good, run_id)
+    again.log_metrics({"train/loss": 9.0}, 3)
+    again.log_metrics({"train/loss": 0.2}, 4)
+    again.flush(block=True)
+    assert sorted(m.step for m in mlflow.MlflowClient(good).get_metric_history(run_id, "train/loss")) == [1, 2, 3, 4]

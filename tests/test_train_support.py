@@ -1,0 +1,44 @@
+"""Shared helpers of the training and tuning tests: tiny real data made by ``pipelines.prepare_data``
+(real text from the embedded corpus, a real trained BPE) and a tiny model config that fits it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TINY_MODEL = ["model.hidden=32", "model.heads=2", "model.n_blocks=1", "model.denoiser_blocks=1", "model.cond_dim=16",
+              "model.dropout=0.1", "model.gamma_ramp_steps=5"]
+
+
+def make_tiny_data(root: Path, train_chars: int = 120_000, val_chars: int = 12_000, length: int = 32) -> Path:
+    """Slices of the embedded corpus' train/validation text, tokenised by the real prepare_data with a
+    512-entry BPE trained on the slice, rows of ``length``. Returns the output folder."""
+    import pyarrow.parquet as pq
+
+    from pipelines.corpora import embedded_corpus
+    from pipelines.prepare_data import prepare
+
+    files = embedded_corpus()
+    root.mkdir(parents=True, exist_ok=True)
+    for split, budget in (("train", train_chars), ("validation", val_chars)):
+        out, n = [], 0
+        for t in pq.read_table(files[split]).column("text").to_pylist():
+            line = " ".join(t.split())[:4000]
+            if line:
+                out.append(line)
+                n += len(line)
+            if n >= budget:
+                break
+        (root / f"{split}.txt").write_text("\n".join(out) + "\n")
+    out_dir = root / "data"
+    prepare(dict(source=[f"train={root / 'train.txt'}", f"validation={root / 'validation.txt'}"], out=str(out_dir),
+                 train_tokenizer=512, length=length, quiet=True))
+    return out_dir
+
+
+def data_overrides(data_dir: Path) -> list[str]:
+    """--set assignments that point a recipe at ``data_dir`` and size the model to its manifest."""
+    from pipelines.manifest import read_manifest
+
+    m = read_manifest(data_dir / "train")
+    return [f"data.train={data_dir / 'train'}", f"data.validation={data_dir / 'validation'}",
+            *(f"model.{k}={v}" for k, v in m.model_overrides().items())]
