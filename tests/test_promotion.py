@@ -61,7 +61,7 @@ def test_stages_gate_and_promotion_are_recorded_and_idempotent(workdir, tmp_path
 
     ecfg = EvalConfig(eval_lm=str(tiny_gpt2(tmp_path)), mauve_featurizer="minilm", num_samples=50,
                       sample_batch_size=25, steps=4, sampler="mdlm", max_rows=96, batch_size=16)
-    promo = PromotionConfig(stage1_rows=48, stage1_max_ppl=300.0, stage1_tolerance=0.05, margin=0.01,
+    promo = PromotionConfig(stage1_rows=48, stage1_max_ppl=200.0, stage1_tolerance=0.05, margin=0.01,
                             gen_ppl_max=1e9, entropy_min=1.0, mauve_min=0.0)
     outcomes = {o.version: o for o in stage_all(promo, ecfg, workdir=workdir, in_process=True)}
     assert sorted(outcomes) == ["1", "2", "3", "4", "5"]
@@ -75,12 +75,12 @@ def test_stages_gate_and_promotion_are_recorded_and_idempotent(workdir, tmp_path
     assert client.get_model_version_by_alias("adlm", "champion").version == 2
     assert tags["2"]["eval.previous_champion"] == "1"
     assert float(tags["2"]["val_ppl"]) < float(tags["1"]["val_ppl"]) * 0.99
-    for k in ("gen_ppl", "entropy", "mauve", "gen.settings", "mauve.featurizer", "eval.run_id"):
+    for k in ("gen_ppl", "entropy", "mauve", "gen.settings", "mauve.featurizer", "eval.stage1.run_id", "eval.stage2.run_id"):
         assert k in tags["2"], k
     # v3: an untrained model fails the fast stage (threshold and champion) and never runs the full stage.
     assert outcomes["3"].status == "rejected" and outcomes["3"].stage == 1
     assert tags["3"]["eval.stage1"] == "failed" and "eval.stage2" not in tags["3"] and "gen_ppl" not in tags["3"]
-    assert "above the threshold 300" in tags["3"]["eval.reasons"]
+    assert "above the threshold 200" in tags["3"]["eval.reasons"]
     assert "above champion v2's" in tags["3"]["eval.reasons"]
     assert [r.data.tags.get("eval.stage") for r in _runs_of(client, "3")] == ["1"]
     # v4: the same weights as the champion pass the fast stage (within tolerance) but not the gate's margin.
