@@ -52,3 +52,27 @@ def ensure_experiment(name: str, tracking_uri: str, workdir: str | os.PathLike |
         if exp is None:
             raise
         return exp.experiment_id
+
+
+def init_ray(num_cpus: int | None = None) -> None:
+    """Connect to ``$RAY_ADDRESS`` when set (a cluster, ``ray job submit``), else start a local Ray.
+
+    A local Ray gets its dashboard on a free loopback port: Ray Tune over Ray Train V2 needs the
+    state API the dashboard serves, or finished trials' placement groups are never released
+    (ENVIRONMENT.md); loopback only, never open to the network.
+    """
+    import ray  # noqa: PLC0415
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True, configure_logging=False)
+        return
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
+             log_to_driver=True, configure_logging=False)

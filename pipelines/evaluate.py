@@ -512,8 +512,11 @@ def start_ray(address: str | None = None) -> None:
 
     quiet_environment()
     if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or None, log_to_driver=True,
-                 include_dashboard=False, configure_logging=False)
+        if address:
+            os.environ["RAY_ADDRESS"] = address
+        from .common import init_ray
+
+        init_ray()
 
 
 # ----------------------------------------------------------------------------------------------------------

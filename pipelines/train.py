@@ -526,11 +526,9 @@ def _export_checkpoint(src: Path, dst: Path) -> Path:
 
 
 def _ensure_ray(num_cpus: int | None = None) -> None:
-    import ray  # noqa: PLC0415
+    from .common import init_ray  # noqa: PLC0415
 
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), num_cpus=num_cpus, log_to_driver=True,
-                 configure_logging=False)
+    init_ray(num_cpus)
 
 
 def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
@@ -588,8 +586,9 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     ctx.execution_options.preserve_order = True  # deterministic order (the driver's context: local mode)
     ctx.enable_progress_bars = False
     exec_opts = ray.data.ExecutionOptions(preserve_order=True)
-    train_ds = ray.data.read_parquet(plan.train_uris, columns=plan.columns,
+    train_ds = ray.data.read_parquet(plan.train_uris, num_cpus=cfg.data.read_cpus,
                                      override_num_blocks=max(len(plan.train_uris), 2 * cfg.world))
+    train_ds = train_ds.select_columns(plan.columns)
     train_ds = train_ds.randomize_block_order(seed=cfg.run.seed)
 
     crash_at = os.environ.get(CRASH_ENV)

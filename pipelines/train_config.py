@@ -41,6 +41,9 @@ class DataSection:
     """Validation split directory; a relative path lies under the work directory."""
     shuffle_buffer: int = 256
     """Rows in each worker's seeded local shuffle buffer (0 = no local shuffle); block order is seeded too."""
+    read_cpus: float = 0.25
+    """CPUs each Ray Data read task asks for. Reading Parquet is I/O-light; a whole CPU per read task
+    starves when the trainer's workers hold fractional CPUs (several Tune trials on 2 cores)."""
 
 
 @dataclass
@@ -198,6 +201,7 @@ class TrainConfig:
         need(self.failure.max_failures >= -1, "failure.max_failures must be >= 0 (or -1 for unlimited)")
         need(0 <= self.ema < 1, f"ema decay must be in [0, 1), got {self.ema}")
         need(self.data.shuffle_buffer >= 0, "data.shuffle_buffer must be >= 0")
+        need(0 < self.data.read_cpus <= 64, f"data.read_cpus must be in (0, 64], got {self.data.read_cpus}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
