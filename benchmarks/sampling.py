@@ -7,14 +7,14 @@ At ``tiny`` (L = 128, 8,192-entry vocabulary, random weights): tokens/s of every
   ``cache=False`` (goal >= 3); ``remdm_cached_over_uncached_speedup`` the same for ReMDM-loop (its
   loop phase remasks tokens at most steps, so little is reusable);
 - ``bd3_kv_over_recompute_speedup``: BD3-LM block sampling with the KV cache over recomputing
-  the prefix, b = 4 at L = 128 (32 blocks; goal >= 5);
+  the prefix, tiny with b = 16 at L = 1024 (64 blocks; goal >= 5);
 
 and at ``small`` (the paper's sizes, GPT-2 vocabulary, L = 128, batch 1), one denoising forward:
 
 - ``adlm_fused_speedup``: unfused ADLM time over fused (goal >= 1.35; FLOP ratio about 1.46);
 - ``adlm_over_mdlm_inference_ratio``: fused ADLM over MDLM (goal <= 1.42; FLOP ratio about 1.35).
 
-    python benchmarks/sampling.py [--repeats 3] [--skip-small] [--device cpu|cuda]
+    python benchmarks/sampling.py [--repeats 3] [--skip-tiny] [--skip-bd3] [--skip-small] [--device cpu|cuda]
 
 With ``--device cuda`` the ``small`` forward is also timed at L = 1024.
 """
@@ -88,8 +88,6 @@ def tiny_samplers(repeats: int, device: str) -> None:
         "adlm (remdm-loop) cached": run("adlm", "remdm-loop", 4 * length),
         "ar kv-cache": run("ar", "ar", 1, bos_id=0),
         "ar recompute": run("ar", "ar", 1, bos_id=0, cache=False),
-        "bd3lm kv-cache": run("bd3lm", "bd3lm", 4),
-        "bd3lm recompute": run("bd3lm", "bd3lm", 4, kv_cache=False),
     }
     t = timed_runs(fns, repeats)
     for k, v in t.items():
@@ -98,8 +96,33 @@ def tiny_samplers(repeats: int, device: str) -> None:
         print(f"  {k:28s} {v:7.3f} s  {length / v:8.1f} tokens/s{extra}", flush=True)
     result("cached_over_uncached_speedup", t["mdlm uncached"] / t["mdlm cached"])
     result("remdm_cached_over_uncached_speedup", t["remdm-loop uncached"] / t["remdm-loop cached"])
-    result("bd3_kv_over_recompute_speedup", t["bd3lm recompute"] / t["bd3lm kv-cache"])
     result("ar_kv_over_recompute_speedup", t["ar recompute"] / t["ar kv-cache"])
+
+
+def bd3_blocks(repeats: int, device: str, length: int, block: int) -> None:
+    """KV-cached block sampling vs recomputing the clean prefix at every denoising step.
+
+    The cache turns the prefix's cost from O(prefix) per call into O(block): the gain grows with the
+    number of blocks, so it is measured at ``length / block`` >= 16 blocks (default 1024 / 16 = 64).
+    """
+    cfg = preset("tiny", kind="bd3lm", dropout=0.0, block_size=block, seq_len=length)
+    model = randomize(build_model(cfg)).to(device)
+    stats: dict[str, dict] = {"kv": {}, "re": {}}
+
+    def run(kv: bool):
+        def fn():
+            sample(model, cfg, batch_size=1, length=length, steps=4, sampler="bd3lm", nucleus_p=0.9,
+                   generator=torch.Generator(device).manual_seed(0), stats=stats["kv" if kv else "re"],
+                   kv_cache=kv)
+        return fn
+
+    print(f"== BD3-LM block sampling: tiny, L = {length}, b = {block} ({length // block} blocks), T = 4 per block",
+          flush=True)
+    t = timed_runs({"kv-cache": run(True), "recompute": run(False)}, repeats)
+    for k, v in t.items():
+        calls = stats["kv" if k == "kv-cache" else "re"].get("network_calls")
+        print(f"  bd3lm {k:22s} {v:7.3f} s  {length / v:8.1f} tokens/s, {calls} network calls", flush=True)
+    result("bd3_kv_over_recompute_speedup", t["recompute"] / t["kv-cache"])
 
 
 def small_forward(repeats: int, device: str, length: int) -> None:
@@ -141,6 +164,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median; default 3)")
     ap.add_argument("--skip-small", action="store_true", help="skip the small-config forward timings")
     ap.add_argument("--skip-tiny", action="store_true", help="skip the tiny-config sampler timings")
+    ap.add_argument("--skip-bd3", action="store_true", help="skip the BD3-LM KV-cache timing")
+    ap.add_argument("--bd3-length", type=int, default=1024, help="BD3-LM sample length (default 1024)")
+    ap.add_argument("--bd3-block", type=int, default=16, help="BD3-LM block size (default 16; >= 16 blocks)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="device (default cpu)")
     args = ap.parse_args()
     if args.repeats < 1:
@@ -149,6 +175,10 @@ def main() -> None:
         ap.error("--device cuda: no CUDA device visible; use --device cpu")
     if not args.skip_tiny:
         tiny_samplers(args.repeats, args.device)
+    if not args.skip_bd3:
+        if args.bd3_length % args.bd3_block:
+            ap.error("--bd3-length must be a multiple of --bd3-block")
+        bd3_blocks(args.repeats, args.device, args.bd3_length, args.bd3_block)
     if not args.skip_small:
         small_forward(max(args.repeats, 5), args.device, 128)
         if args.device == "cuda":

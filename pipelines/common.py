@@ -74,5 +74,7 @@ def init_ray(num_cpus: int | None = None) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
+    # address="local": always a fresh local Ray, never a stale `ray start` head that
+    # /tmp/ray/ray_current_cluster may still name.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
              log_to_driver=True, configure_logging=False)

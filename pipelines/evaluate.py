@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -590,7 +591,10 @@ def resolve_model_ref(model: str, tracking_uri: str | None, workdir: str | os.Pa
     mv = get_version(model, tracking_uri)
     from .eval_lm import cache_root
 
-    dst = cache_root(workdir) / "models" / f"{mv.name}-v{mv.version}"
+    # Keyed by the version's identity, not only its number: the cache (ADLM_CACHE) may be shared by several
+    # tracking stores, and a recreated registry numbers its versions from 1 again.
+    ident = hashlib.sha256(f"{tracking_uri}|{mv.source}|{mv.run_id}".encode()).hexdigest()[:12]
+    dst = cache_root(workdir) / "models" / f"{mv.name}-v{mv.version}-{ident}"
     if not (dst / "config.json").is_file():
         uri = f"models:/{mv.name}/{mv.version}"
         tmp = Path(tempfile.mkdtemp(prefix=f"{mv.name}-v{mv.version}-", dir=dst.parent if dst.parent.exists() else None))

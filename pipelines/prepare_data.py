@@ -757,8 +757,7 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun]) -> dic
             TokenizeUnits, batch_size=1, batch_format="pyarrow",
             fn_constructor_kwargs=dict(tokenizer_json=tok.tokenizer_json, splits=per_split, text_unit=cfg.text_unit,
                                        append_eos=tok.eos_id if plan.mode == "wrap" else None),
-            compute=rdata.ActorPoolStrategy(size=actors), num_cpus=cfg.actor_cpus,
-            max_restarts=0)  # a failed actor fails the run (a rerun resumes); no restarts from stale args
+            compute=rdata.ActorPoolStrategy(size=actors), num_cpus=cfg.actor_cpus)
         expect = 0
         last_print = time.time()
         current: str | None = None

@@ -114,10 +114,16 @@ def _client(tracking_uri: str) -> Any:
 
 
 def _alias_version(client: Any, name: str, alias: str) -> str | None:
+    from mlflow.exceptions import MlflowException
+
     try:
         return str(client.get_model_version_by_alias(name, alias).version)
-    except Exception:  # noqa: BLE001 - RESOURCE_DOES_NOT_EXIST
-        return None
+    except MlflowException as e:
+        # Only "no such alias" means None; any other failure (a locked store, an outage) must not read as
+        # "no champion", which would promote a version without comparing it.
+        if "not found" in str(e) or e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
 
 
 def waiting_versions(client: Any, name: str) -> list[Any]:

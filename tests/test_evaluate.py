@@ -167,6 +167,27 @@ def test_bad_input_fails_in_one_line_before_any_work(art, workdir, capsys, tmp_p
     assert exp is None or not client.search_runs([exp.experiment_id])
 
 
+def test_shared_cache_never_confuses_version_1_of_two_stores(art, tmp_path, monkeypatch):
+    """Two registries each with a version 1 of a different checkpoint, one ADLM_CACHE (as in CI and on a
+    shared box): each URI must resolve to its own weights (a cache keyed by name and number mixed them up)."""
+    from safetensors.torch import load_file
+
+    from pipelines.evaluate import resolve_model_ref
+
+    monkeypatch.setenv("ADLM_CACHE", str(tmp_path / "cache"))
+    got = {}
+    for kind in ("mdlm", "adlm"):
+        uri = f"sqlite:///{tmp_path / kind}.db"
+        register(art[kind], uri, name="adlm", kind=kind)
+        ref = resolve_model_ref("models:/adlm/1", uri, workdir=tmp_path / f"work-{kind}")
+        assert ref.version == "1"
+        got[kind] = Path(ref.local_dir)
+    assert got["mdlm"] != got["adlm"]
+    for kind, d in got.items():
+        want, have = load_file(art[kind] / "model.safetensors"), load_file(d / "model.safetensors")
+        assert want.keys() == have.keys() and all(torch.equal(want[k], have[k]) for k in want), kind
+
+
 def test_zero_shot_sets_form_one_table(art, tmp_path):
     # Two "zero-shot" sets: prepared data folders found under one root.
     import shutil

@@ -61,6 +61,10 @@ def ray_head(tmp_path: Path):
         except ProcessLookupError:
             pass
         log.close()
+        # `ray start` names its head in /tmp/ray/ray_current_cluster; a later bare ray.init() would try it.
+        current = Path("/tmp/ray/ray_current_cluster")
+        if current.exists() and current.read_text().strip().endswith(f":{port}"):
+            current.unlink()
 
 
 @pytest.mark.slow

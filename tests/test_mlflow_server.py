@@ -1,0 +1,123 @@
+"""mlflow/server.sh end to end: the recipe starts a real tracking server (sqlite store, served artifacts)
+on a free loopback port; a tiny training logs to it over HTTP; the REST client finds the run's metrics,
+its checkpoint artifacts (stored by the server, not by the client) and the registered version."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+from test_train_support import TINY_MODEL, data_overrides
+
+from adlm_model import load_checkpoint
+from pipelines import train as train_mod
+from pipelines.train_config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (mlflow + its uvicorn workers), SIGKILL if it lingers."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@pytest.fixture()
+def server(tmp_path: Path):
+    """``bash mlflow/server.sh`` on a free 127.0.0.1 port; yields (url, artifact root); always stopped."""
+    port = free_port()
+    store, artifacts = tmp_path / "server" / "mlflow.db", tmp_path / "server" / "artifacts"
+    store.parent.mkdir()
+    env = {**os.environ,
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",  # the venv's mlflow
+           "ADLM_WORKDIR": str(tmp_path / "server"), "MLFLOW_HOST": "127.0.0.1", "MLFLOW_PORT": str(port),
+           "MLFLOW_BACKEND_STORE_URI": f"sqlite:///{store}", "MLFLOW_ARTIFACTS_DESTINATION": str(artifacts)}
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["bash", str(ROOT / "mlflow" / "server.sh")], env=env, cwd=tmp_path,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                state = f"exited with {proc.returncode}" if proc.poll() is not None else "not healthy after 90 s"
+                pytest.fail(f"mlflow/server.sh {state}; its log:\n{log.read_text(errors='replace')[-4000:]}")
+            time.sleep(0.5)
+        yield url, artifacts
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.slow
+def test_training_logs_and_registers_through_the_server(server, tiny_data: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlflow
+    from pipelines.registry import get_version, resolve_model
+
+    url, artifact_root = server
+    wd = tmp_path / "work"
+    monkeypatch.setenv("ADLM_WORKDIR", str(wd))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    cfg = load_config(ROOT / "configs" / "demo.yaml", [
+        *data_overrides(tiny_data), *TINY_MODEL, "run.name=served", "run.max_steps=6", "run.log_every=2",
+        "run.val_every=6", "run.ckpt_every=6", "run.val_batches=1", "batch.global_batch=4", "batch.micro_batch=4",
+        "optim.warmup_steps=2", "scaling.num_workers=0", "mlflow.experiment=test-served"])
+    res = train_mod.train(cfg)
+    assert res.step == 6 and res.registered_version is not None and res.run_id
+
+    client = mlflow.MlflowClient(url)  # the REST client: every call below is an HTTP request
+    run = client.get_run(res.run_id)
+    assert run.info.run_name == "served" and run.info.status == "FINISHED"
+    assert run.data.params["model.kind"] == "adlm" and run.data.params["run.max_steps"] == "6"
+    loss = sorted((m.step, m.value) for m in client.get_metric_history(res.run_id, "train/loss"))
+    assert [s for s, _ in loss] == [2, 4, 6]
+    for key in ("train/nll", "train/tokens_per_s", "val/ppl"):
+        assert client.get_metric_history(res.run_id, key), key
+    assert run.data.metrics["val/ppl"] == pytest.approx(res.val_ppl)
+
+    # Artifacts went over HTTP: the run's URI is the server's proxy scheme, and the files sit in the
+    # server's artifact root (the client never saw that folder).
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:"), run.info.artifact_uri
+    listed = {a.path: a for a in client.list_artifacts(res.run_id, "checkpoint")}
+    assert {"checkpoint/config.json", "checkpoint/model.safetensors", "checkpoint/ema.safetensors",
+            "checkpoint/tokenizer.json"} <= set(listed)
+    stored = {p.name: p for p in artifact_root.rglob("*") if p.parent.name == "checkpoint"}
+    assert stored["ema.safetensors"].stat().st_size == listed["checkpoint/ema.safetensors"].file_size
+    assert not (wd / "mlartifacts").exists()
+
+    # The registry: the new version carries the alias and the contract's tags, and downloads over HTTP.
+    mv = get_version("models:/adlm@candidate", url)
+    assert str(mv.version) == res.registered_version and mv.run_id == res.run_id
+    assert mv.tags["kind"] == "adlm" and mv.tags["run_name"] == "served"
+    assert mv.tags["checkpoint_uri"].startswith("mlflow-artifacts:")
+    assert client.get_model_version_by_alias("adlm", "candidate").version == mv.version
+    local = resolve_model("models:/adlm@candidate", url, dst=tmp_path / "dl")
+    _, mcfg, meta = load_checkpoint(local, expect={"kind": "adlm"})
+    assert meta["step"] == 6 and meta["mlflow_run_id"] == res.run_id and mcfg.hidden == 32
