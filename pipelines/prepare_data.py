@@ -51,6 +51,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -753,11 +754,17 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun]) -> dic
         per_split = {s: {"text_field": r.sp.text_field, "detokenizer": r.sp.detokenizer,
                          "hf_dataset": r.sp.hf_dataset} for s, r in runs.items()}
         ds = rdata.from_items(items, override_num_blocks=len(items))
-        ds = ds.map_batches(
-            TokenizeUnits, batch_size=1, batch_format="pyarrow",
-            fn_constructor_kwargs=dict(tokenizer_json=tok.tokenizer_json, splits=per_split, text_unit=cfg.text_unit,
-                                       append_eos=tok.eos_id if plan.mode == "wrap" else None),
-            compute=rdata.ActorPoolStrategy(size=actors), num_cpus=cfg.actor_cpus)
+        with warnings.catch_warnings():
+            # max_restarts has no named parameter yet (Ray 2.60 deprecates the remote-args route): without it Ray
+            # logs an error that an actor whose constructor arguments (the tokenizer) live in the object store
+            # may fail to restart. A failed actor fails the run instead; a rerun resumes.
+            warnings.filterwarnings("ignore", message=".*ray_remote_args.*")
+            ds = ds.map_batches(
+                TokenizeUnits, batch_size=1, batch_format="pyarrow",
+                fn_constructor_kwargs=dict(tokenizer_json=tok.tokenizer_json, splits=per_split,
+                                           text_unit=cfg.text_unit,
+                                           append_eos=tok.eos_id if plan.mode == "wrap" else None),
+                compute=rdata.ActorPoolStrategy(size=actors), num_cpus=cfg.actor_cpus, max_restarts=0)
         expect = 0
         last_print = time.time()
         current: str | None = None

@@ -61,8 +61,13 @@ def profile(name: str) -> Profile:
             name="demo",
             train_runs=[("ADLM", "configs/demo.yaml", []), ("MDLM", "configs/demo_mdlm.yaml", [])],
             sweep=True,
-            eval_settings=dict(eval_lm="smollm2", mauve_featurizer="minilm", num_samples=64, sample_batch_size=16,
-                               steps=64, sampler="mdlm", max_rows=256, batch_size=16, cpus_per_task=1.0),
+            # Sized for 2 cores: 16 samples of 32 steps (gen-PPL under SmolLM2 costs ~2 s a sample here), MAUVE
+            # on those 16 (a wiring check at this size, not a measurement), and no nucleus: the demo models'
+            # distributions are nearly flat, so top-p costs a full-vocabulary sort at every step (the
+            # sampler's top-k shortcut only helps a trained model).
+            eval_settings=dict(eval_lm="smollm2", mauve_featurizer="minilm", num_samples=16, sample_batch_size=16,
+                               steps=32, nucleus_p=1.0, mauve_min_samples=16, sampler="mdlm", max_rows=256,
+                               batch_size=16, cpus_per_task=1.0),
             promotion=dict(stage1_rows=64, stage1_tolerance=0.10, margin=0.0,
                            stage2_suite=("ppl", "generate", "gen_ppl", "mauve")),
             prepare=dict(source=["embedded"]),
@@ -228,12 +233,13 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
 
 
 def _summary_markdown(s: dict, uri: str) -> str:
-    out = ["| model | version | validation PPL (bound) | gen-PPL | entropy | MAUVE | status |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| model | version | gamma | tau | validation PPL (bound) | gen-PPL | entropy | MAUVE | status |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in s["rows"]:
         status = (r["status"] or "-") + (" **champion**" if r["champion"] else "")
-        out.append(f"| {r['model']} | {_fmt(r['version'])} | {_fmt(r['val_ppl'])} | {_fmt(r['gen_ppl'])} | "
-                   f"{_fmt(r['entropy'])} | {_fmt(r['mauve'])} | {status} |")
+        anchor = (f"{float(r['gamma']):.3g}" if r["gamma"] else "-", _fmt(r["tau"])) if r["kind"] == "adlm" else ("-", "-")
+        out.append(f"| {r['model']} | {_fmt(r['version'])} | {anchor[0]} | {anchor[1]} | {_fmt(r['val_ppl'])} | "
+                   f"{_fmt(r['gen_ppl'])} | {_fmt(r['entropy'])} | {_fmt(r['mauve'])} | {status} |")
     out.append("")
     out.append(f"Champion: {s['model_name']} v{s['champion']} (models:/{s['model_name']}@champion)" if s["champion"]
                else "No champion: every candidate was rejected (see the eval.reasons tags).")

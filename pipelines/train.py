@@ -251,7 +251,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     elif distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
-        net = DDP(module, device_ids=[device.index] if use_gpu else None, broadcast_buffers=False)
+        # The only buffers are rotary caches, identical on every rank: synced once at init, never per forward.
+        net = DDP(module, device_ids=[device.index] if use_gpu else None, forward_sync_buffers=False)
     else:
         net = module
     ema = EMA(raw, cfg.ema)
@@ -596,7 +597,8 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         "cfg": cfg.to_dict(), "run_id": run_id, "tracking_uri": uri, "val_uris": plan.val_uris,
         "val_rows": plan.val_rows, "columns": plan.columns, "manifest_hash": plan.manifest_hash,
         "tokenizer_spec": plan.tokenizer_spec, "tokenizer_path": plan.tokenizer_path,
-        "threads": max(1, int(cfg.scaling.cpus_per_worker)) if not local_mode else max(1, os.cpu_count() or 1),
+        # torch threads = the worker's CPUs rounded half up (0.5 -> 1, 1.5 -> 2).
+        "threads": max(1, int(cfg.scaling.cpus_per_worker + 0.5)) if not local_mode else max(1, os.cpu_count() or 1),
         "local_mode": local_mode, "local_ckpt_root": str(local_root),
         "resume_dir": str(prev[1]) if prev else None,
         "crash_at_step": int(crash_at) if crash_at else None,

@@ -55,6 +55,18 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module of tiny-model tests: two cores shared with Ray's processes and other
+    test processes, oversubscribed threads slow tiny models ~10x."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture()
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh work directory with its own sqlite MLflow store."""

@@ -20,14 +20,7 @@ from pipelines.metrics import (
 )
 from tests.eval_fixtures import kjv_verses, tiny_gpt2, wiki_paragraphs
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Two cores shared with other test processes: oversubscribed intra-op threads slow tiny models 10x.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_unigram_entropy_is_the_entropy_of_the_token_histogram():

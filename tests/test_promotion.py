@@ -12,13 +12,7 @@ from pipelines.evaluate import EvalConfig, main
 from pipelines.promotion import PromotionConfig, stage_all
 from tests.eval_fixtures import make_data, register, save_ckpt, tiny_config, tiny_gpt2, train_tiny
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _snapshot(client, name: str) -> dict:

@@ -155,6 +155,26 @@ def test_nucleus_reference_rule() -> None:
     assert torch.allclose(nucleus(probs, 0.1), torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
 
 
+def _nucleus_by_full_sort(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """The reference rule written the direct way: sort the whole vocabulary."""
+    sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+    keep = torch.cumsum(sorted_p, dim=-1) <= p
+    keep[..., 0] = True
+    sorted_p = sorted_p * keep
+    return torch.zeros_like(probs).scatter_(-1, idx, sorted_p / sorted_p.sum(dim=-1, keepdim=True))
+
+
+@pytest.mark.parametrize("p", [0.05, 0.5, 0.9, 0.99])
+def test_nucleus_by_topk_equals_the_full_sort(p: float) -> None:
+    # Rows from peaked (the top 64 hold p) to flat (they do not: 4k and the full-sort fallback).
+    g = torch.Generator().manual_seed(0)
+    temps = torch.tensor([0.05, 0.3, 1.0, 3.0, 30.0]).repeat_interleave(7)[:, None, None]
+    probs = torch.softmax(torch.randn(35, 3, 5000, generator=g) / temps, dim=-1)
+    got = nucleus(probs, p, first_k=16)
+    assert got.shape == probs.shape
+    assert torch.equal(got, _nucleus_by_full_sort(probs, p))
+
+
 class Oracle(nn.Module):
     """Diffusion oracle: all mass on target[position] (positions honour position_offset)."""
 
