@@ -61,8 +61,8 @@ def _space(**changes) -> dict:
     ({"params__optim.lrr": {"distribution": "choice", "values": [1e-3]}}, r"unknown optim config key\(s\) lrr; known keys: lr"),
     ({"metric": "val_loss"}, "metric 'val_loss' is not reported"),
     ({"scheduler__type": "hyperband"}, "scheduler.type 'hyperband' unknown"),
-    ({"scheduler__grace_period": 40}, r"grace_period \(40\) must be below max_t \(40\)"),
-    ({"scheduler__max_t": 400}, r"max_t \(400\) exceeds run.max_steps \(40\)"),
+    ({"scheduler__grace_period": 8}, r"grace_period \(8\) must be below max_t \(8\)"),
+    ({"scheduler__max_t": 400}, r"max_t \(400\) exceeds run.max_steps \(8\)"),
     ({"overrides__run.ckpt_every": 15}, "must be a multiple of run.val_every"),
     ({"name": "a b"}, "'name' must be a sweep name"),
 ])
