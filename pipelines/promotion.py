@@ -113,7 +113,7 @@ def _client(tracking_uri: str) -> Any:
     return mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
 
 
-def _alias_version(client: Any, name: str, alias: str) -> str | None:
+def alias_version(client: Any, name: str, alias: str) -> str | None:
     from mlflow.exceptions import MlflowException
 
     try:
@@ -128,7 +128,7 @@ def _alias_version(client: Any, name: str, alias: str) -> str | None:
 
 def waiting_versions(client: Any, name: str) -> list[Any]:
     """Versions without a final ``eval.status`` (oldest first); the champion itself is never waiting."""
-    champion = _alias_version(client, name, CHAMPION)
+    champion = alias_version(client, name, CHAMPION)
     versions = client.search_model_versions(f"name='{name}'")
     out = [mv for mv in versions
            if (mv.tags or {}).get("eval.status") not in FINAL_STATUSES and str(mv.version) != champion]
@@ -185,7 +185,7 @@ class _Stager:
         if reasons:
             tags["eval.reasons"] = "; ".join(reasons)
         self.tag(version, tags)
-        if _alias_version(self.client, self.name, CANDIDATE) == version:
+        if alias_version(self.client, self.name, CANDIDATE) == version:
             self.client.delete_registered_model_alias(self.name, CANDIDATE)
         return StageOutcome(version=version, status=status, stage=stage, reasons=reasons, figures=figures,
                             replaced=replaced)
@@ -202,7 +202,7 @@ class _Stager:
 
         bad_input = (EvalError, CheckpointError, DataMismatchError, ManifestError, EvalLMError, MetricError,
                      RegistryError, TokenizerError)
-        champion = _alias_version(self.client, self.name, CHAMPION)
+        champion = alias_version(self.client, self.name, CHAMPION)
         self.tag(version, {"eval.status": "running", "eval.started_at": _now(), "eval.stage": 1})
         figures: dict[str, float] = {}
 
@@ -345,4 +345,4 @@ def outcomes_markdown(outcomes: list[StageOutcome]) -> str:
 
 
 __all__ = ["PromotionConfig", "PromotionError", "StageOutcome", "check_stage_all", "evaluate_model",
-           "outcomes_markdown", "stage_all", "waiting_versions"]
+           "alias_version", "outcomes_markdown", "stage_all", "waiting_versions"]

@@ -202,15 +202,14 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
 def _summary(uri: str, model_name: str, results: dict, sweep_res: Any, timings: dict[str, float]) -> dict:
     import mlflow  # noqa: PLC0415
 
+    from .promotion import CHAMPION, alias_version  # noqa: PLC0415
+
     client = mlflow.MlflowClient(uri)
     rows = []
     entries = [(label, r.registered_version) for label, r in results.items()]
     if sweep_res is not None and sweep_res.registered_version:
         entries.append((f"ADLM sweep best ({sweep_res.best.trial_id})", sweep_res.registered_version))
-    try:
-        champion = str(client.get_model_version_by_alias(model_name, "champion").version)
-    except Exception:  # noqa: BLE001 - no champion (every candidate rejected)
-        champion = None
+    champion = alias_version(client, model_name, CHAMPION)  # None: every candidate was rejected
     for label, version in entries:
         tags = dict(client.get_model_version(model_name, version).tags) if version else {}
 
