@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import result  # noqa: E402
 
 from adlm_model import EMA, build_model, compute_loss  # noqa: E402
-from pipelines.train import lr_factor  # noqa: E402
+from pipelines.train import build_optimizer, lr_factor  # noqa: E402
 from pipelines.train_config import TrainConfig, load_config  # noqa: E402
 
 EXPERIMENT = "bench-train-throughput"
@@ -152,7 +152,7 @@ def plain_windows(cfg: TrainConfig, data_dir: Path, threads: int, label: str) ->
     torch.manual_seed(r.seed)
     model = build_model(mc)
     ema = EMA(model, cfg.ema)
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    opt = build_optimizer(model.parameters(), o)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, o.warmup_steps, o.schedule, r.max_steps, o.min_lr_ratio))
     noise = torch.Generator().manual_seed(r.seed)

@@ -155,6 +155,14 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
 # Worker side
 
 
+def build_optimizer(params: Any, o: Any) -> Any:
+    """AdamW from the ``optim`` section (fused kernel unless ``optim.fused`` is off)."""
+    import torch  # noqa: PLC0415 - the driver never imports torch
+
+    kw = {"fused": True} if o.fused else {"foreach": True}
+    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, **kw)
+
+
 def lr_factor(step: int, warmup: int, schedule: str, max_steps: int, min_ratio: float) -> float:
     """Linear warm-up to 1, then constant (reference) or cosine down to ``min_ratio``."""
     if warmup > 0 and step < warmup:
@@ -257,7 +265,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         net = module
     ema = EMA(raw, cfg.ema)
     o = cfg.optim
-    opt = torch.optim.AdamW(raw.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    opt = build_optimizer(raw.parameters(), o)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, o.warmup_steps, o.schedule, r.max_steps, o.min_lr_ratio))
 

@@ -66,6 +66,10 @@ class OptimSection:
     """Cosine only: the final learning rate as a fraction of ``lr``."""
     clip: float = 1.0
     """Gradient clipping by global norm (0 disables)."""
+    fused: bool = True
+    """AdamW's fused kernel (CPU and CUDA): one pass over each parameter instead of one per elementwise
+    op; measured here 4-5x faster optimiser steps at ``small`` (0.29 vs 1.58 s for ADLM on 2 cores).
+    Off: the ``foreach`` implementation."""
 
 
 @dataclass
