@@ -99,15 +99,23 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator) -> torch
     return (probs.double() / (1e-10 - torch.log(u + 1e-10))).argmax(dim=-1)
 
 
-def nucleus(probs: torch.Tensor, p: float, first_k: int = 64) -> torch.Tensor:
+def nucleus(probs: torch.Tensor, p: float, first_k: int = 64, last_k: int = 1024) -> torch.Tensor:
     """Top-p filtering of probabilities along the last dim, renormalised (reference rule: keep the
     sorted tokens whose cumulative mass is <= p, and always the most likely one).
 
-    Exactly the full sort's result, without sorting the whole vocabulary: the kept prefix ends at the
-    first sorted token whose cumulative mass exceeds ``p``, so once the top ``k`` (``torch.topk``,
-    sorted) hold more than ``p`` the rest is dropped anyway. Rows whose top ``k`` do not reach ``p``
-    (a nearly flat distribution: an untrained model) fall back to the full sort. Sorting 8k-50k
-    entries at every masked position is the main cost of diffusion sampling on a CPU.
+    The full sort's result without sorting the whole vocabulary (sorting 8k-50k entries at every
+    masked position is the main cost of diffusion sampling on a CPU), in three tiers per row:
+
+    1. peaked rows: the kept prefix ends at the first sorted token whose cumulative mass exceeds
+       ``p``, so once the top ``first_k`` (``torch.topk``, sorted) hold more than ``p`` the rest is
+       dropped anyway. Bit for bit the full sort's result.
+    2. flat rows (an untrained or high-temperature model): the dropped tokens are the smallest ones
+       whose mass, counted from the bottom, stays below ``1 - p``; when they lie within the bottom
+       ``last_k`` (``torch.topk(largest=False)``) nothing else is needed. Token j of the descending
+       order is kept iff ``C_j = total - (mass of the tokens below it) <= p``: the same rule with
+       the prefix mass summed from the other end, so equal to the full sort up to float rounding
+       (the same tokens unless a cumulative mass lies within rounding of ``p``).
+    3. the rest: the full sort.
     """
     if p >= 1.0:
         return probs
@@ -116,21 +124,36 @@ def nucleus(probs: torch.Tensor, p: float, first_k: int = 64) -> torch.Tensor:
     out = torch.zeros_like(flat)
     rows = torch.arange(flat.shape[0], device=flat.device)
     k = min(vocab, max(1, first_k))
-    while rows.numel():
+    if rows.numel() and k < vocab:  # 1. the top k hold more than p
         sub = flat[rows]
-        if k < vocab:
-            top, idx = torch.topk(sub, k, dim=-1, sorted=True)
-        else:
-            top, idx = torch.sort(sub, dim=-1, descending=True)
+        top, idx = torch.topk(sub, k, dim=-1, sorted=True)
         csum = torch.cumsum(top, dim=-1)
-        done = csum[:, -1] > p if k < vocab else torch.ones_like(rows, dtype=torch.bool)
-        keep = csum <= p
+        done = csum[:, -1] > p
+        if done.any():
+            keep = csum[done] <= p
+            keep[:, 0] = True
+            kept = top[done] * keep
+            out[rows[done]] = torch.zeros_like(sub[done]).scatter_(
+                -1, idx[done], kept / kept.sum(dim=-1, keepdim=True))
+        rows = rows[~done]
+    k = min(vocab - 1, max(1, last_k))
+    if rows.numel() and 2 * k < vocab:  # 2. the dropped tail lies within the bottom k
+        sub = flat[rows]
+        bot, idx = torch.topk(sub, k, dim=-1, largest=False, sorted=True)  # ascending
+        below = torch.cumsum(bot, dim=-1) - bot  # mass of the tokens below each one (within the bottom k)
+        drop = sub.sum(dim=-1, keepdim=True) - below > p  # C_j > p
+        done = ~drop[:, -1]  # the largest of the bottom k is kept: every dropped token is among them
+        if done.any():
+            kept = sub[done].scatter(-1, idx[done], bot[done] * ~drop[done])
+            out[rows[done]] = kept / kept.sum(dim=-1, keepdim=True)
+        rows = rows[~done]
+    if rows.numel():  # 3. the full sort
+        sub = flat[rows]
+        top, idx = torch.sort(sub, dim=-1, descending=True)
+        keep = torch.cumsum(top, dim=-1) <= p
         keep[:, 0] = True
         kept = top * keep
-        kept = kept / kept.sum(dim=-1, keepdim=True)
-        out[rows[done]] = torch.zeros_like(sub[done]).scatter_(-1, idx[done], kept[done])
-        rows = rows[~done]
-        k = vocab
+        out[rows] = torch.zeros_like(sub).scatter_(-1, idx, kept / kept.sum(dim=-1, keepdim=True))
     return out.reshape(shape)
 
 

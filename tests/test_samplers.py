@@ -166,13 +166,23 @@ def _nucleus_by_full_sort(probs: torch.Tensor, p: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("p", [0.05, 0.5, 0.9, 0.99])
 def test_nucleus_by_topk_equals_the_full_sort(p: float) -> None:
-    # Rows from peaked (the top 64 hold p) to flat (they do not: 4k and the full-sort fallback).
+    # Rows from peaked (the top 16 hold p) to flat (the dropped tail is within the bottom 1,000), and
+    # between the two (the full sort): tier 1 is bit-exact, tier 2 equal up to float rounding.
     g = torch.Generator().manual_seed(0)
-    temps = torch.tensor([0.05, 0.3, 1.0, 3.0, 30.0]).repeat_interleave(7)[:, None, None]
-    probs = torch.softmax(torch.randn(35, 3, 5000, generator=g) / temps, dim=-1)
-    got = nucleus(probs, p, first_k=16)
+    temps = torch.tensor([0.05, 0.3, 1.0, 3.0, 30.0, 1e3]).repeat_interleave(7)[:, None, None]
+    probs = torch.softmax(torch.randn(42, 3, 5000, generator=g) / temps, dim=-1)
+    want = _nucleus_by_full_sort(probs, p)
+    got = nucleus(probs, p, first_k=16, last_k=1000)
     assert got.shape == probs.shape
-    assert torch.equal(got, _nucleus_by_full_sort(probs, p))
+    assert torch.equal(got > 0, want > 0)  # the same tokens kept
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-9)
+    assert torch.allclose(got.sum(-1), torch.ones(()))
+    peaked = (torch.sort(probs, -1, descending=True)[0][..., :16].sum(-1) > p)
+    assert peaked.any() and not peaked.all()
+    tail = (want == 0).sum(-1)
+    assert p < 0.9 or ((tail < 1000) & ~peaked).any()  # tier 2 is exercised at p = 0.9 and 0.99
+    assert torch.equal(got[peaked], want[peaked])  # tier 1: bit for bit
+    assert torch.equal(nucleus(probs, p, first_k=16, last_k=1), want)  # tiers 1 and 3 only: bit for bit
 
 
 class Oracle(nn.Module):
