@@ -86,15 +86,19 @@ def test_objective_per_block_times_and_eval_bounds() -> None:
     assert torch.isfinite(bd3lm_objective(model, x, None, cfg, t=t, generator=gen()).loss)
 
 
+def _block_setup(n_clean: int):  # noqa: ANN202
+    """A randomised micro BD3-LM, ``n_clean`` clean tokens, a half-masked block of 4 and sigma = 0."""
+    cfg = micro("bd3lm")
+    clean = torch.randint(0, V, (2, n_clean), generator=gen(3))
+    noisy = torch.where(torch.rand(2, 4, generator=gen(4)) < 0.5, torch.full((2, 4), M), clean[:, :4])
+    return cfg, randomized(cfg), clean, noisy, torch.zeros(2)
+
+
 @pytest.mark.parametrize("fold", [False, True])
 def test_kv_cached_block_logits_equal_recomputation(fold: bool) -> None:
     """KV cache (commits in calls of their own, or folded into the next block's first call) == recomputing
     the clean prefix."""
-    cfg = micro("bd3lm")
-    model = randomized(cfg)
-    clean = torch.randint(0, V, (2, 12), generator=gen(3))
-    noisy = torch.where(torch.rand(2, 4, generator=gen(4)) < 0.5, torch.full((2, 4), M), clean[:, :4])
-    sigma = torch.zeros(2)
+    cfg, model, clean, noisy, sigma = _block_setup(12)
     with torch.no_grad():
         ctx = {kv: BlockContext(model, 4, L, kv_cache=kv, fold=fold) for kv in (True, False)}
         for c in ctx.values():
@@ -120,11 +124,7 @@ def test_kv_cached_block_logits_equal_recomputation(fold: bool) -> None:
 def test_folded_commits_equal_separate_commits_with_a_sliding_window() -> None:
     """Beyond the context the KV cache slides (cached states keep what they saw, so it is not windowed
     recomputation); folding the commits must not change it: same logits, same tokens."""
-    cfg = micro("bd3lm")
-    model = randomized(cfg)
-    clean = torch.randint(0, V, (2, 16), generator=gen(3))
-    noisy = torch.where(torch.rand(2, 4, generator=gen(4)) < 0.5, torch.full((2, 4), M), clean[:, :4])
-    sigma = torch.zeros(2)
+    _, model, clean, noisy, sigma = _block_setup(16)
     with torch.no_grad():
         ctx = {fold: BlockContext(model, 4, 8, kv_cache=True, fold=fold) for fold in (True, False)}
         logits = {}
