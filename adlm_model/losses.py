@@ -94,16 +94,22 @@ def _noise(cfg: ModelConfig, schedule: LogLinearSchedule, x: torch.Tensor, t: to
     return t, z_t, conditioning_sigma(cfg, schedule, t)
 
 
+def _noised(cfg: ModelConfig, schedule: LogLinearSchedule, x: torch.Tensor, t: torch.Tensor | None,
+            z_t: torch.Tensor | None, generator: torch.Generator | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(t, z_t, sigma): drawn (``_noise``) unless ``z_t`` is given with its ``t``."""
+    if z_t is None:
+        return _noise(cfg, schedule, x, t, generator)
+    return t, z_t, conditioning_sigma(cfg, schedule, t)
+
+
 def mdlm_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig,
                    *, t: torch.Tensor | None = None, z_t: torch.Tensor | None = None,
                    generator: torch.Generator | None = None,
                    schedule: LogLinearSchedule | None = None) -> LossOutput:
     """Continuous-time NELBO: E_t[w(t) sum_l 1{z_t^l = m} (-log p(x^l | z_t))], w(t) = 1/t."""
     schedule = schedule or LogLinearSchedule(cfg.noise_eps)
-    if z_t is None:
-        t, z_t, sigma = _noise(cfg, schedule, x, t, generator)
-    else:
-        sigma = conditioning_sigma(cfg, schedule, t)
+    t, z_t, sigma = _noised(cfg, schedule, x, t, z_t, generator)
     valid = _valid(x, attention_mask)
     per_token = schedule.loss_weight(t)[:, None] * subs_nll(model.denoiser_logits(z_t, sigma), x, z_t, cfg.mask_id)
     per_token = per_token * valid
@@ -121,10 +127,7 @@ def adlm_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tens
     w(t) [1{z_t^l = m} (-log p_psi(x^l | y_phi(z_t))) - gamma_k a^l log softmax(y_phi(z_t))^l[x^l]]
     """
     schedule = schedule or LogLinearSchedule(cfg.noise_eps)
-    if z_t is None:
-        t, z_t, sigma = _noise(cfg, schedule, x, t, generator)
-    else:
-        sigma = conditioning_sigma(cfg, schedule, t)
+    t, z_t, sigma = _noised(cfg, schedule, x, t, z_t, generator)
     valid = _valid(x, attention_mask)
     w = schedule.loss_weight(t)[:, None]
     anchor_logits, denoiser_logits = model(z_t, sigma)
