@@ -130,11 +130,7 @@ def nucleus(probs: torch.Tensor, p: float, first_k: int = 64, last_k: int = 1024
         csum = torch.cumsum(top, dim=-1)
         done = csum[:, -1] > p
         if done.any():
-            keep = csum[done] <= p
-            keep[:, 0] = True
-            kept = top[done] * keep
-            out[rows[done]] = torch.zeros_like(sub[done]).scatter_(
-                -1, idx[done], kept / kept.sum(dim=-1, keepdim=True))
+            out[rows[done]] = _kept_prefix(top[done], idx[done], csum[done], p, vocab)
         rows = rows[~done]
     k = min(vocab - 1, max(1, last_k))
     if rows.numel() and 2 * k < vocab:  # 2. the dropped tail lies within the bottom k
@@ -148,13 +144,19 @@ def nucleus(probs: torch.Tensor, p: float, first_k: int = 64, last_k: int = 1024
             out[rows[done]] = kept / kept.sum(dim=-1, keepdim=True)
         rows = rows[~done]
     if rows.numel():  # 3. the full sort
-        sub = flat[rows]
-        top, idx = torch.sort(sub, dim=-1, descending=True)
-        keep = torch.cumsum(top, dim=-1) <= p
-        keep[:, 0] = True
-        kept = top * keep
-        out[rows] = torch.zeros_like(sub).scatter_(-1, idx, kept / kept.sum(dim=-1, keepdim=True))
+        top, idx = torch.sort(flat[rows], dim=-1, descending=True)
+        out[rows] = _kept_prefix(top, idx, torch.cumsum(top, dim=-1), p, vocab)
     return out.reshape(shape)
+
+
+def _kept_prefix(top: torch.Tensor, idx: torch.Tensor, csum: torch.Tensor, p: float, vocab: int) -> torch.Tensor:
+    """Rows of ``vocab`` probabilities from descending ``top`` (at ``idx``, cumulative ``csum``): the
+    tokens whose cumulative mass is <= p, and always the first, renormalised."""
+    keep = csum <= p
+    keep[:, 0] = True
+    kept = top * keep
+    out = torch.zeros((top.shape[0], vocab), dtype=top.dtype, device=top.device)
+    return out.scatter_(-1, idx, kept / kept.sum(dim=-1, keepdim=True))
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ from _util import matmul_flops, median_time, result  # noqa: E402
 
 from adlm_model import build_model, compute_loss, preset  # noqa: E402
 from adlm_model.config import ModelConfig  # noqa: E402
+from pipelines.train import build_optimizer  # noqa: E402
+from pipelines.train_config import OptimSection  # noqa: E402
 
 
 def forward_macs_per_token(cfg: ModelConfig) -> float:
@@ -49,7 +51,7 @@ def train_flops_per_token(cfg: ModelConfig) -> float:
 def step_time(cfg: ModelConfig, batch: int, repeats: int, device: str, bf16: bool) -> float:
     torch.manual_seed(0)
     model = build_model(cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)  # as pipelines.train (optim.fused)
+    opt = build_optimizer(model.parameters(), OptimSection())  # pipelines.train's AdamW, reference settings
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device=device)
     g = torch.Generator(device=device).manual_seed(0)
 

@@ -63,8 +63,8 @@ def profile(name: str) -> Profile:
             sweep=True,
             # Sized for 2 cores: 16 samples of 32 steps (gen-PPL under SmolLM2 costs ~2 s a sample here), MAUVE
             # on those 16 (a wiring check at this size, not a measurement), and no nucleus: the demo models'
-            # distributions are nearly flat, so top-p costs a full-vocabulary sort at every step (the
-            # sampler's top-k shortcut only helps a trained model).
+            # distributions are nearly flat, so top-p is vocabulary-wide work at every step (a bottom-k
+            # selection at best, a full sort at worst), which this time budget leaves out.
             eval_settings=dict(eval_lm="smollm2", mauve_featurizer="minilm", num_samples=16, sample_batch_size=16,
                                steps=32, nucleus_p=1.0, mauve_min_samples=16, sampler="mdlm", max_rows=256,
                                batch_size=16, cpus_per_task=1.0),
