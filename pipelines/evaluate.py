@@ -36,6 +36,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -597,13 +598,18 @@ def resolve_model_ref(model: str, tracking_uri: str | None, workdir: str | os.Pa
     dst = cache_root(workdir) / "models" / f"{mv.name}-v{mv.version}-{ident}"
     if not (dst / "config.json").is_file():
         uri = f"models:/{mv.name}/{mv.version}"
-        tmp = Path(tempfile.mkdtemp(prefix=f"{mv.name}-v{mv.version}-", dir=dst.parent if dst.parent.exists() else None))
-        local = resolve_model(uri, tracking_uri, dst=tmp)
+        # Downloaded beside its final place, so the rename is atomic (same filesystem) and nothing is left in /tmp.
         dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{mv.name}-v{mv.version}-", dir=dst.parent))
         try:
-            os.replace(local, dst)
-        except OSError:  # a concurrent download won
-            pass
+            local = resolve_model(uri, tracking_uri, dst=tmp)
+            try:
+                os.replace(local, dst)
+            except OSError:
+                if not (dst / "config.json").is_file():  # not a concurrent download that won: a real failure
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return ModelRef(uri=model, local_dir=str(dst), name=mv.name, version=str(mv.version), run_id=mv.run_id)
 
 

@@ -177,6 +177,8 @@ def test_shared_cache_never_confuses_version_1_of_two_stores(art, tmp_path, monk
         assert ref.version == "1"
         got[kind] = Path(ref.local_dir)
     assert got["mdlm"] != got["adlm"]
+    # Downloads go through a temporary folder beside the cache entry, removed afterwards (they leaked into /tmp).
+    assert sorted(p.name for p in got["mdlm"].parent.iterdir()) == sorted(p.name for p in got.values())
     for kind, d in got.items():
         want, have = load_file(art[kind] / "model.safetensors"), load_file(d / "model.safetensors")
         assert want.keys() == have.keys() and all(torch.equal(want[k], have[k]) for k in want), kind
