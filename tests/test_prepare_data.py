@@ -73,6 +73,7 @@ def test_wrap_rows_decode_to_the_documents(ray_session, tmp_path: Path, corpus: 
     assert m.tokens == m.rows * 64 == sum(m.token_frequency.values())
     assert m.token_frequency["50256"] == 2 * m.rows + int((body == 50256).sum())
     assert m.tokenizer["name"] == "gpt2" and m.tokenizer["hash"] == tok.content_hash
+    assert m.options["engine"] == "tiktoken"  # GPT-2's BPE: the faster engine, checked above against tokenizers' ids
     import adlm_model
 
     assert m.project_version == adlm_model.__version__
@@ -117,7 +118,8 @@ def test_killed_run_resumes_to_identical_shards(ray_session, tmp_path: Path, cor
     out = tmp_path / "killed"
     monkeypatch.setenv(FAIL_ENV, "3")
     with pytest.raises(RuntimeError, match="simulated crash"):
-        prepare({**opts, "out": str(out)})
+        # On the other engine: the shards are the same, so the rerun below (auto: tiktoken) continues them.
+        prepare({**opts, "out": str(out), "engine": "tokenizers"})
     monkeypatch.delenv(FAIL_ENV)
     names = sorted(p.name for p in (out / "train").glob("part-*"))
     assert names == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
@@ -177,6 +179,8 @@ def test_bad_input_fails_before_ray(tmp_path: Path, corpus: Path) -> None:
         prepare(dict(source=[str(corpus)], out=str(tmp_path / "x"), tokenizer="gpt2", text_field="body"))
     with pytest.raises(TokenizerError, match="does not exist"):
         prepare(dict(source=[str(corpus)], out=str(tmp_path / "x"), tokenizer=str(tmp_path / "nope.json")))
+    with pytest.raises(PrepareError, match="GPT-2's own BPE only"):
+        prepare(dict(source=[str(corpus)], out=str(tmp_path / "x"), tokenizer="bert-base-uncased", engine="tiktoken"))
     # A tokenizer without any special token cannot frame rows.
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -197,7 +201,7 @@ def test_cli_help_and_error_line(capsys: pytest.CaptureFixture[str], tmp_path: P
         main(["--help"])
     help_text = capsys.readouterr().out
     for flag in ("--source", "--out", "--tokenizer", "--train-tokenizer", "--length", "--mode", "--text-field",
-                 "--shard-rows", "--actors", "--actor-cpus", "--overwrite", "--max-truncated"):
+                 "--shard-rows", "--actors", "--actor-cpus", "--overwrite", "--max-truncated", "--engine"):
         assert flag in help_text
     assert main(["--source", "nosuchset", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
