@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
+from pipelines.tokenization import GPT2_EOS
+
 ENGINES = ("auto", "tiktoken", "tokenizers")
 
-GPT2_EOT = "<|endoftext|>"
-GPT2_EOT_ID = 50256
+GPT2_EOS_ID = 50256
 # GPT-2's pre-tokenisation regex (the one ``tokenizers``' ByteLevel pre-tokenizer applies).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # sha256 of GPT-2's vocabulary and merges as ``_tables_hash`` serialises them (a test recomputes it from the
@@ -61,19 +62,15 @@ def _tables_hash(model: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=4)
 def gpt2_tiktoken_ranks(tokenizer_json: str) -> tuple[dict[bytes, int], dict[str, int]] | None:
     """tiktoken's ``mergeable_ranks`` and special tokens when ``tokenizer_json`` is GPT-2's BPE, else None.
 
     Everything that shapes the ids is checked: BPE with GPT-2's tables (hash), no normaliser, the ByteLevel
     pre-tokenizer with GPT-2's regex and no prefix space, no dropout/unknown token/byte fallback, and
     ``<|endoftext|>`` = 50256 as the only added token. Post-processor and decoder do not change the ids of
-    ``add_special_tokens=False`` encoding.
+    ``add_special_tokens=False`` encoding. Cached per process (the driver checks, each actor builds once).
     """
-    return _gpt2_ranks_cached(tokenizer_json)
-
-
-@functools.lru_cache(maxsize=4)
-def _gpt2_ranks_cached(tokenizer_json: str) -> tuple[dict[bytes, int], dict[str, int]] | None:
     j = json.loads(tokenizer_json)
     model, pre = j.get("model") or {}, j.get("pre_tokenizer") or {}
     if model.get("type") != "BPE" or j.get("normalizer") is not None:
@@ -85,13 +82,13 @@ def _gpt2_ranks_cached(tokenizer_json: str) -> tuple[dict[bytes, int], dict[str,
         return None
     added = [(a["content"], a["id"], a.get("special"), a.get("lstrip"), a.get("rstrip"), a.get("single_word"))
              for a in j.get("added_tokens") or []]
-    if added != [(GPT2_EOT, GPT2_EOT_ID, True, False, False, False)]:
+    if added != [(GPT2_EOS, GPT2_EOS_ID, True, False, False, False)]:
         return None
     if _tables_hash(model) != GPT2_TABLES_SHA256:
         return None
     dec = _byte_decoder()
-    ranks = {bytes(dec[ch] for ch in tok): i for tok, i in model["vocab"].items() if i != GPT2_EOT_ID}
-    return ranks, {GPT2_EOT: GPT2_EOT_ID}
+    ranks = {bytes(dec[ch] for ch in tok): i for tok, i in model["vocab"].items() if i != GPT2_EOS_ID}
+    return ranks, {GPT2_EOS: GPT2_EOS_ID}
 
 
 def tiktoken_available() -> bool:
@@ -163,15 +160,15 @@ class DocEncoder:
         """All documents in one call, joined by ``<|endoftext|>`` (which the tokenizer itself splits on, so
         each document's ids are exactly its own). None when a document holds that text itself: then the
         document boundaries cannot be read off the ids, and each document is encoded on its own."""
-        arr = self._tt.encode_to_numpy(GPT2_EOT.join(docs) + GPT2_EOT, allowed_special=self._special,
+        arr = self._tt.encode_to_numpy(GPT2_EOS.join(docs) + GPT2_EOS, allowed_special=self._special,
                                        disallowed_special=())
-        ends = np.flatnonzero(arr == GPT2_EOT_ID)
+        ends = np.flatnonzero(arr == GPT2_EOS_ID)
         if len(ends) != len(docs):
             return None
         lengths = np.diff(ends, prepend=-1).astype(np.int32)  # each document's tokens plus its separator
-        if append_eos == GPT2_EOT_ID:
+        if append_eos == GPT2_EOS_ID:
             return arr.astype(np.int32), lengths
-        flat = arr[arr != GPT2_EOT_ID].astype(np.int32)
+        flat = arr[arr != GPT2_EOS_ID].astype(np.int32)
         lengths -= 1
         if append_eos is not None:  # another EOS id: put it where the separators were
             flat = np.insert(flat, np.cumsum(lengths), append_eos).astype(np.int32)

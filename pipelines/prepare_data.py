@@ -648,7 +648,7 @@ class SplitRun:
     """Packing state of one split while the ordered stream flows through the driver."""
 
     def __init__(self, plan: Plan, sp: SplitPlan, tok: TokenizerInfo, fingerprint: str, state: State,
-                 engine: str = "tokenizers") -> None:
+                 engine: str) -> None:
         self.plan, self.sp, self.tok, self.fingerprint, self.state = plan, sp, tok, fingerprint, state
         self.engine = engine
         self.split_dir = join(plan.out, sp.split)
@@ -742,7 +742,7 @@ class SplitRun:
         return m
 
 
-def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine: str = "tokenizers") -> dict[str, Manifest]:
+def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine: str) -> dict[str, Manifest]:
     """One Ray Data pipeline over the remaining units of every split (one actor pool for all of them)."""
     import ray
     import ray.data as rdata
