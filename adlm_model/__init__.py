@@ -1,6 +1,12 @@
 """adlm_model: the Anchored Diffusion Language Model and its baselines in pure PyTorch.
 
 No Ray or MLflow here; ``pipelines/`` orchestrates. See METHOD.md for the specification.
+
+One concept a file: ``config`` (typed configs, presets), ``schedule`` (noise schedule, times),
+``attention`` (flash-attn / SDPA), ``backbone`` (the DiT), ``models`` (MDLM, ADLM, AR networks),
+``losses`` (SUBS, NELBO, ANELBO, AR NLL), ``samplers`` (MDLM, ReMDM-loop, AR), ``bd3lm`` (block
+diffusion), ``kinds`` (the table of model kinds and samplers: ``build_model``, ``compute_loss``,
+``sample``), ``ema``, ``checkpoint`` (safetensors + JSON).
 """
 
 from .bd3lm import (
@@ -15,21 +21,19 @@ from .bd3lm import (
 from .checkpoint import CheckpointError, load_checkpoint, load_state, save_checkpoint, save_state
 from .config import MODEL_KINDS, PRESETS, ConfigError, ModelConfig, preset
 from .ema import EMA
-from .losses import LossOutput, anchor_mask, compute_loss, gamma_at, subs_log_probs, subs_nll
-from .models import ADLM, AR, MDLM, build_model, count_parameters
-from .samplers import SAMPLERS, ReMDMLoop, SamplerError, nucleus, sample, sample_categorical, transition_probs
+from .kinds import KINDS, SAMPLERS, build_model, compute_loss, count_parameters, model_kind, sample
+from .losses import LossOutput, anchor_mask, gamma_at, subs_log_probs, subs_nll
+from .models import ADLM, AR, MDLM
+from .samplers import ReMDMLoop, SamplerError, nucleus, sample_categorical, transition_probs, unigram_entropy
 from .schedule import LogLinearSchedule, antithetic_times, mask_tokens
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ADLM", "AR", "EMA", "MDLM", "MODEL_KINDS", "PRESETS", "CheckpointError", "ConfigError", "LogLinearSchedule",
-    "LossOutput", "ModelConfig", "anchor_mask", "antithetic_times", "build_model", "compute_loss",
-    "count_parameters", "gamma_at", "load_checkpoint", "load_state", "mask_tokens", "preset", "save_checkpoint",
-    "save_state", "subs_log_probs", "subs_nll", "__version__",
-]
-__all__ += [
-    "SAMPLERS", "BlockSample", "ClipSearchResult", "ReMDMLoop", "SamplerError", "bd3lm_objective", "block_diff_mask",
-    "clip_intervals", "nucleus", "sample", "sample_blocks", "sample_categorical", "search_clipped_schedule",
-    "transition_probs",
+    "ADLM", "AR", "EMA", "KINDS", "MDLM", "MODEL_KINDS", "PRESETS", "SAMPLERS", "BlockSample", "CheckpointError",
+    "ClipSearchResult", "ConfigError", "LogLinearSchedule", "LossOutput", "ModelConfig", "ReMDMLoop", "SamplerError",
+    "__version__", "anchor_mask", "antithetic_times", "bd3lm_objective", "block_diff_mask", "build_model",
+    "clip_intervals", "compute_loss", "count_parameters", "gamma_at", "load_checkpoint", "load_state", "mask_tokens",
+    "model_kind", "nucleus", "preset", "sample", "sample_blocks", "sample_categorical", "save_checkpoint",
+    "save_state", "search_clipped_schedule", "subs_log_probs", "subs_nll", "transition_probs", "unigram_entropy",
 ]

@@ -180,7 +180,10 @@ class DiTBlock(nn.Module):
 
 
 class FinalLayer(nn.Module):
-    """adaLN-modulated LayerNorm then a zero-initialised Linear(hidden -> width)."""
+    """adaLN-modulated LayerNorm (``modulated``) then a zero-initialised Linear(hidden -> width) (``linear``).
+
+    Callers apply the two parts themselves: the fused ADLM path and BD3-LM's block logits need the
+    hidden state in between."""
 
     def __init__(self, hidden: int, width: int, cond_dim: int) -> None:
         super().__init__()
@@ -195,9 +198,6 @@ class FinalLayer(nn.Module):
         """The final hidden state the output layer is affine in (used by the fused ADLM path)."""
         shift, scale = self.adaLN_modulation(c)[:, None].chunk(2, dim=2)
         return modulate(self.norm_final(x), shift, scale)
-
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        return self.linear(self.modulated(x, c))
 
 
 class DiT(nn.Module):
@@ -231,8 +231,8 @@ class DiT(nn.Module):
     def trunk(self, x: torch.Tensor, sigma: torch.Tensor, *, mask: torch.Tensor | None = None,
               cache: KVCache | None = None, cache_mode: str = "read", position_offset: int | None = None,
               causal: bool | None = None, position_ids: torch.Tensor | None = None,
-              cache_append: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Embedded input -> (final modulated hidden state, conditioning vector).
+              cache_append: int | None = None) -> torch.Tensor:
+        """Embedded input -> the final modulated hidden state (the output layer is affine in it).
 
         Rotary positions: ``position_ids`` (1-D, one per input position) when given, else
         ``position_offset + arange(L)`` with the offset defaulting to the cache length. With a
@@ -253,8 +253,8 @@ class DiT(nn.Module):
             x = block(x, c, rope, causal=causal, mask=mask, cache=cache, layer=i)
         if cache is not None:
             cache.n += x.shape[1] if cache_append is None and cache_mode == "append" else (cache_append or 0)
-        return self.output_layer.modulated(x, c), c
+        return self.output_layer.modulated(x, c)
 
     def forward(self, inp: torch.Tensor, sigma: torch.Tensor, **kw) -> torch.Tensor:
-        h, _ = self.trunk(self.embed(inp), sigma, **kw)
+        h = self.trunk(self.embed(inp), sigma, **kw)
         return self.output_layer.linear(h)

@@ -93,7 +93,7 @@ def block_diffusion_logits(model: nn.Module, z_t: torch.Tensor, x0: torch.Tensor
     length = z_t.shape[1]
     mask = block_diff_mask(length, block_size, z_t.device)
     pos = torch.arange(length, device=z_t.device).repeat(2)
-    h, _ = net.trunk(net.embed(torch.cat([z_t, x0], dim=1)), sigma, mask=mask, position_ids=pos)
+    h = net.trunk(net.embed(torch.cat([z_t, x0], dim=1)), sigma, mask=mask, position_ids=pos)
     return net.output_layer.linear(h[:, :length])
 
 
@@ -120,12 +120,14 @@ def clip_bounds(cfg: ModelConfig, train: bool) -> tuple[float, float]:
     return max(cfg.clip_low, cfg.sampling_eps), cfg.clip_high
 
 
-def bd3lm_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig,
-                    t: torch.Tensor | None = None, generator: torch.Generator | None = None, *,
-                    z_t: torch.Tensor | None = None, train: bool = True, block_size: int | None = None,
-                    clip: tuple[float, float] | None = None,
-                    schedule: LogLinearSchedule | None = None) -> LossOutput:
-    """BD3-LM NELBO summed over blocks (METHOD.md section 3).
+def block_nelbo(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig, *,
+                t: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                z_t: torch.Tensor | None = None, train: bool = True, block_size: int | None = None,
+                clip: tuple[float, float] | None = None,
+                schedule: LogLinearSchedule | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token BD3-LM NELBO terms ``w(t_block) 1{z=m} (-log p(x | z, clean earlier blocks))`` (B, L),
+    zero at pads, and the validity mask (B, L): what the objective sums and the schedule search
+    groups per block.
 
     ``t``: None (drawn per block from the clipped schedule, or ``[sampling_eps, 1]`` when
     ``train=False``), shape (B,) (one time for every block of a row) or (B, n_blocks). ``z_t``:
@@ -153,7 +155,14 @@ def bd3lm_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Ten
         batch, device=x.device)
     logits = block_diffusion_logits(model, z_t, x, sigma, b)
     valid = torch.ones_like(x, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    per_token = schedule.loss_weight(t_tok) * subs_nll(logits, x, z_t, cfg.mask_id) * valid
+    return schedule.loss_weight(t_tok) * subs_nll(logits, x, z_t, cfg.mask_id) * valid, valid
+
+
+def bd3lm_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig,
+                    t: torch.Tensor | None = None, generator: torch.Generator | None = None, **kw) -> LossOutput:
+    """BD3-LM NELBO summed over blocks, divided by the tokens (METHOD.md section 3); ``kw`` as
+    ``block_nelbo``."""
+    per_token, valid = block_nelbo(model, x, attention_mask, cfg, t=t, generator=generator, **kw)
     n = valid.sum()
     total = per_token.sum()
     return LossOutput(loss=total / n.clamp(min=1), nll_sum=total.detach().double(), n_tokens=n)
@@ -219,16 +228,7 @@ def search_clipped_schedule(model: nn.Module, batches: Iterable[tuple[torch.Tens
 
 def _per_sequence_loss(model: nn.Module, x: torch.Tensor, am: torch.Tensor | None, cfg: ModelConfig,
                        clip: tuple[float, float], gen: torch.Generator) -> torch.Tensor:
-    schedule = LogLinearSchedule(cfg.noise_eps)
-    b = cfg.block_size
-    batch, length = x.shape
-    t = block_times(batch, length // b, gen, clip[0], clip[1], x.device)
-    t_tok = t.repeat_interleave(b, dim=1)
-    z_t, _ = mask_tokens(x, schedule.move_chance(t_tok), cfg.mask_id, gen)
-    sigma = conditioning_sigma(cfg, schedule, t).mean(-1) if cfg.time_conditioning else torch.zeros(batch)
-    logits = block_diffusion_logits(model, z_t, x, sigma.to(x.device), b)
-    valid = torch.ones_like(x, dtype=torch.bool) if am is None else am.bool()
-    per_token = schedule.loss_weight(t_tok) * subs_nll(logits, x, z_t, cfg.mask_id) * valid
+    per_token, valid = block_nelbo(model, x, am, cfg, generator=gen, clip=clip)
     return per_token.sum(-1).double() / valid.sum(-1).clamp(min=1)
 
 
@@ -279,7 +279,7 @@ class BlockContext:
             if rows is not None and kv.length:
                 kv = kv.select(rows)
             net = _backbone(self.model)
-            h, _ = net.trunk(net.embed(z), sigma, cache=kv, cache_mode="read", position_offset=start)
+            h = net.trunk(net.embed(z), sigma, cache=kv, cache_mode="read", position_offset=start)
             return self._output(net, h)
         ws = max(0, start + z.shape[1] - self.context)
         if self.clean is None or start == ws:
@@ -290,7 +290,7 @@ class BlockContext:
             mask = block_causal_mask(seq.shape[1], self.b, z.device)
         net = getattr(self.model, "backbone", None)
         if isinstance(net, DiT):  # only the block's positions go through the vocabulary projection
-            h, _ = net.trunk(net.embed(seq), sigma, mask=mask, position_offset=ws)
+            h = net.trunk(net.embed(seq), sigma, mask=mask, position_offset=ws)
             return self._output(net, h[:, -z.shape[1]:])
         return self.fn(seq, sigma, mask=mask, position_offset=ws)[:, -z.shape[1]:]
 
@@ -326,7 +326,7 @@ class BlockContext:
         mask = torch.ones(n, before + n, dtype=torch.bool, device=z.device)
         mask[:, before:] = block_causal_mask(n, bc, z.device)
         mask[bc:, :max(0, before - (self.context - 2 * self.b))] = False
-        h, _ = net.trunk(net.embed(seq), sigma, mask=mask, cache=self.kv, cache_append=bc, position_offset=c_start)
+        h = net.trunk(net.embed(seq), sigma, mask=mask, cache=self.kv, cache_append=bc, position_offset=c_start)
         self.kv.keep_last(max(self.context - self.b, 0))
         return self._output(net, h[:, -z.shape[1]:])
 
@@ -443,13 +443,13 @@ def _check_stops(x: torch.Tensor, keep: torch.Tensor, s0: int, end: int, eos_id:
                 stopped[r] = True
                 continue
         if entropy_threshold is not None and end > window:
-            if float(unigram_entropy(x[r:r + 1, end - window:end])[0]) < entropy_threshold:
+            if unigram_entropy(x[r, end - window:end]) < entropy_threshold:
                 lengths[r] = end - window
                 stopped[r] = True
 
 
 __all__ = [
     "BlockContext", "BlockSample", "ClipSearchResult", "bd3lm_objective", "block_causal_mask", "block_diff_mask",
-    "block_diffusion_logits", "block_times", "clip_bounds", "clip_intervals", "sample_blocks",
+    "block_diffusion_logits", "block_nelbo", "block_times", "clip_bounds", "clip_intervals", "sample_blocks",
     "search_clipped_schedule",
 ]

@@ -24,7 +24,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig
-from .models import build_model
+from .kinds import build_model
 
 CHECKED_FIELDS = ("kind", "vocab_size", "mask_id", "seq_len")
 

@@ -153,20 +153,3 @@ def ar_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor
     n = valid.sum()
     total = nll.sum()
     return LossOutput(loss=total / n.clamp(min=1), nll_sum=total.detach().double(), n_tokens=n)
-
-
-def compute_loss(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig, *,
-                 step: int = 0, train: bool = True, generator: torch.Generator | None = None,
-                 t: torch.Tensor | None = None) -> LossOutput:
-    """The training loss (train=True) or the evaluation bound (train=False) for ``cfg.kind``.
-
-    Evaluation of ADLM reports the pure denoiser NELBO (the anchor term is training-only).
-    """
-    if cfg.kind == "ar":
-        return ar_objective(model, x, attention_mask, cfg)
-    if cfg.kind == "adlm" and train:
-        return adlm_objective(model, x, attention_mask, cfg, step=step, t=t, generator=generator)
-    if cfg.kind == "bd3lm":
-        from .bd3lm import bd3lm_objective  # noqa: PLC0415 - optional module, built on this one
-        return bd3lm_objective(model, x, attention_mask, cfg, t=t, generator=generator, train=train)
-    return mdlm_objective(model, x, attention_mask, cfg, t=t, generator=generator)

@@ -72,9 +72,9 @@ class ADLM(nn.Module):
         if not fused:
             return self.forward(z_t, sigma, **kw)[1]
         w, b = self.fused_projection()
-        h, _ = self.anchor.trunk(self.anchor.embed(z_t), sigma, **kw)
+        h = self.anchor.trunk(self.anchor.embed(z_t), sigma, **kw)
         x = torch.nn.functional.linear(h, w, b)
-        hd, _ = self.denoiser.trunk(x, sigma, **kw)
+        hd = self.denoiser.trunk(x, sigma, **kw)
         return self.denoiser.output_layer.linear(hd)
 
 
@@ -88,17 +88,3 @@ class AR(nn.Module):
         if sigma is None:
             sigma = torch.zeros(x.shape[0], device=x.device)
         return self.backbone(x, sigma, **kw)
-
-
-def build_model(cfg: ModelConfig) -> nn.Module:
-    """The network for ``cfg.kind``; BD3-LM uses the MDLM network with block attention masks."""
-    cfg.validate()
-    if cfg.kind == "adlm":
-        return ADLM(cfg)
-    if cfg.kind == "ar":
-        return AR(cfg)
-    return MDLM(cfg)  # mdlm and bd3lm share the network; bd3lm differs in masks and objective
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

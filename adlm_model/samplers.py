@@ -1,4 +1,7 @@
-"""Samplers: MDLM ancestral (with caching), ReMDM-loop, ADLM's anchored sampler, AR, BD3-LM.
+"""Samplers: MDLM ancestral (with caching), ReMDM-loop, ADLM's anchored sampler, AR.
+
+The entry point ``sample`` and the table of samplers live in ``kinds.py``; BD3-LM's block sampler in
+``bd3lm.py``.
 
 Everything follows METHOD.md section 4:
 
@@ -39,17 +42,18 @@ they give identical tokens for the same seed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn as nn
 
+from .backbone import KVCache
 from .config import ModelConfig
 from .losses import conditioning_sigma, suppress_mask
 from .schedule import LogLinearSchedule
 
-SAMPLERS = ("mdlm", "remdm-loop", "ar", "bd3lm")
 T_MIN = 1e-5
 """Last time of the sampling grid: ``linspace(1, T_MIN, T + 1)`` (METHOD.md section 4)."""
 
@@ -189,11 +193,6 @@ def mask_probabilities(sampler: str, t: float, s: float, remdm: ReMDMLoop | None
     return (1 - a - a * r.eta) / (1 - a), r.eta
 
 
-def remdm_phase(t: float, remdm: ReMDMLoop) -> str:
-    """``'on'`` (t > t_on), ``'loop'`` or ``'off'`` (t <= t_off)."""
-    return "on" if t > remdm.t_on else ("off" if t <= remdm.t_off else "loop")
-
-
 def transition_probs(p_x0: torch.Tensor, x: torch.Tensor, mask_id: int, p_stay: float, p_remask: float,
                      keep: torch.Tensor | None = None) -> torch.Tensor:
     """The full transition distribution ``q(z_s | z_t)`` (B, L, W), float64, that
@@ -331,7 +330,7 @@ class _RowCache:
 # Diffusion samplers (MDLM, ReMDM-loop; ADLM through denoiser_fn)
 
 
-def _check_common(cfg: ModelConfig, batch_size: int, length: int, steps: int, nucleus_p: float,
+def check_sample_args(cfg: ModelConfig, batch_size: int, length: int, steps: int, nucleus_p: float,
                   generator: torch.Generator | None) -> None:
     if batch_size < 1:
         raise SamplerError(f"batch_size must be >= 1, got {batch_size}")
@@ -397,8 +396,6 @@ def ar_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: to
               bos_id: int | None = None) -> torch.Tensor:
     """Left to right with nucleus; ``cache`` uses a KV cache (one token per step after the prompt)
     and gives the same tokens as recomputing the whole prefix every step."""
-    from .backbone import KVCache  # noqa: PLC0415 - only AR and BD3-LM need it
-
     tokens, keep = tokens.clone(), keep.clone()
     if not bool(keep[:, 0].all()):
         if bos_id is None:
@@ -429,86 +426,33 @@ def ar_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: to
 
 
 # --------------------------------------------------------------------------------------------
-# The public entry point
+# Shared with kinds.sample and bd3lm.py
 
 
-def sample(model: nn.Module, cfg: ModelConfig, *, batch_size: int, length: int, steps: int, sampler: str = "mdlm",
-           nucleus_p: float = 1.0, generator: torch.Generator,
-           prefix: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
-           progress: Progress | None = None, cache: bool = True, **sampler_kwargs) -> torch.Tensor:
-    """Generate token ids ``(batch_size, length)`` (the SAMPLERS contract).
-
-    - ``sampler``: ``mdlm`` (ancestral), ``remdm-loop``, ``ar``, ``bd3lm`` (block by block). An
-      ADLM model runs the diffusion samplers on its composed network (fused projection).
-    - ``steps``: ``T`` of the diffusion grid (per block for ``bd3lm``; ignored by ``ar``, which
-      takes one step per token).
-    - ``nucleus_p``: top-p on ``p_x0`` (1 = off). ``generator``: the only source of randomness.
-    - ``prefix``: given tokens, kept fixed (module docstring). ``progress(step, total)``: called
-      after each step (diffusion: ``T + 1`` steps with the greedy one; AR: one per token; BD3-LM:
-      one per block).
-    - ``cache``: MDLM/ReMDM/ADLM/BD3-LM reuse ``p_x0`` when a row did not change (exact; only with
-      time conditioning off); AR uses a KV cache.
-    - ``sampler_kwargs``: ReMDM-loop ``eta``, ``t_on``, ``t_off``, ``alpha_on`` (reference 0.02,
-      0.55, 0.05, 0.9); AR ``bos_id`` (first token when no prefix gives one); BD3-LM see
-      ``adlm_model.bd3lm.sample_blocks`` (``block_size``, ``kv_cache``, ``context``, ``eos_id``,
-      ``entropy_threshold``, ``entropy_window``, ``pad_id``, ``bos_id``). ``stats`` (a dict) receives
-      counters such as ``network_calls``.
-
-    The model is put in eval mode for the call (and restored) and run under ``torch.no_grad``.
-    """
-    if sampler not in SAMPLERS:
-        raise SamplerError(f"unknown sampler {sampler!r}: use one of {', '.join(SAMPLERS)}")
-    _check_common(cfg, batch_size, length, steps, nucleus_p, generator)
-    device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
-    tokens, keep = resolve_prefix(prefix, batch_size, length, cfg, device)
-    kw = dict(sampler_kwargs)
-    stats = kw.pop("stats", None)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            if sampler in ("mdlm", "remdm-loop"):
-                remdm = None
-                if sampler == "remdm-loop":
-                    known = {"eta", "t_on", "t_off", "alpha_on"}
-                    _reject_unknown(kw, known, sampler)
-                    remdm = ReMDMLoop(**kw).validate()
-                else:
-                    _reject_unknown(kw, set(), sampler)
-                return diffusion_sample(model, cfg, tokens, keep, steps=steps, sampler=sampler, nucleus_p=nucleus_p,
-                                        generator=generator, progress=progress, cache=cache, remdm=remdm,
-                                        stats=stats)
-            if sampler == "ar":
-                _reject_unknown(kw, {"bos_id"}, sampler)
-                return ar_sample(model, cfg, tokens, keep, nucleus_p=nucleus_p, generator=generator,
-                                 progress=progress, cache=cache, bos_id=kw.get("bos_id"))
-            from .bd3lm import sample_blocks  # noqa: PLC0415 - bd3lm builds on this module
-
-            out = sample_blocks(model, cfg, tokens, keep, steps=steps, nucleus_p=nucleus_p, generator=generator,
-                                progress=progress, cache=cache, stats=stats, **kw)
-            return out.tokens
-    finally:
-        model.train(was_training)
-
-
-def _reject_unknown(kw: dict, known: set[str], sampler: str) -> None:
+def reject_unknown(kw: dict, known: set[str], sampler: str) -> None:
     unknown = sorted(set(kw) - known)
     if unknown:
         raise SamplerError(f"unknown option(s) {', '.join(unknown)} for sampler {sampler!r}; "
                            f"known: {', '.join(sorted(known)) or 'none'}")
 
 
-def unigram_entropy(x: torch.Tensor) -> torch.Tensor:
-    """Entropy (nats) of each row's token-id histogram (METHOD.md section 6; BD3-LM's stop rule)."""
-    out = torch.empty(x.shape[0], dtype=torch.float64)
-    for i, row in enumerate(x):
-        _, counts = torch.unique(row, return_counts=True)
-        p = counts.double() / counts.sum()
-        out[i] = -(p * p.log()).sum()
-    return out
+def unigram_entropy(ids: Sequence[int] | np.ndarray | torch.Tensor) -> float:
+    """Entropy in nats of the token-id histogram of one sample (METHOD.md section 6; BD3-LM's stop rule).
+
+    ``H = -sum_v c_v/n log(c_v/n)`` over the ids ``v`` that occur ``c_v`` times among the ``n`` tokens.
+    A sample of one repeated token has entropy 0; ``n`` distinct tokens give ``log n``.
+    """
+    a = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+    a = a.reshape(-1).astype(np.int64)
+    if a.size == 0:
+        return 0.0
+    _, counts = np.unique(a, return_counts=True)
+    p = counts / a.size
+    return float(-(p * np.log(p)).sum())
 
 
 __all__ = [
-    "SAMPLERS", "T_MIN", "ReMDMLoop", "SamplerError", "diffusion_step", "mask_probabilities", "nucleus",
-    "remdm_phase", "resolve_prefix", "sample", "sample_categorical", "transition_probs", "unigram_entropy",
+    "T_MIN", "ReMDMLoop", "SamplerError", "ar_sample", "check_sample_args", "diffusion_sample", "diffusion_step",
+    "mask_probabilities", "nucleus", "reject_unknown", "resolve_prefix", "sample_categorical", "transition_probs",
+    "unigram_entropy",
 ]

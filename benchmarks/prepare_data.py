@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 LIMIT = r'''
 import json, sys, time
-from pipelines.tokenization import load_tokenizer
+from pipelines.data.tokenizer import load_tokenizer
 lines = [l for l in open(sys.argv[1], encoding="utf-8").read().splitlines() if l.strip()]
 tok = load_tokenizer("gpt2").backend
 t = time.perf_counter(); n = 0
@@ -53,8 +53,8 @@ print(json.dumps({"seconds": dt, "tokens": n + len(lines)}))
 ENGINE_LIMIT = r'''
 import json, sys, time, os
 from concurrent.futures import ThreadPoolExecutor
-from pipelines.doc_encoder import DocEncoder
-from pipelines.tokenization import load_tokenizer
+from pipelines.data.encoder import DocEncoder
+from pipelines.data.tokenizer import load_tokenizer
 lines = [l for l in open(sys.argv[1], encoding="utf-8").read().splitlines() if l.strip()]
 info = load_tokenizer("gpt2")
 enc = DocEncoder(info.tokenizer_json, sys.argv[2])
@@ -70,7 +70,7 @@ REFERENCE = r'''
 import itertools, json, sys, time
 t0 = time.perf_counter()
 import datasets
-from pipelines.tokenization import load_tokenizer
+from pipelines.data.tokenizer import load_tokenizer
 from transformers import PreTrainedTokenizerFast
 info = load_tokenizer("gpt2")
 tok = PreTrainedTokenizerFast(tokenizer_object=info.backend)
@@ -96,7 +96,7 @@ def build_corpus(path: Path, size_mb: float) -> None:
         return
     import pyarrow.parquet as pq
 
-    from pipelines.corpora import embedded_corpus
+    from pipelines.data.embedded import embedded_corpus
 
     files = embedded_corpus()
     lines = []
@@ -158,8 +158,8 @@ def main() -> None:
     lim_tps = tokens / lim["seconds"]
     print(f"limit (encode_batch, all cores):     {lim['seconds']:7.1f} s  {lim_tps:10,.0f} tokens/s  ({tokens:,} tokens)")
 
-    from pipelines.doc_encoder import resolve_engine
-    from pipelines.tokenization import load_tokenizer
+    from pipelines.data.encoder import resolve_engine
+    from pipelines.data.tokenizer import load_tokenizer
 
     engine = resolve_engine(load_tokenizer("gpt2").tokenizer_json, args.engine)
     eng_tps = lim_tps
@@ -185,7 +185,7 @@ def main() -> None:
     if args.actors:
         cmd += ["--actors", str(args.actors)]
     dt, out = run(cmd, {**env, "TOKENIZERS_PARALLELISM": "false"})
-    from pipelines.manifest import read_manifest
+    from pipelines.data.manifest import read_manifest
 
     m = read_manifest(work / "ours" / "train")
     ours_tps = tokens / dt

@@ -32,10 +32,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _util import result  # noqa: E402
+from _util import result
 
-from adlm_model import build_model, preset, sample  # noqa: E402
-from adlm_model.config import ModelConfig  # noqa: E402
+from adlm_model import build_model, preset, sample
+from adlm_model.config import ModelConfig
 
 
 def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

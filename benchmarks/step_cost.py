@@ -26,12 +26,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _util import matmul_flops, median_time, result  # noqa: E402
+from _util import matmul_flops, median_time, result
 
-from adlm_model import build_model, compute_loss, preset  # noqa: E402
-from adlm_model.config import ModelConfig  # noqa: E402
-from pipelines.train import build_optimizer  # noqa: E402
-from pipelines.train_config import OptimSection  # noqa: E402
+from adlm_model import build_model, compute_loss, preset
+from adlm_model.config import ModelConfig
+from pipelines.training.config import OptimSection
+from pipelines.training.optim import build_optimizer
 
 
 def forward_macs_per_token(cfg: ModelConfig) -> float:

@@ -59,15 +59,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import result  # noqa: E402
 
 from adlm_model import EMA, build_model, compute_loss  # noqa: E402
-from pipelines.train import build_optimizer, lr_factor  # noqa: E402
-from pipelines.train_config import TrainConfig, load_config  # noqa: E402
+from pipelines.training.config import TrainConfig, load_config  # noqa: E402
+from pipelines.training.optim import build_optimizer, lr_factor  # noqa: E402
 
 EXPERIMENT = "bench-train-throughput"
 
 
 def prepare_demo_data(workdir: Path) -> Path:
     """The embedded demo data under ``workdir/data/embedded`` (where the demo recipe looks); reused if complete."""
-    from pipelines.prepare_data import prepare
+    from pipelines.data.prepare import prepare
 
     out = workdir / "data" / "embedded"
     # Ray (if this has to start it) stops again: the plain loops run without it, the Ray loop starts its own.
@@ -90,10 +90,10 @@ def recipe(args: argparse.Namespace, *extra: str) -> TrainConfig:
 
 def ray_train_rates(args: argparse.Namespace, workdir: Path) -> list[float]:
     """Tokens/s per window of a one-worker Ray Train run of the demo recipe (from MLflow)."""
+    import mlflow
     import ray
 
-    import mlflow
-    from pipelines.train import train
+    from pipelines.training.trainer import train
 
     started = not ray.is_initialized()
     if started:
@@ -140,7 +140,7 @@ def parquet_batches(paths: list[Path], columns: list[str], micro: int, length: i
 def plain_windows(cfg: TrainConfig, data_dir: Path, threads: int, label: str) -> Iterator[float]:
     """pipelines.train's loop in this process (world size 1), no Ray, no MLflow: yields the tokens/s of
     each window of ``run.log_every`` steps, up to ``run.max_steps`` steps."""
-    from pipelines.manifest import read_manifest
+    from pipelines.data.manifest import read_manifest
 
     torch.set_num_threads(threads)
     mc, o, r = cfg.model, cfg.optim, cfg.run

@@ -18,6 +18,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from pipelines.tracking import client
+
 DEFAULT_MODEL_NAME = "adlm"
 CHECKPOINT_ARTIFACT = "checkpoint"
 
@@ -26,28 +28,33 @@ class RegistryError(ValueError):
     """A model URI, alias or version that the registry does not have."""
 
 
-def _client(tracking_uri: str | None):
-    import mlflow  # noqa: PLC0415
+def training_tags(model_cfg: Any, **extra: Any) -> dict[str, Any]:
+    """The tags every registered training checkpoint carries: its kind and, for the anchored kind only,
+    gamma and tau (an MDLM, AR or BD3-LM version has no anchor loss to describe), plus ``extra``."""
+    from adlm_model.kinds import model_kind
 
-    return mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    tags: dict[str, Any] = {"kind": model_cfg.kind}
+    if model_kind(model_cfg.kind).anchored:
+        tags.update(gamma=model_cfg.gamma, tau=model_cfg.tau)
+    return {**tags, **extra}
 
 
 def register_checkpoint(run_id: str, name: str, tags: dict[str, Any], *, tracking_uri: str | None = None,
                         aliases: tuple[str, ...] = ("candidate",), artifact_path: str = CHECKPOINT_ARTIFACT):
     """Register the run's logged checkpoint folder as a new version with tags and aliases."""
-    client = _client(tracking_uri)
+    c = client(tracking_uri)
     try:
-        client.get_registered_model(name)
+        c.get_registered_model(name)
     except Exception:  # noqa: BLE001 - RESOURCE_DOES_NOT_EXIST
         try:
-            client.create_registered_model(name, description="ADLM pipeline checkpoints (safetensors + JSON config)")
+            c.create_registered_model(name, description="ADLM pipeline checkpoints (safetensors + JSON config)")
         except Exception:  # noqa: BLE001 - created concurrently
             pass
-    source = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/" + artifact_path
-    mv = client.create_model_version(name, source=source, run_id=run_id,
+    source = c.get_run(run_id).info.artifact_uri.rstrip("/") + "/" + artifact_path
+    mv = c.create_model_version(name, source=source, run_id=run_id,
                                      tags={k: str(v) for k, v in {**tags, "checkpoint_uri": source}.items()})
     for alias in aliases:
-        client.set_registered_model_alias(name, alias, mv.version)
+        c.set_registered_model_alias(name, alias, mv.version)
     return mv
 
 
@@ -62,12 +69,12 @@ def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
 def get_version(uri: str, tracking_uri: str | None = None):
     """The ModelVersion a ``models:/`` URI names, or a one-line RegistryError."""
     name, version, alias = parse_model_uri(uri)
-    client = _client(tracking_uri)
+    c = client(tracking_uri)
     try:
         if alias is not None:
-            return client.get_model_version_by_alias(name, alias)
-        return client.get_model_version(name, version)
-    except Exception as e:  # noqa: BLE001 - MlflowException of any code
+            return c.get_model_version_by_alias(name, alias)
+        return c.get_model_version(name, version)
+    except Exception as e:
         what = f"alias {alias!r}" if alias else f"version {version}"
         raise RegistryError(f"registered model {name!r} has no {what} in {tracking_uri or 'the tracking store'}: "
                             f"list versions with `mlflow models` or the UI, or pass a checkpoint directory") from e
@@ -81,7 +88,7 @@ def resolve_model(uri: str, tracking_uri: str | None = None, dst: str | os.PathL
             raise RegistryError(f"{uri} is neither a models:/ URI nor a checkpoint directory with config.json")
         return p
     mv = get_version(uri, tracking_uri)
-    import mlflow  # noqa: PLC0415
+    import mlflow
 
     local = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst) if dst else None,
                                                 tracking_uri=tracking_uri)

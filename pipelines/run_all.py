@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from adlm_model.config import ConfigError
-
-from .common import PROJECT_ROOT, quiet_environment, resolve_tracking_uri, resolve_workdir
+from pipelines.runtime import PROJECT_ROOT, init_ray, quiet_environment
+from pipelines.storage import resolve_workdir
+from pipelines.tracking import client, resolve_tracking_uri
 
 PROFILES = ("demo", "smoke")
 
@@ -91,28 +92,10 @@ def profile(name: str) -> Profile:
 
 def _smoke_sources(wd: Path) -> list[str]:
     """Small slices of the embedded corpus as local text files (the smoke profile's source)."""
-    import pyarrow.parquet as pq  # noqa: PLC0415
+    from pipelines.data.embedded import embedded_slices
 
-    from .corpora import embedded_corpus  # noqa: PLC0415
-
-    files = embedded_corpus()
-    src = wd / "data" / "smoke-text"
-    src.mkdir(parents=True, exist_ok=True)
-    out = []
-    for split, budget in (("train", 60_000), ("validation", 12_000)):
-        p = src / f"{split}.txt"
-        if not p.exists():
-            lines, n = [], 0
-            for t in pq.read_table(files[split]).column("text").to_pylist():
-                line = " ".join(t.split())[:4000]
-                if line:
-                    lines.append(line)
-                    n += len(line)
-                if n >= budget:
-                    break
-            p.write_text("\n".join(lines) + "\n")
-        out.append(f"{split}={p}")
-    return out
+    files = embedded_slices(wd / "data" / "smoke-text", {"train": 60_000, "validation": 12_000})
+    return [f"{split}={p}" for split, p in files.items()]
 
 
 def _banner(msg: str) -> None:
@@ -130,24 +113,23 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
     timings: dict[str, float] = {}
 
     # Validate every recipe and space before any work starts (one-line errors).
-    from .train_config import load_config  # noqa: PLC0415
+    from pipelines.training.config import load_config
 
     cfgs = [(label, load_config(PROJECT_ROOT / recipe, sets)) for label, recipe, sets in prof.train_runs]
     space = None
     if prof.sweep and not skip_sweep:
-        from .tune import load_space, plan_sweep  # noqa: PLC0415
+        from pipelines.tuning.space import load_space
+        from pipelines.tuning.sweep import plan_sweep
 
         space = load_space(PROJECT_ROOT / "tune_spaces" / "demo.yaml")
         plan_sweep(space, PROJECT_ROOT / "configs" / "demo.yaml", prof.sweep_overrides, workdir=wd, check_data=False)
-
-    from .common import init_ray  # noqa: PLC0415
 
     init_ray()
 
     # 1. Data.
     _banner(f"1/4 prepare data ({prof.name}) -> {wd / 'data'}")
     t = time.time()
-    from .prepare_data import prepare  # noqa: PLC0415
+    from pipelines.data.prepare import prepare
 
     if prof.name == "smoke":
         prepare(dict(source=_smoke_sources(wd), out=str(wd / "data" / "smoke"), train_tokenizer=512, length=32,
@@ -157,7 +139,7 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
     timings["prepare"] = time.time() - t
 
     # 2. Training runs.
-    from .train import train  # noqa: PLC0415
+    from pipelines.training.trainer import train
 
     results = {}
     for label, cfg in cfgs:
@@ -171,7 +153,7 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
     if space is not None:
         _banner(f"3/4 gamma/tau sweep {space.name} ({space.total_trials} trials, ASHA)")
         t = time.time()
-        from .tune import sweep  # noqa: PLC0415
+        from pipelines.tuning.sweep import sweep
 
         sweep_res = sweep(space, PROJECT_ROOT / "configs" / "demo.yaml", prof.sweep_overrides, workdir=wd,
                           tracking_uri=uri)
@@ -180,8 +162,8 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
     # 4. Staged evaluation and promotion.
     _banner("4/4 staged evaluation of every @candidate and promotion to @champion")
     t = time.time()
-    from .evaluate import EvalConfig  # noqa: PLC0415
-    from .promotion import PromotionConfig, outcomes_markdown, stage_all  # noqa: PLC0415
+    from pipelines.evaluation.config import EvalConfig
+    from pipelines.evaluation.promotion import PromotionConfig, outcomes_markdown, stage_all
 
     model_name = cfgs[0][1].mlflow.registered_model
     outcomes = stage_all(PromotionConfig(model_name=model_name, **prof.promotion), EvalConfig(**prof.eval_settings),
@@ -200,18 +182,16 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
 
 
 def _summary(uri: str, model_name: str, results: dict, sweep_res: Any, timings: dict[str, float]) -> dict:
-    import mlflow  # noqa: PLC0415
+    from pipelines.evaluation.promotion import CHAMPION, alias_version
 
-    from .promotion import CHAMPION, alias_version  # noqa: PLC0415
-
-    client = mlflow.MlflowClient(uri)
+    c = client(uri)
     rows = []
     entries = [(label, r.registered_version) for label, r in results.items()]
     if sweep_res is not None and sweep_res.registered_version:
         entries.append((f"ADLM sweep best ({sweep_res.best.trial_id})", sweep_res.registered_version))
-    champion = alias_version(client, model_name, CHAMPION)  # None: every candidate was rejected
+    champion = alias_version(c, model_name, CHAMPION)  # None: every candidate was rejected
     for label, version in entries:
-        tags = dict(client.get_model_version(model_name, version).tags) if version else {}
+        tags = dict(c.get_model_version(model_name, version).tags) if version else {}
 
         def num(key: str, tags: dict = tags) -> float | None:
             try:

@@ -1,8 +1,7 @@
-"""Defaults every pipeline shares: the work directory, the MLflow store, the offline environment.
+"""The process environment every stage shares: offline/quiet defaults and the one way to start Ray.
 
-- work directory: ``--workdir`` > env ``ADLM_WORKDIR`` > ``./work``
-- MLflow: env ``MLFLOW_TRACKING_URI`` > ``sqlite:///<workdir>/mlflow.db``; artifacts of the
-  experiments created here go to ``<workdir>/mlartifacts`` unless the server decides.
+- ``quiet_environment``: no telemetry, no Ray auth token in ``$HOME`` for local runs.
+- ``init_ray``: connect to ``$RAY_ADDRESS`` (a cluster, ``ray job submit``) or start a local Ray.
 """
 
 from __future__ import annotations
@@ -12,18 +11,10 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
-
-def resolve_workdir(workdir: str | os.PathLike | None = None) -> Path:
-    d = Path(workdir or os.environ.get("ADLM_WORKDIR") or "work").expanduser().resolve()
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def resolve_tracking_uri(workdir: str | os.PathLike | None = None) -> str:
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
-    if uri:
-        return uri
-    return f"sqlite:///{resolve_workdir(workdir) / 'mlflow.db'}"
+FORWARDED_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM",
+                 "HF_HOME", "HF_DATASETS_CACHE", "ADLM_WORKDIR", "ADLM_CACHE", "MLFLOW_DISABLE_TELEMETRY")
+"""Settings a driver passes to a cluster's workers (which do not inherit its shell). Never a credential:
+nodes take those from their own environment or instance role (a job's runtime env shows in the dashboard)."""
 
 
 def quiet_environment() -> None:
@@ -34,42 +25,39 @@ def quiet_environment() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def ensure_experiment(name: str, tracking_uri: str, workdir: str | os.PathLike | None = None) -> str:
-    """Create (or find) an MLflow experiment; local stores get an explicit artifact location."""
-    import mlflow  # noqa: PLC0415 - keep import time of CLIs' --help low
-
-    client = mlflow.MlflowClient(tracking_uri)
-    exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    artifact_location = None
-    if tracking_uri.startswith("sqlite:") or tracking_uri.startswith("file:"):
-        artifact_location = (resolve_workdir(workdir) / "mlartifacts").as_uri()
-    try:
-        return client.create_experiment(name, artifact_location=artifact_location)
-    except Exception:  # noqa: BLE001 - a concurrent creator won the race
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            raise
-        return exp.experiment_id
+def forwarded_env() -> dict[str, str]:
+    """The ``FORWARDED_ENV`` settings present in this process."""
+    return {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
 
 
-def init_ray(num_cpus: int | None = None) -> None:
-    """Connect to ``$RAY_ADDRESS`` when set (a cluster, ``ray job submit``), else start a local Ray.
+def init_ray(address: str | None = None, *, num_cpus: int | None = None, dashboard: bool = True) -> bool:
+    """Connect to ``address`` or ``$RAY_ADDRESS`` when set, else start a local Ray; True if this call
+    started or connected (False: Ray was already initialised).
 
-    A local Ray gets its dashboard on a free loopback port: Ray Tune over Ray Train V2 needs the
-    state API the dashboard serves, or finished trials' placement groups are never released
-    (ENVIRONMENT.md); loopback only, never open to the network.
+    A local Ray gets its dashboard on a free loopback port (``dashboard=True``): Ray Tune over Ray Train
+    V2 needs the state API the dashboard serves, or finished trials' placement groups are never released
+    (ENVIRONMENT.md); loopback only, never open to the network. Data preparation alone starts without
+    it (``dashboard=False``: seconds faster).
     """
-    import ray  # noqa: PLC0415
+    import ray
 
     if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS")
+        return False
+    quiet_environment()
+    address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True, configure_logging=False)
-        return
-    import socket  # noqa: PLC0415
+        # A cluster's workers do not inherit this shell: a driver started from one passes the (non-secret)
+        # settings that matter. Inside a submitted job the job's runtime env already carries them (and Ray
+        # refuses a driver env var that repeats one of the job's).
+        in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+        env = None if in_job else {"env_vars": forwarded_env()}
+        ray.init(address=address, log_to_driver=True, configure_logging=False, runtime_env=env)
+        return True
+    if not dashboard:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+                 configure_logging=False)
+        return True
+    import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -78,3 +66,4 @@ def init_ray(num_cpus: int | None = None) -> None:
     # /tmp/ray/ray_current_cluster may still name.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
              log_to_driver=True, configure_logging=False)
+    return True

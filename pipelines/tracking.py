@@ -1,5 +1,8 @@
 """MLflow tracking that never stops training.
 
+- ``resolve_tracking_uri``: env ``MLFLOW_TRACKING_URI`` > ``sqlite:///<workdir>/mlflow.db``; artifacts of
+  the experiments created here go to ``<workdir>/mlartifacts`` unless the server decides.
+- ``client``: the one way the pipeline makes an ``MlflowClient`` (tracking and registry on one URI).
 - ``find_or_create_run``: one MLflow run per training run name. The run id is fixed when the run
   starts, stored in every checkpoint (meta ``mlflow_run_id``) and reopened on resume, so that a
   resumed or restarted run keeps logging into the same run.
@@ -20,54 +23,82 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from pipelines.storage import resolve_workdir
+
 log = logging.getLogger("adlm.tracking")
 
 RUN_NAME_TAG = "adlm.run_name"
 
 
-def _client(tracking_uri: str):
-    import mlflow  # noqa: PLC0415
+def resolve_tracking_uri(workdir: str | os.PathLike | None = None) -> str:
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    return f"sqlite:///{resolve_workdir(workdir) / 'mlflow.db'}"
+
+
+def client(tracking_uri: str | None) -> Any:
+    """An ``MlflowClient`` whose tracking and registry URIs are both ``tracking_uri``."""
+    import mlflow
 
     return mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+
+def ensure_experiment(name: str, tracking_uri: str, workdir: str | os.PathLike | None = None) -> str:
+    """Create (or find) an MLflow experiment; local stores get an explicit artifact location."""
+    c = client(tracking_uri)
+    exp = c.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    artifact_location = None
+    if tracking_uri.startswith("sqlite:") or tracking_uri.startswith("file:"):
+        artifact_location = (resolve_workdir(workdir) / "mlartifacts").as_uri()
+    try:
+        return c.create_experiment(name, artifact_location=artifact_location)
+    except Exception:
+        exp = c.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
 
 
 def find_or_create_run(tracking_uri: str, experiment_id: str, run_name: str, *, run_id: str | None = None,
                        tags: dict[str, str] | None = None, parent_run_id: str | None = None) -> tuple[str, bool]:
     """(run id, created). ``run_id`` (from a checkpoint) wins; else the run tagged with this name."""
-    client = _client(tracking_uri)
+    c = client(tracking_uri)
     if run_id:
         try:
-            client.get_run(run_id)
-            client.update_run(run_id, status="RUNNING")
+            c.get_run(run_id)
+            c.update_run(run_id, status="RUNNING")
             return run_id, False
         except Exception:  # noqa: BLE001 - the store was reset: fall back to lookup / create
             log.warning("MLflow run %s from the checkpoint is not in %s; looking it up by name", run_id, tracking_uri)
-    found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'",
+    found = c.search_runs([experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'",
                                max_results=1, order_by=["attributes.start_time DESC"])
     if found:
         rid = found[0].info.run_id
-        client.update_run(rid, status="RUNNING")
+        c.update_run(rid, status="RUNNING")
         return rid, False
     all_tags = {RUN_NAME_TAG: run_name, **(tags or {})}
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
-    run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
+    run = c.create_run(experiment_id, run_name=run_name, tags=all_tags)
     return run.info.run_id, True
 
 
 def log_params_once(tracking_uri: str, run_id: str, params: dict[str, Any]) -> None:
     """Log params that the run does not have yet (MLflow params are immutable); changed values of a
     resumed run (e.g. a longer max_steps) go to tags ``resumed.<key>``."""
-    from mlflow.entities import Param, RunTag  # noqa: PLC0415
+    from mlflow.entities import Param, RunTag
 
-    client = _client(tracking_uri)
-    have = client.get_run(run_id).data.params
+    c = client(tracking_uri)
+    have = c.get_run(run_id).data.params
     new = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in have]
     changed = [RunTag(f"resumed.{k}", str(v)[:5000]) for k, v in params.items() if k in have and have[k] != str(v)[:6000]]
     for i in range(0, len(new), 100):
-        client.log_batch(run_id, params=new[i:i + 100])
+        c.log_batch(run_id, params=new[i:i + 100])
     for i in range(0, len(changed), 100):
-        client.log_batch(run_id, tags=changed[i:i + 100])
+        c.log_batch(run_id, tags=changed[i:i + 100])
 
 
 class ResilientLogger:
@@ -88,7 +119,7 @@ class ResilientLogger:
 
     def _last_logged_step(self, key: str = "train/loss") -> int:
         try:
-            hist = _client(self.tracking_uri).get_metric_history(self.run_id, key)
+            hist = client(self.tracking_uri).get_metric_history(self.run_id, key)
             return max((m.step for m in hist), default=-1)
         except Exception as e:  # noqa: BLE001
             log.warning("MLflow unreachable at start (%s); logging will be retried", str(e).splitlines()[0][:200])
@@ -98,7 +129,7 @@ class ResilientLogger:
         """Queue metrics of one step; steps already stored before a restart are skipped."""
         if step <= self.skip_through and not force:
             return
-        from mlflow.entities import Metric  # noqa: PLC0415
+        from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
         for k, v in metrics.items():
@@ -117,10 +148,10 @@ class ResilientLogger:
         if now < self._next_try and not block:
             return False
         try:
-            client = _client(self.tracking_uri)
+            c = client(self.tracking_uri)
             while self.buffer:
                 chunk = [self.buffer[i] for i in range(min(1000, len(self.buffer)))]
-                client.log_batch(self.run_id, metrics=chunk)
+                c.log_batch(self.run_id, metrics=chunk)
                 for _ in chunk:
                     self.buffer.popleft()
         except Exception as e:  # noqa: BLE001 - any outage: keep training
@@ -141,16 +172,16 @@ class ResilientLogger:
 
 
 def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
-    hist = _client(tracking_uri).get_metric_history(run_id, key)
+    hist = client(tracking_uri).get_metric_history(run_id, key)
     return sorted((m.step, m.value) for m in hist)
 
 
 def plot_loss_curve(tracking_uri: str, run_id: str, out: str | os.PathLike) -> Path | None:
     """PNG of training loss / NLL and validation PPL against steps from the stored history."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     series = {k: metric_history(tracking_uri, run_id, k) for k in ("train/loss", "train/nll", "val/ppl")}
     if not any(series.values()):
@@ -181,11 +212,11 @@ def plot_loss_curve(tracking_uri: str, run_id: str, out: str | os.PathLike) -> P
 
 def log_artifact_safely(tracking_uri: str, run_id: str, local: str | os.PathLike, artifact_path: str | None = None) -> bool:
     try:
-        client = _client(tracking_uri)
+        c = client(tracking_uri)
         if Path(local).is_dir():
-            client.log_artifacts(run_id, str(local), artifact_path)
+            c.log_artifacts(run_id, str(local), artifact_path)
         else:
-            client.log_artifact(run_id, str(local), artifact_path)
+            c.log_artifact(run_id, str(local), artifact_path)
         return True
     except Exception as e:  # noqa: BLE001
         log.warning("could not log artifact %s: %s", local, e)

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 _ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -44,13 +42,13 @@ def _isolated_caches(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray runtime (2 CPUs, dashboard on a free loopback port) for the whole test session."""
+    """One local Ray runtime (2 CPUs, dashboard on a free loopback port) for the whole test session, started
+    the way every stage starts it (its workers inherit this process's environment)."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1",
-                 dashboard_port=free_port(), log_to_driver=False, configure_logging=False,
-                 runtime_env={"env_vars": dict(_ENV)})
+    from pipelines.runtime import init_ray
+
+    init_ray(num_cpus=2)
     yield ray
     ray.shutdown()
 
@@ -80,6 +78,6 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory, ray_session) -> Path:
     """Tiny real shards (embedded-corpus text, a 512-entry BPE, rows of 32) shared by the train/tune tests."""
-    from test_train_support import make_tiny_data
+    from tests.support_data import make_tiny_data
 
     return make_tiny_data(tmp_path_factory.mktemp("tiny-data"))

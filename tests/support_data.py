@@ -12,32 +12,19 @@ TINY_MODEL = ["model.hidden=32", "model.heads=2", "model.n_blocks=1", "model.den
 def make_tiny_data(root: Path, train_chars: int = 120_000, val_chars: int = 12_000, length: int = 32) -> Path:
     """Slices of the embedded corpus' train/validation text, tokenised by the real prepare_data with a
     512-entry BPE trained on the slice, rows of ``length``. Returns the output folder."""
-    import pyarrow.parquet as pq
+    from pipelines.data.embedded import embedded_slices
+    from pipelines.data.prepare import prepare
 
-    from pipelines.corpora import embedded_corpus
-    from pipelines.prepare_data import prepare
-
-    files = embedded_corpus()
-    root.mkdir(parents=True, exist_ok=True)
-    for split, budget in (("train", train_chars), ("validation", val_chars)):
-        out, n = [], 0
-        for t in pq.read_table(files[split]).column("text").to_pylist():
-            line = " ".join(t.split())[:4000]
-            if line:
-                out.append(line)
-                n += len(line)
-            if n >= budget:
-                break
-        (root / f"{split}.txt").write_text("\n".join(out) + "\n")
+    files = embedded_slices(root, {"train": train_chars, "validation": val_chars})
     out_dir = root / "data"
-    prepare(dict(source=[f"train={root / 'train.txt'}", f"validation={root / 'validation.txt'}"], out=str(out_dir),
-                 train_tokenizer=512, length=length, quiet=True))
+    prepare(dict(source=[f"{split}={p}" for split, p in files.items()], out=str(out_dir), train_tokenizer=512,
+                 length=length, quiet=True))
     return out_dir
 
 
 def data_overrides(data_dir: Path) -> list[str]:
     """--set assignments that point a recipe at ``data_dir`` and size the model to its manifest."""
-    from pipelines.manifest import read_manifest
+    from pipelines.data.manifest import read_manifest
 
     m = read_manifest(data_dir / "train")
     return [f"data.train={data_dir / 'train'}", f"data.validation={data_dir / 'validation'}",

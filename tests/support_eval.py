@@ -54,7 +54,7 @@ def wiki_paragraphs(n: int, min_chars: int = 80) -> list[str]:
 
 
 def make_tokenizer(root: Path, texts: list[str]) -> tuple[Any, Path]:
-    from pipelines.tokenization import load_tokenizer, train_bpe
+    from pipelines.data.tokenizer import load_tokenizer, train_bpe
 
     tok = train_bpe(iter(texts), VOCAB, name="test-bpe")
     path = tok.save(root / "tokenizer.json")
@@ -73,11 +73,11 @@ def pack_rows(tok: Any, texts: list[str], length: int = SEQ_LEN) -> np.ndarray:
 
 
 def write_split(data_dir: Path, split: str, rows: np.ndarray, tok: Any, tok_path: Path, shard_rows: int = 64) -> Path:
-    """Parquet shards (``input_ids``: fixed_size_list<int32>[L]) plus a real manifest (pipelines.manifest)."""
+    """Parquet shards (``input_ids``: fixed_size_list<int32>[L]) plus a real manifest (pipelines.data.manifest)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipelines.manifest import Manifest, ShardInfo, sha256_file
+    from pipelines.data.manifest import Manifest, ShardInfo, sha256_file
 
     d = data_dir / split
     d.mkdir(parents=True, exist_ok=True)
@@ -155,8 +155,9 @@ def save_ckpt(d: Path, model: torch.nn.Module, cfg: Any, ema: EMA | None, tok_pa
 def register(ckpt: Path, tracking_uri: str, name: str = "adlm", kind: str = "mdlm") -> Any:
     """Log the checkpoint folder as the run artifact ``checkpoint`` and register it (alias candidate)."""
     import mlflow
-    from pipelines.common import ensure_experiment
+
     from pipelines.registry import register_checkpoint
+    from pipelines.tracking import ensure_experiment
 
     client = mlflow.MlflowClient(tracking_uri)
     exp = ensure_experiment("adlm", tracking_uri)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_samplers import M, V, gen, micro, randomized
 
 from adlm_model import compute_loss, sample
 from adlm_model.bd3lm import (
@@ -17,6 +16,7 @@ from adlm_model.bd3lm import (
     search_clipped_schedule,
 )
 from adlm_model.losses import mdlm_objective
+from tests.support_models import M, V, gen, micro, randomized
 
 L = 24
 
@@ -86,7 +86,7 @@ def test_objective_per_block_times_and_eval_bounds() -> None:
     assert torch.isfinite(bd3lm_objective(model, x, None, cfg, t=t, generator=gen()).loss)
 
 
-def _block_setup(n_clean: int):  # noqa: ANN202
+def _block_setup(n_clean: int):
     """A randomised micro BD3-LM, ``n_clean`` clean tokens, a half-masked block of 4 and sigma = 0."""
     cfg = micro("bd3lm")
     clean = torch.randint(0, V, (2, n_clean), generator=gen(3))

@@ -53,8 +53,6 @@ def test_runtime_env_excludes_heavy_folders() -> None:
 def test_mlflow_folder_does_not_shadow_the_package() -> None:
     folder = ROOT / "mlflow"
     assert not (folder / "__init__.py").exists() and not (folder / "mlflow.py").exists()
-    script = (folder / "server.sh").read_text()
-    assert "127.0.0.1" in script and "postgresql" in script
     import mlflow
 
     assert Path(mlflow.__file__).resolve().parent != folder.resolve()

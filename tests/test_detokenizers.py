@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.detokenizers import (
+from pipelines.data.detokenizers import (
     get_detokenizer,
     lambada_detokenizer,
     lm1b_detokenizer,

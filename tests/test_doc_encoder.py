@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from pipelines.doc_encoder import GPT2_TABLES_SHA256, DocEncoder, EncoderError, _tables_hash, resolve_engine
-from pipelines.tokenization import load_tokenizer, train_bpe
+from pipelines.data.encoder import GPT2_TABLES_SHA256, DocEncoder, EncoderError, _tables_hash, resolve_engine
+from pipelines.data.tokenizer import load_tokenizer, train_bpe
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_gpt2_tables_hash_is_the_offline_gpt2(gpt2: str) -> None:
 
 
 def test_embedded_corpora_encode_identically(gpt2: str) -> None:
-    from pipelines.corpora import bible_documents, wikipedia_documents
+    from pipelines.data.embedded import bible_documents, wikipedia_documents
 
     docs = [d[:3000] for d in wikipedia_documents()[:40]] + [d[:3000] for d in bible_documents()[:40]]
     docs = [d for d in docs if d.strip()]

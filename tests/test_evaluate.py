@@ -15,9 +15,12 @@ import pytest
 import torch
 
 from adlm_model import compute_loss, load_checkpoint
-from pipelines.evaluate import EvalConfig, batch_seed, evaluate_model, main
-from pipelines.metrics import unigram_entropy
-from tests.eval_fixtures import make_data, register, save_ckpt, tiny_config, tiny_gpt2, train_tiny
+from pipelines.evaluate import main
+from pipelines.evaluation.config import EvalConfig
+from pipelines.evaluation.jobs import batch_seed
+from pipelines.evaluation.metrics import unigram_entropy
+from pipelines.evaluation.run import evaluate_model
+from tests.support_eval import make_data, register, save_ckpt, tiny_config, tiny_gpt2, train_tiny
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -27,7 +30,7 @@ def art(tmp_path_factory):
     """Data (KJV + Wikipedia, a trained 384-entry BPE) and two briefly trained tiny checkpoints."""
     root = tmp_path_factory.mktemp("eval")
     data, tok, tok_path = make_data(root)
-    from pipelines.evaluate import read_rows
+    from pipelines.data.reader import read_rows
 
     rows, _ = read_rows(str(data / "train"))
     out = {"root": root, "data": data, "tok": tok, "tok_path": tok_path}
@@ -153,7 +156,7 @@ def test_bad_input_fails_in_one_line_before_any_work(art, workdir, capsys, tmp_p
     assert "unknown setting 'colour'" in _fails(capsys, "--model", ck, "--set", "colour=red")
     assert "expected int" in _fails(capsys, "--model", ck, "--set", "batch_size=many")
     assert "zero_shot=NAME=DIR" in _fails(capsys, "--model", ck, "--suite", "zero_shot", "--in-process")
-    assert "options: eta, t_on, t_off, alpha_on" in _fails(capsys, "--model", ck, "--suite", "generate", "--set",
+    assert "known: alpha_on, eta, t_off, t_on" in _fails(capsys, "--model", ck, "--suite", "generate", "--set",
                                                            "sampler=remdm-loop", "--set", "sampler.etta=0.1")
     # Nothing was logged.
     client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
@@ -166,7 +169,7 @@ def test_shared_cache_never_confuses_version_1_of_two_stores(art, tmp_path, monk
     shared box): each URI must resolve to its own weights (a cache keyed by name and number mixed them up)."""
     from safetensors.torch import load_file
 
-    from pipelines.evaluate import resolve_model_ref
+    from pipelines.evaluation.plan import resolve_model_ref
 
     monkeypatch.setenv("ADLM_CACHE", str(tmp_path / "cache"))
     got = {}
@@ -200,8 +203,8 @@ def test_zero_shot_sets_form_one_table(art, tmp_path):
 def test_cli_help_documents_every_setting():
     out = subprocess.run([sys.executable, "-m", "pipelines.evaluate", "--help"], capture_output=True, text=True,
                          check=True).stdout
-    from pipelines.evaluate import EvalConfig
-    from pipelines.promotion import PromotionConfig
+    from pipelines.evaluation.config import EvalConfig
+    from pipelines.evaluation.promotion import PromotionConfig
 
     for flag in ("--model", "--suite", "--set", "--stage-all", "--in-process", "--ray-address", "--data", "--name"):
         assert flag in out

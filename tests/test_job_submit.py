@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.eval_lm import EvalLMError, check_eval_lm, check_featurizer, load_eval_lm, load_featurizer
-from pipelines.metrics import (
+from pipelines.evaluation.eval_lm import EvalLMError, check_eval_lm, check_featurizer, load_eval_lm, load_featurizer
+from pipelines.evaluation.metrics import (
     MetricError,
     PooledNLL,
     generative_perplexity,
@@ -18,7 +18,7 @@ from pipelines.metrics import (
     mean_unigram_entropy,
     unigram_entropy,
 )
-from tests.eval_fixtures import kjv_verses, tiny_gpt2, wiki_paragraphs
+from tests.support_eval import kjv_verses, tiny_gpt2, wiki_paragraphs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

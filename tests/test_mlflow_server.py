@@ -13,12 +13,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import free_port
-from test_train_support import TINY_MODEL, data_overrides
 
+import pipelines.training.trainer as train_mod
 from adlm_model import load_checkpoint
-from pipelines import train as train_mod
-from pipelines.train_config import load_config
+from pipelines.training.config import load_config
+from tests.conftest import free_port
+from tests.support_data import TINY_MODEL, data_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,6 +78,7 @@ def server(tmp_path: Path):
 def test_training_logs_and_registers_through_the_server(server, tiny_data: Path, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     import mlflow
+
     from pipelines.registry import get_version, resolve_model
 
     url, artifact_root = server

@@ -9,10 +9,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.corpora import SourceError, bible_documents
-from pipelines.manifest import DataMismatchError, read_manifest
-from pipelines.prepare_data import FAIL_ENV, PrepareError, prepare
-from pipelines.tokenization import TokenizerError, load_tokenizer
+from pipelines.data.embedded import bible_documents
+from pipelines.data.manifest import DataMismatchError, read_manifest
+from pipelines.data.prepare import PrepareError, prepare
+from pipelines.data.sources import SourceError
+from pipelines.data.tokenizer import TokenizerError, load_tokenizer
+from pipelines.faults import ENV as FAULT_ENV
 
 
 @pytest.fixture(scope="module")
@@ -116,11 +118,11 @@ def test_killed_run_resumes_to_identical_shards(ray_session, tmp_path: Path, cor
     ref = prepare({**opts, "out": str(tmp_path / "ref")})["train"]
     assert len(ref.shards) >= 4
     out = tmp_path / "killed"
-    monkeypatch.setenv(FAIL_ENV, "3")
+    monkeypatch.setenv(FAULT_ENV, "prepare.fail_after_shards=3")
     with pytest.raises(RuntimeError, match="simulated crash"):
         # On the other engine: the shards are the same, so the rerun below (auto: tiktoken) continues them.
         prepare({**opts, "out": str(out), "engine": "tokenizers"})
-    monkeypatch.delenv(FAIL_ENV)
+    monkeypatch.delenv(FAULT_ENV)
     names = sorted(p.name for p in (out / "train").glob("part-*"))
     assert names == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
     assert not (out / "train" / "manifest.json").exists()

@@ -6,38 +6,16 @@ import pytest
 import torch
 import torch.nn as nn
 
-from adlm_model import ModelConfig, build_model, preset
+from adlm_model import sample
 from adlm_model.samplers import (
     ReMDMLoop,
     SamplerError,
     diffusion_step,
     mask_probabilities,
     nucleus,
-    remdm_phase,
-    sample,
     transition_probs,
 )
-
-V, M, L = 48, 48, 24
-
-
-def micro(kind: str, **kw) -> ModelConfig:
-    return preset("tiny", kind=kind, hidden=32, heads=2, n_blocks=2, denoiser_blocks=1, cond_dim=16, vocab_size=V,
-                  mask_id=M, seq_len=L, block_size=4, dropout=0.0, **kw)
-
-
-def randomized(cfg: ModelConfig, seed: int = 0) -> nn.Module:
-    """A model with every weight random (the zero-initialised output layers would give uniform p_x0)."""
-    model = build_model(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model.eval()
-
-
-def gen(seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+from tests.support_models import L, M, V, gen, micro, randomized
 
 
 @pytest.mark.parametrize("kind,sampler", [("mdlm", "mdlm"), ("mdlm", "remdm-loop"), ("adlm", "mdlm"),
@@ -63,18 +41,6 @@ def test_time_conditioning_disables_caching() -> None:
         sample(model, cfg, batch_size=1, length=16, steps=32, generator=gen(), stats=stats, cache=cache)
         calls.append(stats["network_calls"])
     assert calls[0] == calls[1] >= 16  # no step reuses p_x0 (sigma changes every step)
-
-
-def test_fused_adlm_forward_matches_unfused() -> None:
-    cfg = micro("adlm")
-    model = randomized(cfg)
-    z = torch.randint(0, V + 1, (2, L), generator=gen(1))
-    sigma = torch.zeros(2)
-    with torch.no_grad():
-        fused = model.denoiser_logits(z, sigma, fused=True)
-        unfused = model.denoiser_logits(z, sigma, fused=False)
-    assert torch.allclose(fused, unfused, rtol=1e-4, atol=1e-4)
-    assert unfused.abs().max() > 1e-2  # a real comparison, not two zero tensors
 
 
 def _prefix_cases() -> list:
@@ -117,8 +83,7 @@ def test_remdm_transitions_equal_the_formulas() -> None:
     e_m[m] = 1
     e_x = torch.nn.functional.one_hot(x, 9).double()
     p = p_x0.double()
-    for t, phase in ((0.8, "on"), (0.3, "loop"), (0.04, "off")):
-        assert remdm_phase(t, r) == phase
+    for t, phase in ((0.8, "on"), (0.3, "loop"), (0.04, "off")):  # t > t_on, t_off < t <= t_on, t <= t_off
         s = t - dt
         if phase == "on":
             mt, ms = 1 - (1 - t) * a / (1 - r.t_on), 1 - (1 - s) * a / (1 - r.t_on)

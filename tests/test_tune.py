@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_train_support import TINY_MODEL, data_overrides
 
 from adlm_model import ConfigError
-from pipelines import tune as tune_mod
+from pipelines.tune import main as tune_main
+from pipelines.tuning.space import load_space, parse_space
+from pipelines.tuning.sweep import plan_sweep, sweep
+from tests.support_data import TINY_MODEL, data_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACES = sorted((ROOT / "tune_spaces").glob("*.yaml"))
@@ -27,12 +29,12 @@ def test_every_shipped_space_validates_against_its_recipe() -> None:
     assert {p.name for p in SPACES} >= {"demo.yaml", "gamma_tau.yaml"}
     recipes = {"demo.yaml": "demo.yaml", "gamma_tau.yaml": "owt_adlm_small.yaml"}
     for path in SPACES:
-        space = tune_mod.load_space(path)
+        space = load_space(path)
         assert {p.name for p in space.params} >= {"gamma", "tau"}
-        plan = tune_mod.plan_sweep(space, ROOT / "configs" / recipes.get(path.name, "demo.yaml"), check_data=False)
+        plan = plan_sweep(space, ROOT / "configs" / recipes.get(path.name, "demo.yaml"), check_data=False)
         assert plan.base.model.kind == "adlm" and plan.max_t <= plan.base.run.max_steps
         # The YAML form round-trips (the trial actors re-parse it).
-        assert tune_mod.parse_space(tune_mod._space_raw(space), str(path)) == space
+        assert parse_space(space.to_raw(), str(path)) == space
 
 
 def _space(**changes) -> dict:
@@ -68,22 +70,34 @@ def _space(**changes) -> dict:
 ])
 def test_bad_spaces_fail_with_one_line(changes: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as e:
-        space = tune_mod.parse_space(_space(**changes), "bad.yaml")
-        tune_mod.plan_sweep(space, ROOT / "configs" / "demo.yaml", check_data=False)
+        space = parse_space(_space(**changes), "bad.yaml")
+        plan_sweep(space, ROOT / "configs" / "demo.yaml", check_data=False)
     assert "\n" not in str(e.value)
 
 
 def test_missing_data_fails_before_ray(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = tune_mod.main(["--space", str(ROOT / "tune_spaces" / "demo.yaml"), "--config", str(ROOT / "configs" / "demo.yaml"),
+    rc = tune_main(["--space", str(ROOT / "tune_spaces" / "demo.yaml"), "--config", str(ROOT / "configs" / "demo.yaml"),
                         "--workdir", str(workdir)])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1 and "prepare_data" in err
     assert not (workdir / "ray_results").exists()
 
 
-def _trial_log(wd: Path, name: str) -> list[str]:
-    p = wd / "ray_results" / "tune" / name / tune_mod.TRIAL_LOG
-    return p.read_text().split("\n") if p.exists() else []
+def _trial_runs(experiment: str = "adlm-demo") -> dict[str, object]:
+    """The sweep's training runs (MLflow child runs) by trial id; a trial's run is FINISHED once its
+    training ended, and it carries a ``train/resumed_from`` metric when it was ever restarted."""
+    import mlflow
+
+    c = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    exp = c.get_experiment_by_name(experiment)
+    if exp is None:
+        return {}
+    runs = c.search_runs([exp.experiment_id], "tags.`tune.trial_id` != ''")
+    return {r.data.tags["tune.trial_id"]: r for r in runs}
+
+
+def _finished_trials() -> set[str]:
+    return {t for t, r in _trial_runs().items() if r.info.status == "FINISHED"}
 
 
 @pytest.mark.slow
@@ -116,7 +130,7 @@ def test_sweep_stops_early_nests_runs_registers_best_and_resumes(tiny_data: Path
     with log_path.open("w") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 400
-    while not any(line.startswith("end ") for line in _trial_log(workdir, "t-sweep")):
+    while not _finished_trials():
         if proc.poll() is not None or time.time() > deadline:
             proc.kill()
             pytest.fail(f"the sweep ended or hung before a trial finished:\n{log_path.read_text()[-4000:]}")
@@ -124,23 +138,23 @@ def test_sweep_stops_early_nests_runs_registers_best_and_resumes(tiny_data: Path
     os.killpg(proc.pid, signal.SIGINT)
     proc.wait(timeout=180)
     assert proc.returncode == 130, log_path.read_text()[-4000:]
-    first = _trial_log(workdir, "t-sweep")
-    finished_before = {line.split()[1] for line in first if line.startswith("end ")}
+    finished_before = _finished_trials()
     assert finished_before
 
     # 2. Rerun the same sweep: it resumes and completes without rerunning the finished trial(s).
-    res = tune_mod.sweep(tune_mod.load_space(space_file), ROOT / "configs" / "demo.yaml",
+    res = sweep(load_space(space_file), ROOT / "configs" / "demo.yaml",
                          [*data_overrides(tiny_data), *TINY_MODEL])
     assert not res.interrupted and len(res.trials) == 4
-    log = _trial_log(workdir, "t-sweep")
+    # A rerun trial would resume its finished training run (logging train/resumed_from): none did.
+    uri = os.environ["MLFLOW_TRACKING_URI"]
     for tid in finished_before:
-        assert log.count(f"start {tid}") == 1, log
+        run = _trial_runs()[tid]
+        assert not mlflow.MlflowClient(uri).get_metric_history(run.info.run_id, "train/resumed_from"), tid
     assert any(r.status == "stopped" for r in res.trials), [(r.trial_id, r.params, r.status) for r in res.trials]
     assert res.best is not None and res.best.status == "finished" and res.best.params["optim.lr"] == 3e-3
     assert res.best.val_ppl == min(r.val_ppl for r in res.trials if r.status == "finished")
 
     # 3. MLflow: one parent, 4 nested children with params gamma and tau, artifacts, the best registered.
-    uri = os.environ["MLFLOW_TRACKING_URI"]
     client = mlflow.MlflowClient(uri)
     exp = client.get_experiment_by_name("adlm-demo")
     parents = client.search_runs([exp.experiment_id], "tags.`adlm.sweep_parent` = 'true'")
@@ -164,7 +178,7 @@ def test_sweep_stops_early_nests_runs_registers_best_and_resumes(tiny_data: Path
     assert float(mv.tags["gamma"]) == pytest.approx(res.best.params["gamma"])
 
     # 4. A rerun of the finished sweep changes nothing and registers nothing new.
-    again = tune_mod.sweep(tune_mod.load_space(space_file), ROOT / "configs" / "demo.yaml",
+    again = sweep(load_space(space_file), ROOT / "configs" / "demo.yaml",
                            [*data_overrides(tiny_data), *TINY_MODEL], quiet=True)
     assert again.registered_version == res.registered_version
     assert len(client.search_model_versions("name='adlm'")) == 1

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.tokenization import GPT2_EOS
+from pipelines.data.tokenizer import GPT2_EOS
 
 ENGINES = ("auto", "tiktoken", "tokenizers")
 
@@ -93,7 +93,7 @@ def gpt2_tiktoken_ranks(tokenizer_json: str) -> tuple[dict[bytes, int], dict[str
 
 def tiktoken_available() -> bool:
     try:
-        import tiktoken  # noqa: F401, PLC0415
+        import tiktoken  # noqa: F401
     except ImportError:
         return False
     return True
@@ -126,14 +126,14 @@ class DocEncoder:
     def __init__(self, tokenizer_json: str, engine: str = "auto") -> None:
         self.engine = resolve_engine(tokenizer_json, engine)
         if self.engine == "tiktoken":
-            import tiktoken  # noqa: PLC0415
+            import tiktoken
 
             ranks, special = gpt2_tiktoken_ranks(tokenizer_json)  # type: ignore[misc]
             self._tt = tiktoken.Encoding(name="gpt2-adlm", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                                          special_tokens=special)
             self._special = set(special)
         else:
-            from tokenizers import Tokenizer  # noqa: PLC0415
+            from tokenizers import Tokenizer
 
             self._tok = Tokenizer.from_str(tokenizer_json)
             self._tok.no_truncation()

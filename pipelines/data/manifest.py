@@ -6,7 +6,7 @@ and ``DIR/<split>/manifest.json``. Training and evaluation call ``read_manifest(
 ``Manifest.check_fits(model_cfg)`` so that data made with another tokenizer, mask id or length is refused
 with one clear line instead of training on garbage.
 
-Paths may be local or object-store URIs (``s3://``, ``gs://``, ``file://``) through pyarrow filesystems.
+Paths may be local or object-store URIs (``s3://``, ``gs://``, ``file://``) through ``pipelines.storage``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from pipelines.storage import exists, is_uri, join, read_bytes, sha256_file, write_bytes_atomic
+
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
 
@@ -28,73 +30,6 @@ class DataMismatchError(ValueError):
 
 class ManifestError(ValueError):
     """A missing, unreadable or inconsistent manifest / shard; the message says the fix."""
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Filesystems: local paths and object-store URIs alike.
-
-
-def is_uri(path: str | os.PathLike) -> bool:
-    s = str(path)
-    return "://" in s and not s.startswith("file://")
-
-
-def get_fs(path: str | os.PathLike) -> tuple[Any, str]:
-    """(pyarrow filesystem, path inside it) for a local path, ``file://`` or an object-store URI."""
-    import pyarrow.fs as pafs
-
-    s = str(path)
-    if "://" in s:
-        fs, inner = pafs.FileSystem.from_uri(s)
-        return fs, inner.rstrip("/")
-    return pafs.LocalFileSystem(), str(Path(s).expanduser().resolve())
-
-
-def join(base: str | os.PathLike, *parts: str) -> str:
-    """Join path components, keeping URIs URIs."""
-    s = str(base)
-    if "://" in s:
-        return "/".join([s.rstrip("/"), *parts])
-    return str(Path(s, *parts))
-
-
-def read_bytes(path: str | os.PathLike) -> bytes:
-    fs, p = get_fs(path)
-    with fs.open_input_stream(p) as f:
-        return f.read()
-
-
-def exists(path: str | os.PathLike) -> bool:
-    import pyarrow.fs as pafs
-
-    fs, p = get_fs(path)
-    return fs.get_file_info(p).type != pafs.FileType.NotFound
-
-
-def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write to ``<path>.tmp`` then rename: a reader never sees a half-written file."""
-    fs, p = get_fs(path)
-    parent = p.rsplit("/", 1)[0]
-    fs.create_dir(parent, recursive=True)
-    tmp = p + ".tmp"
-    with fs.open_output_stream(tmp) as f:
-        f.write(data)
-    fs.move(tmp, p)
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    fs, p = get_fs(path)
-    h = hashlib.sha256()
-    with fs.open_input_stream(p) as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
-
-
-# ----------------------------------------------------------------------------------------------------------
 
 
 @dataclass

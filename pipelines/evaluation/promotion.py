@@ -31,7 +31,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from .evaluate import EvalConfig, EvalError, EvalResult, Plan, evaluate_model, parse_suite
+from pipelines.evaluation.config import EvalConfig, EvalError, parse_suite
+from pipelines.evaluation.plan import Plan, plan_evaluation
+from pipelines.evaluation.report import EvalResult
+from pipelines.evaluation.run import log_result, make_executor, run_plan
+from pipelines.tracking import client as tracking_client
+from pipelines.tracking import resolve_tracking_uri
 
 FINAL_STATUSES = ("promoted", "rejected")
 CHAMPION = "champion"
@@ -107,12 +112,6 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _client(tracking_uri: str) -> Any:
-    import mlflow
-
-    return mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-
-
 def alias_version(client: Any, name: str, alias: str) -> str | None:
     from mlflow.exceptions import MlflowException
 
@@ -141,7 +140,7 @@ class _Stager:
     def __init__(self, promo: PromotionConfig, cfg: EvalConfig, *, workdir: str | os.PathLike | None,
                  tracking_uri: str, executor: Any) -> None:
         self.promo, self.cfg, self.workdir, self.tracking_uri, self.executor = promo, cfg, workdir, tracking_uri, executor
-        self.client = _client(tracking_uri)
+        self.client = tracking_client(tracking_uri)
         self.name = promo.model_name
 
     # -- helpers ------------------------------------------------------------------------------------------
@@ -153,13 +152,9 @@ class _Stager:
         return f"models:/{self.name}/{version}"
 
     def plan(self, version: str, suite: tuple[str, ...], cfg: EvalConfig) -> Plan:
-        from .evaluate import plan_evaluation
-
         return plan_evaluation(self.uri(version), suite, cfg, workdir=self.workdir, tracking_uri=self.tracking_uri)
 
     def run(self, plan: Plan, stage: str | None, tag_version: bool, log: bool = True) -> EvalResult:
-        from .evaluate import log_result, run_plan
-
         result = run_plan(plan, self.executor)
         if log:
             log_result(result, plan, stage=stage, tag_version=tag_version)
@@ -172,7 +167,7 @@ class _Stager:
         if tag in tags and tags.get(tag + ".key") == key:
             return float(tags[tag])
         result = self.run(self.plan(champion, ("ppl",), cfg), stage=None, tag_version=False, log=False)
-        got = result.table[0]["key"]
+        got = result.ppl_keys["validation"]
         if got != key:  # the champion resolved other data: the figures would not be comparable
             raise EvalError(f"champion v{champion} was measured as {got}, not {key}")
         value = result.metrics["val_ppl"]
@@ -193,12 +188,11 @@ class _Stager:
     # -- the stages ---------------------------------------------------------------------------------------
     def process(self, version: str) -> StageOutcome:
         from adlm_model.checkpoint import CheckpointError
-
-        from .eval_lm import EvalLMError
-        from .manifest import DataMismatchError, ManifestError
-        from .metrics import MetricError
-        from .registry import RegistryError
-        from .tokenization import TokenizerError
+        from pipelines.data.manifest import DataMismatchError, ManifestError
+        from pipelines.data.tokenizer import TokenizerError
+        from pipelines.evaluation.eval_lm import EvalLMError
+        from pipelines.evaluation.metrics import MetricError
+        from pipelines.registry import RegistryError
 
         bad_input = (EvalError, CheckpointError, DataMismatchError, ManifestError, EvalLMError, MetricError,
                      RegistryError, TokenizerError)
@@ -214,7 +208,7 @@ class _Stager:
             self.tag(version, {"eval.stage1": "failed"})
             return self.decide(version, "rejected", 1, [f"stage 1: {e}"], figures)
         r1 = self.run(plan1, stage="1", tag_version=False)
-        fast, key1 = r1.metrics["val_ppl"], r1.table[0]["key"]
+        fast, key1 = r1.metrics["val_ppl"], r1.ppl_keys["validation"]
         figures["stage1_val_ppl"] = fast
         reasons = []
         if not math.isfinite(fast) or fast > self.promo.stage1_max_ppl:
@@ -257,11 +251,10 @@ class _Stager:
         p = self.promo
         reasons = []
         if champion is not None:
-            val_row = next(r for r in r2.table if r["quantity"] == "validation PPL")
             champ_cfg = dataclasses.replace(self.cfg, splits=("validation",),
                                             data=os.path.dirname(plan2.datasets[0].split_dir))
             try:
-                champ_val = self.champion_ppl(champion, champ_cfg, val_row["key"])
+                champ_val = self.champion_ppl(champion, champ_cfg, r2.ppl_keys["validation"])
             except bad_input as e:
                 reasons.append(f"gate: champion v{champion} cannot be measured on this data ({e})")
             else:
@@ -291,8 +284,8 @@ class _Stager:
 
 def check_stage_all(promo: PromotionConfig, cfg: EvalConfig, tracking_uri: str) -> None:
     """Bad settings or a missing registered model fail here, before any version is touched."""
-    from .eval_lm import check_eval_lm, check_featurizer
-    from .metrics import check_mauve_inputs
+    from pipelines.evaluation.eval_lm import check_eval_lm, check_featurizer
+    from pipelines.evaluation.metrics import check_mauve_inputs
 
     promo.validate()
     cfg.validate()
@@ -302,10 +295,10 @@ def check_stage_all(promo: PromotionConfig, cfg: EvalConfig, tracking_uri: str) 
     if "mauve" in suite:
         check_mauve_inputs(cfg.num_samples, cfg.num_samples, cfg.mauve_min_samples)
         check_featurizer(cfg.mauve_featurizer)
-    client = _client(tracking_uri)
+    client = tracking_client(tracking_uri)
     try:
         client.get_registered_model(promo.model_name)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise PromotionError(f"no registered model {promo.model_name!r} in {tracking_uri}: train with registration "
                              "on (python -m pipelines.train ...) or pass --name") from e
 
@@ -314,21 +307,15 @@ def stage_all(promo: PromotionConfig | None = None, cfg: EvalConfig | None = Non
               workdir: str | os.PathLike | None = None, tracking_uri: str | None = None, in_process: bool = False,
               ray_address: str | None = None) -> list[StageOutcome]:
     """Process every waiting version of ``promo.model_name`` (oldest first); returns what happened to each."""
-    from .common import resolve_tracking_uri
-    from .evaluate import LocalExecutor, RayExecutor, start_ray
 
     promo, cfg = promo or PromotionConfig(), cfg or EvalConfig()
     tracking_uri = tracking_uri or resolve_tracking_uri(workdir)
     check_stage_all(promo, cfg, tracking_uri)
-    client = _client(tracking_uri)
+    client = tracking_client(tracking_uri)
     waiting = waiting_versions(client, promo.model_name)
     if not waiting:
         return []
-    if in_process:
-        executor: Any = LocalExecutor()
-    else:
-        start_ray(ray_address)
-        executor = RayExecutor(cfg.cpus_per_task, cfg.gpus_per_task)
+    executor = make_executor(cfg, in_process=in_process, ray_address=ray_address)
     stager = _Stager(promo, cfg, workdir=workdir, tracking_uri=tracking_uri, executor=executor)
     return [stager.process(str(mv.version)) for mv in waiting]
 
@@ -344,5 +331,5 @@ def outcomes_markdown(outcomes: list[StageOutcome]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PromotionConfig", "PromotionError", "StageOutcome", "check_stage_all", "evaluate_model",
+__all__ = ["PromotionConfig", "PromotionError", "StageOutcome", "check_stage_all",
            "alias_version", "outcomes_markdown", "stage_all", "waiting_versions"]

@@ -28,7 +28,8 @@ from typing import Any
 
 import yaml
 
-from adlm_model.config import MODEL_KINDS, PRESETS, ConfigError, ModelConfig, check_keys, preset
+from adlm_model.config import MODEL_KINDS, PRESETS, ConfigError, ModelConfig, preset
+from pipelines.overrides import coerce, coerce_fields, set_nested
 
 
 @dataclass
@@ -225,9 +226,9 @@ class TrainConfig:
             d = raw.get(name) or {}
             if not isinstance(d, dict):
                 raise ConfigError(f"config section {name!r} must be a mapping, got {d!r}")
-            kw[name] = sec(**_coerce(sec, check_keys(sec, d, name), name))
+            kw[name] = sec(**coerce_fields(sec, d, name))
         if "ema" in raw:
-            kw["ema"] = _number(raw["ema"], "ema")
+            kw["ema"] = coerce(raw["ema"], float, "ema")
         return cls(**kw).validate()
 
     def resolve_path(self, p: str, workdir: Path) -> Path:
@@ -244,8 +245,7 @@ def build_model_config(d: dict[str, Any]) -> ModelConfig:
     name = d.pop("preset", None)
     if "kind" in d and d["kind"] not in MODEL_KINDS:
         raise ConfigError(f"unknown model kind {d['kind']!r}: use one of {', '.join(MODEL_KINDS)}")
-    check_keys(ModelConfig, d, "model")
-    d = _coerce(ModelConfig, d, "model")
+    d = coerce_fields(ModelConfig, d, "model")
     if name is None:
         return ModelConfig.from_dict(d)
     if name not in PRESETS:
@@ -253,60 +253,9 @@ def build_model_config(d: dict[str, Any]) -> ModelConfig:
     return preset(name, **d)
 
 
-def _number(v: Any, where: str) -> float:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where} must be a number, got {v!r}") from None
-
-
-def _coerce(cls: type, d: dict[str, Any], where: str) -> dict[str, Any]:
-    """YAML gives ``3e-4`` as a string and ints for floats: coerce to the field's declared type."""
-    types = {f.name: f.type for f in dataclasses.fields(cls)}
-    out = {}
-    for k, v in d.items():
-        t = str(types[k])
-        try:
-            if t == "float" and not isinstance(v, bool):
-                v = float(v)
-            elif t == "int" and not isinstance(v, bool):
-                if isinstance(v, float) and not v.is_integer():
-                    raise ValueError
-                v = int(float(v)) if isinstance(v, str) else int(v)
-            elif t == "bool":
-                if isinstance(v, str) and v.lower() in ("true", "false"):
-                    v = v.lower() == "true"
-                if not isinstance(v, bool):
-                    raise ValueError
-            elif t == "str":
-                v = str(v)
-            elif t.startswith("list"):
-                v = [float(x) for x in v]
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}.{k} must be of type {t}, got {v!r}") from None
-        out[k] = v
-    return out
-
-
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
-    """Apply one ``key.sub=value`` (value parsed as YAML) to a raw recipe dict in place."""
-    if "=" not in assignment:
-        raise ConfigError(f"--set {assignment!r} must look like section.key=value (e.g. run.max_steps=100)")
-    key, value = assignment.split("=", 1)
-    parts = [p for p in key.strip().split(".") if p]
-    if not parts:
-        raise ConfigError(f"--set {assignment!r} has an empty key")
-    if parts[0] not in TOP_KEYS:
-        raise ConfigError(f"--set {assignment!r}: unknown section {parts[0]!r}; known: {', '.join(TOP_KEYS)}")
-    node = raw
-    for p in parts[:-1]:
-        nxt = node.get(p)
-        if nxt is None:
-            nxt = node[p] = {}
-        if not isinstance(nxt, dict):
-            raise ConfigError(f"--set {assignment!r}: {p!r} is not a section")
-        node = nxt
-    node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+    """Apply one ``section.key=value`` (value parsed as YAML) to a raw recipe dict in place."""
+    set_nested(raw, assignment, TOP_KEYS)
 
 
 def load_raw(path: str | os.PathLike | None) -> dict[str, Any]:

@@ -1,0 +1,226 @@
+"""The model kinds and the samplers, each in one table: what ``build_model``, ``compute_loss`` and
+``sample`` read (METHOD.md sections 1-4).
+
+Adding a model kind is one ``ModelKind`` entry here (its network, its training objective, its
+evaluation bound and its default sampler) plus its name in ``config.MODEL_KINDS``; adding a sampler is
+one ``SAMPLERS`` entry. This module sits on top of the others (``losses``, ``samplers``, ``bd3lm``,
+``models``) and nothing below imports it, so the kinds never form an import circle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .bd3lm import bd3lm_objective, sample_blocks
+from .config import MODEL_KINDS, ModelConfig
+from .losses import LossOutput, adlm_objective, ar_objective, mdlm_objective
+from .models import ADLM, AR, MDLM
+from .samplers import (
+    Progress,
+    ReMDMLoop,
+    SamplerError,
+    ar_sample,
+    check_sample_args,
+    diffusion_sample,
+    reject_unknown,
+    resolve_prefix,
+)
+
+Objective = Callable[..., LossOutput]
+"""``(model, x, attention_mask, cfg, *, step, t, generator) -> LossOutput``."""
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """One model kind of ``ModelConfig.kind``."""
+
+    name: str
+    network: Callable[[ModelConfig], nn.Module]
+    """Builds the network from its config."""
+    train_objective: Objective
+    """The loss training backpropagates (ADLM: the ANELBO with its anchor term)."""
+    eval_objective: Objective
+    """The bound evaluation reports (ADLM: the pure denoiser NELBO, METHOD.md section 2)."""
+    default_sampler: str
+    """The sampler evaluation and generation use unless told otherwise."""
+    anchored: bool = False
+    """Has the anchor loss (gamma, tau are meaningful: tags, sweeps)."""
+    diffusion: bool = True
+    """A masked-diffusion model: its perplexity is an upper bound, it can infill."""
+
+
+Mask = torch.Tensor | None
+Gen = torch.Generator | None
+
+
+def _mdlm(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
+          t: torch.Tensor | None = None, generator: Gen = None) -> LossOutput:
+    return mdlm_objective(model, x, am, cfg, t=t, generator=generator)
+
+
+def _adlm_train(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
+                t: torch.Tensor | None = None, generator: Gen = None) -> LossOutput:
+    return adlm_objective(model, x, am, cfg, step=step, t=t, generator=generator)
+
+
+def _ar(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
+        t: torch.Tensor | None = None, generator: Gen = None) -> LossOutput:
+    return ar_objective(model, x, am, cfg)
+
+
+def _bd3lm_train(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
+                 t: torch.Tensor | None = None, generator: Gen = None) -> LossOutput:
+    return bd3lm_objective(model, x, am, cfg, t=t, generator=generator, train=True)
+
+
+def _bd3lm_eval(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
+                t: torch.Tensor | None = None, generator: Gen = None) -> LossOutput:
+    return bd3lm_objective(model, x, am, cfg, t=t, generator=generator, train=False)
+
+
+KINDS: dict[str, ModelKind] = {k.name: k for k in (
+    ModelKind("mdlm", MDLM, _mdlm, _mdlm, "remdm-loop"),
+    # Evaluation of ADLM runs the denoiser NELBO through the same network (MDLM's objective reads
+    # model.denoiser_logits, which ADLM composes as psi(phi(z_t))).
+    ModelKind("adlm", ADLM, _adlm_train, _mdlm, "remdm-loop", anchored=True),
+    ModelKind("ar", AR, _ar, _ar, "ar", diffusion=False),
+    # BD3-LM shares MDLM's network; it differs in attention masks, objective and sampler.
+    ModelKind("bd3lm", MDLM, _bd3lm_train, _bd3lm_eval, "bd3lm"),
+)}
+assert tuple(KINDS) == MODEL_KINDS, "config.MODEL_KINDS and the KINDS table must list the same kinds"
+
+
+def model_kind(name: str) -> ModelKind:
+    if name not in KINDS:
+        raise SamplerError(f"unknown model kind {name!r}: use one of {', '.join(KINDS)}")
+    return KINDS[name]
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """The network for ``cfg.kind``."""
+    cfg.validate()
+    return KINDS[cfg.kind].network(cfg)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def compute_loss(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig, *,
+                 step: int = 0, train: bool = True, generator: torch.Generator | None = None,
+                 t: torch.Tensor | None = None) -> LossOutput:
+    """The training loss (``train=True``) or the evaluation bound (``train=False``) for ``cfg.kind``."""
+    kind = KINDS[cfg.kind]
+    fn = kind.train_objective if train else kind.eval_objective
+    return fn(model, x, attention_mask, cfg, step=step, t=t, generator=generator)
+
+
+# --------------------------------------------------------------------------------------------
+# Samplers
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """One sampler of ``sample``: a runner and the options it takes (``sampler_kwargs``)."""
+
+    name: str
+    run: Callable[..., torch.Tensor]
+    """``(model, cfg, tokens, keep, *, steps, nucleus_p, generator, progress, cache, stats, **options)``."""
+    options: tuple[str, ...] = ()
+    diffusion: bool = True
+    """Works on a diffusion network (False: AR)."""
+    any_length: bool = False
+    """Generates beyond the model's training length (block by block with a sliding window)."""
+
+
+def _remdm(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *,
+           stats: dict | None = None, **kw: Any) -> torch.Tensor:
+    opts = {k: kw.pop(k) for k in ("eta", "t_on", "t_off", "alpha_on") if k in kw}
+    return diffusion_sample(model, cfg, tokens, keep, sampler="remdm-loop", remdm=ReMDMLoop(**opts).validate(),
+                            stats=stats, **kw)
+
+
+def _mdlm_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *,
+                  stats: dict | None = None, **kw: Any) -> torch.Tensor:
+    return diffusion_sample(model, cfg, tokens, keep, sampler="mdlm", stats=stats, **kw)
+
+
+def _ar_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *,
+                stats: dict | None = None, steps: int = 0, bos_id: int | None = None, **kw: Any) -> torch.Tensor:
+    return ar_sample(model, cfg, tokens, keep, bos_id=bos_id, **kw)
+
+
+def _bd3lm_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor,
+                   **kw: Any) -> torch.Tensor:
+    return sample_blocks(model, cfg, tokens, keep, **kw).tokens
+
+
+SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
+    Sampler("mdlm", _mdlm_sampler),
+    Sampler("remdm-loop", _remdm, ("eta", "t_on", "t_off", "alpha_on")),
+    Sampler("ar", _ar_sampler, ("bos_id",), diffusion=False),
+    Sampler("bd3lm", _bd3lm_sampler, ("block_size", "kv_cache", "context", "eos_id", "entropy_threshold",
+                                      "entropy_window", "pad_id", "bos_id"), any_length=True),
+)}
+
+
+def get_sampler(name: str) -> Sampler:
+    if name not in SAMPLERS:
+        raise SamplerError(f"unknown sampler {name!r}: use one of {', '.join(SAMPLERS)}")
+    return SAMPLERS[name]
+
+
+def check_sampler_options(name: str, options: dict) -> Sampler:
+    """The sampler, or SamplerError (one line) for an unknown sampler or option, or invalid ReMDM-loop settings."""
+    s = get_sampler(name)
+    reject_unknown(options, set(s.options), name)
+    if name == "remdm-loop":
+        ReMDMLoop(**options).validate()
+    return s
+
+
+def sample(model: nn.Module, cfg: ModelConfig, *, batch_size: int, length: int, steps: int, sampler: str = "mdlm",
+           nucleus_p: float = 1.0, generator: torch.Generator,
+           prefix: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+           progress: Progress | None = None, cache: bool = True, **sampler_kwargs) -> torch.Tensor:
+    """Generate token ids ``(batch_size, length)`` (METHOD.md section 4).
+
+    - ``sampler``: ``mdlm`` (ancestral), ``remdm-loop``, ``ar``, ``bd3lm`` (block by block). An
+      ADLM model runs the diffusion samplers on its composed network (fused projection).
+    - ``steps``: ``T`` of the diffusion grid (per block for ``bd3lm``; ignored by ``ar``, which
+      takes one step per token).
+    - ``nucleus_p``: top-p on ``p_x0`` (1 = off). ``generator``: the only source of randomness.
+    - ``prefix``: given tokens, kept fixed (``samplers`` module docstring): infilling for the
+      diffusion samplers. ``progress(step, total)``: called after each step (diffusion: ``T + 1``
+      steps with the greedy one; AR: one per token; BD3-LM: one per block).
+    - ``cache``: MDLM/ReMDM/ADLM/BD3-LM reuse ``p_x0`` when a row did not change (exact; only with
+      time conditioning off); AR uses a KV cache.
+    - ``sampler_kwargs``: the sampler's options (``SAMPLERS[name].options``); ``stats`` (a dict)
+      receives counters such as ``network_calls``.
+
+    The model is put in eval mode for the call (and restored) and run under ``torch.no_grad``.
+    """
+    s = get_sampler(sampler)
+    check_sample_args(cfg, batch_size, length, steps, nucleus_p, generator)
+    kw = dict(sampler_kwargs)
+    stats = kw.pop("stats", None)
+    reject_unknown(kw, set(s.options), sampler)
+    device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
+    tokens, keep = resolve_prefix(prefix, batch_size, length, cfg, device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return s.run(model, cfg, tokens, keep, steps=steps, nucleus_p=nucleus_p, generator=generator,
+                         progress=progress, cache=cache, stats=stats, **kw)
+    finally:
+        model.train(was_training)
+
+
+__all__ = ["KINDS", "SAMPLERS", "ModelKind", "Sampler", "build_model", "check_sampler_options", "compute_loss",
+           "count_parameters", "get_sampler", "model_kind", "sample"]

@@ -1,0 +1,275 @@
+"""Planning a data preparation: the options, the input cut into units, everything checked before Ray.
+
+``make_plan(PrepareConfig)`` validates the options, resolves a named source (its reference splits, text
+field, detokenizer, tokenizer, mode and length) or local/object-store files, and cuts every split's input
+into *units* with stable indices (byte ranges of text/JSONL files cut at newlines, row-group ranges of
+Parquet files, row ranges of a Hugging Face dataset). Unit sizes depend on the input only, never on the
+cluster, so the shard layout is the same everywhere. Every error here is one line, before Ray starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipelines.data.detokenizers import DETOKENIZERS, get_detokenizer
+from pipelines.data.embedded import embedded_corpus
+from pipelines.data.encoder import ENGINES
+from pipelines.data.sources import (
+    EMBEDDED,
+    EMBEDDED_TOKENIZER_VOCAB,
+    KNOWN_SOURCES,
+    NAMED_SOURCES,
+    NamedSource,
+    SourceError,
+    Unit,
+    check_text_field,
+    expand_local,
+    file_kind,
+    load_hf_split,
+    plan_hf_units,
+    plan_units,
+    read_unit,
+)
+from pipelines.data.tokenizer import TokenizerInfo
+from pipelines.storage import get_fs, join, resolve_workdir
+
+FORMAT_VERSION = 1
+"""Part of every split's fingerprint: bump it when the shard format changes."""
+
+
+class PrepareError(ValueError):
+    """Bad input for data preparation; the message names the problem and the fix."""
+
+
+@dataclass
+class PrepareConfig:
+    """Options of ``prepare`` (each is a ``--flag`` of the CLI)."""
+
+    source: list[str] = field(default_factory=lambda: ["embedded"])
+    """A named source (``embedded``, ``openwebtext``, ``lm1b``, ...) or local/object-store paths, globs and
+    directories; ``split=PATH`` assigns a path to a split (repeatable)."""
+    split: list[str] | None = None
+    """Splits to prepare (named sources: their reference splits by default; a bare local path: ``train``)."""
+    out: str | None = None
+    """Output directory or URI (default: ``<workdir>/data/<source>`` for named sources)."""
+    workdir: str | None = None
+    """Work directory (``--workdir`` > ``$ADLM_WORKDIR`` > ``./work``), used for defaults and the cache."""
+    tokenizer: str | None = None
+    """``gpt2``, ``bert-base-uncased``, a tokenizer.json or directory, or a hub name (default: the source's)."""
+    train_tokenizer: int | None = None
+    """Train a byte-level BPE of this many entries on the train split, save it as ``OUT/tokenizer.json``."""
+    length: int | None = None
+    """Row length L (default: the source's; reference 1024, LM1B 128, embedded 128)."""
+    mode: str | None = None
+    """``wrap`` or ``pad`` (default: the source's)."""
+    text_field: str | None = None
+    """Text column/field of JSONL and Parquet input (default ``text``; named sources know theirs)."""
+    text_unit: str = "line"
+    """Plain-text files: ``line`` (one document a line) or ``file`` (one document a file)."""
+    detokenizer: str | None = None
+    """Detokenizer before tokenisation (default: the named source's; ``none`` to switch it off)."""
+    shard_rows: int = 4096
+    """Rows per shard, at least (shards end at unit boundaries, so that a rerun can resume there)."""
+    unit_mb: float = 16.0
+    """Largest unit of work in MB of input text (smaller for small corpora: total / 32, at least 16 KB)."""
+    unit_docs: int = 20000
+    """Documents per unit for Hugging Face datasets."""
+    actors: int | None = None
+    """Tokenizer actors (default: the cluster's CPU count)."""
+    actor_cpus: float = 0.5
+    """CPUs each actor reserves (fractional on purpose: whole-CPU actors starve Ray Data on small machines)."""
+    engine: str = "auto"
+    """Tokenizer engine: ``auto`` (tiktoken for GPT-2's BPE, several times faster, same ids; else
+    ``tokenizers``), ``tiktoken`` or ``tokenizers`` (``pipelines.data.encoder``). Shards are identical."""
+    max_truncated: float = 0.01
+    """``pad`` mode: largest fraction of (sampled) documents that may be truncated before the run refuses."""
+    overwrite: bool = False
+    """Delete what the output holds for these splits (and a trained tokenizer) and start again."""
+    ray_address: str | None = None
+    """Ray cluster address (default: ``$RAY_ADDRESS`` or a new local Ray)."""
+    progress_interval: float = 2.0
+    """Seconds between progress lines."""
+    quiet: bool = False
+    """No progress lines (the summary still prints)."""
+
+# ----------------------------------------------------------------------------------------------------------
+# Planning (no Ray)
+
+
+@dataclass
+class SplitPlan:
+    split: str
+    source_label: str
+    units: list[Unit]
+    text_field: str
+    detokenizer: str | None
+    identity: dict[str, Any]
+    hf_dataset: Any = None
+
+
+@dataclass
+class Plan:
+    cfg: PrepareConfig
+    out: str
+    named: NamedSource | None
+    splits: dict[str, SplitPlan]
+    tokenizer_spec: str | None
+    train_vocab: int | None
+    length: int
+    mode: str
+
+
+def log(cfg: PrepareConfig, msg: str, force: bool = False) -> None:
+    if force or not cfg.quiet:
+        print(f"[prepare_data] {msg}", file=sys.stderr, flush=True)
+
+
+def _unit_bytes(total: int, unit_mb: float) -> int:
+    """Unit size from the input size only (never the cluster), so shard layout is the same everywhere."""
+    return int(max(16 << 10, min(unit_mb * (1 << 20), total // 32 + 1)))
+
+
+def _local_plan(files: list[str], cfg: PrepareConfig, text_field: str) -> tuple[list[Unit], dict[str, Any]]:
+    for f in files:
+        if file_kind(f) in ("jsonl", "parquet"):
+            check_text_field(f, text_field)
+    sizes = []
+    for f in files:
+        fs, inner = get_fs(f)
+        sizes.append(fs.get_file_info(inner).size or 0)
+    units = plan_units(files, _unit_bytes(sum(sizes), cfg.unit_mb))
+    ident = {"files": [[f, s] for f, s in zip(files, sizes, strict=True)], "text_unit": cfg.text_unit}
+    return units, ident
+
+
+def make_plan(cfg: PrepareConfig) -> Plan:
+    """Validate everything that can be validated without Ray; PrepareError / SourceError / TokenizerError."""
+    if not cfg.source:
+        raise PrepareError("no --source given; use a named source (" + ", ".join(KNOWN_SOURCES) + ") or a path")
+    if cfg.mode is not None and cfg.mode not in ("wrap", "pad"):
+        raise PrepareError(f"--mode {cfg.mode!r}: use wrap or pad")
+    if cfg.engine not in ENGINES:
+        raise PrepareError(f"--engine {cfg.engine!r}: use one of {', '.join(ENGINES)}")
+    if cfg.length is not None and cfg.length < 4:
+        raise PrepareError(f"--length {cfg.length} is below 4: a row needs BOS, EOS and at least two tokens")
+    if cfg.shard_rows < 1:
+        raise PrepareError(f"--shard-rows {cfg.shard_rows}: must be at least 1")
+    if cfg.actors is not None and cfg.actors < 1:
+        raise PrepareError(f"--actors {cfg.actors}: must be at least 1")
+    if not 0 < cfg.actor_cpus <= 64:
+        raise PrepareError(f"--actor-cpus {cfg.actor_cpus}: must be in (0, 64]")
+    if cfg.text_unit not in ("line", "file"):
+        raise PrepareError(f"--text-unit {cfg.text_unit!r}: use line or file")
+    if not 0 <= cfg.max_truncated <= 1:
+        raise PrepareError(f"--max-truncated {cfg.max_truncated}: a fraction in [0, 1]")
+    if cfg.detokenizer not in (None, "none") and cfg.detokenizer not in DETOKENIZERS:
+        raise PrepareError(f"unknown --detokenizer {cfg.detokenizer!r}; known: none, {', '.join(sorted(DETOKENIZERS))}")
+    if cfg.tokenizer and cfg.train_tokenizer:
+        raise PrepareError("--tokenizer and --train-tokenizer exclude each other; pass one")
+
+    named_specs = [s for s in cfg.source if "=" not in s and s.lower() in KNOWN_SOURCES]
+    local_specs = [s for s in cfg.source if s not in named_specs]
+    named: NamedSource | None = None
+    splits: dict[str, SplitPlan] = {}
+    if named_specs:
+        if len(cfg.source) > 1:
+            raise PrepareError(f"--source {' '.join(cfg.source)}: a named source cannot be combined with other "
+                               "sources; run prepare_data once per source")
+        name = named_specs[0].lower()
+        named = EMBEDDED if name == "embedded" else NAMED_SOURCES[name]
+        wanted = list(cfg.split or named.default_splits)
+        for s in wanted:
+            if s not in named.splits:
+                raise PrepareError(f"{named.name} has no split {s!r}; it has {', '.join(named.splits)}")
+        text_field = cfg.text_field or named.field
+        detok = named.detokenizer if cfg.detokenizer is None else (None if cfg.detokenizer == "none"
+                                                                   else cfg.detokenizer)
+        if named is EMBEDDED:
+            files = embedded_corpus(cfg.workdir, progress=lambda m: log(cfg, m))
+            if cfg.train_tokenizer is None and cfg.tokenizer is None and "train" not in wanted:
+                wanted = ["train", *wanted]  # the default tokenizer is trained on train
+            for s in wanted:
+                units, ident = _local_plan([str(files[s])], cfg, "text")
+                ident = {"embedded": "embedded-v1", "split": s, "bytes": ident["files"][0][1]}
+                splits[s] = SplitPlan(s, "embedded", units, "text", detok, ident)
+        else:
+            for s in wanted:
+                ds, start, n = load_hf_split(named, s)
+                units = plan_hf_units(n, cfg.unit_docs, offset=start)
+                ident = {"hf": named.hf_path, "name": named.hf_name, "split": named.splits[s], "start": start,
+                         "rows": n, "fingerprint": getattr(ds, "_fingerprint", None)}
+                splits[s] = SplitPlan(s, named.name, units, text_field, detok, ident, hf_dataset=ds)
+        out = cfg.out or join(str(resolve_workdir(cfg.workdir)), "data", named.name)
+    else:
+        bare = [s for s in local_specs if "=" not in s or "://" in s.split("=", 1)[0]]
+        if any(s.lower() == s and "/" not in s and "." not in s and not os.path.exists(s) for s in bare):
+            unknown = next(s for s in bare if s.lower() == s and "/" not in s and "." not in s)
+            raise SourceError(f"unknown dataset {unknown!r}; known: {', '.join(KNOWN_SOURCES)}; or pass a path")
+        by_split: dict[str, list[str]] = {}
+        default_split = (cfg.split or ["train"])[0]
+        for s in local_specs:
+            if "=" in s and "://" not in s.split("=", 1)[0]:
+                sp, path = s.split("=", 1)
+            else:
+                sp, path = default_split, s
+            by_split.setdefault(sp, []).extend(expand_local(path))
+        if cfg.split:
+            missing = [s for s in cfg.split if s not in by_split]
+            if missing and len(by_split) > 1:
+                raise PrepareError(f"--split {' '.join(missing)}: no --source assigned to it (use SPLIT=PATH)")
+        text_field = cfg.text_field or "text"
+        detok = None if cfg.detokenizer in (None, "none") else cfg.detokenizer
+        for s, files in by_split.items():
+            units, ident = _local_plan(files, cfg, text_field)
+            label = ",".join(x.split("=", 1)[-1] for x in local_specs if x.startswith(f"{s}=") or "=" not in x)
+            splits[s] = SplitPlan(s, label, units, text_field, detok, ident)
+        if not cfg.out:
+            raise PrepareError("local sources need --out DIR (where the shards go)")
+        out = cfg.out
+
+    tokenizer_spec = cfg.tokenizer
+    train_vocab = cfg.train_tokenizer
+    if named is not None and tokenizer_spec is None and train_vocab is None:
+        if named is EMBEDDED:
+            train_vocab = EMBEDDED_TOKENIZER_VOCAB
+        else:
+            tokenizer_spec = named.tokenizer
+    if tokenizer_spec is None and train_vocab is None:
+        raise PrepareError("no tokenizer: pass --tokenizer (gpt2, bert-base-uncased, a tokenizer.json) or "
+                           "--train-tokenizer VOCAB_SIZE")
+    if train_vocab is not None and "train" not in splits:
+        raise PrepareError("--train-tokenizer trains on the train split, but there is none; add --split train or "
+                           "--source train=PATH")
+    length = cfg.length or (named.length if named else 1024)
+    mode = cfg.mode or (named.mode if named else "wrap")
+    if length < 4:
+        raise PrepareError(f"--length {length} is below 4")
+    return Plan(cfg, str(out), named, splits, tokenizer_spec, train_vocab, length, mode)
+
+def split_docs(plan: Plan, sp: SplitPlan, limit: int | None = None) -> list[str]:
+    """Detokenised, non-empty documents of a split, in order (driver side: tokenizer training, checks)."""
+    detok = get_detokenizer(sp.detokenizer)
+    docs: list[str] = []
+    for u in sp.units:
+        ut = read_unit(u.to_dict(), sp.text_field, plan.cfg.text_unit, sp.hf_dataset)
+        for d in ut.docs:
+            if detok is not None:
+                d = detok(d)
+            if d.strip():
+                docs.append(d)
+                if limit is not None and len(docs) >= limit:
+                    return docs
+    return docs
+
+def fingerprint(plan: Plan, sp: SplitPlan, tok: TokenizerInfo) -> str:
+    payload = {
+        "format": FORMAT_VERSION, "identity": sp.identity, "split": sp.split, "text_field": sp.text_field,
+        "detokenizer": sp.detokenizer, "tokenizer": tok.content_hash, "length": plan.length, "mode": plan.mode,
+        "shard_rows": plan.cfg.shard_rows, "units": [u.to_dict() for u in sp.units],
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

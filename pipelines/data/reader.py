@@ -1,0 +1,40 @@
+"""Reading rows back from prepared shards (training's validation rows, evaluation's splits).
+
+Rows come in manifest order; only the shards that hold the requested rows are read (local paths and
+object-store URIs alike).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipelines.data.manifest import read_manifest
+from pipelines.storage import get_fs
+
+
+def read_rows(split_dir: str, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Rows ``[start, stop)`` of a prepared split (manifest order): ``input_ids`` (int64) and the attention
+    mask (int8) in pad mode, else None. Only the shards that hold those rows are read."""
+    import pyarrow.parquet as pq
+
+    m = read_manifest(split_dir)
+    stop = m.rows if stop is None else min(stop, m.rows)
+    ids_parts, mask_parts = [], []
+    offset = 0
+    for info, uri in zip(m.shards, m.shard_uris(), strict=True):
+        lo, hi = offset, offset + info.rows
+        offset = hi
+        if hi <= start or lo >= stop:
+            continue
+        fs, path = get_fs(uri)
+        cols = ["input_ids"] + (["attention_mask"] if m.mode == "pad" else [])
+        table = pq.read_table(path, filesystem=fs, columns=cols)
+        a, b = max(start, lo) - lo, min(stop, hi) - lo
+        ids = table.column("input_ids").combine_chunks().flatten().to_numpy().reshape(-1, m.length)
+        ids_parts.append(ids[a:b].astype(np.int64))
+        if "attention_mask" in table.column_names:
+            mask = table.column("attention_mask").combine_chunks().flatten().to_numpy().reshape(-1, m.length)
+            mask_parts.append(mask[a:b].astype(np.int8))
+    if not ids_parts:
+        return np.zeros((0, m.length), np.int64), None
+    return np.concatenate(ids_parts), (np.concatenate(mask_parts) if mask_parts else None)

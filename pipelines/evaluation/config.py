@@ -1,0 +1,154 @@
+"""Evaluation settings: the suites, ``EvalConfig`` (every field a ``--set`` key), and the default sampler.
+
+Every metric has exactly one definition (METHOD.md section 6; ``evaluation/metrics.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from adlm_model.config import ConfigError
+from pipelines.overrides import apply_to
+
+SUITES = ("ppl", "zero_shot", "generate", "gen_ppl", "mauve")
+EVAL_EXPERIMENT = "adlm-eval"
+PPL_METRIC_NAMES = {"validation": "val", "test": "test"}
+
+
+
+class EvalError(ConfigError):
+    """A bad evaluation request; one line naming the problem and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration.
+
+
+@dataclass
+class EvalConfig:
+    """Settings of one evaluation; every field can be set with ``--set key=value``."""
+
+    data: str = ""
+    """Prepared data directory (holds ``<split>/manifest.json``). Empty: the checkpoint's training data
+    (``meta.train_config.data.validation``'s parent); relative paths lie under the work directory."""
+    splits: tuple[str, ...] = ("auto",)
+    """Splits scored by ``ppl``; ``auto``: ``validation`` and ``test`` where prepared."""
+    zero_shot: tuple[str, ...] = ()
+    """Zero-shot sets: ``NAME=DIR`` or ``DIR`` entries; DIR is a split folder, a prepared data folder (its
+    ``test`` or ``validation`` split) or a folder of prepared data folders (every one is a set)."""
+    batch_size: int = 16
+    """Rows per NELBO batch (also the stratification group of ``t``; part of the result's identity)."""
+    t_draws: int = 1
+    """Draws of ``t`` per sequence (>1 lowers the variance of the bound; tokens are pooled over draws)."""
+    seed: int = 0
+    """Seed of every random draw (diffusion times, masks, samples); derived per batch."""
+    max_rows: int = 0
+    """Score only the first N rows of each split (0: all). Staged evaluation uses it for the fast stage."""
+    use_ema: bool = True
+    """Evaluate and sample with the EMA weights (METHOD.md section 7) when the checkpoint has them."""
+    num_samples: int = 64
+    """Samples drawn by ``generate`` (the paper: 5,000 for MAUVE)."""
+    sample_batch_size: int = 8
+    """Samples per sampling task."""
+    sampler: str = "auto"
+    """``mdlm``, ``remdm-loop``, ``ar``, ``bd3lm``; ``auto``: ``ar`` for AR, ``bd3lm`` for BD3-LM, else
+    ``remdm-loop`` (the ADLM reference). Options: ``--set sampler.eta=0.02`` etc."""
+    steps: int = 128
+    """Sampling steps T (the ADLM reference uses 4096; baselines 1024)."""
+    nucleus_p: float = 0.9
+    """Nucleus (top-p) of the sampler (reference 0.9; 1 = off)."""
+    sample_length: int = 0
+    """Tokens per sample (0: the model's seq_len)."""
+    sampler_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Sampler options (``--set sampler.NAME=VALUE``): ReMDM ``eta``, ``t_on``, ``t_off``, ``alpha_on``; ..."""
+    eval_lm: str = "gpt2-large"
+    """Evaluation causal LM for gen-PPL: hub name, ``smollm2`` (offline), local model dir, AR checkpoint."""
+    eval_lm_batch_size: int = 8
+    """Samples per scoring batch."""
+    gen_ppl_max_length: int = 1024
+    """Truncation of re-tokenised samples (METHOD.md section 6: 1024, or the LM's maximum)."""
+    mauve_featurizer: str = "gpt2-large"
+    """MAUVE features: hub/local causal LM (last-token hidden state), ``minilm`` (offline), local encoder."""
+    mauve_min_samples: int = 50
+    """Refuse MAUVE below this many samples (its histogram has n/10 buckets)."""
+    mauve_reference_split: str = "validation"
+    """Split whose first ``num_samples`` rows, decoded, are MAUVE's reference texts."""
+    mauve_scaling: float = 5.0
+    """MAUVE's scaling constant c (package default 5)."""
+    device: str = "auto"
+    """``auto`` (CUDA when present), ``cpu``, ``cuda``, ``cuda:1``."""
+    cpus_per_task: float = 1.0
+    """Ray CPUs per task (fractional values let several tasks share a core)."""
+    gpus_per_task: float = -1.0
+    """Ray GPUs per task; -1: 1 when the cluster has GPUs, else 0."""
+    rows_per_task: int = 0
+    """Split each dataset into Ray tasks of this many rows (rounded up to whole batches); 0: one task each."""
+    experiment: str = EVAL_EXPERIMENT
+    """MLflow experiment of the evaluation runs."""
+
+    def validate(self) -> EvalConfig:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise EvalError(msg)
+
+        need(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
+        need(self.t_draws >= 1, f"t_draws must be >= 1, got {self.t_draws}")
+        need(self.max_rows >= 0, f"max_rows must be >= 0, got {self.max_rows}")
+        need(self.num_samples >= 1, f"num_samples must be >= 1, got {self.num_samples}")
+        need(self.sample_batch_size >= 1, f"sample_batch_size must be >= 1, got {self.sample_batch_size}")
+        need(self.steps >= 1, f"steps must be >= 1, got {self.steps}")
+        need(0.0 < self.nucleus_p <= 1.0, f"nucleus_p must be in (0, 1], got {self.nucleus_p}")
+        need(self.sample_length >= 0, f"sample_length must be >= 0, got {self.sample_length}")
+        need(self.eval_lm_batch_size >= 1, f"eval_lm_batch_size must be >= 1, got {self.eval_lm_batch_size}")
+        need(self.gen_ppl_max_length >= 2, f"gen_ppl_max_length must be >= 2, got {self.gen_ppl_max_length}")
+        need(self.mauve_min_samples >= 2, f"mauve_min_samples must be >= 2, got {self.mauve_min_samples}")
+        need(self.cpus_per_task > 0, f"cpus_per_task must be > 0, got {self.cpus_per_task}")
+        need(self.rows_per_task >= 0, f"rows_per_task must be >= 0, got {self.rows_per_task}")
+        need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+             f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def parse_suite(suite: str | Sequence[str]) -> tuple[str, ...]:
+    """Suite names in canonical order; gen_ppl and mauve imply generate."""
+    items = [s.strip() for s in (suite.split(",") if isinstance(suite, str) else suite) if s.strip()]
+    unknown = [s for s in items if s not in SUITES]
+    if unknown or not items:
+        raise EvalError(f"unknown suite {', '.join(unknown) or '(empty)'}: use a comma list of {', '.join(SUITES)}")
+    chosen = set(items)
+    if chosen & {"gen_ppl", "mauve"}:
+        chosen.add("generate")
+    return tuple(s for s in SUITES if s in chosen)
+
+
+
+def apply_overrides(configs: Sequence[Any], assignments: Sequence[str]) -> None:
+    """``--set KEY=VALUE`` on the evaluation (and promotion) settings; ``sampler.NAME=VALUE`` goes into
+    ``EvalConfig.sampler_kwargs`` (``pipelines.overrides``)."""
+    apply_to(configs, assignments, dict_prefixes={"sampler": "sampler_kwargs"})
+
+
+def resolve_sampler(name: str, kind: str) -> str:
+    if name != "auto":
+        return name
+    from adlm_model.kinds import model_kind
+
+    return model_kind(kind).default_sampler
+
+
+def sampler_options(sampler: str, kwargs: dict[str, Any], tok: Any) -> dict[str, Any]:
+    """Sampler options plus the special ids the AR and BD3-LM samplers take from the tokenizer."""
+    kw = dict(kwargs)
+    if sampler == "ar":
+        kw.setdefault("bos_id", tok.bos_id)
+    if sampler == "bd3lm":
+        for k in ("bos_id", "eos_id", "pad_id"):
+            if getattr(tok, k, None) is not None:
+                kw.setdefault(k, getattr(tok, k))
+    return kw

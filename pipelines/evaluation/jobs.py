@@ -1,0 +1,198 @@
+"""The evaluation's units of work: pure functions that run the same in this process or in Ray tasks.
+
+- ``ppl_job``: pooled NELBO sums over a row range of a split, each batch seeded by its global index (a
+  split cut into tasks at batch boundaries gives exactly the figure of one pass).
+- ``sample_job``: one seeded batch of samples.
+- ``gen_ppl_job`` / ``mauve_job``: the evaluation LM's gen-PPL and MAUVE on features.
+
+Models, evaluation LMs and featurizers are loaded once per process (a Ray worker reuses them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipelines.data.reader import read_rows
+from pipelines.evaluation.config import EvalConfig
+from pipelines.seeds import EVAL_NELBO, EVAL_SAMPLES, derive_seed
+
+
+def batch_seed(seed: int, batch_index: int, draw: int = 0) -> int:
+    """Seed of the ``t``/mask draws of NELBO batch ``batch_index`` (global index in its split), draw ``draw``."""
+    return derive_seed(seed, EVAL_NELBO, batch_index, draw)
+
+
+def sample_seed(seed: int, batch_index: int) -> int:
+    """Seed of sampling batch ``batch_index``."""
+    return derive_seed(seed, EVAL_SAMPLES, batch_index)
+
+
+@dataclass
+class JobSettings:
+    """What every job needs (pickled into Ray tasks): the evaluation's settings and what the plan resolved."""
+
+    cfg: EvalConfig
+    sampler: str = "mdlm"
+    """The sampler ``cfg.sampler`` resolved to (``auto``: the model kind's default)."""
+    sampler_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Its options, with the special ids the AR and BD3-LM samplers take from the tokenizer."""
+    length: int = 0
+    """Tokens per sample."""
+    cache_dir: str | None = None
+    tracking_uri: str | None = None
+    quiet: bool = False
+
+
+
+
+_MODELS: dict[tuple[str, str, bool], Any] = {}
+
+
+def _device(device: str) -> Any:
+    from pipelines.evaluation.eval_lm import resolve_device
+
+    return resolve_device(device)
+
+
+def load_eval_model(ckpt: str, device: str = "auto", use_ema: bool = True) -> tuple[Any, Any, dict[str, Any]]:
+    """(model in eval mode, ModelConfig, meta), cached per process (Ray workers reuse it across tasks)."""
+    from adlm_model.checkpoint import load_checkpoint
+
+    dev = _device(device)
+    key = (str(Path(ckpt).resolve()), str(dev), use_ema)
+    if key not in _MODELS:
+        model, cfg, meta = load_checkpoint(ckpt, use_ema=use_ema, map_location=dev)
+        _MODELS.clear()  # one model per worker process at a time
+        _MODELS[key] = (model.eval(), cfg, meta)
+    return _MODELS[key]
+
+
+def score_rows(model: Any, cfg: Any, ids: np.ndarray, mask: np.ndarray | None, *, batch_size: int, seed: int,
+               t_draws: int = 1, first_batch: int = 0, progress: Callable[[int], Any] | None = None) -> Any:
+    """Pooled NELBO (METHOD.md section 1) of ``ids`` with the evaluation objective.
+
+    Batch ``k`` of these rows is global batch ``first_batch + k`` of its split and draws its stratified
+    times and masks from ``batch_seed(seed, first_batch + k, draw)``: so a split cut into tasks at batch
+    boundaries gives exactly the figure of one pass. ``compute_loss(train=False)`` is the training code's
+    objective with the anchor term left out (METHOD.md section 2: evaluation reports the pure NELBO).
+    """
+    import torch
+
+    from adlm_model import compute_loss
+    from pipelines.evaluation.metrics import PooledNLL
+
+    dev = next(model.parameters()).device
+    pooled = PooledNLL()
+    with torch.no_grad():
+        for k, start in enumerate(range(0, ids.shape[0], batch_size)):
+            x = torch.from_numpy(ids[start:start + batch_size]).to(dev)
+            am = None if mask is None else torch.from_numpy(mask[start:start + batch_size]).to(dev)
+            for d in range(t_draws):
+                g = torch.Generator(device=dev).manual_seed(batch_seed(seed, first_batch + k, d))
+                out = compute_loss(model, x, am, cfg, train=False, generator=g)
+                pooled.add(out.nll_sum, out.n_tokens)
+            if progress is not None:
+                progress(x.shape[0])
+    return pooled
+
+
+def ppl_job(ckpt: str, split_dir: str, start: int, stop: int, settings: JobSettings,
+            progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
+    """NELBO sums over rows ``[start, stop)`` of a split (``start`` is a multiple of the batch size)."""
+    model, cfg, _ = load_eval_model(ckpt, settings.cfg.device, settings.cfg.use_ema)
+    ids, mask = read_rows(split_dir, start, stop)
+    bs = settings.cfg.batch_size
+    pooled = score_rows(model, cfg, ids, mask, batch_size=bs, seed=settings.cfg.seed, t_draws=settings.cfg.t_draws,
+                        first_batch=start // bs, progress=progress)
+    return {"nll_sum": pooled.nll_sum, "n_tokens": pooled.n_tokens, "rows": int(ids.shape[0])}
+
+
+def sample_job(ckpt: str, batch_index: int, n: int, settings: JobSettings,
+               progress: Callable[[int, int], Any] | None = None) -> np.ndarray:
+    """``n`` samples (int64 ids ``(n, length)``) of sampling batch ``batch_index``, seeded per batch."""
+    import torch
+
+    from adlm_model import sample
+
+    model, cfg, meta = load_eval_model(ckpt, settings.cfg.device, settings.cfg.use_ema)
+    dev = next(model.parameters()).device
+    g = torch.Generator(device=dev).manual_seed(sample_seed(settings.cfg.seed, batch_index))
+    out = sample(model, cfg, batch_size=n, length=settings.length, steps=settings.cfg.steps,
+                 sampler=settings.sampler, nucleus_p=settings.cfg.nucleus_p, generator=g, progress=progress,
+                 **settings.sampler_kwargs)
+    return out.detach().cpu().numpy().astype(np.int64)
+
+
+_LOADED: dict[str, tuple[Any, Any]] = {}
+
+
+def _cached(slot: str, key: Any, load: Callable[[], Any]) -> Any:
+    """One loaded evaluation LM / featurizer per process (a Ray worker reuses it across tasks)."""
+    if slot not in _LOADED or _LOADED[slot][0] != key:
+        _LOADED.pop(slot, None)
+        _LOADED[slot] = (key, load())
+    return _LOADED[slot][1]
+
+
+def gen_ppl_job(texts: list[list[str]], settings: JobSettings) -> dict[str, Any]:
+    """Load the evaluation LM and compute gen-PPL (METHOD.md section 6) of the samples ``texts`` (each a list
+    of its documents' texts)."""
+    from tqdm.auto import tqdm
+
+    from pipelines.evaluation.eval_lm import load_eval_lm
+    from pipelines.evaluation.metrics import generative_perplexity
+
+    lm = _cached("lm", (settings.cfg.eval_lm, settings.cfg.device), lambda: load_eval_lm(
+        settings.cfg.eval_lm, device=settings.cfg.device, cache_dir=settings.cache_dir,
+        tracking_uri=settings.tracking_uri))
+    # Documents inside one sample are joined with the LM's EOS text: they re-tokenise to EOS, and EOS
+    # targets are excluded (METHOD.md section 6), as in the reference where <|endoftext|> stays in the text.
+    sep = lm.eos_text if lm.eos_text else "\n\n"
+    joined = [sep.join(segs) for segs in texts]
+    with tqdm(total=len(joined), desc="gen-PPL scoring", unit="sample", disable=settings.quiet) as bar:
+        r = generative_perplexity(lm, joined, batch_size=settings.cfg.eval_lm_batch_size,
+                                  max_length=settings.cfg.gen_ppl_max_length, progress=bar.update)
+    return dataclasses.asdict(r)
+
+
+def mauve_job(sample_texts: list[str], reference_texts: list[str], settings: JobSettings) -> dict[str, Any]:
+    """Featurise both sets with the configured featurizer, then MAUVE (METHOD.md section 6)."""
+    from pipelines.evaluation.eval_lm import load_featurizer
+    from pipelines.evaluation.metrics import mauve_score
+
+    feat = _cached("featurizer", (settings.cfg.mauve_featurizer, settings.cfg.device), lambda: load_featurizer(
+        settings.cfg.mauve_featurizer, device=settings.cfg.device, cache_dir=settings.cache_dir))
+    p = feat.features(sample_texts)
+    q = feat.features(reference_texts)
+    r = mauve_score(p, q, featurizer=feat.name, min_samples=settings.cfg.mauve_min_samples, seed=settings.cfg.seed + 25,
+                    scaling_factor=settings.cfg.mauve_scaling)
+    return dataclasses.asdict(r)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decoding samples.
+
+
+def sample_segments(ids: Sequence[int], tok: Any) -> list[str]:
+    """The documents of one sample: split at BOS/EOS, mask/pad ids dropped, each decoded to text."""
+    specials = {i for i in (tok.bos_id, tok.eos_id) if i is not None}
+    drop = {i for i in (tok.pad_id,) if i is not None and i not in specials}
+    segs: list[list[int]] = [[]]
+    for t in (int(i) for i in ids):
+        if t in specials:
+            segs.append([])
+        elif t not in drop and 0 <= t < tok.vocab_size and t != tok.mask_id:
+            segs[-1].append(t)
+    texts = [tok.decode(s, skip_special_tokens=True) for s in segs if s]
+    return [t for t in texts if t.strip()]
+
+
+def sample_text(ids: Sequence[int], tok: Any) -> str:
+    """Readable text of a sample (documents separated by a blank line): what MAUVE and the JSONL see."""
+    return "\n\n".join(sample_segments(ids, tok))

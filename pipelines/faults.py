@@ -1,0 +1,36 @@
+"""Fault injection for the tests of crash recovery: one documented switch, off unless set.
+
+``ADLM_FAULT`` holds comma-separated ``name=value`` entries; the product reads them only here:
+
+- ``train.crash_at_step=N``: the last training worker kills its own process (``os._exit``) at optimiser
+  step N, once per run (a marker file in the run folder remembers it), to test Ray Train's restart and
+  resume from the latest checkpoint.
+- ``prepare.fail_after_shards=N``: data preparation raises after committing N shards in this process, to
+  test that a rerun resumes byte-identically.
+
+Nothing else reads test switches from the environment.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV = "ADLM_FAULT"
+KNOWN = ("train.crash_at_step", "prepare.fail_after_shards")
+
+
+def faults() -> dict[str, str]:
+    """The switches set in ``$ADLM_FAULT`` (unknown names are refused, so a typo cannot silently pass)."""
+    out: dict[str, str] = {}
+    for entry in filter(None, (e.strip() for e in os.environ.get(ENV, "").split(","))):
+        name, _, value = entry.partition("=")
+        if name not in KNOWN:
+            raise ValueError(f"{ENV}: unknown fault {name!r}; known: {', '.join(KNOWN)}")
+        out[name] = value
+    return out
+
+
+def fault(name: str) -> int | None:
+    """The integer value of switch ``name``, or None when it is not set."""
+    value = faults().get(name)
+    return int(value) if value else None

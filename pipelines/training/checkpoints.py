@@ -1,0 +1,107 @@
+"""Training checkpoints: what a worker writes and reads back, and what the driver finds and exports.
+
+A training checkpoint is an ``adlm_model.checkpoint`` folder (``config.json`` with the full training
+config in its meta, ``model.safetensors``, ``ema.safetensors``, ``tokenizer.json``) plus the trainer
+state (``trainer_state.{json,safetensors}``: optimiser, scheduler, step, data position) and one RNG
+file per rank (``rng_rank<r>.{json,safetensors}``). safetensors + JSON only, never a pickle.
+
+The registered artifact is the export: config, weights, EMA weights and tokenizer, no optimiser state.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+CKPT_PREFIX = "checkpoint_"
+EXPORT_FILES = ("config.json", "model.safetensors", "ema.safetensors", "tokenizer.json")
+TRAINER_STATE = "trainer_state"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{CKPT_PREFIX}{step:08d}"
+
+
+def step_of(path: str | Path) -> int:
+    """The step in a checkpoint folder's name, -1 for any other name."""
+    name = Path(str(path)).name
+    return int(name[len(CKPT_PREFIX):]) if name.startswith(CKPT_PREFIX) and name[len(CKPT_PREFIX):].isdigit() else -1
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of the complete checkpoints of a run folder, oldest first."""
+    out = []
+    if run_dir.is_dir():
+        for p in run_dir.glob(f"{CKPT_PREFIX}*"):
+            step = step_of(p)
+            if step >= 0 and (p / "config.json").is_file() and (p / f"{TRAINER_STATE}.json").is_file():
+                out.append((step, p))
+    return sorted(out)
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
+    cks = list_checkpoints(run_dir)
+    return cks[-1] if cks else None
+
+
+def export_checkpoint(src: Path, dst: Path) -> Path:
+    """The registered artifact: config + model + EMA weights + tokenizer (no optimizer/RNG state)."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for f in EXPORT_FILES:
+        if (src / f).is_file():
+            shutil.copyfile(src / f, dst / f)
+    return dst
+
+
+def gather_state(raw: Any, ema: Any, opt: Any, fsdp: bool) -> tuple[dict | None, dict, dict]:
+    """(full model state or None = take it from the module, EMA state, optimiser state) on every rank.
+
+    With FSDP the parameters are sharded: every rank takes part in gathering the full state dicts.
+    """
+    if not fsdp:
+        return None, ema.state_dict(), opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(raw, options=opts)
+    with ema.applied(raw):
+        ema_full = get_model_state_dict(raw, options=opts)
+    ema_sd = {k: v for k, v in ema_full.items() if k in ema.shadow}
+    return model_sd, ema_sd, get_optimizer_state_dict(raw, opt, options=opts)
+
+
+def load_weights_and_optimizer(d: Path, raw: Any, ema: Any, opt: Any, fsdp: bool, device: Any) -> dict[str, Any]:
+    """Load model, EMA and optimiser state from checkpoint ``d`` into the live objects; returns the trainer
+    state (step, scheduler, data position, world)."""
+    from safetensors.torch import load_file
+
+    from adlm_model.checkpoint import load_state
+
+    state = load_state(d, TRAINER_STATE)
+    model_sd = load_file(str(d / "model.safetensors"))
+    ema_sd = load_file(str(d / "ema.safetensors"))
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(raw, model_sd, options=opts)
+        with ema.applied(raw):  # EMA shards: load the full EMA weights into the model, copy the shards
+            set_model_state_dict(raw, {**model_sd, **ema_sd}, options=opts)
+            ema.shadow = {k: p.detach().clone() for k, p in raw.named_parameters() if k in ema.shadow}
+        set_optimizer_state_dict(raw, opt, state["optimizer"], options=opts)
+    else:
+        raw.load_state_dict(model_sd)
+        ema.load_state_dict({k: v.to(device) for k, v in ema_sd.items()})
+        opt.load_state_dict(state["optimizer"])
+    return state

@@ -1,0 +1,67 @@
+"""The data a training run reads: both splits' manifests checked against the model before Ray starts.
+
+``plan_data`` refuses data that does not fit the model (tokenizer vocabulary, mask id, length), splits
+tokenised differently, missing shards and splits too small for one batch, each in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from adlm_model.config import ConfigError
+from pipelines.data.manifest import ManifestError, read_manifest
+from pipelines.storage import exists
+from pipelines.training.config import TrainConfig
+
+
+@dataclass
+class DataPlan:
+    """What the driver and the workers need to know about the two splits."""
+
+    train_uris: list[str]
+    """Training shards (Ray Data reads them)."""
+    val_split: str
+    """Validation split folder (the workers read their rows of it)."""
+    columns: list[str]
+    """``input_ids`` (+ ``attention_mask`` in pad mode)."""
+    manifest_hash: str
+    """Content hash of the training split (tags, params, checkpoints)."""
+    tokenizer_spec: str
+    tokenizer_path: str | None
+    """A local ``tokenizer.json`` to copy into checkpoints, if the data has one."""
+    train_rows: int
+    val_rows: int
+
+
+def plan_data(cfg: TrainConfig, workdir: Path) -> DataPlan:
+    """Read both manifests and refuse data that does not fit the model; one-line errors."""
+    manifests = {}
+    for split in ("train", "validation"):
+        d = cfg.resolve_path(getattr(cfg.data, split), workdir)
+        try:
+            m = read_manifest(d)
+        except ManifestError as e:
+            raise ConfigError(f"data.{split}: {e}") from None
+        m.check_fits(cfg.model)
+        missing = [u for u in m.shard_uris() if not exists(u)]
+        if missing or not m.shards:
+            raise ConfigError(f"data.{split}: shard {missing[0] if missing else '(none listed)'} is missing; "
+                              "rerun pipelines.prepare_data for this split")
+        manifests[split] = m
+    tr, va = manifests["train"], manifests["validation"]
+    if tr.tokenizer.get("hash") != va.tokenizer.get("hash"):
+        raise ConfigError("data.train and data.validation were tokenized differently; prepare both with one tokenizer")
+    need = cfg.batch.micro_batch * cfg.world
+    if tr.rows < need:
+        raise ConfigError(f"data.train has {tr.rows} rows, fewer than micro_batch x workers = {need}; "
+                          "use more data or a smaller batch.micro_batch")
+    if va.rows < need:
+        raise ConfigError(f"data.validation has {va.rows} rows, fewer than micro_batch x workers = {need}; "
+                          "use more data or a smaller batch.micro_batch")
+    cols = ["input_ids"] + (["attention_mask"] if tr.mode == "pad" else [])
+    tok_path = tr.tokenizer.get("path")
+    return DataPlan(train_uris=tr.shard_uris(), val_split=va.split_dir, columns=cols,
+                    manifest_hash=tr.content_hash(), tokenizer_spec=str(tok_path or tr.tokenizer.get("name")),
+                    tokenizer_path=tok_path if tok_path and Path(tok_path).is_file() else None,
+                    train_rows=tr.rows, val_rows=va.rows)

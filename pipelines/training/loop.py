@@ -1,0 +1,452 @@
+"""The loop every Ray Train worker runs (or the driver, in local mode), as named steps.
+
+``train_loop_per_worker`` reads top to bottom: ``build`` (model, EMA, optimiser, schedule, DDP/FSDP),
+``resume`` (from Ray's checkpoint of this run or the driver's scan), ``batch_stream`` (this worker's
+shard of the training split), then per optimiser step ``optimiser_step``; every ``log_every`` steps
+``log_window``, every ``val_every`` steps ``validate``, every ``ckpt_every`` steps ``write_checkpoint``
+and a report to Ray Train. Each step is a function of a ``Worker`` (the live objects) and plain
+arguments, so it can run and be tested without Ray.
+
+Data order and exact resume. The training split is read with Ray Data (``read_parquet`` of the
+shards, a seeded block order) and split across workers by ``get_dataset_shard`` with
+``preserve_order=True``: Ray's output splitter then hands blocks to workers deterministically and
+equally, so every worker sees the same number of rows and batches, and the same rows on every rerun.
+Each worker iterates its shard with ``iter_torch_batches`` and a local shuffle buffer seeded by
+(seed, epoch, rank). So a worker's batch sequence is a pure function of (seed, epoch, position); the
+checkpoint stores (epoch, batches consumed) and a resumed worker replays its stream up to that position
+(reading and dropping the consumed batches), which makes a resumed run equal to an uninterrupted one.
+Validation rows are the first ``val_batches * micro_batch * workers`` rows of the validation split, the
+same rows every time, with a fixed noise seed, so validation curves are comparable across steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from adlm_model import EMA, build_model, compute_loss, gamma_at
+from adlm_model.backbone import DiTBlock
+from adlm_model.checkpoint import load_state, save_checkpoint, save_state
+from adlm_model.losses import LossOutput
+from pipelines.data.reader import read_rows
+from pipelines.seeds import TRAIN_DATA_ORDER, TRAIN_DROPOUT, TRAIN_NOISE, TRAIN_VALIDATION, derive_seed
+from pipelines.training.checkpoints import (
+    TRAINER_STATE,
+    checkpoint_name,
+    gather_state,
+    list_checkpoints,
+    load_weights_and_optimizer,
+    step_of,
+)
+from pipelines.training.config import TrainConfig
+from pipelines.training.optim import build_optimizer, lr_factor
+
+# DDP and FSDP find the tensors of a module's output by flattening it: make LossOutput's fields visible.
+with contextlib.suppress(ValueError):  # already registered (a re-import)
+    pytree.register_dataclass(LossOutput)
+
+
+@dataclass
+class LoopConfig:
+    """What the driver hands every worker (pickled by Ray): the recipe and the facts about the run."""
+
+    cfg: TrainConfig
+    run_id: str | None
+    """MLflow run id (rank 0 logs metrics into it); None when tracking was unavailable at start."""
+    tracking_uri: str
+    val_split: str
+    val_rows: int
+    manifest_hash: str
+    tokenizer_spec: str
+    tokenizer_path: str | None
+    threads: int
+    """torch intra-op threads of each worker."""
+    local_mode: bool
+    """``scaling.num_workers == 0``: the loop runs in the driver and writes checkpoints in place."""
+    local_ckpt_root: str
+    resume_dir: str | None
+    """The driver's latest checkpoint of this run (used when Ray Train hands none, or an older one)."""
+    crash_at_step: int | None = None
+    """Fault injection (``pipelines.faults``): the last worker exits at this step, once."""
+    crash_marker: str | None = None
+
+
+class LossModule(torch.nn.Module):
+    """Runs the objective inside ``forward`` so that DDP/FSDP see the forward pass (gradient sync)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: Any) -> None:
+        super().__init__()
+        self.model, self.cfg = model, cfg
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, step: int, train: bool,
+                generator: torch.Generator) -> LossOutput:
+        return compute_loss(self.model, x, attention_mask, self.cfg, step=step, train=train, generator=generator)
+
+
+@dataclass
+class Worker:
+    """The live objects of one worker and its position in the run."""
+
+    lc: LoopConfig
+    rank: int
+    world: int
+    device: torch.device
+    raw: torch.nn.Module
+    """The model itself (checkpoints, EMA)."""
+    net: torch.nn.Module
+    """What the loop calls: the LossModule, wrapped in DDP or sharded by FSDP when distributed."""
+    ema: EMA
+    opt: torch.optim.Optimizer
+    sched: Any
+    noise: torch.Generator
+    distributed: bool
+    fsdp: bool
+    use_gpu: bool
+    step: int = 0
+    epoch: int = 0
+    position: int = 0
+    """Micro-batches of the current epoch already consumed by this worker."""
+    window: dict[str, Any] = field(default_factory=dict)
+    """Running sums since the last log line, kept on the device (one host sync per log interval)."""
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self.lc.cfg
+
+    @property
+    def accumulation(self) -> int:
+        return self.cfg.batch.global_batch // (self.cfg.batch.micro_batch * self.world)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        # bf16 autocast on GPU only: on CPU it is ~19x slower (ENVIRONMENT.md); the loss does its
+        # log-softmax/SUBS in float32 regardless (METHOD.md section 1).
+        if self.use_gpu and self.cfg.scaling.bf16:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(t)
+        return t
+
+
+# ------------------------------------------------------------------------------------------------------
+# The steps
+
+
+def build(lc: LoopConfig, rank: int, world: int, device: torch.device) -> Worker:
+    """Model (identical init on every rank), EMA, AdamW, the learning-rate schedule, DDP or FSDP."""
+    cfg = lc.cfg
+    r, o = cfg.run, cfg.optim
+    distributed = world > 1 and dist.is_available() and dist.is_initialized()
+    use_gpu = device.type == "cuda"
+    torch.manual_seed(r.seed)
+    raw = build_model(cfg.model).to(device)
+    module = LossModule(raw, cfg.model)
+    fsdp = distributed and cfg.scaling.strategy == "fsdp"
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for blk in [m for m in raw.modules() if isinstance(m, DiTBlock)]:
+            fully_shard(blk)
+        fully_shard(module)
+        net: torch.nn.Module = module
+    elif distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # The only buffers are rotary caches, identical on every rank: synced once at init, never per forward.
+        net = DDP(module, device_ids=[device.index] if use_gpu else None, forward_sync_buffers=False)
+    else:
+        net = module
+    ema = EMA(raw, cfg.ema)
+    opt = build_optimizer(raw.parameters(), o)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, o.warmup_steps, o.schedule, r.max_steps, o.min_lr_ratio))
+    noise = torch.Generator(device=device)
+    noise.manual_seed(derive_seed(r.seed, TRAIN_NOISE, rank))
+    torch.manual_seed(derive_seed(r.seed, TRAIN_DROPOUT, rank))  # dropout differs per rank, reproducibly
+    w = Worker(lc=lc, rank=rank, world=world, device=device, raw=raw, net=net, ema=ema, opt=opt, sched=sched,
+               noise=noise, distributed=distributed, fsdp=fsdp, use_gpu=use_gpu)
+    reset_window(w)
+    return w
+
+
+def resume(w: Worker, ray_checkpoint_dir: str | None, ray_checkpoint_step: int = -1) -> int | None:
+    """Continue from the newer of Ray's checkpoint of this run (a restart; its local copy and the step in
+    its storage name) and the driver's scan (a rerun); returns the step resumed from, or None."""
+    d = ray_checkpoint_dir
+    fallback = w.lc.resume_dir
+    if d is None or (fallback and step_of(fallback) > ray_checkpoint_step):
+        d = fallback
+    if not d:
+        return None
+    d = Path(d)
+    state = load_weights_and_optimizer(d, w.raw, w.ema, w.opt, w.fsdp, w.device)
+    w.sched.load_state_dict(state["scheduler"])
+    w.step, w.epoch, w.position = int(state["step"]), int(state["data"]["epoch"]), int(state["data"]["position"])
+    rng_file = d / f"rng_rank{w.rank}.json"
+    if rng_file.is_file() and int(state.get("world", w.world)) == w.world:
+        rng = load_state(d, f"rng_rank{w.rank}")
+        torch.set_rng_state(rng["torch"])
+        w.noise.set_state(rng["noise"].to(w.noise.get_state().device) if w.use_gpu else rng["noise"])
+        if w.use_gpu and rng.get("cuda") is not None:
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:  # another world size: data position and RNG streams cannot continue exactly
+        print(f"[rank {w.rank}] checkpoint written with another worker count: continuing with fresh RNG "
+              "streams (not bit-exact)", flush=True)
+    return w.step
+
+
+def batch_stream(w: Worker, shard: Any) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
+    """(epoch, index in epoch, batch) of this worker's shard from the resumed position on, forever."""
+    cfg = w.cfg
+    micro, buf = cfg.batch.micro_batch, cfg.data.shuffle_buffer
+    epoch, skip = w.epoch, w.position
+    while True:
+        it = shard.iter_torch_batches(
+            batch_size=micro, drop_last=True, device="cpu", prefetch_batches=2, local_shuffle_buffer_size=buf or None,
+            local_shuffle_seed=derive_seed(cfg.run.seed, TRAIN_DATA_ORDER, epoch, w.rank) if buf else None)
+        n = 0
+        for i, b in enumerate(it):
+            n += 1
+            if i >= skip:
+                yield epoch, i, b
+        if n == 0:
+            raise RuntimeError(f"worker {w.rank} got no full batch of {micro} rows from its training shard")
+        epoch, skip = epoch + 1, 0
+
+
+def reset_window(w: Worker) -> None:
+    z = torch.zeros((), dtype=torch.float64, device=w.device)
+    w.window = {"t": time.perf_counter(), "steps": 0, "loss": z.clone(), "nll": z.clone(), "ntok": z.clone(),
+                "anc": z.clone(), "nanc": z.clone(), "gnorm": z.clone()}
+
+
+def optimiser_step(w: Worker, stream: Iterator[tuple[int, int, dict[str, torch.Tensor]]]) -> None:
+    """One optimiser step: ``accumulation`` micro-batches (gradient sync on the last only), clipping,
+    AdamW, the schedule, the EMA. gamma_k uses this step's index k (METHOD.md section 2)."""
+    cfg, accum, k = w.cfg, w.accumulation, w.step
+    w.opt.zero_grad(set_to_none=True)
+    win = w.window
+    for m in range(accum):
+        ep, i, b = next(stream)
+        x = b["input_ids"].to(w.device).long()
+        am = b["attention_mask"].to(w.device) if "attention_mask" in b else None
+        last = m == accum - 1
+        sync = w.net.no_sync() if (w.distributed and not w.fsdp and not last) else contextlib.nullcontext()
+        if w.fsdp:
+            w.net.set_requires_gradient_sync(last)
+        with sync:
+            with w.autocast():
+                out: LossOutput = w.net(x, am, k, True, w.noise)
+            (out.loss / accum).backward()
+        win["loss"] += out.loss.detach().double() / accum
+        win["nll"] += out.nll_sum
+        win["ntok"] += out.n_tokens
+        if out.anchor_sum is not None:
+            win["anc"] += out.anchor_sum
+            win["nanc"] += out.n_anchor
+        w.epoch, w.position = ep, i + 1
+    params = [p for p in w.raw.parameters() if p.grad is not None]
+    if cfg.optim.clip > 0:
+        gn = torch.nn.utils.clip_grad_norm_(w.raw.parameters(), cfg.optim.clip)
+    else:
+        gn = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
+    win["gnorm"] += gn.detach().double()
+    win["lr"] = w.sched.get_last_lr()[0]
+    w.opt.step()
+    w.sched.step()
+    w.ema.update(w.raw)
+    w.step += 1
+    win["steps"] += 1
+
+
+def log_window(w: Worker) -> dict[str, float]:
+    """The window's metrics pooled over workers (one host sync), then a fresh window."""
+    win, world = w.window, w.world
+    dt = time.perf_counter() - win["t"]
+    tot = w.all_sum(torch.stack([win[k] for k in ("loss", "nll", "ntok", "anc", "nanc", "gnorm")])).tolist()
+    n = max(win["steps"], 1)
+    metrics = {"train/loss": tot[0] / (n * world), "train/nll": tot[1] / max(tot[2], 1.0),
+               "train/grad_norm": tot[5] / (n * world), "train/lr": win.get("lr", 0.0),
+               "train/tokens_per_s": tot[2] / max(dt, 1e-9), "train/epoch": w.epoch}
+    mc = w.cfg.model
+    if mc.kind == "adlm":
+        metrics["train/anchor_loss"] = tot[3] / max(tot[2], 1.0)
+        metrics["train/anchor_frac"] = tot[4] / max(tot[2], 1.0)
+        metrics["train/gamma_k"] = gamma_at(w.step - 1, mc.gamma, mc.gamma_ramp_steps)
+    reset_window(w)
+    return metrics
+
+
+def validation_rows(w: Worker) -> dict[str, torch.Tensor]:
+    """This worker's slice of the fixed validation rows (``run.val_batches`` micro-batches per worker)."""
+    cfg, lc = w.cfg, w.lc
+    micro, world = cfg.batch.micro_batch, w.world
+    whole = (lc.val_rows // (micro * world)) * micro * world
+    n_val = min(cfg.run.val_batches * micro * world, whole) if cfg.run.val_batches else whole
+    ids, mask = read_rows(lc.val_split, 0, n_val)
+    per = n_val // world
+    rows = {"input_ids": torch.from_numpy(ids[w.rank * per:(w.rank + 1) * per].copy())}
+    if mask is not None:
+        rows["attention_mask"] = torch.from_numpy(mask[w.rank * per:(w.rank + 1) * per].copy())
+    return rows
+
+
+def validate(w: Worker, rows: dict[str, torch.Tensor]) -> float:
+    """The NELBO bound with EMA weights on the fixed validation rows, tokens pooled over workers."""
+    g = torch.Generator(device=w.device)
+    g.manual_seed(derive_seed(w.cfg.run.seed, TRAIN_VALIDATION, w.rank))  # same t and masks every time
+    micro = w.cfg.batch.micro_batch
+    sums = torch.zeros(2, dtype=torch.float64, device=w.device)
+    w.net.eval()
+    with w.ema.applied(w.raw), torch.no_grad():
+        for i in range(0, rows["input_ids"].shape[0], micro):
+            x = rows["input_ids"][i:i + micro].to(w.device).long()
+            am = rows["attention_mask"][i:i + micro].to(w.device) if "attention_mask" in rows else None
+            with w.autocast():
+                out: LossOutput = w.net(x, am, w.step, False, g)
+            sums += torch.stack([out.nll_sum, out.n_tokens.double()])
+    w.net.train()
+    nll, ntok = w.all_sum(sums).tolist()
+    return math.exp(nll / max(ntok, 1.0))
+
+
+def write_checkpoint(w: Worker, directory: Path, metrics: dict[str, Any]) -> None:
+    """All ranks write into one checkpoint folder: rank 0 the weights and trainer state, every rank its
+    RNG streams. safetensors + JSON only (``adlm_model.checkpoint``)."""
+    lc, cfg = w.lc, w.cfg
+    model_sd, ema_sd, opt_sd = gather_state(w.raw, w.ema, w.opt, w.fsdp)
+    if w.rank == 0:
+        meta = {"step": w.step, "mlflow_run_id": lc.run_id, "run_name": cfg.run.name, "tokenizer": lc.tokenizer_spec,
+                "data_manifest_hash": lc.manifest_hash, "train_config": cfg.to_dict(), "val_ppl": metrics.get("val_ppl"),
+                "world": w.world}
+        save_checkpoint(directory, w.raw, cfg.model, ema_state=ema_sd, meta=meta)
+        if model_sd is not None:
+            from adlm_model.checkpoint import _atomic_safetensors
+
+            _atomic_safetensors(directory / "model.safetensors", model_sd)
+        if lc.tokenizer_path:
+            shutil.copyfile(lc.tokenizer_path, directory / "tokenizer.json")
+        save_state(directory, {"optimizer": opt_sd, "scheduler": w.sched.state_dict(), "step": w.step,
+                               "world": w.world, "data": {"epoch": w.epoch, "position": w.position}}, TRAINER_STATE)
+    rng = {"torch": torch.get_rng_state(), "noise": w.noise.get_state().cpu(),
+           "cuda": torch.cuda.get_rng_state() if w.use_gpu else None}
+    save_state(directory, rng, f"rng_rank{w.rank}")
+
+
+# ------------------------------------------------------------------------------------------------------
+# The loop
+
+
+def _report_checkpoint(w: Worker, metrics: dict[str, Any]) -> None:
+    """Write this step's checkpoint and hand it to Ray Train with the metrics (kept only with a checkpoint)."""
+    import ray.train
+    from ray.train import Checkpoint
+
+    lc, name = w.lc, checkpoint_name(w.step)
+    if lc.local_mode:  # written in place; Ray's local mode keeps no checkpoint history of its own
+        d = Path(lc.local_ckpt_root) / name
+        write_checkpoint(w, d, metrics)
+        for _, old in list_checkpoints(Path(lc.local_ckpt_root))[:-w.cfg.run.num_to_keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(str(d)))
+        return
+    d = Path(tempfile.mkdtemp(prefix="adlm-ckpt-"))
+    try:
+        write_checkpoint(w, d, metrics)
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(str(d)), checkpoint_dir_name=name)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _maybe_crash(w: Worker) -> None:
+    lc = w.lc
+    if lc.crash_at_step is None or w.step != lc.crash_at_step or w.rank != w.world - 1 or not lc.crash_marker:
+        return
+    marker = Path(lc.crash_marker)
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(str(w.step))
+    print(f"[rank {w.rank}] fault train.crash_at_step: killing this worker at step {w.step}", flush=True)
+    os._exit(1)
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """The training loop every Ray Train worker runs (or the driver, in local mode)."""
+    import ray.train
+
+    from pipelines.tracking import ResilientLogger
+
+    lc: LoopConfig = config["loop"]
+    cfg, r = lc.cfg, lc.cfg.run
+    ctx = ray.train.get_context()
+    torch.set_num_threads(lc.threads)
+    use_gpu = cfg.scaling.use_gpu and torch.cuda.is_available()
+    device = ray.train.torch.get_device() if use_gpu else torch.device("cpu")
+    w = build(lc, ctx.get_world_rank(), ctx.get_world_size(), device)
+
+    ckpt = ray.train.get_checkpoint()
+    with ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(None) as ck_dir:
+        # The local copy may be a temporary folder: the step comes from the checkpoint's storage path.
+        resumed_from = resume(w, ck_dir, step_of(ckpt.path) if ckpt is not None else -1)
+    stream = batch_stream(w, ray.train.get_dataset_shard("train"))
+    val_rows = validation_rows(w)
+
+    tracker = None
+    if w.rank == 0 and lc.run_id:
+        tracker = ResilientLogger(lc.tracking_uri, lc.run_id)
+        if resumed_from is not None:
+            tracker.log_metrics({"train/resumed_from": resumed_from}, step=resumed_from, force=True)
+            tracker.flush()
+
+    w.net.train()
+    t_start, start_step = time.perf_counter(), w.step
+    last: dict[str, Any] = {"step": w.step}
+    if w.step >= r.max_steps:  # a finished run rerun: report its validation once more, train nothing
+        last = {"step": w.step, "val_ppl": validate(w, val_rows), "epoch": w.epoch}
+        ray.train.report(last)
+    while w.step < r.max_steps:
+        _maybe_crash(w)
+        optimiser_step(w, stream)
+        step = w.step
+        if step % r.log_every == 0 or step == r.max_steps:
+            metrics = log_window(w)
+            if tracker is not None:
+                tracker.log_metrics(metrics, step)
+                tracker.flush()
+            if w.rank == 0:
+                eta = (time.perf_counter() - t_start) / max(step - start_step, 1) * (r.max_steps - step)
+                print(f"[{r.name}] step {step}/{r.max_steps} loss {metrics['train/loss']:.4f} "
+                      f"nll {metrics['train/nll']:.4f} tok/s {metrics['train/tokens_per_s']:,.0f} "
+                      f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}", flush=True)
+            last.update({"step": step, "train_loss": metrics["train/loss"], "train_nll": metrics["train/nll"]})
+        do_val = step % r.val_every == 0 or step == r.max_steps
+        if do_val:
+            ppl = validate(w, val_rows)
+            last.update({"step": step, "val_ppl": ppl, "epoch": w.epoch})
+            if tracker is not None:
+                tracker.log_metrics({"val/ppl": ppl, "val/nll": math.log(ppl)}, step)
+                tracker.flush(block=True)
+            if w.rank == 0:
+                print(f"[{r.name}] step {step} validation PPL <= {ppl:.3f} (EMA)", flush=True)
+        if step % r.ckpt_every == 0 or step == r.max_steps:
+            _report_checkpoint(w, dict(last))
+        elif do_val:
+            ray.train.report(dict(last))
+    if tracker is not None:
+        tracker.flush(block=True)

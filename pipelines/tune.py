@@ -1,0 +1,76 @@
+"""Search ADLM's anchor-loss knobs, gamma and tau (or any train-config key), with Ray Tune and ASHA.
+
+    python -m pipelines.tune --space tune_spaces/gamma_tau.yaml --config configs/owt_adlm_small.yaml
+    python -m pipelines.tune --space tune_spaces/demo.yaml --config configs/demo.yaml   # the CPU demo
+
+The space schema: ``pipelines/tuning/space.py``; what a sweep does: ``pipelines/tuning/sweep.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from adlm_model.config import ConfigError
+from pipelines.tuning.space import load_space, parse_space
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pipelines.tune",
+        description="Search ADLM's gamma and tau (or any train-config key) with Ray Tune and ASHA on the "
+                    "validation NELBO perplexity; one MLflow parent run with a child run per trial; the best "
+                    "trial is registered @candidate. Rerun the same command to resume an interrupted sweep.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Search-space YAML keys: name, params (gamma/tau/<section.key>: {distribution: loguniform|uniform|"
+               "choice|randint|grid, low, high | values}), search {algorithm: random|optuna, seed}, scheduler "
+               "{type: asha|fifo, grace_period, reduction_factor, max_t}, num_samples, max_concurrent, metric "
+               "(val_ppl), resources {trial_cpu}, overrides {section.key: value}.\n\nExample:\n  python -m "
+               "pipelines.tune --space tune_spaces/demo.yaml --config configs/demo.yaml")
+    p.add_argument("--space", required=True, help="search-space YAML (tune_spaces/*.yaml)")
+    p.add_argument("--config", required=True, help="training recipe YAML (configs/*.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one training-config value for every trial (repeatable), e.g. run.max_steps=60")
+    p.add_argument("--name", default=None, help="sweep name (default: the space's 'name'); rerun a name to resume it")
+    p.add_argument("--num-samples", type=int, default=None, help="override the space's num_samples")
+    p.add_argument("--workdir", default=None, help="work directory (default: $ADLM_WORKDIR or ./work)")
+    p.add_argument("--check", action="store_true", help="validate the space against the recipe and the data, then exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        space = load_space(args.space)
+        if args.name:
+            space = dataclasses.replace(space, name=args.name)
+            parse_space(space.to_raw(), space.source)
+        if args.num_samples is not None:
+            space = dataclasses.replace(space, num_samples=args.num_samples)
+            parse_space(space.to_raw(), space.source)
+        from pipelines.tuning.sweep import plan_sweep, sweep
+
+        if args.check:
+            plan = plan_sweep(space, args.config, args.overrides, workdir=args.workdir)
+            print(f"ok: sweep {space.name}: {space.total_trials} trials over {', '.join(p.name for p in space.params)}"
+                  f"; max_t {plan.max_t} steps")
+            return 0
+        res = sweep(space, args.config, args.overrides, workdir=args.workdir)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # TuneError: the sweep failed while running
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({"sweep": res.name, "parent_run_id": res.parent_run_id, "interrupted": res.interrupted,
+                      "best_trial": res.best.trial_id if res.best else None,
+                      "best_val_ppl": res.best.val_ppl if res.best else None,
+                      "registered_version": res.registered_version}))
+    return 130 if res.interrupted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

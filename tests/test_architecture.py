@@ -1,0 +1,147 @@
+"""The shape of the code: every module imports, no import circle inside ``adlm_model`` or ``pipelines``
+(counting the imports inside functions too), the model core stays pure PyTorch, and files stay small."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("adlm_model", "pipelines")
+MAX_LINES = 500
+REASON = "Longer than 500 lines because"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            rel = f.relative_to(ROOT).with_suffix("")
+            out[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = f
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Project modules that ``name`` imports anywhere in its file (top level and inside functions)."""
+    is_pkg = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join([*base, node.module] if node.module else base)
+            else:
+                mod = node.module or ""
+            # `from pkg import sub` imports the submodule when there is one
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in MODULES:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    # A package's own __init__ re-exporting its submodules is not a circle: leave packages out as nodes.
+    packages = {n for n, p in MODULES.items() if p.name == "__init__.py"}
+    return {n: {t for t in _imports(n, p) if t not in packages} for n, p in MODULES.items() if n not in packages}
+
+
+def test_every_module_imports() -> None:
+    for name in MODULES:
+        importlib.import_module(name)
+
+
+def test_every_project_import_names_something_that_exists() -> None:
+    """``from pipelines.x import y`` inside functions is not checked at import time: check every one here."""
+    missing = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            if node.module.split(".")[0] not in PACKAGES:
+                continue
+            mod = importlib.import_module(node.module)
+            for a in node.names:
+                if not hasattr(mod, a.name) and f"{node.module}.{a.name}" not in MODULES:
+                    missing.append(f"{name}:{node.lineno} from {node.module} import {a.name}")
+    assert not missing, "imports of names that do not exist: " + "; ".join(missing)
+
+
+def test_no_import_circle() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                cycles.append(stack[stack.index(m):] + [m])
+            elif not state.get(m):
+                visit(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if not state.get(n):
+            visit(n)
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_circle_detector_finds_a_circle(tmp_path: Path) -> None:
+    """The check above can fail: two modules importing each other (inside a function) form a circle."""
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("def f():\n    from pipelines import b\n")
+    b.write_text("from pipelines.a import f\n")
+    saved = dict(MODULES)
+    try:
+        MODULES.update({"pipelines.a": a, "pipelines.b": b})
+        with pytest.raises(AssertionError, match="pipelines.a -> pipelines.b -> pipelines.a"):
+            test_no_import_circle()
+    finally:
+        MODULES.clear()
+        MODULES.update(saved)
+
+
+def test_the_model_core_is_pure_pytorch() -> None:
+    """adlm_model imports neither Ray, MLflow nor the pipelines (the dependency points one way)."""
+    for name, path in MODULES.items():
+        if not name.startswith("adlm_model"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for m in mods:
+                assert m.split(".")[0] not in ("ray", "mlflow", "pipelines"), f"{name} imports {m}"
+
+
+def test_files_stay_small_or_say_why() -> None:
+    long = []
+    for name, path in MODULES.items():
+        lines = path.read_text().count("\n")
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if lines > MAX_LINES and REASON not in doc:
+            long.append(f"{name} ({lines} lines)")
+    assert not long, f"files above {MAX_LINES} lines without '{REASON} ...' in their docstring: {', '.join(long)}"
+
+
+def test_stage_entry_points_are_thin() -> None:
+    """The CLIs users and the docs name stay argument parsing, the plan, the calls and the exit code."""
+    for cli in ("prepare_data", "train", "tune", "evaluate"):
+        path = ROOT / "pipelines" / f"{cli}.py"
+        assert path.read_text().count("\n") < 160, f"pipelines/{cli}.py grew: move its machinery into a subpackage"
