@@ -111,6 +111,12 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of ``cfg``'s network, counted without allocating it (built on the meta device)."""
+    with torch.device("meta"):
+        return count_parameters(build_model(cfg))
+
+
 def compute_loss(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig, *,
                  step: int = 0, train: bool = True, generator: torch.Generator | None = None,
                  t: torch.Tensor | None = None) -> LossOutput:

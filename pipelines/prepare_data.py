@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows per shard, at least (shards end at input unit boundaries)")
     p.add_argument("--unit-mb", type=float, default=d.unit_mb, help="largest unit of work (MB of input text)")
     p.add_argument("--unit-docs", type=int, default=d.unit_docs, help="documents per unit (Hugging Face sources)")
-    p.add_argument("--actors", type=int, default=None, help="tokenizer actors (default: cluster CPUs)")
+    p.add_argument("--actors", type=int, default=None,
+                   help="most tokenizer actors of the autoscaling pool (default: one a unit of work, at most 64)")
+    p.add_argument("--min-actors", type=int, default=d.min_actors, help="tokenizer actors the pool starts with")
     p.add_argument("--actor-cpus", type=float, default=d.actor_cpus,
                    help="CPUs per actor (fractional: whole-CPU actors can starve Ray Data on small machines)")
     p.add_argument("--engine", choices=ENGINES, default=d.engine,

@@ -58,6 +58,18 @@ def register_checkpoint(run_id: str, name: str, tags: dict[str, Any], *, trackin
     return mv
 
 
+def registered_version(name: str, run_id: str, step: int, *, tracking_uri: str | None = None) -> Any:
+    """The version already registered from training run ``run_id`` at ``step``, or None: what makes a rerun
+    of a finished run (training, sweep, the whole pipeline) register nothing new and move no alias."""
+    c = client(tracking_uri)
+    try:
+        versions = c.search_model_versions(f"name='{name}' and run_id='{run_id}'")
+    except Exception:  # noqa: BLE001 - no such registered model yet
+        return None
+    same = [v for v in versions if (v.tags or {}).get("step") == str(step)]
+    return min(same, key=lambda v: int(v.version)) if same else None
+
+
 def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
     """``models:/name@alias`` -> (name, None, alias); ``models:/name/3`` -> (name, "3", None)."""
     m = re.fullmatch(r"models:/([^/@]+)(?:@([\w\-.]+)|/(\d+))", uri)

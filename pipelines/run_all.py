@@ -31,12 +31,11 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from adlm_model.config import ConfigError
 from pipelines.runtime import PROJECT_ROOT, init_ray, quiet_environment
-from pipelines.storage import resolve_workdir
+from pipelines.storage import join, resolve_workdir, write_text
 from pipelines.tracking import client, resolve_tracking_uri
 
 PROFILES = ("demo", "smoke")
@@ -49,7 +48,8 @@ class Profile:
     name: str
     train_runs: list[tuple[str, str, list[str]]]
     """(label, recipe, --set overrides) of each training run."""
-    sweep: bool
+    sweep: str | None
+    """The search space (``tune_spaces/<name>.yaml``) of the sweep over ``configs/demo.yaml``, or None."""
     sweep_overrides: list[str] = field(default_factory=list)
     eval_settings: dict[str, Any] = field(default_factory=dict)
     promotion: dict[str, Any] = field(default_factory=dict)
@@ -61,7 +61,7 @@ def profile(name: str) -> Profile:
         return Profile(
             name="demo",
             train_runs=[("ADLM", "configs/demo.yaml", []), ("MDLM", "configs/demo_mdlm.yaml", [])],
-            sweep=True,
+            sweep="demo",
             # Sized for 2 cores: 16 samples of 32 steps (gen-PPL under SmolLM2 costs ~2 s a sample here), MAUVE
             # on those 16 (a wiring check at this size, not a measurement), and no nucleus: the demo models'
             # distributions are nearly flat, so top-p is vocabulary-wide work at every step (a bottom-k
@@ -81,7 +81,9 @@ def profile(name: str) -> Profile:
                 "data.validation=data/smoke/validation", "model.vocab_size=512", "model.seq_len=32",
                 "mlflow.experiment=adlm-smoke"]
         return Profile(
-            name="smoke", train_runs=[("ADLM", "configs/demo.yaml", tiny)], sweep=False,
+            name="smoke", train_runs=[("ADLM", "configs/demo.yaml", tiny)], sweep="smoke",
+            sweep_overrides=[s for s in tiny if not s.startswith(("run.name=", "run.max_steps", "run.val_every",
+                                                                  "run.ckpt_every", "run.log_every"))],
             eval_settings=dict(num_samples=8, sample_batch_size=8, steps=8, sampler="mdlm", max_rows=32, batch_size=8,
                                cpus_per_task=0.5),
             promotion=dict(stage1_rows=16, stage2_suite=("ppl", "generate")),
@@ -90,11 +92,11 @@ def profile(name: str) -> Profile:
     raise ConfigError(f"unknown profile {name!r}; use one of {', '.join(PROFILES)}")
 
 
-def _smoke_sources(wd: Path) -> list[str]:
+def _smoke_sources(wd: str) -> list[str]:
     """Small slices of the embedded corpus as local text files (the smoke profile's source)."""
     from pipelines.data.embedded import embedded_slices
 
-    files = embedded_slices(wd / "data" / "smoke-text", {"train": 60_000, "validation": 12_000})
+    files = embedded_slices(join(wd, "data", "smoke-text"), {"train": 60_000, "validation": 12_000})
     return [f"{split}={p}" for split, p in files.items()]
 
 
@@ -107,7 +109,7 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
     quiet_environment()
     prof = profile(profile_name)
     wd = resolve_workdir(workdir)
-    os.environ["ADLM_WORKDIR"] = str(wd)  # Ray workers and Tune trials see the same work directory
+    os.environ["ADLM_WORKDIR"] = wd  # Ray workers and Tune trials see the same work directory
     uri = resolve_tracking_uri(wd)
     t0 = time.time()
     timings: dict[str, float] = {}
@@ -121,21 +123,21 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
         from pipelines.tuning.space import load_space
         from pipelines.tuning.sweep import plan_sweep
 
-        space = load_space(PROJECT_ROOT / "tune_spaces" / "demo.yaml")
+        space = load_space(PROJECT_ROOT / "tune_spaces" / f"{prof.sweep}.yaml")
         plan_sweep(space, PROJECT_ROOT / "configs" / "demo.yaml", prof.sweep_overrides, workdir=wd, check_data=False)
 
     init_ray()
 
     # 1. Data.
-    _banner(f"1/4 prepare data ({prof.name}) -> {wd / 'data'}")
+    _banner(f"1/4 prepare data ({prof.name}) -> {join(wd, 'data')}")
     t = time.time()
     from pipelines.data.prepare import prepare
 
     if prof.name == "smoke":
-        prepare(dict(source=_smoke_sources(wd), out=str(wd / "data" / "smoke"), train_tokenizer=512, length=32,
+        prepare(dict(source=_smoke_sources(wd), out=join(wd, "data", "smoke"), train_tokenizer=512, length=32,
                      actor_cpus=0.25))
     else:
-        prepare(dict(source=["embedded"], out=str(wd / "data" / "embedded")))
+        prepare(dict(source=["embedded"], out=join(wd, "data", "embedded")))
     timings["prepare"] = time.time() - t
 
     # 2. Training runs.
@@ -173,9 +175,9 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
     timings["total"] = time.time() - t0
 
     summary = _summary(uri, model_name, results, sweep_res, timings)
-    (wd / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    write_text(join(wd, "summary.json"), json.dumps(summary, indent=2, default=str))
     md = _summary_markdown(summary, uri)
-    (wd / "summary.md").write_text(md)
+    write_text(join(wd, "summary.md"), md)
     _banner("summary")
     print(md, flush=True)
     return summary

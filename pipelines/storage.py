@@ -1,20 +1,35 @@
 """The storage layer: every file the pipeline reads or writes under its work directory goes through here.
 
-A location is a local path or a URI (``file://``, ``s3://``, ``gs://``); pyarrow's filesystems serve
-them (``get_fs``), so the same code writes shards, manifests and summaries to a laptop folder or an
-object store.
+A location is a local path or a URI (``file://``, ``s3://``, ``gs://``); pyarrow's filesystems serve them
+(``get_fs``), so the same code writes shards, manifests, checkpoints, sweep tables and summaries to a laptop
+folder or to an object store that every node of a cluster shares.
 
-- work directory: ``--workdir`` > env ``ADLM_WORKDIR`` > ``./work`` (``resolve_workdir``)
-- ``join`` keeps URIs URIs; ``write_bytes_atomic`` writes ``<path>.tmp`` then renames (a reader never
-  sees half a file; on object stores a put is atomic anyway).
+- work directory: ``--workdir`` > env ``ADLM_WORKDIR`` > ``./work`` (``resolve_workdir``: a local one is
+  created and made absolute; a remote one is checked once, ``check_location``, so an unreachable store, a
+  missing bucket, missing credentials or a scheme nothing serves fail in one line before any work).
+- ``join`` keeps URIs URIs; ``write_bytes_atomic`` writes ``<path>.tmp`` then renames (a reader never sees
+  half a file; on object stores a put is atomic anyway); ``upload_dir`` / ``download_dir`` move folders
+  (checkpoints, plots, tables) between a node's disk and the store.
+- ``local_cache_dir``: a node's own cache (``$ADLM_CACHE`` or ``~/.cache/adlm``); what is cached there is
+  re-derivable, never the only copy of a result.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
+
+SCHEMES = ("file", "s3", "gs")
+"""URI schemes the pipeline serves (pyarrow filesystems)."""
+
+
+class StorageError(ValueError):
+    """A location that cannot be used (unknown scheme, unreachable store, missing bucket or credentials)."""
 
 
 def is_uri(path: str | os.PathLike) -> bool:
@@ -23,12 +38,24 @@ def is_uri(path: str | os.PathLike) -> bool:
     return "://" in s and not s.startswith("file://")
 
 
+def local_path(path: str | os.PathLike) -> Path | None:
+    """The local path of a local location (plain or ``file://``), None for a remote one."""
+    s = str(path)
+    if is_uri(s):
+        return None
+    return Path(s[len("file://"):] if s.startswith("file://") else s).expanduser()
+
+
 def get_fs(path: str | os.PathLike) -> tuple[Any, str]:
     """(pyarrow filesystem, path inside it) for a local path, ``file://`` or an object-store URI."""
     import pyarrow.fs as pafs
 
     s = str(path)
     if "://" in s:
+        scheme = s.split("://", 1)[0]
+        if scheme not in SCHEMES:
+            raise StorageError(f"{s}: no filesystem serves the scheme {scheme!r}; use a local path or one of "
+                               f"{', '.join(f'{x}://' for x in SCHEMES)}")
         fs, inner = pafs.FileSystem.from_uri(s)
         return fs, inner.rstrip("/")
     return pafs.LocalFileSystem(), str(Path(s).expanduser().resolve())
@@ -42,10 +69,24 @@ def join(base: str | os.PathLike, *parts: str) -> str:
     return str(Path(s, *parts))
 
 
+def name_of(path: str | os.PathLike) -> str:
+    """The last component of a path or URI."""
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def parent_of(path: str | os.PathLike) -> str:
+    s = str(path).rstrip("/")
+    return s.rsplit("/", 1)[0] if "://" in s else str(Path(s).parent)
+
+
 def read_bytes(path: str | os.PathLike) -> bytes:
     fs, p = get_fs(path)
     with fs.open_input_stream(p) as f:
         return f.read()
+
+
+def read_text(path: str | os.PathLike) -> str:
+    return read_bytes(path).decode("utf-8")
 
 
 def exists(path: str | os.PathLike) -> bool:
@@ -53,6 +94,13 @@ def exists(path: str | os.PathLike) -> bool:
 
     fs, p = get_fs(path)
     return fs.get_file_info(p).type != pafs.FileType.NotFound
+
+
+def is_file(path: str | os.PathLike) -> bool:
+    import pyarrow.fs as pafs
+
+    fs, p = get_fs(path)
+    return fs.get_file_info(p).type == pafs.FileType.File
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
@@ -64,6 +112,34 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     with fs.open_output_stream(tmp) as f:
         f.write(data)
     fs.move(tmp, p)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def make_dirs(path: str | os.PathLike) -> None:
+    fs, p = get_fs(path)
+    fs.create_dir(p, recursive=True)
+
+
+def list_dir(path: str | os.PathLike) -> list[str]:
+    """Names of the entries directly under ``path`` (empty when it does not exist)."""
+    import pyarrow.fs as pafs
+
+    fs, p = get_fs(path)
+    if fs.get_file_info(p).type != pafs.FileType.Directory:
+        return []
+    return sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector(p, allow_not_found=True)))
+
+
+def delete_dir(path: str | os.PathLike) -> None:
+    """Remove a folder and everything under it (nothing when it does not exist)."""
+    fs, p = get_fs(path)
+    try:
+        fs.delete_dir(p)
+    except (FileNotFoundError, OSError):
+        pass
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
@@ -78,8 +154,116 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def resolve_workdir(workdir: str | os.PathLike | None = None) -> Path:
-    """The work directory (``--workdir`` > ``$ADLM_WORKDIR`` > ``./work``), created."""
-    d = Path(workdir or os.environ.get("ADLM_WORKDIR") or "work").expanduser().resolve()
+def upload_dir(local: str | os.PathLike, dest: str | os.PathLike) -> str:
+    """Copy a local folder to ``dest`` (local or remote), replacing what was there; returns ``dest``."""
+    import pyarrow.fs as pafs
+
+    dest = str(dest)
+    delete_dir(dest)
+    fs, p = get_fs(dest)
+    fs.create_dir(p, recursive=True)
+    pafs.copy_files(str(Path(local).resolve()), p, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+    return dest
+
+
+def download_dir(src: str | os.PathLike, local: str | os.PathLike) -> Path:
+    """Copy a folder (local or remote) to a local folder; returns it."""
+    import pyarrow.fs as pafs
+
+    fs, p = get_fs(src)
+    out = Path(local)
+    out.mkdir(parents=True, exist_ok=True)
+    pafs.copy_files(p, str(out.resolve()), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+    return out
+
+
+def temp_dir(prefix: str = "adlm-") -> Path:
+    """A fresh local scratch folder (the caller removes it)."""
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def publish_dir(local: str | os.PathLike, dest: str | os.PathLike) -> str:
+    """Make the local folder ``local`` the content of ``dest``: a move for a local destination, an upload for
+    a remote one (the local folder is removed either way)."""
+    lp = local_path(dest)
+    if lp is not None:
+        if lp.exists():
+            shutil.rmtree(lp)
+        lp.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(local), lp)
+        return str(lp)
+    upload_dir(local, dest)
+    shutil.rmtree(local, ignore_errors=True)
+    return str(dest)
+
+
+def cache_dir(workdir: str | os.PathLike | None = None, *parts: str) -> Path:
+    """This node's cache folder (then ``parts``), created: ``$ADLM_CACHE`` > ``<workdir>/cache`` for a local
+    work directory > ``~/.cache/adlm`` (a remote work directory: a cache belongs to the node that filled it).
+    What is cached (the extracted embedded corpus, converted evaluation LMs, downloaded registry versions) is
+    re-derivable, never the only copy of a result."""
+    env = os.environ.get("ADLM_CACHE")
+    if env:
+        base = Path(env).expanduser()
+    else:
+        raw = str(workdir or os.environ.get("ADLM_WORKDIR") or "work")
+        base = Path.home() / ".cache" / "adlm" if is_uri(raw) else local_path(raw).resolve() / "cache"
+    d = base.joinpath(*parts)
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+@functools.lru_cache(maxsize=32)
+def check_location(uri: str) -> None:
+    """One-line StorageError unless ``uri``'s store answers: the scheme is served, the endpoint is reachable,
+    the bucket exists and the credentials are accepted. Cached per process (checked once)."""
+    import pyarrow.fs as pafs
+
+    scheme = uri.split("://", 1)[0]
+    try:
+        fs, inner = get_fs(uri)
+    except StorageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid / OSError with multi-line texts
+        raise StorageError(f"{uri}: cannot open the store ({_first_line(e)}); check the URI") from None
+    if scheme == "s3" and not _aws_credentials():
+        raise StorageError(f"{uri}: no AWS credentials: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or a profile) "
+                           "on this node, or give the node an instance role; never put them in a job's runtime env")
+    bucket = inner.split("/", 1)[0]
+    try:
+        info = fs.get_file_info(bucket)
+    except Exception as e:  # noqa: BLE001 - endpoint down, credentials refused, ...
+        raise StorageError(f"{uri}: the {scheme} store does not answer ({_first_line(e)}); check the endpoint "
+                           "(AWS_ENDPOINT_URL), the network and the credentials (AWS_ACCESS_KEY_ID / "
+                           "AWS_SECRET_ACCESS_KEY, or the node's instance role)") from None
+    if info.type == pafs.FileType.NotFound:
+        raise StorageError(f"{uri}: bucket {bucket!r} does not exist; create it or fix the URI")
+
+
+def _aws_credentials() -> bool:
+    """Whether the AWS credential chain (environment, profile files, instance role) yields credentials."""
+    try:
+        import botocore.session
+    except ImportError:  # no botocore: leave the check to the store itself
+        return True
+    session = botocore.session.get_session()
+    session.set_config_variable("metadata_service_timeout", 1)
+    session.set_config_variable("metadata_service_num_attempts", 1)
+    return session.get_credentials() is not None
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def resolve_workdir(workdir: str | os.PathLike | None = None) -> str:
+    """The work directory (``--workdir`` > ``$ADLM_WORKDIR`` > ``./work``): an absolute local path (created)
+    or a URI whose store answers (``check_location``)."""
+    raw = str(workdir or os.environ.get("ADLM_WORKDIR") or "work")
+    if is_uri(raw):
+        check_location(raw.rstrip("/"))
+        return raw.rstrip("/")
+    d = local_path(raw).resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    return str(d)

@@ -6,24 +6,26 @@
 - ``find_or_create_run``: one MLflow run per training run name. The run id is fixed when the run
   starts, stored in every checkpoint (meta ``mlflow_run_id``) and reopened on resume, so that a
   resumed or restarted run keeps logging into the same run.
-- ``ResilientLogger``: rank 0's metric logger. Metrics are buffered and sent in batches; when the
-  tracking store is unreachable it logs one warning, keeps the buffer and retries later with
-  backoff (dropping the oldest entries only past ``max_buffer``). Steps at or below the last step
-  already stored are skipped, so a restart from a checkpoint never duplicates steps.
+- ``ResilientLogger``: rank 0's metric logger, asynchronous: a tracking outage of any length costs the
+  training loop nothing; what cannot be sent by the end of the run waits in the run's spool for the next
+  command (``send_spool``). Steps already stored are not sent twice (a restart from a checkpoint).
+- ``tracking_reachable``: a quick probe of a tracking server before the first (retrying) MLflow call.
 - ``plot_loss_curve``: the loss-curve artifact, drawn from the run's stored metric history.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
+import threading
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-from pipelines.storage import resolve_workdir
+from pipelines.storage import StorageError, delete_dir, is_uri, join, list_dir, read_text, resolve_workdir, write_text
 
 log = logging.getLogger("adlm.tracking")
 
@@ -31,10 +33,16 @@ RUN_NAME_TAG = "adlm.run_name"
 
 
 def resolve_tracking_uri(workdir: str | os.PathLike | None = None) -> str:
+    """``$MLFLOW_TRACKING_URI``, else a sqlite store in a local work directory. A remote work directory (a
+    cluster) needs a tracking server: a sqlite file cannot live in an object store."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return uri
-    return f"sqlite:///{resolve_workdir(workdir) / 'mlflow.db'}"
+    wd = resolve_workdir(workdir)
+    if is_uri(wd):
+        raise StorageError(f"the work directory {wd} is remote: set MLFLOW_TRACKING_URI to a tracking server "
+                           "(mlflow/server.sh) that every node reaches")
+    return f"sqlite:///{Path(wd) / 'mlflow.db'}"
 
 
 def client(tracking_uri: str | None) -> Any:
@@ -52,7 +60,9 @@ def ensure_experiment(name: str, tracking_uri: str, workdir: str | os.PathLike |
         return exp.experiment_id
     artifact_location = None
     if tracking_uri.startswith("sqlite:") or tracking_uri.startswith("file:"):
-        artifact_location = (resolve_workdir(workdir) / "mlartifacts").as_uri()
+        # A local store names its artifact location; a server decides its own (--artifacts-destination).
+        wd = resolve_workdir(workdir)
+        artifact_location = join(wd, "mlartifacts") if is_uri(wd) else (Path(wd) / "mlartifacts").as_uri()
     try:
         return c.create_experiment(name, artifact_location=artifact_location)
     except Exception:
@@ -101,74 +111,184 @@ def log_params_once(tracking_uri: str, run_id: str, params: dict[str, Any]) -> N
         c.log_batch(run_id, tags=changed[i:i + 100])
 
 
+SPOOL = "tracking_spool"
+"""Folder of a run (in its storage) where metrics that could not be sent wait for the next command."""
+
+
+def tracking_reachable(tracking_uri: str, timeout: float = 5.0) -> bool:
+    """Whether a tracking server answers its health check within ``timeout`` (local stores: always). A quick
+    probe before the first MLflow call: MLflow's own retries would wait about 4 minutes on a dead server."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return True
+    import requests
+
+    try:
+        return requests.get(tracking_uri.rstrip("/") + "/health", timeout=timeout).status_code < 500
+    except requests.RequestException:
+        return False
+
+
 class ResilientLogger:
-    """Buffered MLflow metric logging that survives tracking outages (warns, retries, never raises)."""
+    """Asynchronous MLflow metric logging that never stalls training (rank 0 of a training run).
 
-    def __init__(self, tracking_uri: str, run_id: str, *, max_buffer: int = 200_000, retry_s: float = 5.0,
+    ``log_metrics`` only queues (bounded: past ``max_buffer`` entries the oldest are dropped and counted). A
+    daemon thread sends the queue in batches with MLflow's own retries; when the store stays unreachable it
+    warns once per outage and tries again with a bounded backoff, so an outage of any length costs the
+    training loop nothing. Before the first send it reads the run's last stored step: steps at or below it
+    (a restart from a checkpoint) are not sent twice. ``close`` waits a bounded time for the queue to drain
+    and writes what is left to the run's spool (``<run_dir>/tracking_spool/``), which ``send_spool`` delivers
+    on the next command. ``run_id=None`` (tracking was down when the run started) spools everything.
+    """
+
+    def __init__(self, tracking_uri: str, run_id: str | None, *, spool_dir: str | None = None,
+                 max_buffer: int = 200_000, retry_s: float = 5.0, max_retry_s: float = 60.0,
                  skip_through_step: int | None = None) -> None:
-        self.tracking_uri = tracking_uri
-        self.run_id = run_id
-        self.max_buffer = max_buffer
-        self.retry_s = retry_s
-        self.buffer: deque = deque()
-        self.failures = 0
+        self.tracking_uri, self.run_id, self.spool_dir = tracking_uri, run_id, spool_dir
+        self.max_buffer, self.retry_s, self.max_retry_s = max_buffer, retry_s, max_retry_s
+        self.skip_through = skip_through_step
         self.dropped = 0
-        self._next_try = 0.0
+        self.sent = 0
+        self.failures = 0
+        self._queue: deque = deque()
+        self._in_flight = 0
+        self._chunk: list = []
+        self._cond = threading.Condition()
+        self._closing = False
         self._warned = False
-        self.skip_through = skip_through_step if skip_through_step is not None else self._last_logged_step()
-
-    def _last_logged_step(self, key: str = "train/loss") -> int:
-        try:
-            hist = client(self.tracking_uri).get_metric_history(self.run_id, key)
-            return max((m.step for m in hist), default=-1)
-        except Exception as e:  # noqa: BLE001
-            log.warning("MLflow unreachable at start (%s); logging will be retried", str(e).splitlines()[0][:200])
-            return -1
+        self._thread = threading.Thread(target=self._run, name="adlm-mlflow-sender", daemon=True)
+        if run_id is not None:
+            self._thread.start()
 
     def log_metrics(self, metrics: dict[str, float], step: int, *, force: bool = False) -> None:
-        """Queue metrics of one step; steps already stored before a restart are skipped."""
-        if step <= self.skip_through and not force:
-            return
+        """Queue the metrics of one step (never blocks on the store). ``force``: send even a step at or below
+        the run's last stored one (a resume marker)."""
+        ts = int(time.time() * 1000)
+        with self._cond:
+            for k, v in metrics.items():
+                if v is not None:
+                    self._queue.append((k, float(v), ts, int(step), force))
+            while len(self._queue) > self.max_buffer:
+                self._queue.popleft()
+                self.dropped += 1
+            self._cond.notify()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue) + self._in_flight
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued so far is stored, at most ``timeout`` seconds; False if not."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._in_flight:
+                if self.run_id is None or not self._thread.is_alive():
+                    return False
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(timeout=left if left is not None else 1.0)
+        return True
+
+    def close(self, timeout: float = 60.0) -> int:
+        """Drain for at most ``timeout`` seconds (none while the store is failing: the run is over and must not
+        wait on an outage), stop the sender, spool the rest; returns how many metrics were spooled."""
+        sent = self.flush(0.0 if self.failures else timeout)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=1.0)
+        if sent:
+            return 0
+        with self._cond:  # the in-flight batch too: the stuck call may never return before the process ends
+            rest = (list(self._chunk) if self._in_flight else []) + list(self._queue)
+            self._queue.clear()
+            self._chunk, self._in_flight = [], 0
+        if rest and self.spool_dir:
+            name = f"{int(time.time() * 1000)}-{os.getpid()}-{threading.get_ident()}.jsonl"
+            lines = "".join(json.dumps({"key": k, "value": v, "timestamp": ts, "step": st}) + "\n"
+                            for k, v, ts, st, _ in rest)
+            write_text(join(self.spool_dir, name), lines)
+            print(f"WARNING: MLflow at {self.tracking_uri} is unreachable: {len(rest)} metrics kept in "
+                  f"{self.spool_dir}; the next run of the same command sends them", flush=True)
+        return len(rest)
+
+    # -- the sender thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
         from mlflow.entities import Metric
 
-        ts = int(time.time() * 1000)
-        for k, v in metrics.items():
-            if v is None:
+        delay = self.retry_s
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait(timeout=1.0)
+                if self._closing and (not self._queue or self.failures):
+                    return
+                chunk = [self._queue.popleft() for _ in range(min(1000, len(self._queue)))]
+                self._chunk, self._in_flight = chunk, len(chunk)
+            try:
+                if self.skip_through is None:
+                    self.skip_through = last_logged_step(self.tracking_uri, self.run_id)
+                batch = [Metric(k, v, ts, st) for k, v, ts, st, force in chunk if force or st > self.skip_through]
+                if batch:
+                    client(self.tracking_uri).log_batch(self.run_id, metrics=batch)
+            except Exception as e:  # noqa: BLE001 - any outage: keep the metrics, keep training, try again
+                with self._cond:
+                    self._queue.extendleft(reversed(chunk))
+                    self._in_flight = 0
+                    self.failures += 1
+                    if not self._warned:
+                        print(f"WARNING: MLflow logging failed ({_first_line(e)}); {len(self._queue)} metrics "
+                              "queued, training goes on; retrying", flush=True)
+                        self._warned = True
+                    self._cond.notify_all()
+                    self._cond.wait(timeout=delay)  # a close() wakes it early
+                delay = min(self.max_retry_s, delay * 2)
                 continue
-            self.buffer.append(Metric(k, float(v), ts, int(step)))
-        while len(self.buffer) > self.max_buffer:
-            self.buffer.popleft()
-            self.dropped += 1
+            with self._cond:
+                self._in_flight = 0
+                self.sent += len(chunk)
+                if self._warned:
+                    print("MLflow logging recovered; queued metrics sent", flush=True)
+                self._warned, self.failures, delay = False, 0, self.retry_s
+                self._cond.notify_all()
 
-    def flush(self, *, block: bool = False) -> bool:
-        """Send the buffer; False (and a warning, once per outage) when the store is unreachable."""
-        if not self.buffer:
-            return True
-        now = time.monotonic()
-        if now < self._next_try and not block:
-            return False
-        try:
-            c = client(self.tracking_uri)
-            while self.buffer:
-                chunk = [self.buffer[i] for i in range(min(1000, len(self.buffer)))]
-                c.log_batch(self.run_id, metrics=chunk)
-                for _ in chunk:
-                    self.buffer.popleft()
-        except Exception as e:  # noqa: BLE001 - any outage: keep training
-            self.failures += 1
-            self._next_try = now + min(300.0, self.retry_s * 2 ** min(self.failures - 1, 6))
-            if not self._warned:
-                log.warning("MLflow logging failed (%s); %d metrics buffered, retrying, training goes on",
-                            str(e).splitlines()[0][:200] if str(e) else type(e).__name__, len(self.buffer))
-                print(f"WARNING: MLflow logging failed ({type(e).__name__}); metrics buffered, training continues",
-                      flush=True)
-                self._warned = True
-            return False
-        if self._warned:
-            print("MLflow logging recovered; buffered metrics sent", flush=True)
-        self._warned = False
-        self.failures = 0
-        return True
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def last_logged_step(tracking_uri: str, run_id: str, key: str = "train/loss") -> int:
+    """The highest step of ``key`` stored in the run (-1 if none)."""
+    hist = client(tracking_uri).get_metric_history(run_id, key)
+    return max((m.step for m in hist), default=-1)
+
+
+def send_spool(tracking_uri: str, run_id: str, spool_dir: str) -> int:
+    """Send the metrics a run could not send (``ResilientLogger.close``), skipping steps already stored
+    per key; the spool files are removed once sent. Returns how many metrics were sent."""
+    from mlflow.entities import Metric
+
+    files = [f for f in list_dir(spool_dir) if f.endswith(".jsonl")]
+    if not files:
+        return 0
+    c = client(tracking_uri)
+    stored: dict[str, set[int]] = {}
+    n = 0
+    for f in files:
+        batch = []
+        for line in read_text(join(spool_dir, f)).splitlines():
+            m = json.loads(line)
+            if m["key"] not in stored:
+                stored[m["key"]] = {x.step for x in c.get_metric_history(run_id, m["key"])}
+            if m["step"] not in stored[m["key"]]:
+                batch.append(Metric(m["key"], m["value"], m["timestamp"], m["step"]))
+        for i in range(0, len(batch), 1000):
+            c.log_batch(run_id, metrics=batch[i:i + 1000])
+        n += len(batch)
+    delete_dir(spool_dir)
+    return n
 
 
 def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float]]:

@@ -176,7 +176,7 @@ def test_shared_cache_never_confuses_version_1_of_two_stores(art, tmp_path, monk
     for kind in ("mdlm", "adlm"):
         uri = f"sqlite:///{tmp_path / kind}.db"
         register(art[kind], uri, name="adlm", kind=kind)
-        ref = resolve_model_ref("models:/adlm/1", uri, workdir=tmp_path / f"work-{kind}")
+        ref = resolve_model_ref("models:/adlm/1", uri)
         assert ref.version == "1"
         got[kind] = Path(ref.local_dir)
     assert got["mdlm"] != got["adlm"]

@@ -20,6 +20,7 @@ from pipelines.faults import ENV as FAULT_ENV
 from pipelines.training.checkpoints import list_checkpoints
 from pipelines.training.config import load_config
 from pipelines.training.optim import lr_factor
+from tests.conftest import free_port
 from tests.support_data import TINY_MODEL, data_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,34 +215,33 @@ def test_lr_schedule() -> None:
     assert f(104, 4, "cosine", 104, 0.1) == pytest.approx(0.1)
 
 
-def test_tracker_survives_an_outage(tmp_path, monkeypatch) -> None:
-    """A tracking server that is down: metrics are buffered with a warning, never raised; sent on recovery."""
-    import socket
-
+def test_tracker_never_waits_on_a_dead_server_and_the_spool_delivers_later(tmp_path) -> None:
+    """A tracking server that is down, with MLflow's default retries (one call would wait about 4 minutes):
+    queuing returns at once with nothing sent, closing spools the metrics instead of waiting, the spool
+    delivers them once a store answers, and a restarted logger sends no stored step twice."""
     import mlflow
 
-    from pipelines.tracking import ResilientLogger, ensure_experiment, find_or_create_run
+    from pipelines.tracking import ResilientLogger, ensure_experiment, find_or_create_run, send_spool
 
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     good = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_id, created = find_or_create_run(good, ensure_experiment("outage", good, tmp_path), "r")
     assert created and find_or_create_run(good, ensure_experiment("outage", good, tmp_path), "r") == (run_id, False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = ResilientLogger(f"http://127.0.0.1:{port}", run_id, skip_through_step=-1, retry_s=0.0)
+    dead = f"http://127.0.0.1:{free_port()}"
+    spool = tmp_path / "run" / "tracking_spool"
+    log = ResilientLogger(dead, run_id, spool_dir=str(spool), retry_s=0.05)
     for step in range(1, 4):
-        log.log_metrics({"train/loss": 1.0 / step}, step)
-        assert log.flush() is False
-    assert len(log.buffer) == 3 and log.failures == 3
-    log.tracking_uri = good  # the server is back
-    assert log.flush(block=True) is True and not log.buffer
-    hist = mlflow.MlflowClient(good).get_metric_history(run_id, "train/loss")
-    assert sorted(m.step for m in hist) == [1, 2, 3]
+        log.log_metrics({"train/loss": 1.0 / step, "train/lr": 0.1}, step)
+    assert log.pending() == 6  # queued, not sent: the caller never waited on the network
+    assert log.flush(timeout=0.5) is False
+    assert log.close(timeout=0.5) == 6 and log.pending() == 0
+    assert len(list(spool.iterdir())) == 1
+    client = mlflow.MlflowClient(good)
+    assert not client.get_metric_history(run_id, "train/loss")
+    assert send_spool(good, run_id, str(spool)) == 6 and not spool.exists()
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2, 3]
     # A restarted logger skips steps that are already stored (no duplicated steps after a restart).
-    again = ResilientLogger(good, run_id)
+    again = ResilientLogger(good, run_id, spool_dir=str(spool))
     again.log_metrics({"train/loss": 9.0}, 3)
     again.log_metrics({"train/loss": 0.2}, 4)
-    again.flush(block=True)
-    assert sorted(m.step for m in mlflow.MlflowClient(good).get_metric_history(run_id, "train/loss")) == [1, 2, 3, 4]
+    assert again.flush(timeout=60) is True and again.close() == 0
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2, 3, 4]

@@ -171,7 +171,7 @@ def test_sweep_stops_early_nests_runs_registers_best_and_resumes(tiny_data: Path
         assert len(steps) == len(set(steps))  # a resumed trial logs no step twice
     arts = {a.path for a in client.list_artifacts(res.parent_run_id, "sweep")}
     assert {"sweep/trials.csv", "sweep/trials.md", "sweep/search.png", "sweep/space.yaml"} <= arts
-    assert res.artifacts["search.png"].stat().st_size > 10_000
+    assert Path(res.artifacts["search.png"]).stat().st_size > 10_000
     mv = client.get_model_version_by_alias("adlm", "candidate")
     assert str(mv.version) == res.registered_version and mv.run_id == res.best.mlflow_run_id
     assert mv.tags["sweep"] == "t-sweep" and mv.tags["tune.trial_id"] == res.best.trial_id

@@ -25,20 +25,10 @@ from typing import Any
 
 from pipelines.assets import package_dir
 from pipelines.data.sources import EMBEDDED, SourceError
-from pipelines.storage import resolve_workdir
+from pipelines.storage import cache_dir, exists, join, write_text
 
 EMBEDDED_VERSION = "embedded-v1"
 EMBEDDED_SPLITS = tuple(EMBEDDED.splits)
-
-
-def cache_dir(workdir: str | os.PathLike | None = None) -> Path:
-    """``$ADLM_CACHE`` or ``<workdir>/cache``."""
-    if os.environ.get("ADLM_CACHE"):
-        d = Path(os.environ["ADLM_CACHE"]).expanduser()
-    else:
-        d = resolve_workdir(workdir) / "cache"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 def _corpus_package(module: str) -> Path:
@@ -121,19 +111,18 @@ def embedded_corpus(workdir: str | os.PathLike | None = None, progress: Any = No
     return paths
 
 
-def embedded_slices(out_dir: str | os.PathLike, budgets: dict[str, int]) -> dict[str, Path]:
-    """Small slices of the embedded corpus as plain-text files (``{split: file}``), one document a line,
-    whitespace collapsed and each cut at 4,000 characters, ``budgets[split]`` characters in all. What the
-    smoke profile and the tests prepare their tiny data from; an existing file is reused."""
+def embedded_slices(out_dir: str | os.PathLike, budgets: dict[str, int]) -> dict[str, str]:
+    """Small slices of the embedded corpus as plain-text files (``{split: location}``; a local folder or an
+    object store), one document a line, whitespace collapsed and each cut at 4,000 characters,
+    ``budgets[split]`` characters in all. What the smoke profile and the tests prepare their tiny data from;
+    an existing file is reused."""
     import pyarrow.parquet as pq
 
     files = embedded_corpus()
-    d = Path(out_dir)
-    d.mkdir(parents=True, exist_ok=True)
     out = {}
     for split, budget in budgets.items():
-        p = d / f"{split}.txt"
-        if not p.exists():
+        p = join(out_dir, f"{split}.txt")
+        if not exists(p):
             lines, n = [], 0
             for t in pq.read_table(files[split]).column("text").to_pylist():
                 line = " ".join(t.split())[:4000]
@@ -142,6 +131,6 @@ def embedded_slices(out_dir: str | os.PathLike, budgets: dict[str, int]) -> dict
                     n += len(line)
                 if n >= budget:
                     break
-            p.write_text("\n".join(lines) + "\n")
+            write_text(p, "\n".join(lines) + "\n")
         out[split] = p
     return out

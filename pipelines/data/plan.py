@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,9 +37,21 @@ from pipelines.data.sources import (
     read_unit,
 )
 from pipelines.data.tokenizer import TokenizerInfo
-from pipelines.storage import get_fs, join, resolve_workdir
+from pipelines.storage import (
+    check_location,
+    exists,
+    get_fs,
+    is_uri,
+    join,
+    local_path,
+    name_of,
+    resolve_workdir,
+    sha256_file,
+)
 
 FORMAT_VERSION = 1
+MAX_ACTORS = 64
+"""Default upper bound of the tokenizer actor pool."""
 """Part of every split's fingerprint: bump it when the shard format changes."""
 
 
@@ -80,7 +93,9 @@ class PrepareConfig:
     unit_docs: int = 20000
     """Documents per unit for Hugging Face datasets."""
     actors: int | None = None
-    """Tokenizer actors (default: the cluster's CPU count)."""
+    """Most tokenizer actors of the autoscaling pool (default: one a unit of work, at most 64)."""
+    min_actors: int = 1
+    """Tokenizer actors the pool starts with (it grows as the cluster offers CPUs)."""
     actor_cpus: float = 0.5
     """CPUs each actor reserves (fractional on purpose: whole-CPU actors starve Ray Data on small machines)."""
     engine: str = "auto"
@@ -134,10 +149,8 @@ def _unit_bytes(total: int, unit_mb: float) -> int:
     return int(max(16 << 10, min(unit_mb * (1 << 20), total // 32 + 1)))
 
 
-def _local_plan(files: list[str], cfg: PrepareConfig, text_field: str) -> tuple[list[Unit], dict[str, Any]]:
-    for f in files:
-        if file_kind(f) in ("jsonl", "parquet"):
-            check_text_field(f, text_field)
+def _local_plan(files: list[str], cfg: PrepareConfig) -> tuple[list[Unit], dict[str, Any]]:
+    """Units of files (local or in an object store) cut by size only, and the files' identity."""
     sizes = []
     for f in files:
         fs, inner = get_fs(f)
@@ -145,6 +158,55 @@ def _local_plan(files: list[str], cfg: PrepareConfig, text_field: str) -> tuple[
     units = plan_units(files, _unit_bytes(sum(sizes), cfg.unit_mb))
     ident = {"files": [[f, s] for f, s in zip(files, sizes, strict=True)], "text_unit": cfg.text_unit}
     return units, ident
+
+
+def _output(out: str) -> str:
+    """The output location, checked when it is an object store (one line before any work)."""
+    out = str(out).rstrip("/")
+    if is_uri(out):
+        check_location(out)
+    return out
+
+
+def stage_inputs(files: list[str], out: str) -> list[str]:
+    """Input files as every node can read them. With a remote output (a cluster: nodes share only the object
+    store) local files are copied once to ``<out>/_inputs/<sha256 prefix>-<name>`` and read from there;
+    remote inputs, and every input of a local output, are read where they are."""
+    if not is_uri(out):
+        return files
+    staged = []
+    for f in files:
+        if is_uri(f):
+            staged.append(f)
+            continue
+        dest = join(out, "_inputs", f"{sha256_file(f)[:16]}-{name_of(f)}")
+        if not exists(dest):
+            fs, inner = get_fs(dest)
+            fs.create_dir(inner.rsplit("/", 1)[0], recursive=True)
+            with open(local_path(f), "rb") as src, fs.open_output_stream(inner + ".tmp") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
+            fs.move(inner + ".tmp", inner)
+        staged.append(dest)
+    return staged
+
+
+def stage_hf_split(ds: Any, start: int, n: int, text_field: str, out: str, rows_per_group: int,
+                   ident: dict[str, Any]) -> str:
+    """Rows ``[start, start + n)`` of a Hugging Face dataset as one Parquet file in the object store (row
+    groups of ``rows_per_group``: one unit of work each), named by the split's identity; written once."""
+    import pyarrow.parquet as pq
+
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    dest = join(out, "_inputs", f"hf-{key}.parquet")
+    if exists(dest):
+        return dest
+    table = ds.select_columns([text_field]).select(range(start, start + n)).data.table
+    fs, inner = get_fs(dest)
+    fs.create_dir(inner.rsplit("/", 1)[0], recursive=True)
+    with fs.open_output_stream(inner + ".tmp") as f:
+        pq.write_table(table.combine_chunks(), f, row_group_size=max(1, rows_per_group), compression="zstd")
+    fs.move(inner + ".tmp", inner)
+    return dest
 
 
 def make_plan(cfg: PrepareConfig) -> Plan:
@@ -161,6 +223,8 @@ def make_plan(cfg: PrepareConfig) -> Plan:
         raise PrepareError(f"--shard-rows {cfg.shard_rows}: must be at least 1")
     if cfg.actors is not None and cfg.actors < 1:
         raise PrepareError(f"--actors {cfg.actors}: must be at least 1")
+    if cfg.min_actors < 1 or (cfg.actors is not None and cfg.min_actors > cfg.actors):
+        raise PrepareError(f"--min-actors {cfg.min_actors}: must be at least 1 and at most --actors")
     if not 0 < cfg.actor_cpus <= 64:
         raise PrepareError(f"--actor-cpus {cfg.actor_cpus}: must be in (0, 64]")
     if cfg.text_unit not in ("line", "file"):
@@ -189,22 +253,26 @@ def make_plan(cfg: PrepareConfig) -> Plan:
         text_field = cfg.text_field or named.field
         detok = named.detokenizer if cfg.detokenizer is None else (None if cfg.detokenizer == "none"
                                                                    else cfg.detokenizer)
+        out = _output(cfg.out or join(resolve_workdir(cfg.workdir), "data", named.name))
         if named is EMBEDDED:
             files = embedded_corpus(cfg.workdir, progress=lambda m: log(cfg, m))
             if cfg.train_tokenizer is None and cfg.tokenizer is None and "train" not in wanted:
                 wanted = ["train", *wanted]  # the default tokenizer is trained on train
             for s in wanted:
-                units, ident = _local_plan([str(files[s])], cfg, "text")
+                units, ident = _local_plan(stage_inputs([str(files[s])], out), cfg)
                 ident = {"embedded": "embedded-v1", "split": s, "bytes": ident["files"][0][1]}
                 splits[s] = SplitPlan(s, "embedded", units, "text", detok, ident)
         else:
             for s in wanted:
                 ds, start, n = load_hf_split(named, s)
-                units = plan_hf_units(n, cfg.unit_docs, offset=start)
                 ident = {"hf": named.hf_path, "name": named.hf_name, "split": named.splits[s], "start": start,
                          "rows": n, "fingerprint": getattr(ds, "_fingerprint", None)}
-                splits[s] = SplitPlan(s, named.name, units, text_field, detok, ident, hf_dataset=ds)
-        out = cfg.out or join(str(resolve_workdir(cfg.workdir)), "data", named.name)
+                if is_uri(out):  # a cluster: actors on other nodes cannot read this node's Hugging Face cache
+                    staged = stage_hf_split(ds, start, n, text_field, out, cfg.unit_docs, ident)
+                    splits[s] = SplitPlan(s, named.name, plan_units([staged], 1), text_field, detok, ident)
+                else:
+                    units = plan_hf_units(n, cfg.unit_docs, offset=start)
+                    splits[s] = SplitPlan(s, named.name, units, text_field, detok, ident, hf_dataset=ds)
     else:
         bare = [s for s in local_specs if "=" not in s or "://" in s.split("=", 1)[0]]
         if any(s.lower() == s and "/" not in s and "." not in s and not os.path.exists(s) for s in bare):
@@ -224,13 +292,16 @@ def make_plan(cfg: PrepareConfig) -> Plan:
                 raise PrepareError(f"--split {' '.join(missing)}: no --source assigned to it (use SPLIT=PATH)")
         text_field = cfg.text_field or "text"
         detok = None if cfg.detokenizer in (None, "none") else cfg.detokenizer
-        for s, files in by_split.items():
-            units, ident = _local_plan(files, cfg, text_field)
-            label = ",".join(x.split("=", 1)[-1] for x in local_specs if x.startswith(f"{s}=") or "=" not in x)
-            splits[s] = SplitPlan(s, label, units, text_field, detok, ident)
         if not cfg.out:
             raise PrepareError("local sources need --out DIR (where the shards go)")
-        out = cfg.out
+        out = _output(cfg.out)
+        for s, files in by_split.items():
+            for f in files:
+                if file_kind(f) in ("jsonl", "parquet"):
+                    check_text_field(f, text_field)
+            units, ident = _local_plan(stage_inputs(files, out), cfg)
+            label = ",".join(x.split("=", 1)[-1] for x in local_specs if x.startswith(f"{s}=") or "=" not in x)
+            splits[s] = SplitPlan(s, label, units, text_field, detok, ident)
 
     tokenizer_spec = cfg.tokenizer
     train_vocab = cfg.train_tokenizer

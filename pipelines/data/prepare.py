@@ -60,6 +60,7 @@ from pipelines.data.detokenizers import get_detokenizer
 from pipelines.data.encoder import DocEncoder, EncoderError, resolve_engine
 from pipelines.data.manifest import Manifest, ShardInfo, read_manifest
 from pipelines.data.plan import (
+    MAX_ACTORS,
     Plan,
     PrepareConfig,
     PrepareError,
@@ -327,7 +328,6 @@ class SplitRun:
 
 def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine: str) -> dict[str, Manifest]:
     """One Ray Data pipeline over the remaining units of every split (one actor pool for all of them)."""
-    import ray
     import ray.data as rdata
 
     cfg = plan.cfg
@@ -346,8 +346,11 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
         ctx.execution_options.preserve_order = True  # the stream order is the packing order
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
-        actors = cfg.actors or max(1, int(ray.cluster_resources().get("CPU", 1)))
-        actors = min(actors, len(items))
+        # An autoscaling pool: it starts at min_actors and grows (up to one actor a unit, or --actors) as the
+        # cluster offers CPUs, instead of being sized from the CPUs present at start (0 on a cluster whose
+        # workers are still launching); Ray Data asks the autoscaler for the nodes.
+        high = min(cfg.actors or MAX_ACTORS, len(items))
+        low = min(cfg.min_actors, high)
         per_split = {s: {"text_field": r.sp.text_field, "detokenizer": r.sp.detokenizer,
                          "hf_dataset": r.sp.hf_dataset} for s, r in runs.items()}
         ds = rdata.from_items(items, override_num_blocks=len(items))
@@ -362,7 +365,7 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
                                            text_unit=cfg.text_unit,
                                            append_eos=tok.eos_id if plan.mode == "wrap" else None,
                                            engine=engine),
-                compute=rdata.ActorPoolStrategy(size=actors), num_cpus=cfg.actor_cpus, max_restarts=0)
+                compute=rdata.ActorPoolStrategy(min_size=low, max_size=high), num_cpus=cfg.actor_cpus, max_restarts=0)
         expect = 0
         last_print = time.time()
         current: str | None = None

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.assets import package_dir
+from pipelines.storage import is_uri, join, read_text
 
 GPT2_NAMES = ("gpt2", "openai-community/gpt2")
 GPT2_EOS = "<|endoftext|>"
@@ -278,6 +279,14 @@ def load_tokenizer(spec: str | os.PathLike) -> TokenizerInfo:
     Raises TokenizerError with the fix when nothing works. Cached per process (local files by mtime).
     """
     spec = str(spec)
+    if is_uri(spec):  # a tokenizer.json in an object store (data prepared on a cluster)
+        f = spec if spec.endswith(".json") else join(spec, "tokenizer.json")
+        try:
+            text = read_text(f)
+        except OSError as e:
+            raise TokenizerError(f"cannot read the tokenizer {f} ({e}); pass the tokenizer.json of the prepared "
+                                 "data") from None
+        return tokenizer_from_json(text, spec, path=f)
     p = Path(spec).expanduser()
     stamp = None
     if p.exists():

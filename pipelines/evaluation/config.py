@@ -83,7 +83,11 @@ class EvalConfig:
     cpus_per_task: float = 1.0
     """Ray CPUs per task (fractional values let several tasks share a core)."""
     gpus_per_task: float = -1.0
-    """Ray GPUs per task; -1: 1 when the cluster has GPUs, else 0."""
+    """Ray GPUs per task; -1 (auto): 1 for the tasks of a large network (``gpu_min_params``: a model to score or
+    sample, or a hub evaluation LM such as gpt2-large), asked for even when no GPU node is up yet so that an
+    autoscaling cluster launches one; otherwise 1 when the cluster has GPUs now, else 0."""
+    gpu_min_params: int = 50_000_000
+    """Auto GPUs: networks of at least this many parameters ask for a GPU (the paper's models: 170-293M)."""
     rows_per_task: int = 0
     """Split each dataset into Ray tasks of this many rows (rounded up to whole batches); 0: one task each."""
     experiment: str = EVAL_EXPERIMENT

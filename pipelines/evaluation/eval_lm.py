@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from pipelines.assets import package_dir
+from pipelines.storage import cache_dir as storage_cache_dir
 
 DEFAULT_EVAL_LM = "gpt2-large"
 DEFAULT_FEATURIZER = "gpt2-large"
@@ -52,19 +53,6 @@ _OFFLINE_HINT = (f"offline, use {OFFLINE_LM} (SmolLM2-135M shipped by the llm-sm
 
 class EvalLMError(ValueError):
     """An evaluation LM or featurizer that cannot be loaded; the message names the offline option."""
-
-
-def cache_root(workdir: str | os.PathLike | None = None) -> Path:
-    """Where converted models are cached: ``ADLM_CACHE`` > ``<workdir>/cache``."""
-    env = os.environ.get("ADLM_CACHE")
-    if env:
-        d = Path(env).expanduser()
-    else:
-        from pipelines.storage import resolve_workdir
-
-        d = resolve_workdir(workdir) / "cache"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -127,6 +115,15 @@ def classify(spec: str) -> str:
     if s.startswith((".", "/", "~")) or s.count("/") > 1:
         raise EvalLMError(f"model path {s} does not exist; pass an existing directory, a hub name or {OFFLINE_LM}")
     return "hub"
+
+
+def is_hub_model(spec: str) -> bool:
+    """A hub evaluation LM or featurizer (gpt2-large and its kind: hundreds of millions of parameters, a GPU's
+    work on a cluster), as opposed to the small offline ones and local folders."""
+    try:
+        return classify(spec) == "hub"
+    except EvalLMError:
+        return False
 
 
 def _hub_check(name: str, what: str, hint: str) -> None:
@@ -197,7 +194,7 @@ def converted_gguf_dir(gguf: Path, cache_dir: str | os.PathLike | None = None,
     """
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    root = Path(cache_dir) if cache_dir else cache_root()
+    root = Path(cache_dir) if cache_dir else storage_cache_dir()
     out = root / "gguf" / f"{gguf.stem}-f32-{key}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out

@@ -12,7 +12,8 @@ class LocalExecutor:
     name = "in-process"
 
     def run(self, fn: Callable[..., Any], jobs: list[dict[str, Any]], desc: str, unit: str = "job",
-            total_units: int | None = None, progress_kw: str | None = None, step_total: int | None = None) -> list[Any]:
+            total_units: int | None = None, progress_kw: str | None = None, step_total: int | None = None,
+            large: bool = False) -> list[Any]:
         from tqdm.auto import tqdm
 
         out = []
@@ -43,7 +44,9 @@ class LocalExecutor:
 
 
 class RayExecutor:
-    """One Ray task per job (GPU each when the cluster has GPUs); results in job order."""
+    """One Ray task per job; results in job order. ``gpus`` < 0 (auto): a job marked ``large`` asks for a GPU
+    whether or not one is up (an autoscaling cluster then launches a GPU node; the work never silently falls
+    back to CPU), other jobs take one only when the cluster has GPUs now."""
 
     name = "ray"
 
@@ -51,15 +54,21 @@ class RayExecutor:
         import ray
 
         self.ray = ray
-        if gpus < 0:
-            gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-        self.options = {"num_cpus": cpus, "num_gpus": gpus, "max_retries": 1}
+        self.cpus, self.gpus = cpus, gpus
+
+    def _gpus(self, large: bool) -> float:
+        if self.gpus >= 0:
+            return self.gpus
+        if large:
+            return 1.0
+        return 1.0 if self.ray.cluster_resources().get("GPU", 0) > 0 else 0.0
 
     def run(self, fn: Callable[..., Any], jobs: list[dict[str, Any]], desc: str, unit: str = "job",
-            total_units: int | None = None, progress_kw: str | None = None, step_total: int | None = None) -> list[Any]:
+            total_units: int | None = None, progress_kw: str | None = None, step_total: int | None = None,
+            large: bool = False) -> list[Any]:
         from tqdm.auto import tqdm
 
-        remote = self.ray.remote(fn).options(**self.options)
+        remote = self.ray.remote(fn).options(num_cpus=self.cpus, num_gpus=self._gpus(large), max_retries=1)
         refs = [remote.remote(**job) for job in jobs]
         index = {r: i for i, r in enumerate(refs)}
         results: list[Any] = [None] * len(refs)

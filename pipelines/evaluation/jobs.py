@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,7 +50,7 @@ class JobSettings:
 
 
 
-_MODELS: dict[tuple[str, str, bool], Any] = {}
+_MODELS: dict[tuple, Any] = {}
 
 
 def _device(device: str) -> Any:
@@ -60,16 +59,20 @@ def _device(device: str) -> Any:
     return resolve_device(device)
 
 
-def load_eval_model(ckpt: str, device: str = "auto", use_ema: bool = True) -> tuple[Any, Any, dict[str, Any]]:
-    """(model in eval mode, ModelConfig, meta), cached per process (Ray workers reuse it across tasks)."""
+def load_eval_model(model: str, settings: JobSettings) -> tuple[Any, Any, dict[str, Any]]:
+    """(model in eval mode, ModelConfig, meta) of ``model`` (a ``models:/`` URI or a checkpoint location),
+    resolved on this node (``plan.resolve_model_ref``: downloaded into this node's cache) and kept per process:
+    a Ray worker reuses it across tasks."""
     from adlm_model.checkpoint import load_checkpoint
+    from pipelines.evaluation.plan import resolve_model_ref
 
-    dev = _device(device)
-    key = (str(Path(ckpt).resolve()), str(dev), use_ema)
+    dev = _device(settings.cfg.device)
+    key = (model, settings.tracking_uri, str(dev), settings.cfg.use_ema)
     if key not in _MODELS:
-        model, cfg, meta = load_checkpoint(ckpt, use_ema=use_ema, map_location=dev)
+        local = resolve_model_ref(model, settings.tracking_uri, settings.cache_dir).local_dir
+        m, cfg, meta = load_checkpoint(local, use_ema=settings.cfg.use_ema, map_location=dev)
         _MODELS.clear()  # one model per worker process at a time
-        _MODELS[key] = (model.eval(), cfg, meta)
+        _MODELS[key] = (m.eval(), cfg, meta)
     return _MODELS[key]
 
 
@@ -102,28 +105,28 @@ def score_rows(model: Any, cfg: Any, ids: np.ndarray, mask: np.ndarray | None, *
     return pooled
 
 
-def ppl_job(ckpt: str, split_dir: str, start: int, stop: int, settings: JobSettings,
+def ppl_job(model: str, split_dir: str, start: int, stop: int, settings: JobSettings,
             progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
     """NELBO sums over rows ``[start, stop)`` of a split (``start`` is a multiple of the batch size)."""
-    model, cfg, _ = load_eval_model(ckpt, settings.cfg.device, settings.cfg.use_ema)
+    net, cfg, _ = load_eval_model(model, settings)
     ids, mask = read_rows(split_dir, start, stop)
     bs = settings.cfg.batch_size
-    pooled = score_rows(model, cfg, ids, mask, batch_size=bs, seed=settings.cfg.seed, t_draws=settings.cfg.t_draws,
+    pooled = score_rows(net, cfg, ids, mask, batch_size=bs, seed=settings.cfg.seed, t_draws=settings.cfg.t_draws,
                         first_batch=start // bs, progress=progress)
     return {"nll_sum": pooled.nll_sum, "n_tokens": pooled.n_tokens, "rows": int(ids.shape[0])}
 
 
-def sample_job(ckpt: str, batch_index: int, n: int, settings: JobSettings,
+def sample_job(model: str, batch_index: int, n: int, settings: JobSettings,
                progress: Callable[[int, int], Any] | None = None) -> np.ndarray:
     """``n`` samples (int64 ids ``(n, length)``) of sampling batch ``batch_index``, seeded per batch."""
     import torch
 
     from adlm_model import sample
 
-    model, cfg, meta = load_eval_model(ckpt, settings.cfg.device, settings.cfg.use_ema)
-    dev = next(model.parameters()).device
+    net, cfg, _ = load_eval_model(model, settings)
+    dev = next(net.parameters()).device
     g = torch.Generator(device=dev).manual_seed(sample_seed(settings.cfg.seed, batch_index))
-    out = sample(model, cfg, batch_size=n, length=settings.length, steps=settings.cfg.steps,
+    out = sample(net, cfg, batch_size=n, length=settings.length, steps=settings.cfg.steps,
                  sampler=settings.sampler, nucleus_p=settings.cfg.nucleus_p, generator=g, progress=progress,
                  **settings.sampler_kwargs)
     return out.detach().cpu().numpy().astype(np.int64)

@@ -17,6 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.evaluation.config import EvalConfig, EvalError, parse_suite, resolve_sampler, sampler_options
+from pipelines.storage import (
+    cache_dir,
+    download_dir,
+    exists,
+    is_uri,
+    join,
+    list_dir,
+    name_of,
+    parent_of,
+    resolve_workdir,
+)
 
 
 @dataclass
@@ -29,6 +40,12 @@ class ModelRef:
     version: str | None = None
     run_id: str | None = None
     """Training run of a registered version."""
+
+    @property
+    def pinned(self) -> str:
+        """The URI that names exactly this model on any node: ``models:/NAME/VERSION`` (an alias could move
+        while an evaluation runs) or the checkpoint location as given."""
+        return f"models:/{self.name}/{self.version}" if self.version else self.uri
 
 
 @dataclass
@@ -63,48 +80,67 @@ class Plan:
     workdir: str | None = None
 
 
-def resolve_model_ref(model: str, tracking_uri: str | None, workdir: str | os.PathLike | None) -> ModelRef:
-    """A ``models:/`` URI (downloaded once into the cache) or a checkpoint directory."""
+def resolve_model_ref(model: str, tracking_uri: str | None, cache: str | os.PathLike | None = None) -> ModelRef:
+    """A local folder of ``model`` on this node: a ``models:/`` URI or a checkpoint in an object store is
+    downloaded once into the node's cache (``cache``, default ``storage.cache_dir()``); a local checkpoint
+    folder is used as it is. Every node resolves for itself: the driver plans with it, and each evaluation
+    task loads its model with it where it runs."""
     from pipelines.registry import get_version, resolve_model
 
+    models = Path(cache) / "models" if cache else cache_dir(None, "models")
+    if is_uri(model):
+        dst = models / ("ckpt-" + hashlib.sha256(model.encode()).hexdigest()[:16])
+        if not (dst / "config.json").is_file():
+            tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=models))
+            try:
+                download_dir(model, tmp)
+                if not (tmp / "config.json").is_file():
+                    raise EvalError(f"{model} is not a checkpoint: no config.json (pass a checkpoint folder or a "
+                                    "models:/ URI)")
+                _settle(tmp, dst)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return ModelRef(uri=model, local_dir=str(dst))
     if not model.startswith("models:/"):
         return ModelRef(uri=model, local_dir=str(resolve_model(model, tracking_uri)))
     mv = get_version(model, tracking_uri)
-    from pipelines.evaluation.eval_lm import cache_root
 
     # Keyed by the version's identity, not only its number: the cache (ADLM_CACHE) may be shared by several
     # tracking stores, and a recreated registry numbers its versions from 1 again.
     ident = hashlib.sha256(f"{tracking_uri}|{mv.source}|{mv.run_id}".encode()).hexdigest()[:12]
-    dst = cache_root(workdir) / "models" / f"{mv.name}-v{mv.version}-{ident}"
+    dst = models / f"{mv.name}-v{mv.version}-{ident}"
     if not (dst / "config.json").is_file():
         uri = f"models:/{mv.name}/{mv.version}"
         # Downloaded beside its final place, so the rename is atomic (same filesystem) and nothing is left in /tmp.
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{mv.name}-v{mv.version}-", dir=dst.parent))
         try:
-            local = resolve_model(uri, tracking_uri, dst=tmp)
-            try:
-                os.replace(local, dst)
-            except OSError:
-                if not (dst / "config.json").is_file():  # not a concurrent download that won: a real failure
-                    raise
+            _settle(resolve_model(uri, tracking_uri, dst=tmp), dst)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return ModelRef(uri=model, local_dir=str(dst), name=mv.name, version=str(mv.version), run_id=mv.run_id)
 
 
+def _settle(local: str | os.PathLike, dst: Path) -> None:
+    """Move a downloaded folder into its cache entry (same filesystem: atomic); a concurrent download that
+    won is fine, any other failure is raised."""
+    try:
+        os.replace(local, dst)
+    except OSError:
+        if not (dst / "config.json").is_file():
+            raise
+
+
 def _under_workdir(path: str, workdir: str | os.PathLike | None) -> str:
-    from pipelines.storage import is_uri, resolve_workdir
 
     if is_uri(path) or path.startswith("file://") or Path(path).is_absolute():
         return path
     p = Path(path).expanduser()
-    return str(p.resolve()) if p.exists() else str(resolve_workdir(workdir) / path)
+    return str(p.resolve()) if p.exists() else join(resolve_workdir(workdir), path)
 
 
 def _has_manifest(d: str) -> bool:
     from pipelines.data.manifest import MANIFEST_NAME
-    from pipelines.storage import exists, join
 
     return exists(join(d, MANIFEST_NAME))
 
@@ -115,7 +151,7 @@ def data_dir_for(cfg: EvalConfig, meta: dict[str, Any], workdir: str | os.PathLi
         return _under_workdir(cfg.data, workdir)
     val = ((meta.get("train_config") or {}).get("data") or {}).get("validation")
     if val:
-        return str(Path(_under_workdir(val, workdir)).parent)
+        return parent_of(_under_workdir(val, workdir))
     return None
 
 
@@ -127,24 +163,25 @@ def discover_zero_shot(entries: Sequence[str], workdir: str | os.PathLike | None
     """
     found: list[tuple[str, str]] = []
 
-    def split_of(d: Path) -> str | None:
+    def split_of(d: str) -> str | None:
         for split in ("test", "validation"):
-            if _has_manifest(str(d / split)):
-                return str(d / split)
-        splits = [c for c in sorted(d.iterdir()) if c.is_dir() and _has_manifest(str(c))] if d.is_dir() else []
-        return str(splits[0]) if len(splits) == 1 else None
+            if _has_manifest(join(d, split)):
+                return join(d, split)
+        splits = [join(d, c) for c in list_dir(d) if _has_manifest(join(d, c))]
+        return splits[0] if len(splits) == 1 else None
 
     for entry in entries:
         name, path = entry.split("=", 1) if "=" in entry else ("", entry)
-        d = Path(_under_workdir(path, workdir))
-        if _has_manifest(str(d)):
-            found.append((name or (d.parent.name if d.name in ("train", "validation", "test") else d.name), str(d)))
+        d = _under_workdir(path, workdir)
+        if _has_manifest(d):
+            base = name_of(parent_of(d)) if name_of(d) in ("train", "validation", "test") else name_of(d)
+            found.append((name or base, d))
             continue
         one = split_of(d)
         if one:
-            found.append((name or d.name, one))
+            found.append((name or name_of(d), one))
             continue
-        many = [(c.name, split_of(c)) for c in sorted(d.iterdir()) if c.is_dir()] if d.is_dir() else []
+        many = [(c, split_of(join(d, c))) for c in list_dir(d)]
         many = [(n, sd) for n, sd in many if sd]
         if not many:
             raise EvalError(f"zero-shot set {entry!r}: no prepared split under {d}; prepare it with "
@@ -168,7 +205,8 @@ def plan_evaluation(model: str, suite: str | Sequence[str], cfg: EvalConfig, *, 
     suite = parse_suite(suite)
     if tracking_uri is None and (model.startswith("models:/") or cfg.eval_lm.startswith("models:/")):
         tracking_uri = resolve_tracking_uri(workdir)
-    ref = resolve_model_ref(model, tracking_uri, workdir)
+    wd = resolve_workdir(workdir)
+    ref = resolve_model_ref(model, tracking_uri, None if is_uri(wd) else cache_dir(wd))
     model_cfg, meta = read_config(ref.local_dir)
     datasets: list[Dataset] = []
     data = data_dir_for(cfg, meta, workdir)
@@ -186,11 +224,11 @@ def plan_evaluation(model: str, suite: str | Sequence[str], cfg: EvalConfig, *, 
     if "ppl" in suite:
         splits = list(cfg.splits)
         if splits == ["auto"]:
-            splits = [s for s in ("validation", "test") if _has_manifest(os.path.join(data, s))]
+            splits = [s for s in ("validation", "test") if _has_manifest(join(data, s))]
             if not splits:
                 raise EvalError(f"no validation or test split under {data}; pass --set data=DIR of prepared data")
         for s in splits:
-            add(s, os.path.join(data, s) if not _has_manifest(s) else s)
+            add(s, join(data, s) if not _has_manifest(s) else s)
     if "zero_shot" in suite:
         if not cfg.zero_shot:
             raise EvalError("suite zero_shot needs the prepared zero-shot sets: --set zero_shot=NAME=DIR,... "
@@ -198,7 +236,7 @@ def plan_evaluation(model: str, suite: str | Sequence[str], cfg: EvalConfig, *, 
         for name, split_dir in discover_zero_shot(cfg.zero_shot, workdir):
             add(f"zero_shot/{name}", split_dir)
     plan = Plan(ref=ref, model_cfg=model_cfg, meta=meta, suite=suite, cfg=cfg, datasets=datasets,
-                tracking_uri=tracking_uri, workdir=str(workdir) if workdir else None)
+                tracking_uri=tracking_uri, workdir=resolve_workdir(workdir))
     if "generate" in suite:
         from adlm_model.kinds import check_sampler_options
         from adlm_model.samplers import SamplerError
@@ -224,7 +262,7 @@ def plan_evaluation(model: str, suite: str | Sequence[str], cfg: EvalConfig, *, 
         from pipelines.evaluation.metrics import check_mauve_inputs
 
         ref_dir = cfg.mauve_reference_split
-        ref_dir = ref_dir if _has_manifest(ref_dir) else os.path.join(data, ref_dir)
+        ref_dir = ref_dir if _has_manifest(ref_dir) else join(data, ref_dir)
         m = read_manifest(ref_dir)
         m.check_fits(model_cfg)
         check_mauve_inputs(cfg.num_samples, m.rows, cfg.mauve_min_samples)

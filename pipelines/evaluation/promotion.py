@@ -35,6 +35,7 @@ from pipelines.evaluation.config import EvalConfig, EvalError, parse_suite
 from pipelines.evaluation.plan import Plan, plan_evaluation
 from pipelines.evaluation.report import EvalResult
 from pipelines.evaluation.run import log_result, make_executor, run_plan
+from pipelines.storage import parent_of
 from pipelines.tracking import client as tracking_client
 from pipelines.tracking import resolve_tracking_uri
 
@@ -217,7 +218,7 @@ class _Stager:
         s1 = {"eval.stage1.val_ppl": f"{fast:.6g}", "eval.stage1.key": key1}
         if champion is not None:
             # Measure the champion on the candidate's data (same subset, seed, batch size).
-            champ_cfg = dataclasses.replace(cfg1, data=os.path.dirname(plan1.datasets[0].split_dir))
+            champ_cfg = dataclasses.replace(cfg1, data=parent_of(plan1.datasets[0].split_dir))
             try:
                 champ_fast = self.champion_ppl(champion, champ_cfg, key1)
             except bad_input as e:
@@ -252,7 +253,7 @@ class _Stager:
         reasons = []
         if champion is not None:
             champ_cfg = dataclasses.replace(self.cfg, splits=("validation",),
-                                            data=os.path.dirname(plan2.datasets[0].split_dir))
+                                            data=parent_of(plan2.datasets[0].split_dir))
             try:
                 champ_val = self.champion_ppl(champion, champ_cfg, r2.ppl_keys["validation"])
             except bad_input as e:

@@ -40,6 +40,7 @@ import numpy as np
 
 from pipelines.data.reader import read_rows
 from pipelines.evaluation.config import PPL_METRIC_NAMES, EvalConfig
+from pipelines.evaluation.eval_lm import is_hub_model
 from pipelines.evaluation.executors import LocalExecutor, RayExecutor
 from pipelines.evaluation.jobs import (
     JobSettings,
@@ -52,6 +53,7 @@ from pipelines.evaluation.jobs import (
 )
 from pipelines.evaluation.plan import Plan, plan_evaluation, ppl_key
 from pipelines.evaluation.report import EvalResult, plots, summary_markdown, version_tags
+from pipelines.storage import cache_dir, is_uri, name_of
 
 
 def make_executor(cfg: EvalConfig, *, in_process: bool, ray_address: str | None = None) -> Any:
@@ -65,16 +67,18 @@ def make_executor(cfg: EvalConfig, *, in_process: bool, ray_address: str | None 
 
 
 def job_settings(plan: Plan) -> JobSettings:
-    from pipelines.evaluation.eval_lm import cache_root
-
     return JobSettings(cfg=plan.cfg, sampler=plan.sampler, sampler_kwargs=plan.sampler_kwargs, length=plan.length,
-                       cache_dir=str(cache_root(plan.workdir)), tracking_uri=plan.tracking_uri)
+                       cache_dir=None if is_uri(plan.workdir) else str(cache_dir(plan.workdir)),
+                       tracking_uri=plan.tracking_uri)
 
 
 def run_plan(plan: Plan, executor: Any) -> EvalResult:
     """The expensive part: perplexities, samples, gen-PPL, MAUVE."""
     cfg, suite, settings = plan.cfg, plan.suite, job_settings(plan)
-    ckpt = plan.ref.local_dir
+    model = plan.ref.pinned  # each task resolves it on the node where it runs
+    from adlm_model.kinds import parameter_count
+
+    large_model = parameter_count(plan.model_cfg) >= cfg.gpu_min_params
     metrics: dict[str, float] = {}
     table: list[dict[str, Any]] = []
     ppl_keys: dict[str, str] = {}
@@ -88,12 +92,13 @@ def run_plan(plan: Plan, executor: Any) -> EvalResult:
         n = min(cfg.max_rows, ds.rows) if cfg.max_rows else ds.rows
         chunk = n if not cfg.rows_per_task else math.ceil(cfg.rows_per_task / cfg.batch_size) * cfg.batch_size
         for start in range(0, n, max(chunk, 1)):
-            jobs.append({"ckpt": ckpt, "split_dir": ds.split_dir, "start": start, "stop": min(n, start + chunk),
+            jobs.append({"model": model, "split_dir": ds.split_dir, "start": start, "stop": min(n, start + chunk),
                          "settings": settings})
             owners.append(ds)
     if jobs:
         total_rows = sum(j["stop"] - j["start"] for j in jobs)
-        results = executor.run(ppl_job, jobs, "NELBO scoring", unit="row", total_units=total_rows, progress_kw="rows")
+        results = executor.run(ppl_job, jobs, "NELBO scoring", unit="row", total_units=total_rows, progress_kw="rows",
+                               large=large_model)
         for ds in plan.datasets:
             from pipelines.evaluation.metrics import PooledNLL
 
@@ -117,8 +122,8 @@ def run_plan(plan: Plan, executor: Any) -> EvalResult:
         from pipelines.evaluation.metrics import unigram_entropy
 
         sizes = [min(cfg.sample_batch_size, cfg.num_samples - s) for s in range(0, cfg.num_samples, cfg.sample_batch_size)]
-        jobs = [{"ckpt": ckpt, "batch_index": i, "n": n, "settings": settings} for i, n in enumerate(sizes)]
-        batches = executor.run(sample_job, jobs, f"sampling ({plan.sampler}, T={cfg.steps})", unit="sample",
+        jobs = [{"model": model, "batch_index": i, "n": n, "settings": settings} for i, n in enumerate(sizes)]
+        batches = executor.run(sample_job, jobs, f"sampling ({plan.sampler}, T={cfg.steps})", unit="sample", large=large_model,
                                total_units=cfg.num_samples, progress_kw="steps", step_total=cfg.steps + 1)
         ids = np.concatenate(batches, axis=0)
         for i, row in enumerate(ids):
@@ -132,7 +137,7 @@ def run_plan(plan: Plan, executor: Any) -> EvalResult:
                                  f"T={cfg.steps}, p={cfg.nucleus_p}"})
     if "gen_ppl" in suite:
         r = executor.run(gen_ppl_job, [{"texts": [s["segments"] for s in samples], "settings": settings}],
-                         f"gen-PPL ({cfg.eval_lm})")[0]
+                         f"gen-PPL ({cfg.eval_lm})", large=is_hub_model(cfg.eval_lm))[0]
         metrics.update({"gen_ppl": r["gen_ppl"], "gen_nll": r["nll_sum"] / max(r["n_tokens"], 1),
                         "gen_tokens": float(r["n_tokens"]), "gen_truncated": float(r["n_truncated"])})
         table.append({"quantity": "gen PPL", "value": r["gen_ppl"], "bound": False,
@@ -143,15 +148,15 @@ def run_plan(plan: Plan, executor: Any) -> EvalResult:
         ref_ids, _ = read_rows(plan.reference_split, 0, len(samples))
         refs = [sample_text(row, plan.tokenizer) for row in ref_ids]
         r = executor.run(mauve_job, [{"sample_texts": [s["text"] for s in samples], "reference_texts": refs,
-                                      "settings": settings}], f"MAUVE ({cfg.mauve_featurizer})")[0]
+                                      "settings": settings}], f"MAUVE ({cfg.mauve_featurizer})", large=is_hub_model(cfg.mauve_featurizer))[0]
         metrics.update({"mauve": r["mauve"], "mauve_frontier_integral": r["frontier_integral"]})
         table.append({"quantity": "MAUVE", "value": r["mauve"], "bound": False,
                       "details": f"featurizer {r['featurizer']}; {r['n_samples']} samples vs {r['n_samples']} "
-                                 f"{Path(plan.reference_split).name} texts; {r['num_buckets']} buckets, "
+                                 f"{name_of(plan.reference_split)} texts; {r['num_buckets']} buckets, "
                                  f"c={cfg.mauve_scaling}"})
     settings_out = {**dataclasses.asdict(cfg), "sampler": plan.sampler, "sampler_kwargs": plan.sampler_kwargs,
                     "length": plan.length}
-    settings_out.update({"suite": list(suite), "model": plan.ref.uri, "checkpoint": ckpt, "kind": plan.model_cfg.kind,
+    settings_out.update({"suite": list(suite), "model": plan.ref.uri, "checkpoint": plan.ref.local_dir, "kind": plan.model_cfg.kind,
                          "executor": executor.name, "num_samples": cfg.num_samples,
                          "datasets": {d.label: {"split_dir": d.split_dir, "manifest_hash": d.manifest_hash}
                                       for d in plan.datasets}})

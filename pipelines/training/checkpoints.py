@@ -14,6 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from pipelines.storage import is_file, join, list_dir, name_of, read_bytes
+
 CKPT_PREFIX = "checkpoint_"
 EXPORT_FILES = ("config.json", "model.safetensors", "ema.safetensors", "tokenizer.json")
 TRAINER_STATE = "trainer_state"
@@ -25,34 +27,40 @@ def checkpoint_name(step: int) -> str:
 
 def step_of(path: str | Path) -> int:
     """The step in a checkpoint folder's name, -1 for any other name."""
-    name = Path(str(path)).name
+    name = name_of(path)
     return int(name[len(CKPT_PREFIX):]) if name.startswith(CKPT_PREFIX) and name[len(CKPT_PREFIX):].isdigit() else -1
 
 
-def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, dir) of the complete checkpoints of a run folder, oldest first."""
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, str]]:
+    """(step, location) of the complete checkpoints of a run folder (local or in an object store), oldest
+    first. A checkpoint is complete once its config and trainer state are written (they are written last)."""
     out = []
-    if run_dir.is_dir():
-        for p in run_dir.glob(f"{CKPT_PREFIX}*"):
-            step = step_of(p)
-            if step >= 0 and (p / "config.json").is_file() and (p / f"{TRAINER_STATE}.json").is_file():
-                out.append((step, p))
+    for name in list_dir(run_dir):
+        step = step_of(name)
+        loc = join(run_dir, name)
+        if step >= 0 and is_file(join(loc, "config.json")) and is_file(join(loc, f"{TRAINER_STATE}.json")):
+            out.append((step, loc))
     return sorted(out)
 
 
-def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
+def latest_checkpoint(run_dir: str | Path) -> tuple[int, str] | None:
     cks = list_checkpoints(run_dir)
     return cks[-1] if cks else None
 
 
-def export_checkpoint(src: Path, dst: Path) -> Path:
-    """The registered artifact: config + model + EMA weights + tokenizer (no optimizer/RNG state)."""
+def fetch_export(src: str | Path, dst: Path) -> Path:
+    """The registered artifact, as a local folder: config + model + EMA weights + tokenizer of checkpoint
+    ``src`` (local or remote), without optimiser or RNG state. A missing config or weights file is an error:
+    never an empty export."""
     if dst.exists():
         shutil.rmtree(dst)
     dst.mkdir(parents=True)
     for f in EXPORT_FILES:
-        if (src / f).is_file():
-            shutil.copyfile(src / f, dst / f)
+        if is_file(join(src, f)):
+            (dst / f).write_bytes(read_bytes(join(src, f)))
+    missing = [f for f in ("config.json", "model.safetensors") if not (dst / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"checkpoint {src} lacks {', '.join(missing)}: it cannot be exported")
     return dst
 
 

@@ -30,6 +30,7 @@ import yaml
 
 from adlm_model.config import MODEL_KINDS, PRESETS, ConfigError, ModelConfig, preset
 from pipelines.overrides import coerce, coerce_fields, set_nested
+from pipelines.storage import join
 
 
 @dataclass
@@ -141,6 +142,10 @@ class MLflowSection:
     """Registered model that receives the final EMA checkpoint."""
     register: bool = True
     """Register the final checkpoint (alias ``candidate``)."""
+    drain_timeout_s: float = 60.0
+    """At the end of training, how long rank 0 waits for queued metrics to reach a tracking store that is
+    answering (one that is failing is not waited for): the rest waits in the run's spool for the next run of
+    the command."""
 
 
 SECTIONS: dict[str, type] = {
@@ -231,10 +236,12 @@ class TrainConfig:
             kw["ema"] = coerce(raw["ema"], float, "ema")
         return cls(**kw).validate()
 
-    def resolve_path(self, p: str, workdir: Path) -> Path:
-        """Data paths: absolute as given, relative ones under the work directory."""
+    def resolve_path(self, p: str, workdir: str) -> str:
+        """Data paths: URIs and absolute paths as given, relative ones under the work directory."""
+        if "://" in p:
+            return p
         q = Path(os.path.expanduser(p))
-        return q if q.is_absolute() else workdir / q
+        return str(q) if q.is_absolute() else join(workdir, p)
 
 
 def build_model_config(d: dict[str, Any]) -> ModelConfig:

@@ -7,11 +7,10 @@ tokenised differently, missing shards and splits too small for one batch, each i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from adlm_model.config import ConfigError
 from pipelines.data.manifest import ManifestError, read_manifest
-from pipelines.storage import exists
+from pipelines.storage import exists, is_file
 from pipelines.training.config import TrainConfig
 
 
@@ -29,12 +28,12 @@ class DataPlan:
     """Content hash of the training split (tags, params, checkpoints)."""
     tokenizer_spec: str
     tokenizer_path: str | None
-    """A local ``tokenizer.json`` to copy into checkpoints, if the data has one."""
+    """The data's ``tokenizer.json`` (a local path or a URI) to copy into checkpoints, if it has one."""
     train_rows: int
     val_rows: int
 
 
-def plan_data(cfg: TrainConfig, workdir: Path) -> DataPlan:
+def plan_data(cfg: TrainConfig, workdir: str) -> DataPlan:
     """Read both manifests and refuse data that does not fit the model; one-line errors."""
     manifests = {}
     for split in ("train", "validation"):
@@ -63,5 +62,5 @@ def plan_data(cfg: TrainConfig, workdir: Path) -> DataPlan:
     tok_path = tr.tokenizer.get("path")
     return DataPlan(train_uris=tr.shard_uris(), val_split=va.split_dir, columns=cols,
                     manifest_hash=tr.content_hash(), tokenizer_spec=str(tok_path or tr.tokenizer.get("name")),
-                    tokenizer_path=tok_path if tok_path and Path(tok_path).is_file() else None,
+                    tokenizer_path=tok_path if tok_path and is_file(tok_path) else None,
                     train_rows=tr.rows, val_rows=va.rows)

@@ -42,6 +42,18 @@ from adlm_model.checkpoint import load_state, save_checkpoint, save_state
 from adlm_model.losses import LossOutput
 from pipelines.data.reader import read_rows
 from pipelines.seeds import TRAIN_DATA_ORDER, TRAIN_DROPOUT, TRAIN_NOISE, TRAIN_VALIDATION, derive_seed
+from pipelines.storage import (
+    delete_dir,
+    download_dir,
+    exists,
+    get_fs,
+    join,
+    local_path,
+    publish_dir,
+    read_bytes,
+    temp_dir,
+    write_text,
+)
 from pipelines.training.checkpoints import (
     TRAINER_STATE,
     checkpoint_name,
@@ -74,10 +86,12 @@ class LoopConfig:
     threads: int
     """torch intra-op threads of each worker."""
     local_mode: bool
-    """``scaling.num_workers == 0``: the loop runs in the driver and writes checkpoints in place."""
-    local_ckpt_root: str
+    """``scaling.num_workers == 0``: the loop runs in the driver and writes checkpoints to ``run_dir`` itself."""
+    run_dir: str
+    """The run's folder in Ray Train's storage (local or an object store)."""
     resume_dir: str | None
-    """The driver's latest checkpoint of this run (used when Ray Train hands none, or an older one)."""
+    """The driver's latest checkpoint of this run (used when Ray Train hands none, or an older one); a local
+    path or a URI."""
     crash_at_step: int | None = None
     """Fault injection (``pipelines.faults``): the last worker exits at this step, once."""
     crash_marker: str | None = None
@@ -192,6 +206,9 @@ def resume(w: Worker, ray_checkpoint_dir: str | None, ray_checkpoint_step: int =
         d = fallback
     if not d:
         return None
+    if local_path(d) is None:  # the driver's scan of an object store: this node reads a copy
+        with tempfile.TemporaryDirectory(prefix="adlm-resume-") as tmp:
+            return resume(w, str(download_dir(d, tmp)), step_of(d))
     d = Path(d)
     state = load_weights_and_optimizer(d, w.raw, w.ema, w.opt, w.fsdp, w.device)
     w.sched.load_state_dict(state["scheduler"])
@@ -340,7 +357,7 @@ def write_checkpoint(w: Worker, directory: Path, metrics: dict[str, Any]) -> Non
 
             _atomic_safetensors(directory / "model.safetensors", model_sd)
         if lc.tokenizer_path:
-            shutil.copyfile(lc.tokenizer_path, directory / "tokenizer.json")
+            (directory / "tokenizer.json").write_bytes(read_bytes(lc.tokenizer_path))
         save_state(directory, {"optimizer": opt_sd, "scheduler": w.sched.state_dict(), "step": w.step,
                                "world": w.world, "data": {"epoch": w.epoch, "position": w.position}}, TRAINER_STATE)
     rng = {"torch": torch.get_rng_state(), "noise": w.noise.get_state().cpu(),
@@ -353,19 +370,22 @@ def write_checkpoint(w: Worker, directory: Path, metrics: dict[str, Any]) -> Non
 
 
 def _report_checkpoint(w: Worker, metrics: dict[str, Any]) -> None:
-    """Write this step's checkpoint and hand it to Ray Train with the metrics (kept only with a checkpoint)."""
+    """Write this step's checkpoint and hand it to Ray Train with the metrics (kept only with a checkpoint);
+    Ray persists it to its storage (local or an object store) through the Checkpoint API."""
     import ray.train
     from ray.train import Checkpoint
 
     lc, name = w.lc, checkpoint_name(w.step)
-    if lc.local_mode:  # written in place; Ray's local mode keeps no checkpoint history of its own
-        d = Path(lc.local_ckpt_root) / name
+    if lc.local_mode:  # Ray's local mode keeps no checkpoint history of its own: the run folder is ours
+        d = temp_dir("adlm-ckpt-")
         write_checkpoint(w, d, metrics)
-        for _, old in list_checkpoints(Path(lc.local_ckpt_root))[:-w.cfg.run.num_to_keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(str(d)))
+        dest = publish_dir(d, join(lc.run_dir, name))
+        for _, old in list_checkpoints(lc.run_dir)[:-w.cfg.run.num_to_keep]:
+            delete_dir(old)
+        fs, inner = get_fs(dest)
+        ray.train.report(metrics, checkpoint=Checkpoint(path=inner, filesystem=fs))
         return
-    d = Path(tempfile.mkdtemp(prefix="adlm-ckpt-"))
+    d = temp_dir("adlm-ckpt-")
     try:
         write_checkpoint(w, d, metrics)
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(str(d)), checkpoint_dir_name=name)
@@ -377,11 +397,9 @@ def _maybe_crash(w: Worker) -> None:
     lc = w.lc
     if lc.crash_at_step is None or w.step != lc.crash_at_step or w.rank != w.world - 1 or not lc.crash_marker:
         return
-    marker = Path(lc.crash_marker)
-    if marker.exists():
+    if exists(lc.crash_marker):
         return
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(str(w.step))
+    write_text(lc.crash_marker, str(w.step))
     print(f"[rank {w.rank}] fault train.crash_at_step: killing this worker at step {w.step}", flush=True)
     os._exit(1)
 
@@ -390,7 +408,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     """The training loop every Ray Train worker runs (or the driver, in local mode)."""
     import ray.train
 
-    from pipelines.tracking import ResilientLogger
+    from pipelines.tracking import SPOOL, ResilientLogger
 
     lc: LoopConfig = config["loop"]
     cfg, r = lc.cfg, lc.cfg.run
@@ -408,11 +426,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     val_rows = validation_rows(w)
 
     tracker = None
-    if w.rank == 0 and lc.run_id:
-        tracker = ResilientLogger(lc.tracking_uri, lc.run_id)
+    if w.rank == 0:  # asynchronous: a tracking outage never stalls the loop (no run id: everything is spooled)
+        tracker = ResilientLogger(lc.tracking_uri, lc.run_id, spool_dir=join(lc.run_dir, SPOOL))
         if resumed_from is not None:
             tracker.log_metrics({"train/resumed_from": resumed_from}, step=resumed_from, force=True)
-            tracker.flush()
 
     w.net.train()
     t_start, start_step = time.perf_counter(), w.step
@@ -428,7 +445,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             metrics = log_window(w)
             if tracker is not None:
                 tracker.log_metrics(metrics, step)
-                tracker.flush()
             if w.rank == 0:
                 eta = (time.perf_counter() - t_start) / max(step - start_step, 1) * (r.max_steps - step)
                 print(f"[{r.name}] step {step}/{r.max_steps} loss {metrics['train/loss']:.4f} "
@@ -441,7 +457,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             last.update({"step": step, "val_ppl": ppl, "epoch": w.epoch})
             if tracker is not None:
                 tracker.log_metrics({"val/ppl": ppl, "val/nll": math.log(ppl)}, step)
-                tracker.flush(block=True)
             if w.rank == 0:
                 print(f"[{r.name}] step {step} validation PPL <= {ppl:.3f} (EMA)", flush=True)
         if step % r.ckpt_every == 0 or step == r.max_steps:
@@ -449,4 +464,4 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         elif do_val:
             ray.train.report(dict(last))
     if tracker is not None:
-        tracker.flush(block=True)
+        tracker.close(timeout=lc.cfg.mlflow.drain_timeout_s)

@@ -16,17 +16,27 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipelines.faults import fault
 from pipelines.runtime import init_ray, quiet_environment
-from pipelines.storage import resolve_workdir
-from pipelines.tracking import client, ensure_experiment, resolve_tracking_uri
-from pipelines.training.checkpoints import export_checkpoint, latest_checkpoint
+from pipelines.storage import (
+    check_location,
+    is_uri,
+    join,
+    publish_dir,
+    read_text,
+    resolve_workdir,
+    temp_dir,
+    write_bytes_atomic,
+)
+from pipelines.tracking import SPOOL, client, ensure_experiment, resolve_tracking_uri, send_spool, tracking_reachable
+from pipelines.training.checkpoints import fetch_export, latest_checkpoint
 from pipelines.training.config import TrainConfig, flatten
-from pipelines.training.data import plan_data
+from pipelines.training.data import DataPlan, plan_data
 from pipelines.training.loop import LoopConfig, train_loop_per_worker
 
 
@@ -45,8 +55,9 @@ class TrainResult:
     """Steps trained (== run.max_steps)."""
     val_ppl: float | None
     """Final validation NELBO perplexity bound (EMA weights)."""
-    checkpoint_dir: Path
-    """Local folder of the final checkpoint (model + EMA + config + tokenizer)."""
+    checkpoint_dir: str
+    """Where the final checkpoint's export lives (model + EMA + config + tokenizer): ``<workdir>/checkpoints/
+    <run name>``, a local path or a URI."""
     registered_version: str | None = None
     """Version of the registered model that received the checkpoint, if registered."""
     model_name: str | None = None
@@ -54,8 +65,79 @@ class TrainResult:
     """The last metrics the workers reported."""
 
 
-def storage_root(cfg: TrainConfig, workdir: Path) -> str:
-    return cfg.run.storage_path or str(workdir / "ray_results")
+def open_run(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, prev_id: str | None, parent_run_id: str | None,
+             extra_tags: dict[str, str] | None) -> str | None:
+    """The MLflow run of this run name (the checkpoint's run id, else found by name, else created) with the
+    config as params; None when the tracking store does not answer (a quick probe, not MLflow's retries)."""
+    from pipelines.tracking import find_or_create_run, log_params_once
+
+    if not tracking_reachable(uri):
+        return None
+    try:
+        exp_id = ensure_experiment(cfg.mlflow.experiment, uri, wd)
+        tags = {"kind": cfg.model.kind, "data_manifest_hash": plan.manifest_hash, **(extra_tags or {})}
+        run_id, _ = find_or_create_run(uri, exp_id, cfg.run.name, run_id=prev_id, tags=tags,
+                                       parent_run_id=parent_run_id)
+        from adlm_model.kinds import model_kind
+
+        params = {**flatten(cfg.to_dict()), "data_manifest_hash": plan.manifest_hash,
+                  "accumulation": cfg.accumulation, "tokenizer": plan.tokenizer_spec}
+        if model_kind(cfg.model.kind).anchored:  # the sweep's knobs, under their paper names
+            params.update(gamma=cfg.model.gamma, tau=cfg.model.tau)
+        log_params_once(uri, run_id, params)
+        return run_id
+    except Exception as e:  # noqa: BLE001 - a tracking outage must not stop training
+        print(f"WARNING: MLflow unavailable ({type(e).__name__}: {str(e)[:200]})", flush=True)
+        return None
+
+
+def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_dir: str, run_id: str, step: int,
+                     local_export: Path, val_ppl: float | None, do_register: bool,
+                     extra_tags: dict[str, str] | None) -> str | None:
+    """After training: the spooled metrics, the loss curve, the checkpoint artifact and the registered version
+    (reused when this step is already registered: a rerun registers nothing new). Returns the version."""
+    from pipelines.registry import register_checkpoint, registered_version, training_tags
+    from pipelines.tracking import log_artifact_safely, plot_loss_curve
+
+    version = None
+    try:
+        sent = send_spool(uri, run_id, join(run_dir, SPOOL))
+        if sent:
+            print(f"[{cfg.run.name}] sent {sent} metrics that waited in the spool", flush=True)
+    except Exception as e:  # noqa: BLE001 - they stay in the spool for the next command
+        print(f"WARNING: the spooled metrics could not be sent ({type(e).__name__}: {e})", flush=True)
+    try:
+        png = plot_loss_curve(uri, run_id, local_export.parent / "loss_curve.png")
+        if png is not None:
+            log_artifact_safely(uri, run_id, png, "plots")
+            write_bytes_atomic(join(wd, "plots", cfg.run.name, "loss_curve.png"), png.read_bytes())
+    except Exception as e:  # noqa: BLE001 - a plot must not fail a finished run
+        print(f"WARNING: loss-curve plot failed: {e}", flush=True)
+    logged = log_artifact_safely(uri, run_id, local_export, "checkpoint")
+    if do_register and logged:
+        try:
+            mv = registered_version(cfg.mlflow.registered_model, run_id, step, tracking_uri=uri)
+            if mv is not None:  # a rerun of a finished run: nothing new, no alias moves
+                print(f"[{cfg.run.name}] step {step} is already registered as {cfg.mlflow.registered_model} "
+                      f"v{mv.version}", flush=True)
+            else:
+                tags = training_tags(cfg.model, data_manifest_hash=plan.manifest_hash, val_ppl=val_ppl,
+                                     run_name=cfg.run.name, step=step, **(extra_tags or {}))
+                mv = register_checkpoint(run_id, cfg.mlflow.registered_model, tags, tracking_uri=uri)
+            version = str(mv.version)
+        except Exception as e:  # noqa: BLE001 - the checkpoint is safe in storage; say how to register it
+            print(f"WARNING: registration failed ({type(e).__name__}: {e}); rerun the same command to register "
+                  "it", flush=True)
+    try:
+        client(uri).set_terminated(run_id, "FINISHED")
+    except Exception:  # noqa: BLE001 - the run's status is cosmetic; training is done
+        pass
+    return version
+
+
+def storage_root(cfg: TrainConfig, workdir: str) -> str:
+    """Ray Train's storage: ``run.storage_path`` or ``<workdir>/ray_results`` (local or an object store)."""
+    return cfg.run.storage_path or join(workdir, "ray_results")
 
 
 def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
@@ -73,30 +155,18 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     uri = tracking_uri or resolve_tracking_uri(wd)
     plan = plan_data(cfg, wd)  # every data error before Ray starts
     storage = storage_root(cfg, wd)
-    run_dir = Path(storage) / cfg.run.name
+    if is_uri(storage):
+        check_location(storage)
+    run_dir = join(storage, cfg.run.name)
     local_mode = cfg.scaling.num_workers == 0
-    local_root = run_dir  # local mode writes its checkpoints straight into the run folder
-    prev = latest_checkpoint(run_dir) if "://" not in storage else None
+    prev = latest_checkpoint(run_dir)
 
     # ---- MLflow: one run per run name, reopened on resume ----
-    from pipelines.tracking import find_or_create_run, log_params_once
-
-    run_id = None
-    try:
-        exp_id = ensure_experiment(cfg.mlflow.experiment, uri, wd)
-        prev_id = None
-        if prev is not None:
-            prev_id = json.loads((prev[1] / "config.json").read_text()).get("meta", {}).get("mlflow_run_id")
-        tags = {"kind": cfg.model.kind, "data_manifest_hash": plan.manifest_hash, **(extra_tags or {})}
-        run_id, created = find_or_create_run(uri, exp_id, cfg.run.name, run_id=prev_id, tags=tags,
-                                             parent_run_id=parent_run_id)
-        params = {**flatten(cfg.to_dict()), "data_manifest_hash": plan.manifest_hash,
-                  "accumulation": cfg.accumulation, "tokenizer": plan.tokenizer_spec,
-                  "gamma": cfg.model.gamma, "tau": cfg.model.tau}
-        log_params_once(uri, run_id, params)
-    except Exception as e:  # noqa: BLE001 - a tracking outage must not stop training
-        print(f"WARNING: MLflow unavailable at start ({type(e).__name__}: {str(e)[:200]}); training without "
-              "a run id", flush=True)
+    prev_id = json.loads(read_text(join(prev[1], "config.json"))).get("meta", {}).get("mlflow_run_id") if prev else None
+    run_id = open_run(cfg, plan, uri, wd, prev_id, parent_run_id, extra_tags)
+    if run_id is None:
+        print(f"WARNING: MLflow at {uri} is unavailable at start; training without a run: the metrics wait in "
+              f"{join(run_dir, SPOOL)} and the next run of this command sends them and registers", flush=True)
     if not quiet:
         print(f"[{cfg.run.name}] {cfg.model.kind} model, {cfg.world} worker(s) x micro-batch {cfg.batch.micro_batch} "
               f"x accumulation {cfg.accumulation} = global batch {cfg.batch.global_batch}; data {plan.train_rows} "
@@ -112,6 +182,10 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # deterministic order (the driver's context: local mode)
     ctx.enable_progress_bars = False
+    # Ray 2.60's default Parquet path lists files in a task of a whole CPU that no setting lowers: on nodes whose
+    # CPUs the trainers hold in part (fractional workers, a trial's driver) it never starts and the read starves
+    # (seen on a cluster of 1-CPU nodes). The other path lists on the driver and reads in tasks of data.read_cpus.
+    ctx.use_datasource_v2 = False
     exec_opts = ray.data.ExecutionOptions(preserve_order=True)
     train_ds = ray.data.read_parquet(plan.train_uris, num_cpus=cfg.data.read_cpus,
                                      override_num_blocks=max(len(plan.train_uris), 2 * cfg.world))
@@ -124,8 +198,8 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         manifest_hash=plan.manifest_hash, tokenizer_spec=plan.tokenizer_spec, tokenizer_path=plan.tokenizer_path,
         # torch threads = the worker's CPUs rounded half up (0.5 -> 1, 1.5 -> 2).
         threads=max(1, int(cfg.scaling.cpus_per_worker + 0.5)) if not local_mode else max(1, os.cpu_count() or 1),
-        local_mode=local_mode, local_ckpt_root=str(local_root), resume_dir=str(prev[1]) if prev else None,
-        crash_at_step=crash_at, crash_marker=str(run_dir / ".crashed_once") if crash_at is not None else None)
+        local_mode=local_mode, run_dir=run_dir, resume_dir=prev[1] if prev else None,
+        crash_at_step=crash_at, crash_marker=join(run_dir, ".crashed_once") if crash_at is not None else None)
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -149,42 +223,26 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     metrics = dict(result.metrics or {})
 
     final = latest_checkpoint(run_dir)
-    if final is None and result.checkpoint is not None:
-        final = (int(metrics.get("step", cfg.run.max_steps)), Path(result.checkpoint.path))
     if final is None:
         raise TrainError(f"training run {cfg.run.name!r} finished without a checkpoint in {run_dir}")
-    export = export_checkpoint(final[1], wd / "checkpoints" / cfg.run.name)
+    local_export = fetch_export(final[1], temp_dir("adlm-export-") / cfg.run.name)
     val_ppl = metrics.get("val_ppl")
     if val_ppl is None:
-        val_ppl = json.loads((final[1] / "config.json").read_text()).get("meta", {}).get("val_ppl")
+        val_ppl = json.loads((local_export / "config.json").read_text()).get("meta", {}).get("val_ppl")
 
     version = None
     do_register = cfg.mlflow.register if register is None else register
-    if run_id is not None:
-        from pipelines.tracking import log_artifact_safely, plot_loss_curve
-
-        try:
-            png = plot_loss_curve(uri, run_id, wd / "plots" / cfg.run.name / "loss_curve.png")
-            if png is not None:
-                log_artifact_safely(uri, run_id, png, "plots")
-        except Exception as e:  # noqa: BLE001
-            print(f"WARNING: loss-curve plot failed: {e}", flush=True)
-        logged = log_artifact_safely(uri, run_id, export, "checkpoint")
-        if do_register and logged:
-            from pipelines.registry import register_checkpoint, training_tags
-
-            try:
-                tags = training_tags(cfg.model, data_manifest_hash=plan.manifest_hash, val_ppl=val_ppl,
-                                     run_name=cfg.run.name, step=final[0], **(extra_tags or {}))
-                mv = register_checkpoint(run_id, cfg.mlflow.registered_model, tags, tracking_uri=uri)
-                version = str(mv.version)
-            except Exception as e:  # noqa: BLE001
-                print(f"WARNING: registration failed ({type(e).__name__}: {e}); the checkpoint is at {export}",
-                      flush=True)
-        try:
-            client(uri).set_terminated(run_id, "FINISHED")
-        except Exception:  # noqa: BLE001
-            pass
+    if run_id is None:  # tracking was down at start: try again now that training is done
+        run_id = open_run(cfg, plan, uri, wd, None, parent_run_id, extra_tags)
+    if run_id is not None and tracking_reachable(uri):
+        version = _finish_tracking(cfg, plan, uri, wd, run_dir, run_id, final[0], local_export, val_ppl,
+                                   do_register, extra_tags)
+    else:
+        print(f"WARNING: MLflow at {uri} is unreachable: the run is trained (checkpoint {final[1]}) but its "
+              f"metrics wait in {join(run_dir, SPOOL)} and it is not registered; run the same command again once "
+              "the tracking server is back: it trains nothing, sends the metrics and registers", flush=True)
+    export = publish_dir(local_export, join(wd, "checkpoints", cfg.run.name))
+    shutil.rmtree(local_export.parent, ignore_errors=True)
     if not quiet:
         print(f"[{cfg.run.name}] done: step {final[0]}, validation PPL <= {val_ppl}, checkpoint {export}"
               + (f", registered {cfg.mlflow.registered_model} v{version} @candidate" if version else ""), flush=True)

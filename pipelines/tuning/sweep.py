@@ -39,7 +39,7 @@ import yaml
 
 from adlm_model.config import ConfigError
 from pipelines.runtime import init_ray, quiet_environment
-from pipelines.storage import resolve_workdir
+from pipelines.storage import join, publish_dir, resolve_workdir, temp_dir
 from pipelines.tracking import client, ensure_experiment, resolve_tracking_uri
 from pipelines.training.config import TrainConfig, apply_override, load_raw
 from pipelines.tuning.report import TrialRow, plot_search, table_markdown
@@ -61,9 +61,10 @@ class SweepPlan:
     base_raw: dict[str, Any]
     """The recipe with ``--set`` and the space's overrides applied (the trials add their params)."""
     base: TrainConfig
-    workdir: Path
+    workdir: str
     tracking_uri: str
-    storage: Path
+    storage: str
+    """Tune's storage: ``<workdir>/ray_results/tune`` (local or an object store)."""
     max_t: int
 
 
@@ -121,7 +122,7 @@ def plan_sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[st
         plan_data(base, wd)  # the data must exist and fit the model
     return SweepPlan(space=space, base_raw=raw, base=base, workdir=wd,
                      tracking_uri=tracking_uri or resolve_tracking_uri(wd),
-                     storage=wd / "ray_results" / "tune", max_t=max_t)
+                     storage=join(wd, "ray_results", "tune"), max_t=max_t)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -173,7 +174,8 @@ class SweepResult:
     best: TrialRow | None
     registered_version: str | None
     interrupted: bool
-    artifacts: dict[str, Path] = field(default_factory=dict)
+    artifacts: dict[str, str] = field(default_factory=dict)
+    """The trial table and search plot under ``<workdir>/sweeps/<name>/`` (local paths or URIs)."""
 
 
 def _parent_run(plan: SweepPlan) -> str | None:
@@ -257,12 +259,11 @@ def _child_runs(plan: SweepPlan, parent: str) -> dict[str, Any]:
 
 
 def _finalise(plan: SweepPlan, parent: str | None, rows: list[TrialRow], best: TrialRow | None,
-              interrupted: bool) -> tuple[str | None, dict[str, Path]]:
-    """Child-run bookkeeping, parent artifacts, registration of the best trial."""
+              interrupted: bool) -> tuple[str | None, dict[str, str]]:
+    """The trial table and search plot (``<workdir>/sweeps/<name>/``), child-run bookkeeping, parent artifacts,
+    registration of the best trial. Returns the registered version and where the artifacts were written."""
     space = plan.space
-    arts: dict[str, Path] = {}
-    out = plan.workdir / "sweeps" / space.name
-    out.mkdir(parents=True, exist_ok=True)
+    out = temp_dir("adlm-sweep-")
     buf = io.StringIO()
     w = csv.writer(buf)
     names = [p.name for p in space.params]
@@ -271,12 +272,19 @@ def _finalise(plan: SweepPlan, parent: str | None, rows: list[TrialRow], best: T
         w.writerow([r.trial_id, *[r.params.get(n) for n in names], r.status, r.step, r.val_ppl, r.mlflow_run_id])
     (out / "trials.csv").write_text(buf.getvalue())
     (out / "trials.md").write_text(table_markdown(rows, best))
-    arts["trials.csv"], arts["trials.md"] = out / "trials.csv", out / "trials.md"
-    png = plot_search(rows, out / "search.png", f"sweep {space.name}: {len(rows)} trials")
-    if png is not None:
-        arts["search.png"] = png
-    if parent is None:
-        return None, arts
+    plot_search(rows, out / "search.png", f"sweep {space.name}: {len(rows)} trials")
+    local = {p.name: p for p in sorted(out.iterdir())}
+    try:
+        version = _bookkeeping(plan, parent, rows, best, interrupted, list(local.values())) if parent else None
+    finally:
+        dest = publish_dir(out, join(plan.workdir, "sweeps", space.name))
+    return version, {name: join(dest, name) for name in local}
+
+
+def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: TrialRow | None, interrupted: bool,
+                 artifacts: list[Path]) -> str | None:
+    """Child-run status tags, the parent's artifacts and figures, the best trial registered (once)."""
+    space = plan.space
 
     import mlflow
 
@@ -295,7 +303,7 @@ def _finalise(plan: SweepPlan, parent: str | None, rows: list[TrialRow], best: T
             c.set_tag(run.info.run_id, "tune.status", r.status)
             if r.status == "stopped" and run.info.status == "RUNNING":
                 c.set_terminated(run.info.run_id, "KILLED")  # ASHA killed the trial's actor mid-run
-        for p in arts.values():
+        for p in artifacts:
             log_artifact_safely(plan.tracking_uri, parent, p, "sweep")
         c.log_text(parent, yaml.safe_dump(space.to_dict(), sort_keys=False), "sweep/space.yaml")
         stamp = int(time.time() * 1000)
@@ -328,7 +336,7 @@ def _finalise(plan: SweepPlan, parent: str | None, rows: list[TrialRow], best: T
             c.set_terminated(parent, "FINISHED")
     except Exception as e:  # noqa: BLE001 - the sweep's results are on disk; say what failed
         print(f"WARNING: MLflow bookkeeping of the sweep failed ({type(e).__name__}: {str(e)[:300]})", flush=True)
-    return version, arts
+    return version
 
 
 def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
@@ -342,24 +350,23 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
 
 
     init_ray()
-    exp_dir = plan.storage / space.name
-    exp_dir.mkdir(parents=True, exist_ok=True)
+    exp_dir = join(plan.storage, space.name)
     trial_plan = TrialPlan(space_raw=space.to_raw(), space_source=space.source, base_raw=plan.base_raw,
-                           workdir=str(plan.workdir), tracking_uri=plan.tracking_uri, parent_run_id=parent)
+                           workdir=plan.workdir, tracking_uri=plan.tracking_uri, parent_run_id=parent)
     trainable = tune.with_resources(tune.with_parameters(run_trial, plan=trial_plan), {"CPU": space.trial_cpu})
     from ray.tune import RunConfig, TuneConfig, Tuner
 
-    if Tuner.can_restore(str(exp_dir)):
+    if Tuner.can_restore(exp_dir):
         if not quiet:
             print(f"[sweep {space.name}] resuming from {exp_dir}: finished trials are not rerun", flush=True)
-        tuner = Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True, resume_errored=True)
+        tuner = Tuner.restore(exp_dir, trainable=trainable, resume_unfinished=True, resume_errored=True)
     else:
         tuner = Tuner(
             trainable,
             param_space={p.name: p.to_tune() for p in space.params},
             tune_config=TuneConfig(metric=METRIC, mode="min", search_alg=_search_alg(space),
                                    scheduler=_scheduler(space, plan.max_t), num_samples=space.num_samples),
-            run_config=RunConfig(name=space.name, storage_path=str(plan.storage), verbose=0 if quiet else 1),
+            run_config=RunConfig(name=space.name, storage_path=plan.storage, verbose=0 if quiet else 1),
         )
     if not quiet:
         print(f"[sweep {space.name}] {space.total_trials} trials ({space.algorithm} search, {space.scheduler} "

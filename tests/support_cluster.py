@@ -1,0 +1,207 @@
+"""What a cluster is made of, on this one machine (ENVIRONMENT.md): an S3 server on loopback, an MLflow
+tracking server whose artifacts live in it, and a Ray cluster of a 0-CPU head and worker nodes.
+
+Nodes of a real cluster share nothing but the object store and the MLflow server; here they share this
+machine's disk too, so the tests that use these assert that nothing of a run lands on the local disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.conftest import free_port
+
+BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class S3:
+    """A moto S3 server: its endpoint, a bucket, and the environment every client needs."""
+
+    endpoint: str
+    bucket: str
+    env: dict[str, str]
+    server: object = field(repr=False, default=None)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=self.endpoint)
+        out, token = [], None
+        while True:
+            kw = {"Bucket": self.bucket, "Prefix": prefix, **({"ContinuationToken": token} if token else {})}
+            page = s3.list_objects_v2(**kw)
+            out += [o["Key"] for o in page.get("Contents", [])]
+            if not page.get("IsTruncated"):
+                return out
+            token = page["NextContinuationToken"]
+
+
+@contextlib.contextmanager
+def s3_server(bucket: str = "adlm") -> Iterator[S3]:
+    """A moto S3 server on a free loopback port with ``bucket`` created; its settings are put into this
+    process's environment (and removed afterwards), so that pyarrow, boto3 and MLflow all reach it."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    srv = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    srv.start()
+    host, port = srv.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    env = {"AWS_ENDPOINT_URL": endpoint, "MLFLOW_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+        yield S3(endpoint, bucket, env, srv)
+    finally:
+        srv.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class MLflowServer:
+    """``mlflow server`` on a free loopback port (sqlite store, artifacts where ``artifacts`` says), which a
+    test can stop and start again on the same port and store (a tracking outage)."""
+
+    def __init__(self, store: Path, artifacts: str, log: Path, extra_env: dict[str, str] | None = None) -> None:
+        self.store, self.artifacts, self.log = store, artifacts, log
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **(extra_env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120.0) -> MLflowServer:
+        import requests
+
+        cmd = [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{self.store}",
+               "--artifacts-destination", self.artifacts, "--serve-artifacts", "--host", "127.0.0.1",
+               "--port", str(self.port), "--workers", "1"]
+        fh = self.log.open("a")
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + timeout
+        while True:
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"mlflow server did not come up:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc = None
+
+
+@contextlib.contextmanager
+def mlflow_server(store: Path, artifacts: str, log: Path) -> Iterator[MLflowServer]:
+    server = MLflowServer(store, artifacts, log).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@dataclass
+class RayCluster:
+    """A Ray cluster on this machine: a head with 0 CPUs (nothing runs there) and ``nodes`` worker nodes."""
+
+    cluster: object
+    address: str
+    """GCS address (``ray.init(address=...)``)."""
+    dashboard: str
+    """Job API (``ray job submit --address ...``)."""
+    workers: list = field(default_factory=list)
+
+    def remove(self, node: object) -> None:
+        """Kill a worker node (all its processes), as a cloud node that disappears."""
+        self.cluster.remove_node(node, allow_graceful=False)
+        self.workers.remove(node)
+
+
+@contextlib.contextmanager
+def ray_cluster(nodes: int = 2, cpus: int = 1) -> Iterator[RayCluster]:
+    """Head (0 CPUs, dashboard and job API on loopback) plus ``nodes`` nodes of ``cpus`` CPUs. The nodes are
+    started from this process: they inherit its environment (the S3 settings and credentials, as nodes of a
+    real cluster take them from their own environment or instance role), with the venv first on PATH so
+    that a job's ``python`` is this interpreter. Each node gets its own runtime-env folder: nodes that share
+    one (as on one machine) garbage-collect each other's job working directories."""
+    from ray.cluster_utils import Cluster
+
+    saved_path = os.environ["PATH"]
+    os.environ["PATH"] = f"{BIN}{os.pathsep}{saved_path}"
+    dash = free_port()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dash,
+        **_free_ports()})
+    try:
+        workers = [cluster.add_node(num_cpus=cpus, runtime_env_dir_name=f"runtime_resources_node{i}", **_free_ports())
+                   for i in range(nodes)]
+        cluster.wait_for_nodes()
+        _wait_for_job_api(f"http://127.0.0.1:{dash}")
+        yield RayCluster(cluster, cluster.address, f"http://127.0.0.1:{dash}", workers)
+    finally:
+        cluster.shutdown()
+        os.environ["PATH"] = saved_path
+
+
+def _free_ports() -> dict[str, int]:
+    """A node's agent and metrics ports, free now: Ray's defaults collide with any other Ray on the machine
+    (the test session's own, a cluster a crashed test left behind)."""
+    return {k: free_port() for k in ("dashboard_agent_listen_port", "metrics_export_port", "metrics_agent_port",
+                                     "runtime_env_agent_port")}
+
+
+def _wait_for_job_api(dashboard: str, timeout: float = 120.0) -> None:
+    """Until the head's job agent takes jobs (the dashboard answers before it does)."""
+    from ray.job_submission import JobSubmissionClient
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            JobSubmissionClient(dashboard).list_jobs()
+            return
+        except Exception:
+            if time.time() > deadline:
+                raise
+            time.sleep(1)
+
+
+def submit_job(dashboard: str, entrypoint: list[str], runtime_env: Path, cwd: Path, log: Path,
+               timeout: float = 900.0) -> tuple[str, str]:
+    """``ray job submit --working-dir <repo> --runtime-env <file> -- <entrypoint>`` from ``cwd``, waited on;
+    returns (final status, the job's logs)."""
+    cmd = [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--working-dir", str(ROOT),
+           "--runtime-env", str(runtime_env), "--", *entrypoint]
+    for _ in range(30):  # the head's job agent may still be starting: "No available agent to submit job"
+        with log.open("w") as fh:
+            r = subprocess.run(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout,
+                               env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
+        text = log.read_text(errors="replace")
+        if "No available agent to submit job" not in text:
+            break
+        time.sleep(2)
+    status = "SUCCEEDED" if r.returncode == 0 and "succeeded" in text else "FAILED"
+    return status, text

@@ -1,0 +1,203 @@
+"""The pipeline where its users run it: nodes that share only object storage and the MLflow server.
+
+On this machine (tests/support_cluster.py): an S3 server on loopback, an MLflow tracking server whose
+artifacts live in that bucket, a Ray cluster of a 0-CPU head and two worker nodes. The whole smoke pipeline
+runs as a `ray job submit` job with ADLM_WORKDIR=s3://...; a worker node dies mid-training; bad storage
+inputs fail in one line before any work.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support_cluster import ROOT, mlflow_server, ray_cluster, s3_server, submit_job
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture()
+def own_ray():
+    """These tests drive Ray clusters of their own: leave the session's local Ray for their duration and
+    bring it back afterwards (the tests after them expect one)."""
+    import ray
+
+    from pipelines.runtime import init_ray
+
+    was = ray.is_initialized()
+    ray.shutdown()
+    yield
+    ray.shutdown()
+    if was:
+        init_ray(num_cpus=2)
+
+
+def _job_env(tmp_path: Path, **env_vars: str) -> Path:
+    """The project's runtime_env.yaml plus this run's (non-secret) settings."""
+    env = yaml.safe_load((ROOT / "runtime_env.yaml").read_text())
+    env["env_vars"].update(env_vars)
+    path = tmp_path / "runtime_env.yaml"
+    path.write_text(yaml.safe_dump(env))
+    return path
+
+
+def _tracked_files() -> set[str]:
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return set(out.split())
+
+
+def _job_folder(cluster, log: str) -> Path:
+    """The head node's unpacked copy of the job's working directory (where the job's driver runs)."""
+    pkg = re.findall(r"gcs://(_ray_pkg_\w+)\.zip", log)[-1]
+    session = Path(cluster.cluster.head_node.get_session_dir_path())
+    found = list(session.glob(f"runtime_resources*/working_dir_files/{pkg}"))
+    assert found, f"no unpacked job folder {pkg} under {session}"
+    return found[0]
+
+
+def _new_files(folder: Path, tracked: set[str]) -> list[str]:
+    new = []
+    for p in folder.rglob("*"):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_file() and "__pycache__" not in rel and rel not in tracked:
+            new.append(rel)
+    return sorted(new)
+
+
+def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(tmp_path: Path, own_ray) -> None:
+    import mlflow
+
+    with s3_server() as s3, \
+            mlflow_server(tmp_path / "mlflow.db", f"s3://{s3.bucket}/mlartifacts", tmp_path / "mlflow.log") as ml, \
+            ray_cluster(nodes=2) as rc:
+        env_file = _job_env(tmp_path, ADLM_WORKDIR=f"s3://{s3.bucket}/run", MLFLOW_TRACKING_URI=ml.url)
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        status, log = submit_job(rc.dashboard, ["python", "-m", "pipelines.run_all", "--profile", "smoke"], env_file,
+                                 empty, tmp_path / "job1.log")
+        assert status == "SUCCEEDED", log[-6000:]
+
+        client = mlflow.MlflowClient(ml.url)
+        champion = client.get_model_version_by_alias("adlm", "champion")
+        versions = client.search_model_versions("name='adlm'")
+        assert len(versions) == 2  # the ADLM run and the sweep's best
+
+        # The bucket holds the run: shards and manifests, Ray Train checkpoints, the sweep's Tune state and
+        # tables, the summary, and the registered version's files (the MLflow server's artifact store).
+        keys = s3.keys()
+        def has(pattern: str) -> bool:
+            return any(re.fullmatch(pattern, k) for k in keys)
+        for pattern in (r"run/data/smoke/train/part-\d+\.parquet", r"run/data/smoke/validation/manifest\.json",
+                        r"run/data/smoke/tokenizer\.json",
+                        r"run/ray_results/smoke-adlm/checkpoint_\d+/model\.safetensors",
+                        r"run/ray_results/tune/smoke-gamma-tau/.+", r"run/sweeps/smoke-gamma-tau/trials\.csv",
+                        r"run/sweeps/smoke-gamma-tau/search\.png", r"run/checkpoints/smoke-adlm/ema\.safetensors",
+                        r"run/summary\.md", r"mlartifacts/.+/model\.safetensors"):
+            assert has(pattern), f"nothing in the bucket matches {pattern}"
+        source = champion.source
+        assert source.startswith(("mlflow-artifacts:", "s3:")), source
+
+        # Nothing of the run landed on the local disk: not in the folder the job was submitted from, not in
+        # the job's working directory on the head node (only the uploaded project files are there).
+        assert not any(empty.iterdir())
+        assert not _new_files(_job_folder(rc, log), _tracked_files())
+
+        # A second run of the same command finds everything done: no new version, no alias moves.
+        status, log2 = submit_job(rc.dashboard, ["python", "-m", "pipelines.run_all", "--profile", "smoke"], env_file,
+                                  empty, tmp_path / "job2.log")
+        assert status == "SUCCEEDED", log2[-6000:]
+        assert len(client.search_model_versions("name='adlm'")) == 2
+        assert client.get_model_version_by_alias("adlm", "champion").version == champion.version
+        assert "already registered" in log2
+
+
+def test_a_worker_node_lost_mid_training_resumes_from_the_bucket(tmp_path: Path, tiny_data: Path, own_ray) -> None:
+    """One training worker on a cluster of two 1-CPU nodes, storage in the bucket: its node is killed after
+    the first checkpoint; Ray Train restarts the worker group on the other node, which resumes from the
+    bucket's checkpoint: every optimiser step appears once, none is skipped."""
+    import mlflow
+    import ray
+
+    from pipelines.training.config import load_config
+    from pipelines.training.trainer import train
+    from tests.support_data import TINY_MODEL, data_overrides
+
+    with s3_server() as s3, ray_cluster(nodes=2) as rc:
+        os.environ["RAY_ADDRESS"] = rc.address
+        try:
+            sets = [*data_overrides(tiny_data), *TINY_MODEL, "run.name=lost-node", "run.max_steps=40",
+                    "run.val_every=10", "run.ckpt_every=10", "run.log_every=1", "run.val_batches=1",
+                    "batch.global_batch=8", "batch.micro_batch=8", "scaling.num_workers=1",
+                    "scaling.cpus_per_worker=0.5", "failure.max_failures=3", "optim.warmup_steps=2",
+                    f"run.storage_path=s3://{s3.bucket}/ray_results"]
+            cfg = load_config(ROOT / "configs" / "demo.yaml", sets)
+            uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+            import threading
+
+            killed: list[str] = []
+
+            def kill_the_workers_node() -> None:
+                # Wait for the first checkpoint in the bucket, then kill the node the worker runs on.
+                deadline = time.time() + 300
+                while time.time() < deadline and not any("checkpoint_00000010/trainer_state.json" in k
+                                                          for k in s3.keys("ray_results/lost-node/")):
+                    time.sleep(0.5)
+                for node in list(rc.workers):
+                    workers = [a for a in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
+                               if a.class_name == "RayTrainWorker" and a.node_id == node.node_id]
+                    if workers:
+                        killed.append(node.node_id)
+                        rc.remove(node)
+                        return
+
+            ray.init(address=rc.address)
+            t = threading.Thread(target=kill_the_workers_node, daemon=True)
+            t.start()
+            res = train(cfg, workdir=str(tmp_path / "work"), tracking_uri=uri, quiet=True)
+            t.join(timeout=10)
+        finally:
+            os.environ.pop("RAY_ADDRESS", None)
+            ray.shutdown()
+        assert killed, "the worker's node was never killed (no checkpoint appeared?)"
+        assert res.step == 40
+        hist = mlflow.MlflowClient(uri).get_metric_history(res.run_id, "train/loss")
+        steps = sorted(m.step for m in hist)
+        assert steps == list(range(1, 41)), steps  # no step twice, none skipped
+        resumed = mlflow.MlflowClient(uri).get_metric_history(res.run_id, "train/resumed_from")
+        assert [m.value for m in resumed] and all(v % 10 == 0 and v >= 10 for v in (m.value for m in resumed))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("unreachable", "does not answer"),
+    ("no-bucket", "bucket 'nowhere' does not exist"),
+    ("no-credentials", "no AWS credentials"),
+    ("scheme", "no filesystem serves the scheme 'ftp'"),
+])
+def test_bad_storage_fails_in_one_line_before_any_work(case: str, message: str, tmp_path: Path) -> None:
+    with s3_server() as s3:
+        env = {**os.environ, **s3.env, "PYTHONPATH": str(ROOT)}
+        workdir = f"s3://{s3.bucket}/run"
+        if case == "unreachable":
+            env["AWS_ENDPOINT_URL"] = env["MLFLOW_S3_ENDPOINT_URL"] = "http://127.0.0.1:9"
+        elif case == "no-bucket":
+            workdir = "s3://nowhere/run"
+        elif case == "no-credentials":
+            env.pop("AWS_ACCESS_KEY_ID")
+            env.pop("AWS_SECRET_ACCESS_KEY")
+            env["AWS_SHARED_CREDENTIALS_FILE"] = env["AWS_CONFIG_FILE"] = str(tmp_path / "none")
+        elif case == "scheme":
+            workdir = "ftp://host/run"
+        env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        r = subprocess.run([sys.executable, "-m", "pipelines.train", "--config", str(ROOT / "configs" / "demo.yaml"),
+                            "--workdir", workdir], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    err = r.stderr.strip()
+    assert err.startswith("error: ") and err.count("\n") == 0 and message in err, err
+    assert "Ray" not in r.stdout and not (tmp_path / "work").exists()
