@@ -148,7 +148,13 @@ class KVCache:
 
 
 class DiTBlock(nn.Module):
-    def __init__(self, hidden: int, heads: int, cond_dim: int, mlp_ratio: int = 4, dropout: float = 0.1) -> None:
+    """A transformer block: attention and MLP, each pre-LayerNorm with a residual. With ``adaln`` (the
+    diffusion models) the norms are modulated and the branches gated by the conditioning vector (zero-init:
+    the block starts as the identity); without it (the AR baseline of the references) it is a plain
+    pre-LayerNorm block."""
+
+    def __init__(self, hidden: int, heads: int, cond_dim: int, mlp_ratio: int = 4, dropout: float = 0.1,
+                 adaln: bool = True) -> None:
         super().__init__()
         self.heads = heads
         self.norm1 = LayerNorm(hidden)
@@ -158,44 +164,56 @@ class DiTBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(hidden, mlp_ratio * hidden), nn.GELU(approximate="tanh"),
                                  nn.Linear(mlp_ratio * hidden, hidden))
         self.dropout = nn.Dropout(dropout)
-        self.adaLN_modulation = nn.Linear(cond_dim, 6 * hidden)
-        nn.init.zeros_(self.adaLN_modulation.weight)
-        nn.init.zeros_(self.adaLN_modulation.bias)
+        self.adaLN_modulation = nn.Linear(cond_dim, 6 * hidden) if adaln else None
+        if adaln:
+            nn.init.zeros_(self.adaLN_modulation.weight)
+            nn.init.zeros_(self.adaLN_modulation.bias)
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], *,
+    def forward(self, x: torch.Tensor, c: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor], *,
                 causal: bool = False, mask: torch.Tensor | None = None,
                 cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         b, n, d = x.shape
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c)[:, None].chunk(6, dim=2)
-        h = modulate(self.norm1(x), shift_msa, scale_msa)
+        if self.adaLN_modulation is None:
+            h = self.norm1(x)
+        else:
+            shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = \
+                self.adaLN_modulation(c)[:, None].chunk(6, dim=2)
+            h = modulate(self.norm1(x), shift_msa, scale_msa)
         q, k, v = self.attn_qkv(h).view(b, n, 3, self.heads, d // self.heads).unbind(2)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:  # the trunk moves the cache's length once every layer has written
             k, v = cache.extend(layer, k, v)
         a = attention(q, k, v, causal=causal, mask=mask).reshape(b, n, d)
+        if self.adaLN_modulation is None:
+            x = x + self.dropout(self.attn_out(a))
+            return x + self.dropout(self.mlp(self.norm2(x)))
         x = x + gate_msa * self.dropout(self.attn_out(a))
         x = x + gate_mlp * self.dropout(self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp)))
         return x
 
 
 class FinalLayer(nn.Module):
-    """adaLN-modulated LayerNorm (``modulated``) then a zero-initialised Linear(hidden -> width) (``linear``).
+    """LayerNorm (adaLN-modulated with ``adaln``) (``modulated``) then a zero-initialised Linear(hidden -> width)
+    (``linear``).
 
     Callers apply the two parts themselves: the fused ADLM path and BD3-LM's block logits need the
     hidden state in between."""
 
-    def __init__(self, hidden: int, width: int, cond_dim: int) -> None:
+    def __init__(self, hidden: int, width: int, cond_dim: int, adaln: bool = True) -> None:
         super().__init__()
         self.norm_final = LayerNorm(hidden)
         self.linear = nn.Linear(hidden, width)
-        self.adaLN_modulation = nn.Linear(cond_dim, 2 * hidden)
+        self.adaLN_modulation = nn.Linear(cond_dim, 2 * hidden) if adaln else None
         for m in (self.linear, self.adaLN_modulation):
-            nn.init.zeros_(m.weight)
-            nn.init.zeros_(m.bias)
+            if m is not None:
+                nn.init.zeros_(m.weight)
+                nn.init.zeros_(m.bias)
 
-    def modulated(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    def modulated(self, x: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
         """The final hidden state the output layer is affine in (used by the fused ADLM path)."""
+        if self.adaLN_modulation is None:
+            return self.norm_final(x)
         shift, scale = self.adaLN_modulation(c)[:, None].chunk(2, dim=2)
         return modulate(self.norm_final(x), shift, scale)
 
@@ -209,7 +227,7 @@ class DiT(nn.Module):
 
     def __init__(self, *, width: int, hidden: int, heads: int, n_blocks: int, cond_dim: int,
                  mlp_ratio: int = 4, dropout: float = 0.1, input_mode: str = "tokens",
-                 input_width: int | None = None, causal: bool = False) -> None:
+                 input_width: int | None = None, causal: bool = False, adaln: bool = True) -> None:
         super().__init__()
         self.input_mode = input_mode
         self.causal = causal
@@ -220,10 +238,11 @@ class DiT(nn.Module):
             self.dense_in = nn.Linear(input_width or width, hidden)
         else:
             raise ValueError(f"input_mode must be 'tokens' or 'dense', got {input_mode!r}")
-        self.sigma_map = TimestepEmbedder(cond_dim)
+        # No adaLN (the AR baseline): no conditioning at all, so no timestep embedder either.
+        self.sigma_map = TimestepEmbedder(cond_dim) if adaln else None
         self.rotary = Rotary(hidden // heads)
-        self.blocks = nn.ModuleList(DiTBlock(hidden, heads, cond_dim, mlp_ratio, dropout) for _ in range(n_blocks))
-        self.output_layer = FinalLayer(hidden, width, cond_dim)
+        self.blocks = nn.ModuleList(DiTBlock(hidden, heads, cond_dim, mlp_ratio, dropout, adaln) for _ in range(n_blocks))
+        self.output_layer = FinalLayer(hidden, width, cond_dim, adaln)
 
     def embed(self, inp: torch.Tensor) -> torch.Tensor:
         return self.vocab_embed(inp) if self.input_mode == "tokens" else self.dense_in(inp)
@@ -239,7 +258,7 @@ class DiT(nn.Module):
         ``cache``, ``cache_append`` leading positions join it (default: all with ``cache_mode='append'``,
         none with ``'read'``); every position attends to the cache and, per ``mask``, to the others.
         """
-        c = F.silu(self.sigma_map(sigma))
+        c = F.silu(self.sigma_map(sigma)) if self.sigma_map is not None else None
         if position_ids is not None:
             rope = self.rotary.at(position_ids)
         else:

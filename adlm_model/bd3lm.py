@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from .backbone import DiT, KVCache
 from .config import ModelConfig
-from .losses import LossOutput, conditioning_sigma, subs_nll
+from .losses import LossOutput, conditioning_sigma, subs_nll, valid_positions
 from .samplers import (
     T_MIN,
     Progress,
@@ -154,7 +154,7 @@ def block_nelbo(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor 
     sigma = conditioning_sigma(cfg, schedule, t).mean(-1) if cfg.time_conditioning else torch.zeros(
         batch, device=x.device)
     logits = block_diffusion_logits(model, z_t, x, sigma, b)
-    valid = torch.ones_like(x, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    valid = valid_positions(x, attention_mask, cfg)
     return schedule.loss_weight(t_tok) * subs_nll(logits, x, z_t, cfg.mask_id) * valid, valid
 
 
@@ -190,46 +190,60 @@ class ClipSearchResult:
     omega: float
     """Chosen upper bound (``cfg.clip_high``)."""
     variances: dict[tuple[float, float], float] = field(default_factory=dict)
-    """For every interval: the sum over batches of the variance across sequences of the
-    per-sequence mean loss."""
+    """For every interval: the variance of the per-block mean loss over all (sequence, block) cells."""
+
+
+def block_loss_moments(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+                       cfg: ModelConfig, intervals: Sequence[tuple[float, float]], seed: int = 0) -> torch.Tensor:
+    """For every interval ``(beta, omega)``: (count, sum, sum of squares) of the per-block mean BD3-LM loss
+    over the cells (sequence, block) of ``batches`` that hold a scored token, times drawn from the interval;
+    float64 (len(intervals), 3). Moments add up, so workers can pool them (an all-reduce) before the choice.
+
+    Every interval sees the same batches and the same random numbers (common random numbers), so the
+    comparison measures the schedule, not the noise."""
+    out = torch.zeros(len(intervals), 3, dtype=torch.float64)
+    b = cfg.block_size
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for k, clip in enumerate(intervals):
+                gen = torch.Generator(device=batches[0][0].device).manual_seed(seed)
+                for x, am in batches:
+                    per_token, valid = block_nelbo(model, x, am, cfg, generator=gen, clip=clip)
+                    tok = per_token.double().view(x.shape[0], -1, b).sum(-1)
+                    cnt = valid.view(x.shape[0], -1, b).sum(-1).double()
+                    held = cnt > 0
+                    means = (tok[held] / cnt[held]).cpu()
+                    out[k] += torch.stack([torch.tensor(float(means.numel()), dtype=torch.float64), means.sum(),
+                                           (means * means).sum()])
+    finally:
+        model.train(was_training)
+    return out
+
+
+def choose_clip(moments: torch.Tensor, intervals: Sequence[tuple[float, float]]) -> ClipSearchResult:
+    """The interval of lowest variance of the per-block mean loss (the reference's data-driven schedule)."""
+    n, s1, s2 = moments[:, 0], moments[:, 1], moments[:, 2]
+    if bool((n < 2).any()):
+        raise SamplerError("the clipped-schedule search needs at least two (sequence, block) cells per interval")
+    var = (s2 - s1 * s1 / n) / (n - 1)
+    variances = {tuple(iv): float(v) for iv, v in zip(intervals, var.tolist(), strict=True)}
+    beta, omega = min(variances, key=variances.get)
+    return ClipSearchResult(beta=beta, omega=omega, variances=variances)
 
 
 def search_clipped_schedule(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor | None]],
                             cfg: ModelConfig, *, intervals: Sequence[tuple[float, float]] | None = None,
                             seed: int = 0) -> ClipSearchResult:
-    """Pick the ``(beta, omega)`` minimising the variance of the BD3-LM loss on held-out batches.
-
-    Every interval sees the same batches and the same random numbers (common random numbers),
-    so the comparison measures the schedule, not the noise. Batches need >= 2 rows.
-    """
+    """Pick the ``(beta, omega)`` minimising the variance of the per-block mean BD3-LM loss on held-out
+    batches (over batch x blocks, as the reference). Training then draws block times from that interval until
+    the next search; evaluation always uses the full ``[sampling_eps, 1]``."""
     intervals = list(intervals) if intervals is not None else clip_intervals(eps=cfg.sampling_eps)
     batches = list(batches)
     if not batches:
         raise SamplerError("search_clipped_schedule needs at least one held-out batch")
-    was_training = model.training
-    model.eval()
-    variances: dict[tuple[float, float], float] = {}
-    try:
-        with torch.no_grad():
-            for lo, hi in intervals:
-                gen = torch.Generator(device=batches[0][0].device).manual_seed(seed)
-                total = 0.0
-                for x, am in batches:
-                    if x.shape[0] < 2:
-                        raise SamplerError("search_clipped_schedule needs batches of >= 2 sequences")
-                    per_seq = _per_sequence_loss(model, x, am, cfg, (lo, hi), gen)
-                    total += float(per_seq.var())
-                variances[(lo, hi)] = total
-    finally:
-        model.train(was_training)
-    beta, omega = min(variances, key=variances.get)
-    return ClipSearchResult(beta=beta, omega=omega, variances=variances)
-
-
-def _per_sequence_loss(model: nn.Module, x: torch.Tensor, am: torch.Tensor | None, cfg: ModelConfig,
-                       clip: tuple[float, float], gen: torch.Generator) -> torch.Tensor:
-    per_token, valid = block_nelbo(model, x, am, cfg, generator=gen, clip=clip)
-    return per_token.sum(-1).double() / valid.sum(-1).clamp(min=1)
+    return choose_clip(block_loss_moments(model, batches, cfg, intervals, seed), intervals)
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,6 +464,6 @@ def _check_stops(x: torch.Tensor, keep: torch.Tensor, s0: int, end: int, eos_id:
 
 __all__ = [
     "BlockContext", "BlockSample", "ClipSearchResult", "bd3lm_objective", "block_causal_mask", "block_diff_mask",
-    "block_diffusion_logits", "block_nelbo", "block_times", "clip_bounds", "clip_intervals", "sample_blocks",
+    "block_diffusion_logits", "block_loss_moments", "block_nelbo", "block_times", "choose_clip", "clip_bounds", "clip_intervals", "sample_blocks",
     "search_clipped_schedule",
 ]

@@ -51,8 +51,12 @@ class ModelConfig:
     """ADLM only: the anchor loss weight gamma (METHOD.md section 2)."""
     tau: int = 5
     """ADLM only: a token is an anchor when it occurs at most tau times in its own sequence."""
-    gamma_ramp_steps: int = 3000
-    """ADLM only: steps over which gamma_k ramps linearly from 0 to gamma (reference gamma/beta*K)."""
+    gamma_beta: float = 1.0
+    """ADLM only: beta of the ramp gamma_k = min(gamma, beta k / K) (reference 1): the anchor weight reaches gamma
+    after gamma / beta * K steps, so a larger gamma ramps longer (METHOD.md section 2)."""
+    gamma_horizon: int = 0
+    """ADLM only: K of the ramp. 0: the training run's max_steps (the reference); training fills it in. Set
+    explicitly it keeps a ramp fixed across runs of different lengths."""
     block_size: int = 4
     """BD3-LM only: block size b (divides ``seq_len``)."""
     noise_eps: float = 1e-3
@@ -63,6 +67,21 @@ class ModelConfig:
     """BD3-LM clipped schedule: lower bound beta of the masking rate (0 = not clipped)."""
     clip_high: float = 1.0
     """BD3-LM clipped schedule: upper bound omega of the masking rate (1 = not clipped)."""
+    adaln: bool | None = None
+    """adaLN conditioning of the blocks. None: the kind's reference (the diffusion models: yes; the AR baseline
+    of the MDLM/BD3-LM references: no, plain pre-LayerNorm blocks with no time embedding)."""
+    ignore_bos: bool | None = None
+    """Leave the first position (BOS) out of the loss and the bound, in training and evaluation. None: the
+    kind's reference (BD3-LM: yes; MDLM/ADLM: no, the BOS position is scored like any other; AR never scores
+    position 0, which is no next-token target)."""
+
+    @property
+    def uses_adaln(self) -> bool:
+        return self.adaln if self.adaln is not None else self.kind != "ar"
+
+    @property
+    def skips_bos(self) -> bool:
+        return self.ignore_bos if self.ignore_bos is not None else self.kind == "bd3lm"
 
     @property
     def width(self) -> int:
@@ -90,7 +109,8 @@ class ModelConfig:
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         need(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
         need(self.tau >= 0, f"tau must be >= 0, got {self.tau}")
-        need(self.gamma_ramp_steps >= 0, f"gamma_ramp_steps must be >= 0, got {self.gamma_ramp_steps}")
+        need(self.gamma_beta > 0, f"gamma_beta must be > 0, got {self.gamma_beta}")
+        need(self.gamma_horizon >= 0, f"gamma_horizon must be >= 0 (0: the run's max_steps), got {self.gamma_horizon}")
         need(0 < self.noise_eps < 1, f"noise_eps must be in (0, 1), got {self.noise_eps}")
         need(0 <= self.sampling_eps < 1, f"sampling_eps must be in [0, 1), got {self.sampling_eps}")
         need(0 <= self.clip_low < self.clip_high <= 1, "need 0 <= clip_low < clip_high <= 1")

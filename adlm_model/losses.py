@@ -75,15 +75,21 @@ def anchor_mask(x: torch.Tensor, attention_mask: torch.Tensor | None, tau: int, 
     return (counts.gather(1, x) <= tau) & valid.bool()
 
 
-def gamma_at(step: int, gamma: float, ramp_steps: int) -> float:
-    """gamma_k = min(gamma, beta k / K) with beta/K = gamma / ramp_steps: a linear ramp."""
-    if ramp_steps <= 0:
+def gamma_at(step: int, gamma: float, beta: float, horizon: int) -> float:
+    """gamma_k = min(gamma, beta k / K) at optimiser step k, K = ``horizon`` (METHOD.md section 2); a ramp of
+    gamma / beta * K steps. ``horizon`` 0: no ramp (gamma from the start)."""
+    if horizon <= 0:
         return gamma
-    return gamma * min(1.0, step / ramp_steps)
+    return min(gamma, beta * step / horizon)
 
 
-def _valid(x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    return torch.ones_like(x, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+def valid_positions(x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig | None = None) -> torch.Tensor:
+    """The positions a bound counts (B, L): the non-pad ones, without the first when ``cfg.skips_bos``
+    (BD3-LM's reference leaves the BOS position out of training and evaluation; ``ModelConfig.ignore_bos``)."""
+    valid = torch.ones_like(x, dtype=torch.bool) if attention_mask is None else attention_mask.bool().clone()
+    if cfg is not None and cfg.skips_bos:
+        valid[:, 0] = False
+    return valid
 
 
 def _noise(cfg: ModelConfig, schedule: LogLinearSchedule, x: torch.Tensor, t: torch.Tensor | None,
@@ -110,7 +116,7 @@ def mdlm_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tens
     """Continuous-time NELBO: E_t[w(t) sum_l 1{z_t^l = m} (-log p(x^l | z_t))], w(t) = 1/t."""
     schedule = schedule or LogLinearSchedule(cfg.noise_eps)
     t, z_t, sigma = _noised(cfg, schedule, x, t, z_t, generator)
-    valid = _valid(x, attention_mask)
+    valid = valid_positions(x, attention_mask, cfg)
     per_token = schedule.loss_weight(t)[:, None] * subs_nll(model.denoiser_logits(z_t, sigma), x, z_t, cfg.mask_id)
     per_token = per_token * valid
     n = valid.sum()
@@ -128,15 +134,15 @@ def adlm_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tens
     """
     schedule = schedule or LogLinearSchedule(cfg.noise_eps)
     t, z_t, sigma = _noised(cfg, schedule, x, t, z_t, generator)
-    valid = _valid(x, attention_mask)
+    valid = valid_positions(x, attention_mask, cfg)
     w = schedule.loss_weight(t)[:, None]
     anchor_logits, denoiser_logits = model(z_t, sigma)
     nelbo = w * subs_nll(denoiser_logits, x, z_t, cfg.mask_id) * valid
     # The anchor term: plain log-softmax of the anchor logits, all positions, no SUBS.
-    a = anchor_mask(x, attention_mask, cfg.tau, cfg.width)
+    a = anchor_mask(x, attention_mask, cfg.tau, cfg.width) & valid
     anchor_nll = torch.logsumexp(anchor_logits.float(), -1) - anchor_logits.float().gather(-1, x[..., None]).squeeze(-1)
     anchor_term = w * anchor_nll * a
-    g = gamma_at(step, cfg.gamma, cfg.gamma_ramp_steps)
+    g = gamma_at(step, cfg.gamma, cfg.gamma_beta, cfg.gamma_horizon)
     n = valid.sum()
     total = nelbo.sum() + g * anchor_term.sum()
     return LossOutput(loss=total / n.clamp(min=1), nll_sum=nelbo.sum().detach().double(), n_tokens=n,
@@ -148,7 +154,7 @@ def ar_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor
     """Next-token NLL with causal attention; token l+1 is predicted from tokens <= l."""
     logits = suppress_mask(model(x), cfg.mask_id)[:, :-1]
     target = x[:, 1:]
-    valid = _valid(x, attention_mask)[:, 1:]
+    valid = valid_positions(x, attention_mask)[:, 1:]  # position 0 is no target: BOS never counts
     nll = (torch.logsumexp(logits, -1) - logits.gather(-1, target[..., None]).squeeze(-1)) * valid
     n = valid.sum()
     total = nll.sum()

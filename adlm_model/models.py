@@ -22,7 +22,7 @@ from .config import ModelConfig
 
 def _dit(cfg: ModelConfig, n_blocks: int, **kw) -> DiT:
     return DiT(width=cfg.width, hidden=cfg.hidden, heads=cfg.heads, n_blocks=n_blocks, cond_dim=cfg.cond_dim,
-               mlp_ratio=cfg.mlp_ratio, dropout=cfg.dropout, **kw)
+               mlp_ratio=cfg.mlp_ratio, dropout=cfg.dropout, adaln=cfg.uses_adaln, **kw)
 
 
 class MDLM(nn.Module):
@@ -79,6 +79,9 @@ class ADLM(nn.Module):
 
 
 class AR(nn.Module):
+    """The AR baseline of the references (MDLM, BD3-LM): the same backbone with causal attention and, by default
+    (``ModelConfig.adaln``), pre-LayerNorm blocks without adaLN or a time embedding."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg

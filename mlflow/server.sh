@@ -7,7 +7,7 @@
 #   MLFLOW_BACKEND_STORE_URI=postgresql://user:pass@db:5432/mlflow \
 #   MLFLOW_ARTIFACTS_DESTINATION=s3://your-bucket/mlflow-artifacts \
 #   MLFLOW_AUTH=basic MLFLOW_AUTH_ADMIN_PASSWORD_FILE=/run/secrets/mlflow_admin_password \
-#   MLFLOW_HOST=0.0.0.0 MLFLOW_ALLOWED_HOSTS=mlflow.internal,mlflow.internal:5000 mlflow/server.sh
+#   MLFLOW_HOST=0.0.0.0 MLFLOW_ALLOWED_HOSTS="mlflow.internal:*" mlflow/server.sh
 # Jobs then point at it with MLFLOW_TRACKING_URI=http://<host>:<port> (and, with basic authentication, the
 # node's MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD, never a job's runtime env).
 #
@@ -21,6 +21,8 @@
 #   MLFLOW_AUTH                       "basic": MLflow's basic-auth app (users, permissions; default: off)
 #   MLFLOW_AUTH_ADMIN_PASSWORD_FILE   a file holding the first admin's password (or MLFLOW_AUTH_ADMIN_PASSWORD)
 #   MLFLOW_AUTH_DB_URI                the users' store (default: sqlite beside the tracking store)
+#   MLFLOW_FLASK_SERVER_SECRET_KEY_FILE  the auth app's CSRF key, one for all servers of a store (default: made
+#                                     once in $ADLM_WORKDIR/mlflow-flask-secret)
 #
 # Secrets never reach a command line (`ps` shows it to every user) or the log: the store URI and the
 # artifact destination go to mlflow through its environment variables, and what is printed is redacted.
@@ -67,6 +69,13 @@ case "${MLFLOW_AUTH:-}" in
       echo "mlflow/server.sh: MLFLOW_AUTH=basic needs the first admin's password: MLFLOW_AUTH_ADMIN_PASSWORD_FILE=<file>" >&2; exit 2; }
     auth_ini="$workdir/mlflow-auth.ini"
     umask 077
+    # The CSRF key of the auth app: shared by every server of one store (a file they all read), else made once.
+    if [ -z "${MLFLOW_FLASK_SERVER_SECRET_KEY:-}" ]; then
+      key_file="${MLFLOW_FLASK_SERVER_SECRET_KEY_FILE:-$workdir/mlflow-flask-secret}"
+      [ -s "$key_file" ] || python -c "import secrets; print(secrets.token_hex(32))" > "$key_file"
+      MLFLOW_FLASK_SERVER_SECRET_KEY="$(cat "$key_file")"
+      export MLFLOW_FLASK_SERVER_SECRET_KEY
+    fi
     cat > "$auth_ini" <<INI
 [mlflow]
 default_permission = READ

@@ -17,7 +17,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from pipelines.evaluation.config import SUITES, EvalConfig, EvalError, apply_overrides
+from pipelines.evaluation.config import EVAL_PROFILES, SUITES, EvalConfig, EvalError, apply_overrides, eval_profile
 from pipelines.evaluation.promotion import PromotionConfig
 
 
@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--stage-all", action="store_true",
                       help="process every registry version waiting for evaluation: fast stage, full stage, gate, "
                            "alias champion (idempotent: a second run changes nothing)")
+    p.add_argument("--profile", choices=sorted(EVAL_PROFILES), default=None,
+                   help="start from a profile's settings (--set still applies): paper = the references' sampling and "
+                        "metrics settings (ReMDM-loop T=4096 for ADLM, 1024 for the baselines, p=0.9, 5000 samples, "
+                        "gpt2-large; for a GPU cluster); demo = what make demo runs (not comparable)")
     p.add_argument("--suite", default="ppl",
                    help=f"comma list of {', '.join(SUITES)} (default ppl; gen_ppl and mauve imply generate)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -86,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pipelines.runtime import quiet_environment
 
     quiet_environment()
-    cfg, promo = EvalConfig(), PromotionConfig()
+    cfg, promo = (eval_profile(args.profile) if args.profile else EvalConfig()), PromotionConfig()
     errors = (EvalError, RegistryError, CheckpointError, ConfigError, DataMismatchError, ManifestError, EvalLMError,
               MetricError, PromotionError, TokenizerError)
     try:

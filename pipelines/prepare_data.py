@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default=None, help="text field of JSONL/Parquet input (default text)")
     p.add_argument("--text-unit", choices=("line", "file"), default=d.text_unit,
                    help="plain-text files: one document a line or a file")
+    p.add_argument("--keep-empty", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep empty documents (a lone EOS each in wrap mode); default: the source's convention "
+                   "(the zero-shot sets keep them, as the reference's loader appends EOS to every row)")
     p.add_argument("--detokenizer", default=None, choices=["none", *sorted(DETOKENIZERS)],
                    help="detokenizer applied first (default: the named source's; local: none)")
     p.add_argument("--shard-rows", type=int, default=d.shard_rows,

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adlm_model.config import ConfigError
+from pipelines.evaluation.config import EVAL_PROFILES
 from pipelines.runtime import PROJECT_ROOT, init_ray, quiet_environment
 from pipelines.storage import join, resolve_workdir, write_text
 from pipelines.tracking import client, resolve_tracking_uri
@@ -66,9 +67,7 @@ def profile(name: str) -> Profile:
             # on those 16 (a wiring check at this size, not a measurement), and no nucleus: the demo models'
             # distributions are nearly flat, so top-p is vocabulary-wide work at every step (a bottom-k
             # selection at best, a full sort at worst), which this time budget leaves out.
-            eval_settings=dict(eval_lm="smollm2", mauve_featurizer="minilm", num_samples=16, sample_batch_size=16,
-                               steps=32, nucleus_p=1.0, mauve_min_samples=16, sampler="mdlm", max_rows=256,
-                               batch_size=16, cpus_per_task=1.0),
+            eval_settings=dict(EVAL_PROFILES["demo"], profile="demo"),
             promotion=dict(stage1_rows=64, stage1_tolerance=0.10, margin=0.0,
                            stage2_suite=("ppl", "generate", "gen_ppl", "mauve")),
             prepare=dict(source=["embedded"]),
@@ -77,7 +76,7 @@ def profile(name: str) -> Profile:
         tiny = ["model.hidden=32", "model.heads=2", "model.n_blocks=1", "model.denoiser_blocks=1", "model.cond_dim=16",
                 "run.max_steps=8", "run.val_every=4", "run.ckpt_every=4", "run.log_every=4", "run.val_batches=1",
                 "batch.global_batch=8", "batch.micro_batch=8", "scaling.num_workers=1", "scaling.cpus_per_worker=0.5",
-                "model.gamma_ramp_steps=4", "run.name=smoke-adlm", "data.train=data/smoke/train",
+                "run.name=smoke-adlm", "data.train=data/smoke/train",
                 "data.validation=data/smoke/validation", "model.vocab_size=512", "model.seq_len=32",
                 "mlflow.experiment=adlm-smoke"]
         return Profile(

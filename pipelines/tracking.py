@@ -192,7 +192,9 @@ class ResilientLogger:
     def close(self, timeout: float = 60.0) -> int:
         """Drain for at most ``timeout`` seconds (none while the store is failing: the run is over and must not
         wait on an outage), stop the sender, spool the rest; returns how many metrics were spooled."""
-        sent = self.flush(0.0 if self.failures else timeout)
+        # A store that is failing, or whose health check does not answer, is not waited for.
+        dead = self.failures or self._in_flight and not tracking_reachable(self.tracking_uri, timeout=2.0)
+        sent = self.flush(0.0 if dead else timeout)
         with self._cond:
             self._closing = True
             self._cond.notify_all()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 TINY_MODEL = ["model.hidden=32", "model.heads=2", "model.n_blocks=1", "model.denoiser_blocks=1", "model.cond_dim=16",
-              "model.dropout=0.1", "model.gamma_ramp_steps=5"]
+              "model.dropout=0.1"]
 
 
 def make_tiny_data(root: Path, train_chars: int = 120_000, val_chars: int = 12_000, length: int = 32) -> Path:

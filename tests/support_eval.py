@@ -112,7 +112,7 @@ def make_data(root: Path) -> tuple[Path, Any, Path]:
 
 
 def tiny_config(tok: Any, kind: str = "mdlm", **kw: Any):
-    base = dict(hidden=64, heads=2, n_blocks=2, denoiser_blocks=1, cond_dim=32, dropout=0.0, gamma_ramp_steps=0,
+    base = dict(hidden=64, heads=2, n_blocks=2, denoiser_blocks=1, cond_dim=32, dropout=0.0, gamma_horizon=0,
                 vocab_size=tok.vocab_size, mask_id=tok.mask_id, seq_len=SEQ_LEN)
     base.update(kw)
     return preset("tiny", kind=kind, **base)

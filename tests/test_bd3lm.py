@@ -11,6 +11,7 @@ from adlm_model.bd3lm import (
     bd3lm_objective,
     block_diff_mask,
     block_diffusion_logits,
+    block_nelbo,
     clip_intervals,
     sample_blocks,
     search_clipped_schedule,
@@ -79,7 +80,7 @@ def test_objective_per_block_times_and_eval_bounds() -> None:
     x = torch.randint(0, V, (2, L), generator=gen(5))
     out = compute_loss(model, x, None, cfg, generator=gen(1))
     out.loss.backward()
-    assert torch.isfinite(out.loss) and out.n_tokens == 2 * L
+    assert torch.isfinite(out.loss) and out.n_tokens == 2 * (L - 1)  # BOS left out (the reference)
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     # per-block times of shape (B, n_blocks) are accepted
     t = torch.linspace(0.1, 0.9, 2 * (L // 4)).view(2, L // 4)
@@ -179,3 +180,44 @@ def test_clip_grid_and_variance_search() -> None:
     assert res.variances[(res.beta, res.omega)] == min(res.variances.values())
     # a narrow band away from t -> 0 (where w(t) = 1/t explodes) has less variance than [eps, 1]
     assert res.variances[(0.5, 0.6)] < res.variances[(1e-3, 1.0)]
+    # The statistic is the variance of the per-block mean loss over every (sequence, block) cell of all
+    # batches (the reference's), not over sequences: recomputed here by hand with the same random numbers.
+    g = gen(0)
+    cells = []
+    with torch.no_grad():
+        for x, am in batches:
+            per_token, valid = block_nelbo(model, x, am, cfg, generator=g, clip=(0.3, 0.8))
+            tok, cnt = per_token.double().view(4, -1, 4).sum(-1), valid.view(4, -1, 4).sum(-1)
+            cells += (tok[cnt > 0] / cnt[cnt > 0]).tolist()
+    assert len(cells) == 2 * 4 * (L // 4)
+    assert res.variances[(0.3, 0.8)] == pytest.approx(torch.tensor(cells, dtype=torch.float64).var().item(), rel=1e-9)
+
+
+def test_training_draws_block_times_from_the_searched_interval_and_evaluation_from_all() -> None:
+    """The loop's search result becomes the training objective's interval; the bound stays on [eps, 1]."""
+    from adlm_model.bd3lm import clip_bounds
+
+    cfg = micro("bd3lm")
+    trained = cfg.replace(clip_low=0.45, clip_high=0.95)
+    assert clip_bounds(trained, train=True) == (0.45, 0.95)
+    assert clip_bounds(trained, train=False) == (cfg.sampling_eps, 1.0)
+    model = randomized(cfg)
+    x = torch.randint(0, V, (3, L), generator=gen(2))
+    seen: list[torch.Tensor] = []
+    import adlm_model.bd3lm as bd3
+
+    original = bd3.block_times
+
+    def spy(*a, **k):
+        t = original(*a, **k)
+        seen.append(t)
+        return t
+
+    bd3.block_times = spy
+    try:
+        compute_loss(model, x, None, trained, train=True, generator=gen(3))
+        compute_loss(model, x, None, trained, train=False, generator=gen(3))
+    finally:
+        bd3.block_times = original
+    assert float(seen[0].min()) >= 0.45 and float(seen[0].max()) <= 0.95
+    assert float(seen[1].min()) < 0.45 or float(seen[1].max()) > 0.95  # the full schedule

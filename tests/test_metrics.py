@@ -45,7 +45,9 @@ def gpt2_dir(tmp_path_factory):
     return tiny_gpt2(tmp_path_factory.mktemp("lm"))
 
 
-def test_gen_ppl_equals_direct_token_pooled_nll_without_eos_targets(gpt2_dir):
+@pytest.mark.parametrize("first_token", ["keep", "drop"])
+def test_gen_ppl_equals_direct_token_pooled_nll_without_eos_targets(gpt2_dir, first_token):
+    """'keep' (the reference: the sample's leading EOS is context) makes each sample's first token a target."""
     lm = load_eval_lm(str(gpt2_dir), device="cpu")  # a local model directory: a real (random) GPT-2
     assert lm.eos_id == 50256 and lm.eos_text == "<|endoftext|>" and lm.max_length == 64
     texts = [
@@ -54,7 +56,7 @@ def test_gen_ppl_equals_direct_token_pooled_nll_without_eos_targets(gpt2_dir):
         "Hi",  # one token: nothing to predict
         "The cat sat on the mat.<|endoftext|><|endoftext|>",
     ]
-    got = generative_perplexity(lm, texts, batch_size=3)
+    got = generative_perplexity(lm, texts, batch_size=3, first_token=first_token)
 
     # Direct computation, one text at a time, no padding, float64.
     from transformers import AutoModelForCausalLM, GPT2TokenizerFast
@@ -63,7 +65,8 @@ def test_gen_ppl_equals_direct_token_pooled_nll_without_eos_targets(gpt2_dir):
     model = AutoModelForCausalLM.from_pretrained(gpt2_dir).eval()
     nll, n, n_eos, per_sample = 0.0, 0, 0, []
     for text in texts:
-        ids = tok(text)["input_ids"][:64]
+        ids = tok(text)["input_ids"]
+        ids = ([50256, *ids] if first_token == "keep" else ids)[:64]
         if len(ids) < 2:
             continue
         with torch.no_grad():
@@ -78,7 +81,9 @@ def test_gen_ppl_equals_direct_token_pooled_nll_without_eos_targets(gpt2_dir):
         nll, n = nll + s, n + c
         per_sample.append(math.exp(s / c))
     assert n_eos == 3
-    assert got.n_tokens == n
+    # "Hi" is one token: a target only when the EOS goes first.
+    assert len(per_sample) == (4 if first_token == "keep" else 3)
+    assert got.n_tokens == n and got.first_token == first_token
     assert got.n_samples == 4 and got.n_truncated == 1 and got.max_length == 64
     assert got.nll_sum == pytest.approx(nll, rel=1e-5)
     assert got.gen_ppl == pytest.approx(math.exp(nll / n), rel=1e-5)

@@ -4,6 +4,7 @@ its checkpoint artifacts (stored by the server, not by the client) and the regis
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -47,16 +48,17 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-@pytest.fixture()
-def server(tmp_path: Path):
-    """``bash mlflow/server.sh`` on a free 127.0.0.1 port; yields (url, artifact root); always stopped."""
+@contextlib.contextmanager
+def _server_sh(tmp_path: Path, **extra: str):
+    """``bash mlflow/server.sh`` on a free 127.0.0.1 port; yields (url, artifact root, log, process); always
+    stopped."""
     port = free_port()
     store, artifacts = tmp_path / "server" / "mlflow.db", tmp_path / "server" / "artifacts"
-    store.parent.mkdir()
+    store.parent.mkdir(exist_ok=True)
     env = {**os.environ,
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",  # the venv's mlflow
            "ADLM_WORKDIR": str(tmp_path / "server"), "MLFLOW_HOST": "127.0.0.1", "MLFLOW_PORT": str(port),
-           "MLFLOW_BACKEND_STORE_URI": f"sqlite:///{store}", "MLFLOW_ARTIFACTS_DESTINATION": str(artifacts)}
+           "MLFLOW_BACKEND_STORE_URI": f"sqlite:///{store}", "MLFLOW_ARTIFACTS_DESTINATION": str(artifacts), **extra}
     log = tmp_path / "server.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(["bash", str(ROOT / "mlflow" / "server.sh")], env=env, cwd=tmp_path,
@@ -69,9 +71,66 @@ def server(tmp_path: Path):
                 state = f"exited with {proc.returncode}" if proc.poll() is not None else "not healthy after 90 s"
                 pytest.fail(f"mlflow/server.sh {state}; its log:\n{log.read_text(errors='replace')[-4000:]}")
             time.sleep(0.5)
-        yield url, artifacts
+        yield url, artifacts, log, proc
     finally:
         _stop(proc)
+
+
+@pytest.fixture()
+def server(tmp_path: Path):
+    with _server_sh(tmp_path) as (url, artifacts, _, _):
+        yield url, artifacts
+
+
+def _command_lines(pgid: int) -> list[str]:
+    """The command lines of a process group's processes (what `ps` shows every user)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getpgid(int(d.name)) == pgid:
+                    out.append((d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            except (ProcessLookupError, PermissionError, FileNotFoundError):
+                continue
+    return out
+
+
+@pytest.mark.slow
+def test_the_server_recipe_can_require_authentication_and_keeps_secrets_off_command_lines(tmp_path: Path) -> None:
+    import requests
+
+    secret = "s3cr3t-admin-password"  # MLflow asks for at least 12 characters
+    pw = tmp_path / "admin_password"
+    pw.write_text(secret)
+    with _server_sh(tmp_path, MLFLOW_AUTH="basic", MLFLOW_AUTH_ADMIN_PASSWORD_FILE=str(pw),
+                    MLFLOW_ALLOWED_HOSTS="127.0.0.1:*,localhost:*") as (url, _, log, proc):
+        api = f"{url}/api/2.0/mlflow/experiments/search"
+        assert requests.get(api, params={"max_results": 1}, timeout=10).status_code == 401
+        assert requests.get(api, params={"max_results": 1}, auth=("admin", "wrong"), timeout=10).status_code == 401
+        ok = requests.get(api, params={"max_results": 1}, auth=("admin", secret), timeout=10)
+        assert ok.status_code == 200, ok.text
+        # The pipeline's client authenticates from the node's environment.
+        env = {**os.environ, "MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": secret}
+        code = ("import mlflow; c = mlflow.MlflowClient(); print(c.create_experiment('authed'))")
+        r = subprocess.run([sys.executable, "-c", code], env={**env, "MLFLOW_TRACKING_URI": url},
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        # A Host header the server was not told to answer is refused (DNS rebinding protection).
+        evil = requests.get(api, params={"max_results": 1}, auth=("admin", secret), headers={"Host": "evil.example"},
+                            timeout=10)
+        assert evil.status_code == 403
+        lines = _command_lines(proc.pid)
+        assert lines and not any(secret in c or "--backend-store-uri" in c for c in lines), lines
+    assert secret not in log.read_text(errors="replace")
+
+
+def test_the_server_recipe_prints_store_uris_redacted(tmp_path: Path) -> None:
+    """A PostgreSQL URI with a password: the recipe stops (no psycopg2 here) but never prints the password."""
+    env = {**os.environ, "ADLM_WORKDIR": str(tmp_path),
+           "MLFLOW_BACKEND_STORE_URI": "postgresql://user:hunter2@db.internal:5432/mlflow"}
+    r = subprocess.run(["bash", str(ROOT / "mlflow" / "server.sh")], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert "hunter2" not in r.stdout + r.stderr
 
 
 @pytest.mark.slow

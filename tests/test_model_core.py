@@ -99,7 +99,7 @@ def test_imperfect_denoiser_gives_a_larger_bound() -> None:
 
 def test_anelbo_denoiser_term_is_the_nelbo() -> None:
     probs, cfg = _toy()
-    cfg = cfg.replace(kind="adlm", gamma=0.5, gamma_ramp_steps=0)
+    cfg = cfg.replace(kind="adlm", gamma=0.5, gamma_horizon=0)
     exact = ToyExactDenoiser(probs, 3, 4, cfg.mask_id)
     idx = torch.multinomial(probs, 40_000, replacement=True, generator=torch.Generator().manual_seed(3))
     x = exact.seqs[idx]
@@ -207,11 +207,28 @@ def test_anchor_mask_equals_plain_count() -> None:
 
 def test_gamma_ramp_reference_values() -> None:
     gamma, beta, k_max = 3e-3, 1.0, 1_000_000
-    ramp = round(gamma / beta * k_max)  # 3,000 steps
-    assert ramp == 3000
     for k in (0, 1, 1500, 2999, 3000, 3001, 500_000, 1_000_000):
-        assert gamma_at(k, gamma, ramp) == pytest.approx(min(gamma, beta * k / k_max), rel=1e-9, abs=1e-15)
-    assert gamma_at(5, gamma, 0) == gamma
+        assert gamma_at(k, gamma, beta, k_max) == pytest.approx(min(gamma, beta * k / k_max), rel=1e-9, abs=1e-15)
+    assert gamma_at(5, gamma, beta, 0) == gamma
+
+
+def _ramp_length(gamma: float, beta: float, horizon: int) -> int:
+    """The first step at which the anchor weight reaches gamma."""
+    return next(k for k in range(horizon + 1) if gamma_at(k, gamma, beta, horizon) >= gamma)
+
+
+def test_the_ramp_length_scales_with_gamma() -> None:
+    """beta fixed: the ramp is gamma / beta * K steps, so a sweep over gamma does not keep one ramp length
+    (the reference: 3,000 steps at 3e-3, 6,000 at 6e-3, over 1M steps)."""
+    assert _ramp_length(3e-3, 1.0, 1_000_000) == 3000
+    assert _ramp_length(6e-3, 1.0, 1_000_000) == 6000
+    # A training recipe's K is its run's length unless set.
+    from pipelines.training.config import load_config
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "configs" / "demo.yaml", ["run.max_steps=123"])
+    assert cfg.model.gamma_horizon == 123 and cfg.model.gamma_beta == 1.0
+    assert load_config(root / "configs" / "demo.yaml", ["model.gamma_horizon=7"]).model.gamma_horizon == 7
 
 
 # ---------------------------------------------------------------- architecture
@@ -296,7 +313,7 @@ def _progressions(n: int, vocab: int, length: int, g: torch.Generator) -> torch.
 def test_plain_loop_learns_toy_pattern(kind: str) -> None:
     vocab, length = 16, 16
     cfg = ModelConfig(kind=kind, vocab_size=vocab, mask_id=vocab, seq_len=length, hidden=64, heads=4,
-                      n_blocks=2, denoiser_blocks=1, cond_dim=32, dropout=0.0, gamma=3e-3, gamma_ramp_steps=50)
+                      n_blocks=2, denoiser_blocks=1, cond_dim=32, dropout=0.0, gamma=3e-3, gamma_beta=0.06, gamma_horizon=1000)
     torch.manual_seed(0)
     model = build_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
@@ -318,6 +335,54 @@ def test_plain_loop_learns_toy_pattern(kind: str) -> None:
 
 
 # ---------------------------------------------------------------- EMA and checkpoints
+
+
+class _Scalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros((), dtype=torch.float64))
+
+
+def _reference_ema(values: list[float], decay: float) -> list[float]:
+    """The references' EMA, written out: at update n (from 1), d = min(decay, (1 + n) / (10 + n))."""
+    e, out = 0.0, []
+    for n, v in enumerate(values, start=1):
+        d = min(decay, (1 + n) / (10 + n))
+        e = d * e + (1 - d) * v
+        out.append(e)
+    return out
+
+
+def test_ema_warm_up_equals_the_reference_formula_and_survives_a_resume() -> None:
+    values = [float(k % 7) - 2.5 + 0.01 * k for k in range(1, 1001)]
+    want = _reference_ema(values, 0.9999)
+    model, ema = _Scalar(), None
+    ema = EMA(model, decay=0.9999)
+    got = []
+    for v in values:
+        model.w.data.fill_(v)
+        ema.update(model)
+        got.append(float(ema.shadow["w"]))
+    for n in (1, 10, 1000):
+        assert got[n - 1] == pytest.approx(want[n - 1], rel=1e-12, abs=1e-12), n
+    assert ema.current_decay() == pytest.approx(min(0.9999, 1002 / 1011))
+    # Without the warm-up a 0.9999 average is still mostly the initial value after 1,000 updates.
+    plain = EMA(_Scalar(), decay=0.9999, warmup=False)
+    assert plain.current_decay() == 0.9999
+
+    # Resume after 600 updates: the shadow and the update count restored give the same sequence.
+    model2, first = _Scalar(), None
+    first = EMA(model2, decay=0.9999)
+    for v in values[:600]:
+        model2.w.data.fill_(v)
+        first.update(model2)
+    resumed = EMA(_Scalar(), decay=0.9999)
+    resumed.load_state_dict(first.state_dict(), num_updates=first.num_updates)
+    model3 = _Scalar()
+    for v in values[600:]:
+        model3.w.data.fill_(v)
+        resumed.update(model3)
+    assert resumed.num_updates == 1000 and float(resumed.shadow["w"]) == pytest.approx(want[-1], rel=1e-12)
 
 
 def test_checkpoint_round_trip_is_bit_exact(tmp_path) -> None:
@@ -356,3 +421,35 @@ def test_config_errors_are_one_line() -> None:
         preset("tiny", tau=-1)
     with pytest.raises(ConfigError, match="block_size 5 must divide seq_len 128"):
         preset("tiny", kind="bd3lm", block_size=5)
+
+
+# ---------------------------------------------------------------- conventions of the references
+
+
+def test_the_bos_position_counts_for_mdlm_and_adlm_but_not_for_bd3lm() -> None:
+    """MDLM/ADLM score every non-pad position (the BOS too); BD3-LM's reference leaves position 0 out of
+    training and evaluation; AR never has position 0 as a target. ``ignore_bos`` overrides the kind's rule."""
+    x = torch.randint(0, V, (3, L), generator=gen(11))
+    am = torch.ones_like(x)
+    am[1, 20:] = 0
+    real = int(am.sum())
+    counts = {}
+    for kind in ("mdlm", "adlm", "bd3lm", "ar"):
+        cfg = micro(kind)
+        model = randomized(cfg, std=0.1)
+        counts[kind] = int(compute_loss(model, x, am, cfg, train=False, generator=gen(1)).n_tokens)
+    assert counts == {"mdlm": real, "adlm": real, "bd3lm": real - 3, "ar": real - 3}
+    cfg = micro("mdlm", ignore_bos=True)
+    assert int(compute_loss(randomized(cfg), x, am, cfg, train=False, generator=gen(1)).n_tokens) == real - 3
+    cfg = micro("bd3lm", ignore_bos=False)
+    assert int(compute_loss(randomized(cfg), x, am, cfg, train=False, generator=gen(1)).n_tokens) == real
+
+
+def test_the_ar_baseline_is_pre_layernorm_without_adaln() -> None:
+    ar, mdlm = build_model(micro("ar")), build_model(micro("mdlm"))
+    assert not any("adaLN" in n or "sigma_map" in n for n, _ in ar.named_parameters())
+    assert any("adaLN" in n for n, _ in mdlm.named_parameters())
+    # The same backbone otherwise: the parameter difference is exactly adaLN and the time embedder.
+    extra = sum(p.numel() for n, p in mdlm.named_parameters() if "adaLN" in n or "sigma_map" in n)
+    assert count_parameters(mdlm) - count_parameters(ar) == extra
+    assert micro("ar", adaln=True).uses_adaln and not micro("ar").uses_adaln

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -245,3 +246,46 @@ def test_tracker_never_waits_on_a_dead_server_and_the_spool_delivers_later(tmp_p
     again.log_metrics({"train/loss": 0.2}, 4)
     assert again.flush(timeout=60) is True and again.close() == 0
     assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2, 3, 4]
+
+
+def test_the_registered_checkpoint_is_the_best_by_validation_not_the_last(tiny_data: Path, workdir: Path) -> None:
+    """A run whose validation bound gets worse at the end (a learning rate far too high, no clipping):
+    the latest checkpoint stays for resuming, the best one is exported and registered, and says so."""
+    import mlflow
+
+    cfg = _cfg(tiny_data, "diverges", "run.max_steps=12", "run.val_every=2", "run.ckpt_every=4",
+               "optim.lr=0.5", "optim.clip=0", "optim.warmup_steps=1", "ema=0.0", "scaling.num_workers=0")
+    res = train_mod.train(cfg)
+    uri = os.environ["MLFLOW_TRACKING_URI"]
+    val = _history(uri, res.run_id, "val/ppl")
+    best_step, best = min(val, key=lambda sv: sv[1])
+    assert val[-1][1] > best and best_step < 12, val  # it did get worse
+    assert (res.best_step, res.step) == (best_step, 12) and res.best_val_ppl == pytest.approx(best)
+    mv = mlflow.MlflowClient(uri).get_model_version("adlm", res.registered_version)
+    assert mv.tags["checkpoint"] == "best" and mv.tags["step"] == str(best_step) and mv.tags["final_step"] == "12"
+    assert float(mv.tags["val_ppl"]) == pytest.approx(best)
+    _, _, meta = load_checkpoint(res.checkpoint_dir)
+    assert meta["step"] == best_step and meta["checkpoint"] == "best"
+    assert [s for s, _ in list_checkpoints(workdir / "ray_results" / "diverges")][-1] == 12  # for resuming
+
+
+def test_bd3lm_training_searches_its_clipped_schedule_and_keeps_it_across_a_resume(tiny_data: Path,
+                                                                                   workdir: Path) -> None:
+    from adlm_model.checkpoint import load_state
+
+    uri = os.environ["MLFLOW_TRACKING_URI"]
+    sets = ["model.kind=bd3lm", "model.block_size=4", "run.val_every=2", "run.ckpt_every=2", "scaling.num_workers=0",
+            "run.clip_search_batches=1"]
+    res = train_mod.train(_cfg(tiny_data, "blocks", "run.max_steps=4", *sets))
+    lows, highs = _history(uri, res.run_id, "train/clip_low"), _history(uri, res.run_id, "train/clip_high")
+    assert [s for s, _ in lows] == [2]  # searched at each validation before the end
+    last = [s for s, _ in list_checkpoints(workdir / "ray_results" / "blocks")][-1]
+    state = load_state(workdir / "ray_results" / "blocks" / f"checkpoint_{last:08d}", "trainer_state")
+    assert state["clip"] == [lows[-1][1], highs[-1][1]] and state["ema_updates"] == 4
+    # A longer rerun resumes with that interval (and the EMA's update count) and searches again at step 6.
+    res2 = train_mod.train(_cfg(tiny_data, "blocks", "run.max_steps=8", *sets))
+    assert res2.run_id == res.run_id
+    assert [s for s, _ in _history(uri, res.run_id, "train/clip_low")] == [2, 6]  # step 4 ended the first run
+    last = [s for s, _ in list_checkpoints(workdir / "ray_results" / "blocks")][-1]
+    state = load_state(workdir / "ray_results" / "blocks" / f"checkpoint_{last:08d}", "trainer_state")
+    assert state["ema_updates"] == 8

@@ -134,8 +134,10 @@ class Manifest:
         """Model output width the data needs (vocabulary plus an appended mask id)."""
         return max(self.vocab_size, self.mask_id + 1)
 
-    def check_fits(self, model_cfg: Any) -> None:
-        """Raise DataMismatchError (one line) unless the model's vocab_size, mask_id and seq_len fit.
+    def check_fits(self, model_cfg: Any, tokenizer_hash: str | None = None) -> None:
+        """Raise DataMismatchError (one line) unless the model's vocab_size, mask_id and seq_len fit and, when
+        ``tokenizer_hash`` (the checkpoint's) is given, the data was tokenised by that very tokenizer: two
+        tokenizers of one size give the same ids to different strings.
 
         ``model_cfg``: an ``adlm_model.ModelConfig`` or a dict with those keys. The autoregressive kind
         never uses the mask id, so it is not compared for ``kind == "ar"``.
@@ -150,6 +152,13 @@ class Manifest:
             problems.append(f"mask id {self.mask_id} (data) vs mask_id={get('mask_id')} (model)")
         if get("seq_len") != self.length:
             problems.append(f"length {self.length} (data) vs seq_len={get('seq_len')} (model)")
+        own = self.tokenizer.get("hash")
+        if not problems and tokenizer_hash and own and tokenizer_hash != own:
+            raise DataMismatchError(
+                f"data {self.split_dir or self.split} was tokenized by {self.tokenizer.get('name')} (hash {own[:12]}), "
+                f"not by the model's tokenizer (hash {tokenizer_hash[:12]}), though both have {self.vocab_size} "
+                "entries; prepare the data with the model's tokenizer.json (--tokenizer) or use a model trained on "
+                "this data")
         if problems:
             fix = ", ".join(f"{k}={v}" for k, v in self.model_overrides().items())
             raise DataMismatchError(

@@ -82,6 +82,10 @@ class PrepareConfig:
     """``wrap`` or ``pad`` (default: the source's)."""
     text_field: str | None = None
     """Text column/field of JSONL and Parquet input (default ``text``; named sources know theirs)."""
+    keep_empty: bool | None = None
+    """Keep empty documents (a lone EOS each in ``wrap`` mode, a BOS EOS row in ``pad`` mode). None: the
+    source's convention (the zero-shot sets: kept, as the reference's loader appends EOS to every row; the
+    rest: dropped and counted)."""
     text_unit: str = "line"
     """Plain-text files: ``line`` (one document a line) or ``file`` (one document a file)."""
     detokenizer: str | None = None
@@ -125,6 +129,7 @@ class SplitPlan:
     detokenizer: str | None
     identity: dict[str, Any]
     hf_dataset: Any = None
+    keep_empty: bool = False
 
 
 @dataclass
@@ -320,6 +325,9 @@ def make_plan(cfg: PrepareConfig) -> Plan:
     mode = cfg.mode or (named.mode if named else "wrap")
     if length < 4:
         raise PrepareError(f"--length {length} is below 4")
+    keep_empty = cfg.keep_empty if cfg.keep_empty is not None else bool(named is not None and named.keep_empty)
+    for sp in splits.values():
+        sp.keep_empty = keep_empty
     return Plan(cfg, str(out), named, splits, tokenizer_spec, train_vocab, length, mode)
 
 def split_docs(plan: Plan, sp: SplitPlan, limit: int | None = None) -> list[str]:
@@ -342,5 +350,6 @@ def fingerprint(plan: Plan, sp: SplitPlan, tok: TokenizerInfo) -> str:
         "format": FORMAT_VERSION, "identity": sp.identity, "split": sp.split, "text_field": sp.text_field,
         "detokenizer": sp.detokenizer, "tokenizer": tok.content_hash, "length": plan.length, "mode": plan.mode,
         "shard_rows": plan.cfg.shard_rows, "units": [u.to_dict() for u in sp.units],
+        **({"keep_empty": True} if sp.keep_empty else {}),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

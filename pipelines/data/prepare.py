@@ -178,7 +178,7 @@ class TokenizeUnits:
             ut = read_unit(u, conf["text_field"], self.text_unit, conf["hf_dataset"])
             detok = self.detok[u["split"]]
             docs = ut.docs if detok is None else [detok(d) for d in ut.docs]
-            keep = [d for d in docs if d.strip()]
+            keep = docs if conf["keep_empty"] else [d for d in docs if d.strip()]
             flat, lengths = self.encode(keep, self.append_eos)
             token_arrays.append(flat)
             length_arrays.append(lengths)
@@ -315,7 +315,7 @@ class SplitRun:
             options={"source": cfg.source, "tokenizer": plan.tokenizer_spec, "train_tokenizer": plan.train_vocab,
                      "length": plan.length, "mode": plan.mode, "shard_rows": cfg.shard_rows,
                      "text_unit": cfg.text_unit, "units": len(sp.units), "fingerprint": self.fingerprint,
-                     "engine": self.engine},
+                     "engine": self.engine, "keep_empty": sp.keep_empty},
         )
         m.write(self.split_dir)
         dt = time.time() - (self.t0 or time.time())
@@ -352,7 +352,7 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
         high = min(cfg.actors or MAX_ACTORS, len(items))
         low = min(cfg.min_actors, high)
         per_split = {s: {"text_field": r.sp.text_field, "detokenizer": r.sp.detokenizer,
-                         "hf_dataset": r.sp.hf_dataset} for s, r in runs.items()}
+                         "hf_dataset": r.sp.hf_dataset, "keep_empty": r.sp.keep_empty} for s, r in runs.items()}
         ds = rdata.from_items(items, override_num_blocks=len(items))
         with warnings.catch_warnings():
             # max_restarts has no named parameter yet (Ray 2.60 deprecates the remote-args route): without it Ray

@@ -40,6 +40,9 @@ class NamedSource:
     data_files: str | None = None
     holdout_last: int = 0
     """OpenWebText: the last N documents of ``train`` form validation; training gets the rest."""
+    keep_empty: bool = False
+    """Keep empty documents (a lone EOS each in ``wrap`` mode): the reference's loader of the zero-shot sets
+    appends EOS to every row, empty rows (WikiText's blank lines) included."""
     note: str = ""
 
 
@@ -54,23 +57,23 @@ NAMED_SOURCES: dict[str, NamedSource] = {s.name: s for s in [
                 note="one sentence a row, padded (use --mode wrap for the packed BD3-LM variant)"),
     NamedSource("wikitext2", "Salesforce/wikitext", "wikitext-2-raw-v1",
                 {"train": "train", "validation": "validation", "test": "test"}, "text", "wikitext", "gpt2", "wrap",
-                1024, ("validation",)),
+                1024, ("validation",), keep_empty=True),
     NamedSource("wikitext103", "Salesforce/wikitext", "wikitext-103-raw-v1",
                 {"train": "train", "validation": "validation", "test": "test"}, "text", "wikitext", "gpt2", "wrap",
-                1024, ("validation",)),
+                1024, ("validation",), keep_empty=True),
     NamedSource("ptb", "ptb-text-only/ptb_text_only", None,
                 {"train": "train", "validation": "validation", "test": "test"}, "sentence", "ptb", "gpt2", "wrap",
-                1024, ("validation",)),
+                1024, ("validation",), keep_empty=True),
     NamedSource("lambada", "json", None, {"test": "train"}, "text", "lambada", "gpt2", "wrap", 1024, ("test",),
-                data_files=LAMBADA_URL, note="OpenAI's LAMBADA test file, as the reference"),
+                data_files=LAMBADA_URL, note="OpenAI's LAMBADA test file, as the reference", keep_empty=True),
     NamedSource("ag_news", "fancyzhx/ag_news", None, {"train": "train", "test": "test"}, "text", None, "gpt2",
-                "wrap", 1024, ("test",)),
+                "wrap", 1024, ("test",), keep_empty=True),
     NamedSource("pubmed", "ccdv/pubmed-summarization", None,
                 {"train": "train", "validation": "validation", "test": "test"}, "article", "scientific_papers",
-                "gpt2", "wrap", 1024, ("validation",), note="scientific_papers/pubmed as Parquet"),
+                "gpt2", "wrap", 1024, ("validation",), note="scientific_papers/pubmed as Parquet", keep_empty=True),
     NamedSource("arxiv", "ccdv/arxiv-summarization", None,
                 {"train": "train", "validation": "validation", "test": "test"}, "article", "scientific_papers",
-                "gpt2", "wrap", 1024, ("validation",), note="scientific_papers/arxiv as Parquet"),
+                "gpt2", "wrap", 1024, ("validation",), note="scientific_papers/arxiv as Parquet", keep_empty=True),
 ]}
 
 EMBEDDED = NamedSource("embedded", "", None, {s: s for s in ("train", "validation", "test")}, "text", None, "", "wrap", 128,

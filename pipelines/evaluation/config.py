@@ -58,6 +58,11 @@ class EvalConfig:
     ``remdm-loop`` (the ADLM reference). Options: ``--set sampler.eta=0.02`` etc."""
     steps: int = 128
     """Sampling steps T (the ADLM reference uses 4096; baselines 1024)."""
+    steps_by_kind: dict[str, int] = field(default_factory=dict)
+    """Sampling steps per model kind, over ``steps`` (``--set steps.adlm=4096``; the paper profile's)."""
+    profile: str = ""
+    """The profile these settings came from (``EVAL_PROFILES``: ``paper``, ``demo``), recorded with the
+    figures: only ``paper`` figures compare with the published ones."""
     nucleus_p: float = 0.9
     """Nucleus (top-p) of the sampler (reference 0.9; 1 = off)."""
     sample_length: int = 0
@@ -70,6 +75,9 @@ class EvalConfig:
     """Samples per scoring batch."""
     gen_ppl_max_length: int = 1024
     """Truncation of re-tokenised samples (METHOD.md section 6: 1024, or the LM's maximum)."""
+    gen_ppl_first_token: str = "keep"
+    """``keep`` (the reference: each sample is scored after the evaluation LM's EOS, its first token a target)
+    or ``drop`` (the first token is context only). Named next to every gen-PPL figure."""
     mauve_featurizer: str = "gpt2-large"
     """MAUVE features: hub/local causal LM (last-token hidden state), ``minilm`` (offline), local encoder."""
     mauve_min_samples: int = 50
@@ -108,6 +116,8 @@ class EvalConfig:
         need(self.sample_length >= 0, f"sample_length must be >= 0, got {self.sample_length}")
         need(self.eval_lm_batch_size >= 1, f"eval_lm_batch_size must be >= 1, got {self.eval_lm_batch_size}")
         need(self.gen_ppl_max_length >= 2, f"gen_ppl_max_length must be >= 2, got {self.gen_ppl_max_length}")
+        need(self.gen_ppl_first_token in ("keep", "drop"),
+             f"gen_ppl_first_token must be keep (the reference) or drop, got {self.gen_ppl_first_token!r}")
         need(self.mauve_min_samples >= 2, f"mauve_min_samples must be >= 2, got {self.mauve_min_samples}")
         need(self.cpus_per_task > 0, f"cpus_per_task must be > 0, got {self.cpus_per_task}")
         need(self.rows_per_task >= 0, f"rows_per_task must be >= 0, got {self.rows_per_task}")
@@ -134,8 +144,29 @@ def parse_suite(suite: str | Sequence[str]) -> tuple[str, ...]:
 
 def apply_overrides(configs: Sequence[Any], assignments: Sequence[str]) -> None:
     """``--set KEY=VALUE`` on the evaluation (and promotion) settings; ``sampler.NAME=VALUE`` goes into
-    ``EvalConfig.sampler_kwargs`` (``pipelines.overrides``)."""
-    apply_to(configs, assignments, dict_prefixes={"sampler": "sampler_kwargs"})
+    ``EvalConfig.sampler_kwargs``, ``steps.KIND=T`` into ``steps_by_kind`` (``pipelines.overrides``)."""
+    apply_to(configs, assignments, dict_prefixes={"sampler": "sampler_kwargs", "steps": "steps_by_kind"})
+
+
+EVAL_PROFILES: dict[str, dict[str, Any]] = {
+    # The references' settings (METHOD.md sections 4 and 6): ReMDM-loop with T = 4096 for ADLM and 1024 for
+    # the baselines, nucleus 0.9, 5,000 samples of the model's length for MAUVE against as many validation
+    # texts, gen-PPL under gpt2-large with the first token scored. For a GPU cluster: hours of sampling.
+    "paper": dict(sampler="auto", steps=1024, steps_by_kind={"adlm": 4096}, nucleus_p=0.9, num_samples=5000,
+                  sample_batch_size=16, sample_length=0, eval_lm="gpt2-large", mauve_featurizer="gpt2-large",
+                  gen_ppl_first_token="keep", t_draws=1, use_ema=True),
+    # What `make demo` runs on 2 CPU cores: a wiring check whose figures do not compare with the papers'.
+    "demo": dict(eval_lm="smollm2", mauve_featurizer="minilm", num_samples=16, sample_batch_size=16, steps=32,
+                 nucleus_p=1.0, mauve_min_samples=16, sampler="mdlm", max_rows=256, batch_size=16,
+                 cpus_per_task=1.0),
+}
+
+
+def eval_profile(name: str) -> EvalConfig:
+    """The ``EvalConfig`` of a named profile (``EVAL_PROFILES``)."""
+    if name not in EVAL_PROFILES:
+        raise EvalError(f"unknown evaluation profile {name!r}; use one of {', '.join(EVAL_PROFILES)}")
+    return EvalConfig(**{**EVAL_PROFILES[name], "profile": name})
 
 
 def resolve_sampler(name: str, kind: str) -> str:

@@ -43,6 +43,8 @@ class JobSettings:
     """Its options, with the special ids the AR and BD3-LM samplers take from the tokenizer."""
     length: int = 0
     """Tokens per sample."""
+    steps: int = 0
+    """Sampling steps T for this model's kind."""
     cache_dir: str | None = None
     tracking_uri: str | None = None
     quiet: bool = False
@@ -126,7 +128,7 @@ def sample_job(model: str, batch_index: int, n: int, settings: JobSettings,
     net, cfg, _ = load_eval_model(model, settings)
     dev = next(net.parameters()).device
     g = torch.Generator(device=dev).manual_seed(sample_seed(settings.cfg.seed, batch_index))
-    out = sample(net, cfg, batch_size=n, length=settings.length, steps=settings.cfg.steps,
+    out = sample(net, cfg, batch_size=n, length=settings.length, steps=settings.steps,
                  sampler=settings.sampler, nucleus_p=settings.cfg.nucleus_p, generator=g, progress=progress,
                  **settings.sampler_kwargs)
     return out.detach().cpu().numpy().astype(np.int64)
@@ -160,7 +162,8 @@ def gen_ppl_job(texts: list[list[str]], settings: JobSettings) -> dict[str, Any]
     joined = [sep.join(segs) for segs in texts]
     with tqdm(total=len(joined), desc="gen-PPL scoring", unit="sample", disable=settings.quiet) as bar:
         r = generative_perplexity(lm, joined, batch_size=settings.cfg.eval_lm_batch_size,
-                                  max_length=settings.cfg.gen_ppl_max_length, progress=bar.update)
+                                  max_length=settings.cfg.gen_ppl_max_length,
+                                  first_token=settings.cfg.gen_ppl_first_token, progress=bar.update)
     return dataclasses.asdict(r)
 
 

@@ -65,7 +65,7 @@ class PooledNLL:
     @property
     def ppl(self) -> float:
         """``exp(sum NLL / tokens)``: the pooled perplexity (METHOD.md sections 1 and 6)."""
-        return math.exp(self.nll) if self.n_tokens else float("nan")
+        return (math.exp(self.nll) if self.nll < 709.0 else math.inf) if self.n_tokens else float("nan")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -103,12 +103,24 @@ class GenPPLResult:
     gen_ppl: float
     nll_sum: float
     n_tokens: int
-    """Scored target tokens (EOS targets and each sample's first token excluded)."""
+    """Scored target tokens (EOS targets excluded; each sample's first token scored after a leading EOS with
+    ``first_token='keep'``, left out as context with ``'drop'``)."""
     n_samples: int
     n_truncated: int
     """Samples longer than the truncation length (cut to ``max_length`` evaluation-LM tokens)."""
     max_length: int
     eval_lm: str
+    first_token: str = "keep"
+    """``keep`` (the reference: the sample is scored after the LM's EOS, so its first token is a target) or
+    ``drop`` (the first token is context only)."""
+
+
+GEN_PPL_FIRST_TOKEN = ("keep", "drop")
+GEN_PPL_DEFINITIONS = {
+    "keep": "first token scored after the LM's EOS (reference)",
+    "drop": "first token context only (not the reference)",
+}
+"""What each ``first_token`` choice means, as printed next to every gen-PPL figure."""
 
 
 def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -131,16 +143,22 @@ def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: tor
 
 @torch.no_grad()
 def generative_perplexity(lm: CausalScorer, texts: Sequence[str], *, batch_size: int = 8,
-                          max_length: int | None = None,
+                          max_length: int | None = None, first_token: str = "keep",
                           progress: Callable[[int], Any] | None = None) -> GenPPLResult:
     """Gen-PPL of ``texts`` under ``lm`` (METHOD.md section 6).
 
-    Each text is re-tokenised with the LM's tokenizer (no special tokens added), truncated to
-    ``min(1024, lm.max_length)`` tokens (or ``max_length``), scored in right-padded batches, and the NLL
-    of every target except EOS targets is pooled over tokens. ``progress(n)`` is called after each batch.
+    Each text is re-tokenised with the LM's tokenizer (no special tokens added); with ``first_token='keep'``
+    (the reference, whose samples keep their leading EOS) the LM's EOS id goes first, so that the sample's
+    first real token is a target; with ``'drop'`` the first token is context only. Each sequence is truncated
+    to ``min(1024, lm.max_length)`` tokens (or ``max_length``), scored in right-padded batches, and the NLL of
+    every target except EOS targets is pooled over tokens. ``progress(n)`` is called after each batch.
     """
+    if first_token not in GEN_PPL_FIRST_TOKEN:
+        raise MetricError(f"first_token {first_token!r}: use keep (the reference) or drop")
     limit = min(max_length or GEN_PPL_MAX_TOKENS, lm.max_length)
     encoded = lm.encode(list(texts))
+    if first_token == "keep" and lm.eos_id is not None:
+        encoded = [[lm.eos_id, *ids] for ids in encoded]
     n_truncated = sum(len(ids) > limit for ids in encoded)
     encoded = [ids[:limit] for ids in encoded]
     pooled = PooledNLL()
@@ -159,7 +177,8 @@ def generative_perplexity(lm: CausalScorer, texts: Sequence[str], *, batch_size:
         if progress is not None:
             progress(len(batch))
     return GenPPLResult(gen_ppl=pooled.ppl, nll_sum=pooled.nll_sum, n_tokens=pooled.n_tokens,
-                        n_samples=len(encoded), n_truncated=n_truncated, max_length=limit, eval_lm=lm.name)
+                        n_samples=len(encoded), n_truncated=n_truncated, max_length=limit, eval_lm=lm.name,
+                        first_token=first_token)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -75,6 +75,8 @@ class Plan:
     sampler: str = ""
     sampler_kwargs: dict[str, Any] = field(default_factory=dict)
     length: int = 0
+    steps: int = 0
+    """Sampling steps T for this model's kind (``steps_by_kind``, else ``steps``)."""
     reference_split: str | None = None
     tracking_uri: str | None = None
     workdir: str | None = None
@@ -213,7 +215,7 @@ def plan_evaluation(model: str, suite: str | Sequence[str], cfg: EvalConfig, *, 
 
     def add(label: str, split_dir: str) -> None:
         m = read_manifest(split_dir)
-        m.check_fits(model_cfg)
+        m.check_fits(model_cfg, meta.get("tokenizer_hash"))
         datasets.append(Dataset(label=label, split_dir=m.split_dir, rows=m.rows, tokens=m.tokens,
                                 manifest_hash=m.content_hash(), source=m.source))
 
@@ -250,6 +252,7 @@ def plan_evaluation(model: str, suite: str | Sequence[str], cfg: EvalConfig, *, 
             raise EvalError(f"{e} (sampler=auto picks the model kind's default)") from e
         plan.sampler_kwargs = sampler_options(plan.sampler, cfg.sampler_kwargs, plan.tokenizer)
         plan.length = cfg.sample_length or model_cfg.seq_len
+        plan.steps = int(cfg.steps_by_kind.get(model_cfg.kind, cfg.steps))
         if not sampler.any_length and plan.length > model_cfg.seq_len:
             raise EvalError(f"sample_length {plan.length} exceeds the model's seq_len {model_cfg.seq_len}; only the "
                             "bd3lm sampler generates beyond it")
@@ -264,7 +267,7 @@ def plan_evaluation(model: str, suite: str | Sequence[str], cfg: EvalConfig, *, 
         ref_dir = cfg.mauve_reference_split
         ref_dir = ref_dir if _has_manifest(ref_dir) else join(data, ref_dir)
         m = read_manifest(ref_dir)
-        m.check_fits(model_cfg)
+        m.check_fits(model_cfg, meta.get("tokenizer_hash"))
         check_mauve_inputs(cfg.num_samples, m.rows, cfg.mauve_min_samples)
         check_featurizer(cfg.mauve_featurizer)
         plan.reference_split = m.split_dir

@@ -89,12 +89,17 @@ def version_tags(result: EvalResult, cfg: EvalConfig) -> dict[str, str]:
     if "val_ppl" in m:
         tags["val_ppl.settings"] = (f"NELBO bound, {int(m['val_tokens'])} tokens, t_draws={cfg.t_draws}, "
                                     f"seed={cfg.seed}, batch={cfg.batch_size}, ema={cfg.use_ema}")
+    tags["eval.profile"] = cfg.profile or "custom"
     if "generate" in result.suite:
         tags["gen.settings"] = (f"sampler={s['sampler']} T={s['steps']} p={s['nucleus_p']} n={len(result.samples)} "
                                 f"length={s['length']} seed={s['seed']}"
                                 + (f" {json.dumps(s['sampler_kwargs'], sort_keys=True)}" if s["sampler_kwargs"] else ""))
     if "gen_ppl" in result.suite:
         tags["gen_ppl.eval_lm"] = cfg.eval_lm
+        from pipelines.evaluation.metrics import GEN_PPL_DEFINITIONS
+
+        tags["gen_ppl.definition"] = (f"token-pooled NLL under {cfg.eval_lm}, EOS targets excluded, truncated to "
+                                      f"{cfg.gen_ppl_max_length}, {GEN_PPL_DEFINITIONS[cfg.gen_ppl_first_token]}")
     if "mauve" in result.suite:
         tags["mauve.featurizer"] = cfg.mauve_featurizer
     return tags

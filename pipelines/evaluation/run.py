@@ -51,6 +51,7 @@ from pipelines.evaluation.jobs import (
     sample_segments,
     sample_text,
 )
+from pipelines.evaluation.metrics import GEN_PPL_DEFINITIONS
 from pipelines.evaluation.plan import Plan, plan_evaluation, ppl_key
 from pipelines.evaluation.report import EvalResult, plots, summary_markdown, version_tags
 from pipelines.storage import cache_dir, is_uri, name_of
@@ -68,6 +69,7 @@ def make_executor(cfg: EvalConfig, *, in_process: bool, ray_address: str | None 
 
 def job_settings(plan: Plan) -> JobSettings:
     return JobSettings(cfg=plan.cfg, sampler=plan.sampler, sampler_kwargs=plan.sampler_kwargs, length=plan.length,
+                       steps=plan.steps,
                        cache_dir=None if is_uri(plan.workdir) else str(cache_dir(plan.workdir)),
                        tracking_uri=plan.tracking_uri)
 
@@ -123,8 +125,8 @@ def run_plan(plan: Plan, executor: Any) -> EvalResult:
 
         sizes = [min(cfg.sample_batch_size, cfg.num_samples - s) for s in range(0, cfg.num_samples, cfg.sample_batch_size)]
         jobs = [{"model": model, "batch_index": i, "n": n, "settings": settings} for i, n in enumerate(sizes)]
-        batches = executor.run(sample_job, jobs, f"sampling ({plan.sampler}, T={cfg.steps})", unit="sample", large=large_model,
-                               total_units=cfg.num_samples, progress_kw="steps", step_total=cfg.steps + 1)
+        batches = executor.run(sample_job, jobs, f"sampling ({plan.sampler}, T={plan.steps})", unit="sample", large=large_model,
+                               total_units=cfg.num_samples, progress_kw="steps", step_total=plan.steps + 1)
         ids = np.concatenate(batches, axis=0)
         for i, row in enumerate(ids):
             segs = sample_segments(row, plan.tokenizer)
@@ -134,16 +136,17 @@ def run_plan(plan: Plan, executor: Any) -> EvalResult:
         metrics["num_samples"] = float(len(samples))
         table.append({"quantity": "unigram entropy (nats)", "value": metrics["entropy"], "bound": False,
                       "details": f"mean over {len(samples)} samples of length {plan.length}; sampler {plan.sampler}, "
-                                 f"T={cfg.steps}, p={cfg.nucleus_p}"})
+                                 f"T={plan.steps}, p={cfg.nucleus_p}"})
     if "gen_ppl" in suite:
         r = executor.run(gen_ppl_job, [{"texts": [s["segments"] for s in samples], "settings": settings}],
                          f"gen-PPL ({cfg.eval_lm})", large=is_hub_model(cfg.eval_lm))[0]
         metrics.update({"gen_ppl": r["gen_ppl"], "gen_nll": r["nll_sum"] / max(r["n_tokens"], 1),
                         "gen_tokens": float(r["n_tokens"]), "gen_truncated": float(r["n_truncated"])})
         table.append({"quantity": "gen PPL", "value": r["gen_ppl"], "bound": False,
-                      "details": f"eval LM {cfg.eval_lm}; sampler {plan.sampler}, T={cfg.steps}, p={cfg.nucleus_p}, "
+                      "details": f"eval LM {cfg.eval_lm}; sampler {plan.sampler}, T={plan.steps}, p={cfg.nucleus_p}, "
                                  f"{len(samples)} samples, entropy {metrics['entropy']:.3f}; {r['n_tokens']} tokens "
-                                 f"pooled, EOS targets excluded, truncated to {r['max_length']}"})
+                                 f"pooled, EOS targets excluded, truncated to {r['max_length']}, "
+                                 f"{GEN_PPL_DEFINITIONS[r['first_token']]}"})
     if "mauve" in suite:
         ref_ids, _ = read_rows(plan.reference_split, 0, len(samples))
         refs = [sample_text(row, plan.tokenizer) for row in ref_ids]
@@ -155,7 +158,7 @@ def run_plan(plan: Plan, executor: Any) -> EvalResult:
                                  f"{name_of(plan.reference_split)} texts; {r['num_buckets']} buckets, "
                                  f"c={cfg.mauve_scaling}"})
     settings_out = {**dataclasses.asdict(cfg), "sampler": plan.sampler, "sampler_kwargs": plan.sampler_kwargs,
-                    "length": plan.length}
+                    "length": plan.length, "steps": plan.steps}
     settings_out.update({"suite": list(suite), "model": plan.ref.uri, "checkpoint": plan.ref.local_dir, "kind": plan.model_cfg.kind,
                          "executor": executor.name, "num_samples": cfg.num_samples,
                          "datasets": {d.label: {"split_dir": d.split_dir, "manifest_hash": d.manifest_hash}

@@ -19,6 +19,8 @@ from pipelines.storage import is_file, join, list_dir, name_of, read_bytes
 CKPT_PREFIX = "checkpoint_"
 EXPORT_FILES = ("config.json", "model.safetensors", "ema.safetensors", "tokenizer.json")
 TRAINER_STATE = "trainer_state"
+BEST = "best"
+"""The run folder's copy of the best checkpoint by validation bound (weights, EMA, config, tokenizer)."""
 
 
 def checkpoint_name(step: int) -> str:

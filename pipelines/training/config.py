@@ -46,6 +46,12 @@ class DataSection:
     read_cpus: float = 0.25
     """CPUs each Ray Data read task asks for. Reading Parquet is I/O-light; a whole CPU per read task
     starves when the trainer's workers hold fractional CPUs (several Tune trials on 2 cores)."""
+    source: str = ""
+    """The named source the recipe is for (``prepare_data --source``), e.g. ``openwebtext``, ``lm1b``; empty:
+    any. Recipes name it so that their splits and tokenizer can be checked against what preparing it produces."""
+    mode: str = ""
+    """``wrap`` (packed) or ``pad`` (one sentence a row): training refuses data prepared the other way (the
+    published LM1B rows differ by it); empty: either."""
 
 
 @dataclass
@@ -106,6 +112,12 @@ class RunSection:
     """Seeds model init, data order, noise and dropout."""
     storage_path: str = ""
     """Ray Train storage; empty = ``<workdir>/ray_results``. On a cluster: shared storage (s3://, NFS)."""
+    clip_search: bool = True
+    """BD3-LM: search the clipped ("data-driven") schedule at each validation, as the reference: the interval
+    of masking rates of lowest per-block loss variance; training draws block times from it until the next
+    search (evaluation always uses the full schedule). Off: train on ``model.clip_low``/``clip_high``."""
+    clip_search_batches: int = 4
+    """BD3-LM: validation micro-batches per worker the search scores every interval of its grid on."""
 
 
 @dataclass
@@ -152,7 +164,7 @@ SECTIONS: dict[str, type] = {
     "data": DataSection, "optim": OptimSection, "batch": BatchSection, "run": RunSection,
     "scaling": ScalingSection, "failure": FailureSection, "mlflow": MLflowSection,
 }
-TOP_KEYS = ("model", *SECTIONS, "ema")
+TOP_KEYS = ("model", *SECTIONS, "ema", "ema_warmup")
 
 
 @dataclass
@@ -168,6 +180,8 @@ class TrainConfig:
     failure: FailureSection = field(default_factory=FailureSection)
     ema: float = 0.9999
     """EMA decay of the weights used for validation, checkpoints and sampling (reference 0.9999)."""
+    ema_warmup: bool = True
+    """The references' EMA warm-up, ``min(ema, (1 + n) / (10 + n))`` at update ``n`` (``adlm_model.ema``)."""
     mlflow: MLflowSection = field(default_factory=MLflowSection)
 
     # ----- derived -----
@@ -212,6 +226,12 @@ class TrainConfig:
         need(0 <= self.ema < 1, f"ema decay must be in [0, 1), got {self.ema}")
         need(self.data.shuffle_buffer >= 0, "data.shuffle_buffer must be >= 0")
         need(0 < self.data.read_cpus <= 64, f"data.read_cpus must be in (0, 64], got {self.data.read_cpus}")
+        need(self.data.mode in ("", "wrap", "pad"), f"data.mode must be wrap, pad or empty, got {self.data.mode!r}")
+        from pipelines.data.sources import KNOWN_SOURCES
+
+        need(not self.data.source or self.data.source in KNOWN_SOURCES,
+             f"data.source {self.data.source!r} is no named source; use one of {', '.join(KNOWN_SOURCES)} or leave it empty")
+        need(self.run.clip_search_batches >= 1, "run.clip_search_batches must be >= 1")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -234,7 +254,12 @@ class TrainConfig:
             kw[name] = sec(**coerce_fields(sec, d, name))
         if "ema" in raw:
             kw["ema"] = coerce(raw["ema"], float, "ema")
-        return cls(**kw).validate()
+        if "ema_warmup" in raw:
+            kw["ema_warmup"] = coerce(raw["ema_warmup"], bool, "ema_warmup")
+        cfg = cls(**kw)
+        if cfg.model.gamma_horizon == 0:  # the reference's K: the run's length
+            cfg.model = cfg.model.replace(gamma_horizon=cfg.run.max_steps)
+        return cfg.validate()
 
     def resolve_path(self, p: str, workdir: str) -> str:
         """Data paths: URIs and absolute paths as given, relative ones under the work directory."""

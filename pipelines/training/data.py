@@ -31,6 +31,8 @@ class DataPlan:
     """The data's ``tokenizer.json`` (a local path or a URI) to copy into checkpoints, if it has one."""
     train_rows: int
     val_rows: int
+    tokenizer_hash: str = ""
+    """The tokenizer's identity (``TokenizerInfo.content_hash``): two tokenizers of one size differ here."""
 
 
 def plan_data(cfg: TrainConfig, workdir: str) -> DataPlan:
@@ -49,6 +51,10 @@ def plan_data(cfg: TrainConfig, workdir: str) -> DataPlan:
                               "rerun pipelines.prepare_data for this split")
         manifests[split] = m
     tr, va = manifests["train"], manifests["validation"]
+    for split, m in manifests.items():
+        if cfg.data.mode and m.mode != cfg.data.mode:
+            raise ConfigError(f"data.{split} was prepared in {m.mode} mode but the recipe wants {cfg.data.mode} (data.mode);"
+                              f" prepare it with --mode {cfg.data.mode}")
     if tr.tokenizer.get("hash") != va.tokenizer.get("hash"):
         raise ConfigError("data.train and data.validation were tokenized differently; prepare both with one tokenizer")
     need = cfg.batch.micro_batch * cfg.world
@@ -63,4 +69,4 @@ def plan_data(cfg: TrainConfig, workdir: str) -> DataPlan:
     return DataPlan(train_uris=tr.shard_uris(), val_split=va.split_dir, columns=cols,
                     manifest_hash=tr.content_hash(), tokenizer_spec=str(tok_path or tr.tokenizer.get("name")),
                     tokenizer_path=tok_path if tok_path and is_file(tok_path) else None,
-                    train_rows=tr.rows, val_rows=va.rows)
+                    train_rows=tr.rows, val_rows=va.rows, tokenizer_hash=str(tr.tokenizer.get("hash") or ""))

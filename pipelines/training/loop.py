@@ -25,205 +25,40 @@ import contextlib
 import math
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.utils._pytree as pytree
 
-from adlm_model import EMA, build_model, compute_loss, gamma_at
-from adlm_model.backbone import DiTBlock
-from adlm_model.checkpoint import load_state, save_checkpoint, save_state
+from adlm_model import gamma_at
+from adlm_model.checkpoint import save_checkpoint, save_state
 from adlm_model.losses import LossOutput
 from pipelines.data.reader import read_rows
-from pipelines.seeds import TRAIN_DATA_ORDER, TRAIN_DROPOUT, TRAIN_NOISE, TRAIN_VALIDATION, derive_seed
+from pipelines.seeds import TRAIN_DATA_ORDER, TRAIN_VALIDATION, derive_seed
 from pipelines.storage import (
     delete_dir,
-    download_dir,
     exists,
     get_fs,
     join,
-    local_path,
     publish_dir,
     read_bytes,
     temp_dir,
     write_text,
 )
 from pipelines.training.checkpoints import (
+    BEST,
     TRAINER_STATE,
     checkpoint_name,
     gather_state,
     list_checkpoints,
-    load_weights_and_optimizer,
     step_of,
 )
-from pipelines.training.config import TrainConfig
-from pipelines.training.optim import build_optimizer, lr_factor
-
-# DDP and FSDP find the tensors of a module's output by flattening it: make LossOutput's fields visible.
-with contextlib.suppress(ValueError):  # already registered (a re-import)
-    pytree.register_dataclass(LossOutput)
-
-
-@dataclass
-class LoopConfig:
-    """What the driver hands every worker (pickled by Ray): the recipe and the facts about the run."""
-
-    cfg: TrainConfig
-    run_id: str | None
-    """MLflow run id (rank 0 logs metrics into it); None when tracking was unavailable at start."""
-    tracking_uri: str
-    val_split: str
-    val_rows: int
-    manifest_hash: str
-    tokenizer_spec: str
-    tokenizer_path: str | None
-    threads: int
-    """torch intra-op threads of each worker."""
-    local_mode: bool
-    """``scaling.num_workers == 0``: the loop runs in the driver and writes checkpoints to ``run_dir`` itself."""
-    run_dir: str
-    """The run's folder in Ray Train's storage (local or an object store)."""
-    resume_dir: str | None
-    """The driver's latest checkpoint of this run (used when Ray Train hands none, or an older one); a local
-    path or a URI."""
-    crash_at_step: int | None = None
-    """Fault injection (``pipelines.faults``): the last worker exits at this step, once."""
-    crash_marker: str | None = None
-
-
-class LossModule(torch.nn.Module):
-    """Runs the objective inside ``forward`` so that DDP/FSDP see the forward pass (gradient sync)."""
-
-    def __init__(self, model: torch.nn.Module, cfg: Any) -> None:
-        super().__init__()
-        self.model, self.cfg = model, cfg
-
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, step: int, train: bool,
-                generator: torch.Generator) -> LossOutput:
-        return compute_loss(self.model, x, attention_mask, self.cfg, step=step, train=train, generator=generator)
-
-
-@dataclass
-class Worker:
-    """The live objects of one worker and its position in the run."""
-
-    lc: LoopConfig
-    rank: int
-    world: int
-    device: torch.device
-    raw: torch.nn.Module
-    """The model itself (checkpoints, EMA)."""
-    net: torch.nn.Module
-    """What the loop calls: the LossModule, wrapped in DDP or sharded by FSDP when distributed."""
-    ema: EMA
-    opt: torch.optim.Optimizer
-    sched: Any
-    noise: torch.Generator
-    distributed: bool
-    fsdp: bool
-    use_gpu: bool
-    step: int = 0
-    epoch: int = 0
-    position: int = 0
-    """Micro-batches of the current epoch already consumed by this worker."""
-    window: dict[str, Any] = field(default_factory=dict)
-    """Running sums since the last log line, kept on the device (one host sync per log interval)."""
-
-    @property
-    def cfg(self) -> TrainConfig:
-        return self.lc.cfg
-
-    @property
-    def accumulation(self) -> int:
-        return self.cfg.batch.global_batch // (self.cfg.batch.micro_batch * self.world)
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        # bf16 autocast on GPU only: on CPU it is ~19x slower (ENVIRONMENT.md); the loss does its
-        # log-softmax/SUBS in float32 regardless (METHOD.md section 1).
-        if self.use_gpu and self.cfg.scaling.bf16:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.distributed:
-            dist.all_reduce(t)
-        return t
-
+from pipelines.training.worker import LoopConfig, Worker, build, reset_window, resume, set_training_clip
 
 # ------------------------------------------------------------------------------------------------------
 # The steps
-
-
-def build(lc: LoopConfig, rank: int, world: int, device: torch.device) -> Worker:
-    """Model (identical init on every rank), EMA, AdamW, the learning-rate schedule, DDP or FSDP."""
-    cfg = lc.cfg
-    r, o = cfg.run, cfg.optim
-    distributed = world > 1 and dist.is_available() and dist.is_initialized()
-    use_gpu = device.type == "cuda"
-    torch.manual_seed(r.seed)
-    raw = build_model(cfg.model).to(device)
-    module = LossModule(raw, cfg.model)
-    fsdp = distributed and cfg.scaling.strategy == "fsdp"
-    if fsdp:
-        from torch.distributed.fsdp import fully_shard
-
-        for blk in [m for m in raw.modules() if isinstance(m, DiTBlock)]:
-            fully_shard(blk)
-        fully_shard(module)
-        net: torch.nn.Module = module
-    elif distributed:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        # The only buffers are rotary caches, identical on every rank: synced once at init, never per forward.
-        net = DDP(module, device_ids=[device.index] if use_gpu else None, forward_sync_buffers=False)
-    else:
-        net = module
-    ema = EMA(raw, cfg.ema)
-    opt = build_optimizer(raw.parameters(), o)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, o.warmup_steps, o.schedule, r.max_steps, o.min_lr_ratio))
-    noise = torch.Generator(device=device)
-    noise.manual_seed(derive_seed(r.seed, TRAIN_NOISE, rank))
-    torch.manual_seed(derive_seed(r.seed, TRAIN_DROPOUT, rank))  # dropout differs per rank, reproducibly
-    w = Worker(lc=lc, rank=rank, world=world, device=device, raw=raw, net=net, ema=ema, opt=opt, sched=sched,
-               noise=noise, distributed=distributed, fsdp=fsdp, use_gpu=use_gpu)
-    reset_window(w)
-    return w
-
-
-def resume(w: Worker, ray_checkpoint_dir: str | None, ray_checkpoint_step: int = -1) -> int | None:
-    """Continue from the newer of Ray's checkpoint of this run (a restart; its local copy and the step in
-    its storage name) and the driver's scan (a rerun); returns the step resumed from, or None."""
-    d = ray_checkpoint_dir
-    fallback = w.lc.resume_dir
-    if d is None or (fallback and step_of(fallback) > ray_checkpoint_step):
-        d = fallback
-    if not d:
-        return None
-    if local_path(d) is None:  # the driver's scan of an object store: this node reads a copy
-        with tempfile.TemporaryDirectory(prefix="adlm-resume-") as tmp:
-            return resume(w, str(download_dir(d, tmp)), step_of(d))
-    d = Path(d)
-    state = load_weights_and_optimizer(d, w.raw, w.ema, w.opt, w.fsdp, w.device)
-    w.sched.load_state_dict(state["scheduler"])
-    w.step, w.epoch, w.position = int(state["step"]), int(state["data"]["epoch"]), int(state["data"]["position"])
-    rng_file = d / f"rng_rank{w.rank}.json"
-    if rng_file.is_file() and int(state.get("world", w.world)) == w.world:
-        rng = load_state(d, f"rng_rank{w.rank}")
-        torch.set_rng_state(rng["torch"])
-        w.noise.set_state(rng["noise"].to(w.noise.get_state().device) if w.use_gpu else rng["noise"])
-        if w.use_gpu and rng.get("cuda") is not None:
-            torch.cuda.set_rng_state(rng["cuda"])
-    else:  # another world size: data position and RNG streams cannot continue exactly
-        print(f"[rank {w.rank}] checkpoint written with another worker count: continuing with fresh RNG "
-              "streams (not bit-exact)", flush=True)
-    return w.step
 
 
 def batch_stream(w: Worker, shard: Any) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
@@ -243,12 +78,6 @@ def batch_stream(w: Worker, shard: Any) -> Iterator[tuple[int, int, dict[str, to
         if n == 0:
             raise RuntimeError(f"worker {w.rank} got no full batch of {micro} rows from its training shard")
         epoch, skip = epoch + 1, 0
-
-
-def reset_window(w: Worker) -> None:
-    z = torch.zeros((), dtype=torch.float64, device=w.device)
-    w.window = {"t": time.perf_counter(), "steps": 0, "loss": z.clone(), "nll": z.clone(), "ntok": z.clone(),
-                "anc": z.clone(), "nanc": z.clone(), "gnorm": z.clone()}
 
 
 def optimiser_step(w: Worker, stream: Iterator[tuple[int, int, dict[str, torch.Tensor]]]) -> None:
@@ -304,7 +133,7 @@ def log_window(w: Worker) -> dict[str, float]:
     if mc.kind == "adlm":
         metrics["train/anchor_loss"] = tot[3] / max(tot[2], 1.0)
         metrics["train/anchor_frac"] = tot[4] / max(tot[2], 1.0)
-        metrics["train/gamma_k"] = gamma_at(w.step - 1, mc.gamma, mc.gamma_ramp_steps)
+        metrics["train/gamma_k"] = gamma_at(w.step - 1, mc.gamma, mc.gamma_beta, mc.gamma_horizon)
     reset_window(w)
     return metrics
 
@@ -339,27 +168,73 @@ def validate(w: Worker, rows: dict[str, torch.Tensor]) -> float:
             sums += torch.stack([out.nll_sum, out.n_tokens.double()])
     w.net.train()
     nll, ntok = w.all_sum(sums).tolist()
-    return math.exp(nll / max(ntok, 1.0))
+    mean = nll / max(ntok, 1.0)
+    # A diverged run's bound overflows a float: infinity is its honest PPL and still compares as the worst.
+    return math.exp(mean) if mean < 709.0 else math.inf
+
+
+def search_clip(w: Worker, rows: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """BD3-LM's data-driven schedule (METHOD.md section 3): score every interval of the reference grid on the
+    first ``run.clip_search_batches`` validation micro-batches of every worker (EMA weights, common random
+    numbers), pool the moments of the per-block mean loss over workers, take the interval of lowest variance,
+    and train on it until the next search."""
+    from adlm_model.bd3lm import block_loss_moments, choose_clip, clip_intervals
+
+    cfg, micro = w.cfg, w.cfg.batch.micro_batch
+    intervals = clip_intervals(eps=cfg.model.sampling_eps)
+    n = min(rows["input_ids"].shape[0], cfg.run.clip_search_batches * micro)
+    batches = [(rows["input_ids"][i:i + micro].to(w.device).long(),
+                rows["attention_mask"][i:i + micro].to(w.device) if "attention_mask" in rows else None)
+               for i in range(0, n, micro)]
+    with w.ema.applied(w.raw):
+        moments = block_loss_moments(w.raw, batches, cfg.model, intervals,
+                                     seed=derive_seed(cfg.run.seed, TRAIN_VALIDATION, w.rank, w.step))
+    pooled = w.all_sum(moments.to(w.device)).cpu()
+    choice = choose_clip(pooled, intervals)
+    set_training_clip(w, (choice.beta, choice.omega))
+    return w.clip
+
+
+def _write_weights(w: Worker, directory: Path, model_sd: dict | None, ema_sd: dict, meta: dict[str, Any]) -> None:
+    """Rank 0: config (with the run's provenance in its meta), weights, EMA weights and tokenizer."""
+    lc, cfg = w.lc, w.cfg
+    meta = {"step": w.step, "mlflow_run_id": lc.run_id, "run_name": cfg.run.name, "tokenizer": lc.tokenizer_spec,
+            "tokenizer_hash": lc.tokenizer_hash, "data_manifest_hash": lc.manifest_hash, "train_config": cfg.to_dict(),
+            "world": w.world, "ema_updates": w.ema.num_updates, **meta}
+    save_checkpoint(directory, w.raw, cfg.model, ema_state=ema_sd, meta=meta)
+    if model_sd is not None:
+        from adlm_model.checkpoint import _atomic_safetensors
+
+        _atomic_safetensors(directory / "model.safetensors", model_sd)
+    if lc.tokenizer_path:
+        (directory / "tokenizer.json").write_bytes(read_bytes(lc.tokenizer_path))
+
+
+def keep_if_best(w: Worker, ppl: float) -> bool:
+    """After a validation: when ``ppl`` beats the run's best, its weights become ``<run_dir>/best`` (METHOD.md
+    section 7: the reference keeps the best checkpoint by validation NLL besides the latest). Every rank takes
+    part (FSDP gathers the weights); rank 0 writes. Returns whether it was the best."""
+    if not ppl < w.best_val:
+        return False
+    w.best_val = ppl
+    model_sd, ema_sd, _ = gather_state(w.raw, w.ema, w.opt, w.fsdp)
+    if w.rank == 0:
+        d = temp_dir("adlm-best-")
+        _write_weights(w, d, model_sd, ema_sd, {"val_ppl": ppl, "checkpoint": "best"})
+        publish_dir(d, join(w.lc.run_dir, BEST))
+    return True
 
 
 def write_checkpoint(w: Worker, directory: Path, metrics: dict[str, Any]) -> None:
     """All ranks write into one checkpoint folder: rank 0 the weights and trainer state, every rank its
     RNG streams. safetensors + JSON only (``adlm_model.checkpoint``)."""
-    lc, cfg = w.lc, w.cfg
     model_sd, ema_sd, opt_sd = gather_state(w.raw, w.ema, w.opt, w.fsdp)
     if w.rank == 0:
-        meta = {"step": w.step, "mlflow_run_id": lc.run_id, "run_name": cfg.run.name, "tokenizer": lc.tokenizer_spec,
-                "data_manifest_hash": lc.manifest_hash, "train_config": cfg.to_dict(), "val_ppl": metrics.get("val_ppl"),
-                "world": w.world}
-        save_checkpoint(directory, w.raw, cfg.model, ema_state=ema_sd, meta=meta)
-        if model_sd is not None:
-            from adlm_model.checkpoint import _atomic_safetensors
-
-            _atomic_safetensors(directory / "model.safetensors", model_sd)
-        if lc.tokenizer_path:
-            (directory / "tokenizer.json").write_bytes(read_bytes(lc.tokenizer_path))
+        _write_weights(w, directory, model_sd, ema_sd, {"val_ppl": metrics.get("val_ppl"), "checkpoint": "latest"})
         save_state(directory, {"optimizer": opt_sd, "scheduler": w.sched.state_dict(), "step": w.step,
-                               "world": w.world, "data": {"epoch": w.epoch, "position": w.position}}, TRAINER_STATE)
+                               "world": w.world, "data": {"epoch": w.epoch, "position": w.position},
+                               "ema_updates": w.ema.num_updates, "best_val": w.best_val,
+                               "clip": list(w.clip) if w.clip else None}, TRAINER_STATE)
     rng = {"torch": torch.get_rng_state(), "noise": w.noise.get_state().cpu(),
            "cuda": torch.cuda.get_rng_state() if w.use_gpu else None}
     save_state(directory, rng, f"rng_rank{w.rank}")
@@ -454,7 +329,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         do_val = step % r.val_every == 0 or step == r.max_steps
         if do_val:
             ppl = validate(w, val_rows)
-            last.update({"step": step, "val_ppl": ppl, "epoch": w.epoch})
+            keep_if_best(w, ppl)
+            last.update({"step": step, "val_ppl": ppl, "epoch": w.epoch, "best_val_ppl": w.best_val})
+            if cfg.model.kind == "bd3lm" and r.clip_search and step < r.max_steps:
+                lo, hi = search_clip(w, val_rows)
+                if tracker is not None:
+                    tracker.log_metrics({"train/clip_low": lo, "train/clip_high": hi}, step)
+                if w.rank == 0:
+                    print(f"[{r.name}] step {step}: block times from [{lo:g}, {hi:g}] (clipped schedule)", flush=True)
             if tracker is not None:
                 tracker.log_metrics({"val/ppl": ppl, "val/nll": math.log(ppl)}, step)
             if w.rank == 0:
@@ -465,3 +347,4 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             ray.train.report(dict(last))
     if tracker is not None:
         tracker.close(timeout=lc.cfg.mlflow.drain_timeout_s)
+

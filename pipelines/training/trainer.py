@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from adlm_model.config import ConfigError
 from pipelines.faults import fault
 from pipelines.runtime import init_ray, quiet_environment
 from pipelines.storage import (
     check_location,
+    is_file,
     is_uri,
     join,
     publish_dir,
@@ -34,10 +36,11 @@ from pipelines.storage import (
     write_bytes_atomic,
 )
 from pipelines.tracking import SPOOL, client, ensure_experiment, resolve_tracking_uri, send_spool, tracking_reachable
-from pipelines.training.checkpoints import fetch_export, latest_checkpoint
+from pipelines.training.checkpoints import BEST, fetch_export, latest_checkpoint
 from pipelines.training.config import TrainConfig, flatten
 from pipelines.training.data import DataPlan, plan_data
-from pipelines.training.loop import LoopConfig, train_loop_per_worker
+from pipelines.training.loop import train_loop_per_worker
+from pipelines.training.worker import LoopConfig
 
 
 class TrainError(RuntimeError):
@@ -63,6 +66,9 @@ class TrainResult:
     model_name: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     """The last metrics the workers reported."""
+    best_step: int | None = None
+    """Step of the checkpoint the run exported and registered: its best by validation bound."""
+    best_val_ppl: float | None = None
 
 
 def open_run(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, prev_id: str | None, parent_run_id: str | None,
@@ -91,11 +97,11 @@ def open_run(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, prev_id: str |
         return None
 
 
-def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_dir: str, run_id: str, step: int,
-                     local_export: Path, val_ppl: float | None, do_register: bool,
-                     extra_tags: dict[str, str] | None) -> str | None:
+def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_dir: str, run_id: str,
+                     local_export: Path, do_register: bool, tags: dict[str, Any]) -> str | None:
     """After training: the spooled metrics, the loss curve, the checkpoint artifact and the registered version
-    (reused when this step is already registered: a rerun registers nothing new). Returns the version."""
+    (``tags``: its step, validation bound, which checkpoint it is, ...; reused when this step is already
+    registered: a rerun registers nothing new). Returns the version."""
     from pipelines.registry import register_checkpoint, registered_version, training_tags
     from pipelines.tracking import log_artifact_safely, plot_loss_curve
 
@@ -116,13 +122,14 @@ def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_di
     logged = log_artifact_safely(uri, run_id, local_export, "checkpoint")
     if do_register and logged:
         try:
+            step = tags["step"]
             mv = registered_version(cfg.mlflow.registered_model, run_id, step, tracking_uri=uri)
             if mv is not None:  # a rerun of a finished run: nothing new, no alias moves
                 print(f"[{cfg.run.name}] step {step} is already registered as {cfg.mlflow.registered_model} "
                       f"v{mv.version}", flush=True)
             else:
-                tags = training_tags(cfg.model, data_manifest_hash=plan.manifest_hash, val_ppl=val_ppl,
-                                     run_name=cfg.run.name, step=step, **(extra_tags or {}))
+                tags = training_tags(cfg.model, data_manifest_hash=plan.manifest_hash,
+                                     tokenizer_hash=plan.tokenizer_hash, run_name=cfg.run.name, **tags)
                 mv = register_checkpoint(run_id, cfg.mlflow.registered_model, tags, tracking_uri=uri)
             version = str(mv.version)
         except Exception as e:  # noqa: BLE001 - the checkpoint is safe in storage; say how to register it
@@ -162,7 +169,12 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     prev = latest_checkpoint(run_dir)
 
     # ---- MLflow: one run per run name, reopened on resume ----
-    prev_id = json.loads(read_text(join(prev[1], "config.json"))).get("meta", {}).get("mlflow_run_id") if prev else None
+    prev_meta = json.loads(read_text(join(prev[1], "config.json"))).get("meta", {}) if prev else {}
+    if prev_meta.get("tokenizer_hash") and plan.tokenizer_hash and prev_meta["tokenizer_hash"] != plan.tokenizer_hash:
+        raise ConfigError(f"run {cfg.run.name!r} was trained on data of another tokenizer (hash "
+                          f"{prev_meta['tokenizer_hash'][:12]}) than data.train's ({plan.tokenizer_hash[:12]}); resume "
+                          "it on its own data or start a new run.name")
+    prev_id = prev_meta.get("mlflow_run_id")
     run_id = open_run(cfg, plan, uri, wd, prev_id, parent_run_id, extra_tags)
     if run_id is None:
         print(f"WARNING: MLflow at {uri} is unavailable at start; training without a run: the metrics wait in "
@@ -196,6 +208,7 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     loop = LoopConfig(
         cfg=cfg, run_id=run_id, tracking_uri=uri, val_split=plan.val_split, val_rows=plan.val_rows,
         manifest_hash=plan.manifest_hash, tokenizer_spec=plan.tokenizer_spec, tokenizer_path=plan.tokenizer_path,
+        tokenizer_hash=plan.tokenizer_hash,
         # torch threads = the worker's CPUs rounded half up (0.5 -> 1, 1.5 -> 2).
         threads=max(1, int(cfg.scaling.cpus_per_worker + 0.5)) if not local_mode else max(1, os.cpu_count() or 1),
         local_mode=local_mode, run_dir=run_dir, resume_dir=prev[1] if prev else None,
@@ -225,18 +238,23 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     final = latest_checkpoint(run_dir)
     if final is None:
         raise TrainError(f"training run {cfg.run.name!r} finished without a checkpoint in {run_dir}")
-    local_export = fetch_export(final[1], temp_dir("adlm-export-") / cfg.run.name)
-    val_ppl = metrics.get("val_ppl")
-    if val_ppl is None:
-        val_ppl = json.loads((local_export / "config.json").read_text()).get("meta", {}).get("val_ppl")
+    # What the run exports and registers: its best checkpoint by validation bound (METHOD.md section 7); the
+    # latest one stays in the run folder for resuming.
+    best = join(run_dir, BEST)
+    chosen = best if is_file(join(best, "config.json")) else final[1]
+    local_export = fetch_export(chosen, temp_dir("adlm-export-") / cfg.run.name)
+    chosen_meta = json.loads((local_export / "config.json").read_text()).get("meta", {})
+    best_step, best_val = int(chosen_meta.get("step", final[0])), chosen_meta.get("val_ppl")
+    val_ppl = metrics.get("val_ppl", best_val if chosen == final[1] else None)
 
     version = None
     do_register = cfg.mlflow.register if register is None else register
     if run_id is None:  # tracking was down at start: try again now that training is done
         run_id = open_run(cfg, plan, uri, wd, None, parent_run_id, extra_tags)
     if run_id is not None and tracking_reachable(uri):
-        version = _finish_tracking(cfg, plan, uri, wd, run_dir, run_id, final[0], local_export, val_ppl,
-                                   do_register, extra_tags)
+        version = _finish_tracking(cfg, plan, uri, wd, run_dir, run_id, local_export, do_register, {
+            **(extra_tags or {}), "step": best_step, "val_ppl": best_val, "final_step": final[0],
+            "checkpoint": "best" if chosen == best else "latest"})
     else:
         print(f"WARNING: MLflow at {uri} is unreachable: the run is trained (checkpoint {final[1]}) but its "
               f"metrics wait in {join(run_dir, SPOOL)} and it is not registered; run the same command again once "
@@ -244,8 +262,10 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     export = publish_dir(local_export, join(wd, "checkpoints", cfg.run.name))
     shutil.rmtree(local_export.parent, ignore_errors=True)
     if not quiet:
-        print(f"[{cfg.run.name}] done: step {final[0]}, validation PPL <= {val_ppl}, checkpoint {export}"
+        print(f"[{cfg.run.name}] done: step {final[0]}, validation PPL <= {val_ppl}; best step {best_step} (PPL <= "
+              f"{best_val}) exported to {export}"
               + (f", registered {cfg.mlflow.registered_model} v{version} @candidate" if version else ""), flush=True)
     return TrainResult(run_id=run_id or "", run_name=cfg.run.name, step=final[0], val_ppl=val_ppl,
                        checkpoint_dir=export, registered_version=version,
-                       model_name=cfg.mlflow.registered_model if version else None, metrics=metrics)
+                       model_name=cfg.mlflow.registered_model if version else None, metrics=metrics,
+                       best_step=best_step, best_val_ppl=best_val)

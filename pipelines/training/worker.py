@@ -1,0 +1,221 @@
+"""A training worker's live objects (``Worker``) and the first two steps of its loop: ``build`` (model, EMA,
+optimiser, schedule, DDP or FSDP) and ``resume`` (weights, optimiser, schedule, data position, RNG streams,
+the EMA's update count, the best validation bound and BD3-LM's training interval from a checkpoint).
+
+Everything here runs without Ray: ``LoopConfig`` is what the driver hands every worker."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from adlm_model import EMA, build_model, compute_loss
+from adlm_model.backbone import DiTBlock
+from adlm_model.checkpoint import load_state
+from adlm_model.losses import LossOutput
+from pipelines.seeds import TRAIN_DROPOUT, TRAIN_NOISE, derive_seed
+from pipelines.storage import (
+    download_dir,
+    local_path,
+)
+from pipelines.training.checkpoints import (
+    load_weights_and_optimizer,
+    step_of,
+)
+from pipelines.training.config import TrainConfig
+from pipelines.training.optim import build_optimizer, lr_factor
+
+# DDP and FSDP find the tensors of a module's output by flattening it: make LossOutput's fields visible.
+with contextlib.suppress(ValueError):  # already registered (a re-import)
+    pytree.register_dataclass(LossOutput)
+
+
+
+@dataclass
+class LoopConfig:
+    """What the driver hands every worker (pickled by Ray): the recipe and the facts about the run."""
+
+    cfg: TrainConfig
+    run_id: str | None
+    """MLflow run id (rank 0 logs metrics into it); None when tracking was unavailable at start."""
+    tracking_uri: str
+    val_split: str
+    val_rows: int
+    manifest_hash: str
+    tokenizer_spec: str
+    tokenizer_path: str | None
+    tokenizer_hash: str
+    """The data's tokenizer identity (manifest): stored in every checkpoint, checked on resume and evaluation."""
+    threads: int
+    """torch intra-op threads of each worker."""
+    local_mode: bool
+    """``scaling.num_workers == 0``: the loop runs in the driver and writes checkpoints to ``run_dir`` itself."""
+    run_dir: str
+    """The run's folder in Ray Train's storage (local or an object store)."""
+    resume_dir: str | None
+    """The driver's latest checkpoint of this run (used when Ray Train hands none, or an older one); a local
+    path or a URI."""
+    crash_at_step: int | None = None
+    """Fault injection (``pipelines.faults``): the last worker exits at this step, once."""
+    crash_marker: str | None = None
+
+
+class LossModule(torch.nn.Module):
+    """Runs the objective inside ``forward`` so that DDP/FSDP see the forward pass (gradient sync)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: Any) -> None:
+        super().__init__()
+        self.model, self.cfg = model, cfg
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, step: int, train: bool,
+                generator: torch.Generator) -> LossOutput:
+        return compute_loss(self.model, x, attention_mask, self.cfg, step=step, train=train, generator=generator)
+
+
+@dataclass
+class Worker:
+    """The live objects of one worker and its position in the run."""
+
+    lc: LoopConfig
+    rank: int
+    world: int
+    device: torch.device
+    raw: torch.nn.Module
+    """The model itself (checkpoints, EMA)."""
+    net: torch.nn.Module
+    """What the loop calls: the LossModule, wrapped in DDP or sharded by FSDP when distributed."""
+    ema: EMA
+    opt: torch.optim.Optimizer
+    sched: Any
+    noise: torch.Generator
+    distributed: bool
+    fsdp: bool
+    use_gpu: bool
+    step: int = 0
+    epoch: int = 0
+    position: int = 0
+    """Micro-batches of the current epoch already consumed by this worker."""
+    best_val: float = math.inf
+    """The best validation bound so far (its checkpoint is ``<run_dir>/best``: what the run registers)."""
+    clip: tuple[float, float] | None = None
+    """BD3-LM: the masking-rate interval training draws block times from (the last search's choice)."""
+    window: dict[str, Any] = field(default_factory=dict)
+    """Running sums since the last log line, kept on the device (one host sync per log interval)."""
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self.lc.cfg
+
+    @property
+    def accumulation(self) -> int:
+        return self.cfg.batch.global_batch // (self.cfg.batch.micro_batch * self.world)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        # bf16 autocast on GPU only: on CPU it is ~19x slower (ENVIRONMENT.md); the loss does its
+        # log-softmax/SUBS in float32 regardless (METHOD.md section 1).
+        if self.use_gpu and self.cfg.scaling.bf16:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(t)
+        return t
+
+
+# ------------------------------------------------------------------------------------------------------
+# The first steps
+
+
+def reset_window(w: Worker) -> None:
+    z = torch.zeros((), dtype=torch.float64, device=w.device)
+    w.window = {"t": time.perf_counter(), "steps": 0, "loss": z.clone(), "nll": z.clone(), "ntok": z.clone(),
+                "anc": z.clone(), "nanc": z.clone(), "gnorm": z.clone()}
+
+
+def build(lc: LoopConfig, rank: int, world: int, device: torch.device) -> Worker:
+    """Model (identical init on every rank), EMA, AdamW, the learning-rate schedule, DDP or FSDP."""
+    cfg = lc.cfg
+    r, o = cfg.run, cfg.optim
+    distributed = world > 1 and dist.is_available() and dist.is_initialized()
+    use_gpu = device.type == "cuda"
+    torch.manual_seed(r.seed)
+    raw = build_model(cfg.model).to(device)
+    module = LossModule(raw, cfg.model)
+    fsdp = distributed and cfg.scaling.strategy == "fsdp"
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for blk in [m for m in raw.modules() if isinstance(m, DiTBlock)]:
+            fully_shard(blk)
+        fully_shard(module)
+        net: torch.nn.Module = module
+    elif distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # The only buffers are rotary caches, identical on every rank: synced once at init, never per forward.
+        net = DDP(module, device_ids=[device.index] if use_gpu else None, forward_sync_buffers=False)
+    else:
+        net = module
+    ema = EMA(raw, cfg.ema, warmup=cfg.ema_warmup)
+    opt = build_optimizer(raw.parameters(), o)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, o.warmup_steps, o.schedule, r.max_steps, o.min_lr_ratio))
+    noise = torch.Generator(device=device)
+    noise.manual_seed(derive_seed(r.seed, TRAIN_NOISE, rank))
+    torch.manual_seed(derive_seed(r.seed, TRAIN_DROPOUT, rank))  # dropout differs per rank, reproducibly
+    w = Worker(lc=lc, rank=rank, world=world, device=device, raw=raw, net=net, ema=ema, opt=opt, sched=sched,
+               noise=noise, distributed=distributed, fsdp=fsdp, use_gpu=use_gpu)
+    reset_window(w)
+    return w
+
+
+def resume(w: Worker, ray_checkpoint_dir: str | None, ray_checkpoint_step: int = -1) -> int | None:
+    """Continue from the newer of Ray's checkpoint of this run (a restart; its local copy and the step in
+    its storage name) and the driver's scan (a rerun); returns the step resumed from, or None."""
+    d = ray_checkpoint_dir
+    fallback = w.lc.resume_dir
+    if d is None or (fallback and step_of(fallback) > ray_checkpoint_step):
+        d = fallback
+    if not d:
+        return None
+    if local_path(d) is None:  # the driver's scan of an object store: this node reads a copy
+        with tempfile.TemporaryDirectory(prefix="adlm-resume-") as tmp:
+            return resume(w, str(download_dir(d, tmp)), step_of(d))
+    d = Path(d)
+    state = load_weights_and_optimizer(d, w.raw, w.ema, w.opt, w.fsdp, w.device)
+    w.sched.load_state_dict(state["scheduler"])
+    # The EMA's update count (its warm-up position); checkpoints from before it was stored: one per step.
+    w.ema.num_updates = int(state.get("ema_updates", state["step"]))
+    w.best_val = float(state.get("best_val", math.inf))
+    if state.get("clip"):
+        set_training_clip(w, tuple(state["clip"]))
+    w.step, w.epoch, w.position = int(state["step"]), int(state["data"]["epoch"]), int(state["data"]["position"])
+    rng_file = d / f"rng_rank{w.rank}.json"
+    if rng_file.is_file() and int(state.get("world", w.world)) == w.world:
+        rng = load_state(d, f"rng_rank{w.rank}")
+        torch.set_rng_state(rng["torch"])
+        w.noise.set_state(rng["noise"].to(w.noise.get_state().device) if w.use_gpu else rng["noise"])
+        if w.use_gpu and rng.get("cuda") is not None:
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:  # another world size: data position and RNG streams cannot continue exactly
+        print(f"[rank {w.rank}] checkpoint written with another worker count: continuing with fresh RNG "
+              "streams (not bit-exact)", flush=True)
+    return w.step
+
+
+
+def set_training_clip(w: Worker, clip: tuple[float, float]) -> None:
+    """Train BD3-LM on block times drawn from ``clip`` = (beta, omega) from the next step on."""
+    w.clip = (float(clip[0]), float(clip[1]))
+    module = w.net.module if hasattr(w.net, "module") and isinstance(w.net.module, LossModule) else w.net
+    module.cfg = module.cfg.replace(clip_low=w.clip[0], clip_high=w.clip[1])
