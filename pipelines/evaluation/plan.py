@@ -65,32 +65,40 @@ class Plan:
 
 def resolve_model_ref(model: str, tracking_uri: str | None, workdir: str | os.PathLike | None) -> ModelRef:
     """A ``models:/`` URI (downloaded once into the cache) or a checkpoint directory."""
-    from pipelines.registry import get_version, resolve_model
+    from pipelines.registry import RegistryError, checkpoint_of, download_version, get_version, resolve_model
 
     if not model.startswith("models:/"):
         return ModelRef(uri=model, local_dir=str(resolve_model(model, tracking_uri)))
     mv = get_version(model, tracking_uri)
     from pipelines.evaluation.eval_lm import cache_root
 
+    def cached() -> Path | None:
+        try:
+            return checkpoint_of(dst) if dst.is_dir() else None
+        except RegistryError:
+            return None
+
     # Keyed by the version's identity, not only its number: the cache (ADLM_CACHE) may be shared by several
     # tracking stores, and a recreated registry numbers its versions from 1 again.
     ident = hashlib.sha256(f"{tracking_uri}|{mv.source}|{mv.run_id}".encode()).hexdigest()[:12]
     dst = cache_root(workdir) / "models" / f"{mv.name}-v{mv.version}-{ident}"
-    if not (dst / "config.json").is_file():
+    if cached() is None:
         uri = f"models:/{mv.name}/{mv.version}"
         # Downloaded beside its final place, so the rename is atomic (same filesystem) and nothing is left in /tmp.
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{mv.name}-v{mv.version}-", dir=dst.parent))
         try:
-            local = resolve_model(uri, tracking_uri, dst=tmp)
+            local = download_version(uri, tracking_uri, dst=tmp)
+            checkpoint_of(local)  # a version without a checkpoint fails here, not as a half-filled cache entry
             try:
                 os.replace(local, dst)
             except OSError:
-                if not (dst / "config.json").is_file():  # not a concurrent download that won: a real failure
+                if cached() is None:  # not a concurrent download that won: a real failure
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return ModelRef(uri=model, local_dir=str(dst), name=mv.name, version=str(mv.version), run_id=mv.run_id)
+    return ModelRef(uri=model, local_dir=str(checkpoint_of(dst)), name=mv.name, version=str(mv.version),
+                    run_id=mv.run_id)
 
 
 def _under_workdir(path: str, workdir: str | os.PathLike | None) -> str:

@@ -9,7 +9,8 @@ What ``train`` does, in order:
 3. A Ray Train ``TorchTrainer`` runs ``training.loop.train_loop_per_worker`` on ``scaling.num_workers``
    workers (DDP: gloo on CPU, nccl on GPU; or FSDP), or in the driver process with ``num_workers: 0``.
 4. At the end the final EMA checkpoint is logged as the run artifact ``checkpoint`` and registered
-   (alias ``candidate``), with a loss-curve plot.
+   (alias ``candidate``) as an MLflow Model logged into the run (``pipelines.registry``), with a
+   loss-curve plot.
 """
 
 from __future__ import annotations
@@ -176,7 +177,8 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
             try:
                 tags = training_tags(cfg.model, data_manifest_hash=plan.manifest_hash, val_ppl=val_ppl,
                                      run_name=cfg.run.name, step=final[0], **(extra_tags or {}))
-                mv = register_checkpoint(run_id, cfg.mlflow.registered_model, tags, tracking_uri=uri)
+                mv = register_checkpoint(run_id, cfg.mlflow.registered_model, tags, tracking_uri=uri,
+                                         checkpoint_dir=export)
                 version = str(mv.version)
             except Exception as e:  # noqa: BLE001
                 print(f"WARNING: registration failed ({type(e).__name__}: {e}); the checkpoint is at {export}",
