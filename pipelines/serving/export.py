@@ -105,9 +105,9 @@ def _is_export(d: Path) -> bool:
 
 
 def figures_of(tags: dict[str, str]) -> dict[str, str]:
-    """The evaluation figures among a version's tags (``FIGURES`` and ``zero_shot.*_ppl``)."""
-    return {k: v for k, v in sorted(tags.items())
-            if k in FIGURES or (k.startswith("zero_shot.") and k.endswith("_ppl"))}
+    """The evaluation figures among a version's tags: ``FIGURES`` in their order, then ``zero_shot.*_ppl``."""
+    zero_shot = sorted(k for k in tags if k.startswith("zero_shot.") and k.endswith("_ppl"))
+    return {k: tags[k] for k in [*FIGURES, *zero_shot] if k in tags}
 
 
 def model_card(src: _Source, cfg: Any, meta: dict[str, Any], parameters: int) -> str:
@@ -143,7 +143,8 @@ def model_card(src: _Source, cfg: Any, meta: dict[str, Any], parameters: int) ->
                   "| figure | value | settings |", "|---|---|---|"]
         for k, v in figures.items():
             label, _, settings = FIGURES.get(k, (f"Zero-shot perplexity ({k[10:-4]})", "ppl", ("eval.val_key",)))
-            shown = "; ".join(f"{s}: {src.tags[s]}" for s in settings if s in src.tags) or "training's own validation"
+            shown = "; ".join(f"{s}: {src.tags[s]}" for s in settings if s in src.tags) or (
+                "training's own validation (not yet evaluated)" if k == "val_ppl" else "not recorded")
             bound = "<= " if k.endswith("_ppl") and k != "gen_ppl" and kind.diffusion else ""
             lines.append(f"| {label} (`{k}`) | {bound}{v} | {shown} |")
         lines += ["", "Definitions (METHOD.md sections 1 and 6):", ""]
