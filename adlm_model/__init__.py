@@ -6,7 +6,9 @@ One concept a file: ``config`` (typed configs, presets), ``schedule`` (noise sch
 ``attention`` (flash-attn / SDPA), ``backbone`` (the DiT), ``models`` (MDLM, ADLM, AR networks),
 ``losses`` (SUBS, NELBO, ANELBO, AR NLL), ``samplers`` (MDLM, ReMDM-loop, AR), ``bd3lm`` (block
 diffusion), ``kinds`` (the table of model kinds and samplers: ``build_model``, ``compute_loss``,
-``sample``), ``ema``, ``checkpoint`` (safetensors + JSON).
+``sample``), ``ema``, ``checkpoint`` (safetensors + JSON), ``infill`` (prompt / suffix infilling at the token
+level), ``textgen`` (text in, text out: what ``pipelines.generate`` and the served model run; uses
+``tokenizers``), ``pretrained`` (the Hugging Face-style export folder).
 """
 
 from .bd3lm import (
@@ -21,19 +23,24 @@ from .bd3lm import (
 from .checkpoint import CheckpointError, load_checkpoint, load_state, save_checkpoint, save_state
 from .config import MODEL_KINDS, PRESETS, ConfigError, ModelConfig, preset
 from .ema import EMA
+from .infill import InfillLayout, infill, plan_infill
 from .kinds import KINDS, SAMPLERS, build_model, compute_loss, count_parameters, model_kind, sample
 from .losses import LossOutput, anchor_mask, gamma_at, subs_log_probs, subs_nll
 from .models import ADLM, AR, MDLM
+from .pretrained import load_pretrained, save_pretrained
 from .samplers import ReMDMLoop, SamplerError, nucleus, sample_categorical, transition_probs, unigram_entropy
 from .schedule import LogLinearSchedule, antithetic_times, mask_tokens
+from .textgen import Generation, GenerationError, GenerationRequest, SpecialTokens, TextGenerator, load_generator
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ADLM", "AR", "EMA", "KINDS", "MDLM", "MODEL_KINDS", "PRESETS", "SAMPLERS", "BlockSample", "CheckpointError",
-    "ClipSearchResult", "ConfigError", "LogLinearSchedule", "LossOutput", "ModelConfig", "ReMDMLoop", "SamplerError",
+    "ClipSearchResult", "ConfigError", "Generation", "GenerationError", "GenerationRequest", "InfillLayout",
+    "LogLinearSchedule", "LossOutput", "ModelConfig", "ReMDMLoop", "SamplerError", "SpecialTokens", "TextGenerator",
     "__version__", "anchor_mask", "antithetic_times", "bd3lm_objective", "block_diff_mask", "build_model",
-    "clip_intervals", "compute_loss", "count_parameters", "gamma_at", "load_checkpoint", "load_state", "mask_tokens",
-    "model_kind", "nucleus", "preset", "sample", "sample_blocks", "sample_categorical", "save_checkpoint",
-    "save_state", "search_clipped_schedule", "subs_log_probs", "subs_nll", "transition_probs", "unigram_entropy",
+    "clip_intervals", "compute_loss", "count_parameters", "gamma_at", "infill", "load_checkpoint", "load_generator",
+    "load_pretrained", "load_state", "mask_tokens", "model_kind", "nucleus", "plan_infill", "preset", "sample",
+    "sample_blocks", "sample_categorical", "save_checkpoint", "save_pretrained", "save_state",
+    "search_clipped_schedule", "subs_log_probs", "subs_nll", "transition_probs", "unigram_entropy",
 ]

@@ -1,14 +1,18 @@
 """The MLflow model registry as the pipeline uses it.
 
-Contract shared by training, tuning and evaluation:
+Contract shared by training, tuning, evaluation and serving:
 
-- A checkpoint directory (``adlm_model.checkpoint`` layout: ``config.json``, ``model.safetensors``,
-  ``ema.safetensors``) is logged as the run artifact folder ``checkpoint`` and registered with
-  ``create_model_version(name, source=<artifact URI of that folder>, run_id=...)``.
-- Versions carry tags (``kind``, ``gamma``, ``tau``, ``data_manifest_hash``, ``val_ppl``,
-  ``checkpoint_uri``, ...) and aliases (``candidate``, ``champion``); stages are never used.
+- Training logs its exported checkpoint folder (``adlm_model.checkpoint`` layout: ``config.json``,
+  ``model.safetensors``, ``ema.safetensors``, ``tokenizer.json``) as the run artifact ``checkpoint``.
+- ``register_checkpoint`` turns it into an MLflow Model logged into that run (pyfunc, models-from-code:
+  ``pipelines.serving.mlflow_model``) and registers that model as a new version, with the run id, tags
+  (``kind``, ``gamma``, ``tau``, ``data_manifest_hash``, ``val_ppl``, ``checkpoint_uri``, ...) and aliases
+  (``candidate``, ``champion``); stages are never used. ``mlflow.pyfunc.load_model("models:/adlm@champion")``
+  and ``mlflow models serve`` work on every version.
 - ``resolve_model(uri)`` accepts ``models:/name@alias``, ``models:/name/3`` or a local checkpoint
-  directory and returns a local directory to ``load_checkpoint`` from.
+  directory and returns a local checkpoint directory to ``load_checkpoint`` from: for a version, the
+  checkpoint folder inside its downloaded MLflow Model (or, for a version registered before versions
+  were MLflow Models, the bare folder itself).
 """
 
 from __future__ import annotations
@@ -40,19 +44,50 @@ def training_tags(model_cfg: Any, **extra: Any) -> dict[str, Any]:
 
 
 def register_checkpoint(run_id: str, name: str, tags: dict[str, Any], *, tracking_uri: str | None = None,
-                        aliases: tuple[str, ...] = ("candidate",), artifact_path: str = CHECKPOINT_ARTIFACT):
-    """Register the run's logged checkpoint folder as a new version with tags and aliases."""
-    c = client(tracking_uri)
+                        aliases: tuple[str, ...] = ("candidate",), artifact_path: str = CHECKPOINT_ARTIFACT,
+                        checkpoint_dir: str | os.PathLike | None = None):
+    """Log the run's checkpoint as an MLflow Model into the run and register it as a new version of ``name``
+    with ``tags`` (plus ``checkpoint_uri``) and ``aliases``; returns the ModelVersion.
+
+    The checkpoint is the run's artifact folder ``artifact_path``; ``checkpoint_dir``, a local copy of it,
+    saves the download. A checkpoint that lacks a file raises RegistryError before anything is registered.
+    """
+    import tempfile
+
+    import mlflow
+
+    from pipelines.serving.mlflow_model import ModelPackagingError, log_text_model, using_tracking_uri
+    from pipelines.tracking import resolve_tracking_uri
+
+    uri = tracking_uri or resolve_tracking_uri()
+    c = client(uri)
+    source = c.get_run(run_id).info.artifact_uri.rstrip("/") + "/" + artifact_path
+    with tempfile.TemporaryDirectory(prefix="adlm-register-") as tmp:
+        local = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        if local is None:
+            try:
+                local = Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=artifact_path,
+                                                                 dst_path=str(Path(tmp) / "download"),
+                                                                 tracking_uri=uri))
+            except Exception as e:  # any store error: say which artifact is missing
+                raise RegistryError(f"run {run_id} has no artifact folder {artifact_path!r} to register "
+                                    f"({type(e).__name__}); log the checkpoint first") from e
+        try:
+            info = log_text_model(run_id, local, uri, Path(tmp) / "staged")
+        except ModelPackagingError as e:
+            raise RegistryError(str(e)) from e
     try:
         c.get_registered_model(name)
     except Exception:  # noqa: BLE001 - RESOURCE_DOES_NOT_EXIST
         try:
-            c.create_registered_model(name, description="ADLM pipeline checkpoints (safetensors + JSON config)")
+            c.create_registered_model(name, description="ADLM pipeline models: MLflow pyfunc models (text in, "
+                                                        "text out) holding a safetensors checkpoint")
         except Exception:  # noqa: BLE001 - created concurrently
             pass
-    source = c.get_run(run_id).info.artifact_uri.rstrip("/") + "/" + artifact_path
-    mv = c.create_model_version(name, source=source, run_id=run_id,
-                                     tags={k: str(v) for k, v in {**tags, "checkpoint_uri": source}.items()})
+    # The version keeps the run id (evaluation and promotion read it) and links the logged model.
+    with using_tracking_uri(uri):
+        mv = c.create_model_version(name, source=info.model_uri, run_id=run_id, model_id=info.model_id,
+                                    tags={k: str(v) for k, v in {**tags, "checkpoint_uri": source}.items()})
     for alias in aliases:
         c.set_registered_model_alias(name, alias, mv.version)
     return mv
@@ -92,6 +127,32 @@ def get_version(uri: str, tracking_uri: str | None = None):
                             f"list versions with `mlflow models` or the UI, or pass a checkpoint directory") from e
 
 
+def download_version(uri: str, tracking_uri: str | None = None, dst: str | os.PathLike | None = None) -> Path:
+    """Download the files of the version a ``models:/`` URI names; returns the local folder (an MLflow Model,
+    or a bare checkpoint folder for a version registered before versions were MLflow Models)."""
+    import mlflow
+
+    mv = get_version(uri, tracking_uri)
+    location = client(tracking_uri).get_model_version_download_uri(mv.name, mv.version)
+    local = mlflow.artifacts.download_artifacts(artifact_uri=location, dst_path=str(dst) if dst else None,
+                                                tracking_uri=tracking_uri)
+    return Path(local)
+
+
+def checkpoint_of(local: str | os.PathLike) -> Path:
+    """The checkpoint folder of a downloaded version (``download_version``), or RegistryError."""
+    from pipelines.serving.mlflow_model import checkpoint_in_model
+
+    root = Path(local)
+    inner = checkpoint_in_model(root)
+    if inner is not None and (inner / "config.json").is_file():
+        return inner
+    if (root / "config.json").is_file():
+        return root
+    raise RegistryError(f"{root} holds neither an MLflow Model with a checkpoint artifact nor a checkpoint "
+                        "(config.json): re-register the model from its training run")
+
+
 def resolve_model(uri: str, tracking_uri: str | None = None, dst: str | os.PathLike | None = None) -> Path:
     """A local checkpoint directory for a registry URI or a path."""
     if not uri.startswith("models:/"):
@@ -99,9 +160,4 @@ def resolve_model(uri: str, tracking_uri: str | None = None, dst: str | os.PathL
         if not (p / "config.json").is_file():
             raise RegistryError(f"{uri} is neither a models:/ URI nor a checkpoint directory with config.json")
         return p
-    mv = get_version(uri, tracking_uri)
-    import mlflow
-
-    local = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst) if dst else None,
-                                                tracking_uri=tracking_uri)
-    return Path(local)
+    return checkpoint_of(download_version(uri, tracking_uri, dst))

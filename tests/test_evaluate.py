@@ -172,6 +172,7 @@ def test_shared_cache_never_confuses_version_1_of_two_stores(art, tmp_path, monk
     from pipelines.evaluation.plan import resolve_model_ref
 
     monkeypatch.setenv("ADLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("ADLM_WORKDIR", str(tmp_path / "work"))  # the registered files, not under ./work
     got = {}
     for kind in ("mdlm", "adlm"):
         uri = f"sqlite:///{tmp_path / kind}.db"
@@ -180,8 +181,12 @@ def test_shared_cache_never_confuses_version_1_of_two_stores(art, tmp_path, monk
         assert ref.version == "1"
         got[kind] = Path(ref.local_dir)
     assert got["mdlm"] != got["adlm"]
-    # Downloads go through a temporary folder beside the cache entry, removed afterwards (they leaked into /tmp).
-    assert sorted(p.name for p in got["mdlm"].parent.iterdir()) == sorted(p.name for p in got.values())
+    # Downloads go through a temporary folder beside the cache entry, removed afterwards (they leaked into /tmp):
+    # the cache holds exactly one entry per version, each the MLflow Model whose checkpoint was resolved.
+    entries = sorted((tmp_path / "cache" / "models").iterdir())
+    assert len(entries) == 2 and all((e / "MLmodel").is_file() for e in entries)
+    assert sorted(e.name for e in entries) == sorted(next(e.name for e in entries if d.is_relative_to(e))
+                                                     for d in got.values())
     for kind, d in got.items():
         want, have = load_file(art[kind] / "model.safetensors"), load_file(d / "model.safetensors")
         assert want.keys() == have.keys() and all(torch.equal(want[k], have[k]) for k in want), kind

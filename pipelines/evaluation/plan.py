@@ -86,8 +86,9 @@ def resolve_model_ref(model: str, tracking_uri: str | None, cache: str | os.Path
     """A local folder of ``model`` on this node: a ``models:/`` URI or a checkpoint in an object store is
     downloaded once into the node's cache (``cache``, default ``storage.cache_dir()``); a local checkpoint
     folder is used as it is. Every node resolves for itself: the driver plans with it, and each evaluation
-    task loads its model with it where it runs."""
-    from pipelines.registry import get_version, resolve_model
+    task loads its model with it where it runs. A registered version is an MLflow Model whose checkpoint is a
+    folder inside it (``registry.checkpoint_of``)."""
+    from pipelines.registry import RegistryError, checkpoint_of, download_version, get_version, resolve_model
 
     models = Path(cache) / "models" if cache else cache_dir(None, "models")
     if is_uri(model):
@@ -107,20 +108,33 @@ def resolve_model_ref(model: str, tracking_uri: str | None, cache: str | os.Path
         return ModelRef(uri=model, local_dir=str(resolve_model(model, tracking_uri)))
     mv = get_version(model, tracking_uri)
 
+    def cached() -> Path | None:
+        try:
+            return checkpoint_of(dst) if dst.is_dir() else None
+        except RegistryError:
+            return None
+
     # Keyed by the version's identity, not only its number: the cache (ADLM_CACHE) may be shared by several
     # tracking stores, and a recreated registry numbers its versions from 1 again.
     ident = hashlib.sha256(f"{tracking_uri}|{mv.source}|{mv.run_id}".encode()).hexdigest()[:12]
     dst = models / f"{mv.name}-v{mv.version}-{ident}"
-    if not (dst / "config.json").is_file():
+    if cached() is None:
         uri = f"models:/{mv.name}/{mv.version}"
         # Downloaded beside its final place, so the rename is atomic (same filesystem) and nothing is left in /tmp.
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{mv.name}-v{mv.version}-", dir=dst.parent))
         try:
-            _settle(resolve_model(uri, tracking_uri, dst=tmp), dst)
+            local = download_version(uri, tracking_uri, dst=tmp)
+            checkpoint_of(local)  # a version without a checkpoint fails here, not as a half-filled cache entry
+            try:
+                os.replace(local, dst)
+            except OSError:
+                if cached() is None:  # not a concurrent download that won: a real failure
+                    raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return ModelRef(uri=model, local_dir=str(dst), name=mv.name, version=str(mv.version), run_id=mv.run_id)
+    return ModelRef(uri=model, local_dir=str(checkpoint_of(dst)), name=mv.name, version=str(mv.version),
+                    run_id=mv.run_id)
 
 
 def _settle(local: str | os.PathLike, dst: Path) -> None:

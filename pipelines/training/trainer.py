@@ -9,7 +9,8 @@ What ``train`` does, in order:
 3. A Ray Train ``TorchTrainer`` runs ``training.loop.train_loop_per_worker`` on ``scaling.num_workers``
    workers (DDP: gloo on CPU, nccl on GPU; or FSDP), or in the driver process with ``num_workers: 0``.
 4. At the end the final EMA checkpoint is logged as the run artifact ``checkpoint`` and registered
-   (alias ``candidate``), with a loss-curve plot.
+   (alias ``candidate``) as an MLflow Model logged into the run (``pipelines.registry``), with a
+   loss-curve plot.
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_di
             else:
                 tags = training_tags(cfg.model, data_manifest_hash=plan.manifest_hash,
                                      tokenizer_hash=plan.tokenizer_hash, run_name=cfg.run.name, **tags)
-                mv = register_checkpoint(run_id, cfg.mlflow.registered_model, tags, tracking_uri=uri)
+                mv = register_checkpoint(run_id, cfg.mlflow.registered_model, tags, tracking_uri=uri,
+                                         checkpoint_dir=local_export)
             version = str(mv.version)
         except Exception as e:  # noqa: BLE001 - the checkpoint is safe in storage; say how to register it
             print(f"WARNING: registration failed ({type(e).__name__}: {e}); rerun the same command to register "

@@ -1,0 +1,77 @@
+"""A Hugging Face-style model folder: what ``python -m pipelines.export`` writes and ``load_pretrained`` reads.
+
+Layout::
+
+    config.json        Hugging Face-style keys (model_type, architectures, torch_dtype, *_token_id) plus
+                       {"model": ModelConfig, "meta": provenance}: the checkpoint layout's two keys, so
+                       ``checkpoint.load_checkpoint`` reads the folder too
+    model.safetensors  the weights the registered version serves: the EMA parameters with the model's
+                       buffers, one file, no EMA twin ("format": "pt" metadata, as the Hub expects)
+    tokenizer.json     the tokenizer the model was trained with
+    README.md          the model card (written by the exporter)
+
+safetensors + JSON only. ``load_pretrained`` rebuilds the network from config.json and loads the weights
+bit for bit; ``textgen.TextGenerator.from_dir`` generates from the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .checkpoint import CheckpointError, _atomic_json, _atomic_safetensors, load_checkpoint
+from .config import ModelConfig
+
+PRETRAINED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+MODEL_TYPE = "adlm"
+
+
+def save_pretrained(directory: str | os.PathLike, model: nn.Module, cfg: ModelConfig, *, tokenizer_json: str | os.PathLike,
+                    special_tokens: dict[str, int | None], meta: dict[str, Any] | None = None) -> Path:
+    """Write ``config.json``, ``model.safetensors`` (``model``'s state as it is: pass the EMA-loaded model)
+    and ``tokenizer.json`` into ``directory``; returns it. ``special_tokens``: ``bos_id``, ``eos_id``,
+    ``pad_id``, ``mask_id``."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    dtypes = {str(v.dtype).removeprefix("torch.") for v in state.values() if v.is_floating_point()}
+    _atomic_safetensors(d / "model.safetensors", state, metadata={"format": "pt"})
+    shutil.copyfile(tokenizer_json, d / "tokenizer.json")
+    config = {
+        "model_type": MODEL_TYPE,
+        "architectures": [type(model).__name__],
+        "adlm_kind": cfg.kind,
+        "torch_dtype": dtypes.pop() if len(dtypes) == 1 else "float32",
+        **{f"{k.removesuffix('_id')}_token_id": v for k, v in special_tokens.items()},
+        "model": cfg.to_dict(),
+        "meta": meta or {},
+    }
+    _atomic_json(d / "config.json", config)
+    return d
+
+
+def load_pretrained(directory: str | os.PathLike, *, map_location: str | torch.device = "cpu",
+                    expect: dict[str, Any] | None = None) -> tuple[nn.Module, ModelConfig, dict[str, Any]]:
+    """The model of a ``save_pretrained`` folder in eval mode, its config and its provenance (``meta``).
+
+    One clear line when a file is missing or the folder is not an ADLM export."""
+    d = Path(directory)
+    missing = [f for f in PRETRAINED_FILES if not (d / f).is_file()]
+    if missing:
+        raise CheckpointError(f"{d} is not an exported model: missing {', '.join(missing)} "
+                              "(write one with python -m pipelines.export)")
+    head = json.loads((d / "config.json").read_text())
+    if head.get("model_type") != MODEL_TYPE or "model" not in head:
+        raise CheckpointError(f"{d}/config.json is not an ADLM export (model_type {head.get('model_type')!r}); "
+                              "export the model with python -m pipelines.export")
+    model, cfg, meta = load_checkpoint(d, expect=expect, use_ema=False, map_location=map_location)
+    return model.eval(), cfg, meta
+
+
+__all__ = ["MODEL_TYPE", "PRETRAINED_FILES", "load_pretrained", "save_pretrained"]

@@ -1,0 +1,298 @@
+"""Text in, text out: the one generator behind ``python -m pipelines.generate`` and the served MLflow model.
+
+``TextGenerator`` holds a model (EMA weights, as ``checkpoint.load_checkpoint`` loads them by default), its
+``tokenizers`` tokenizer (from ``tokenizer.json``) and its special ids. ``check`` validates a
+``GenerationRequest`` and encodes it (cheap, before any network runs: one ``GenerationError`` line naming
+the fix); ``generate`` samples with ``infill.infill`` and decodes. Both callers go through these two
+methods, so the same request and seed give the same text from either.
+
+Decoding: the new tokens are decoded in context (prompt + new + suffix ids together, then the decoded
+prompt and suffix cut off), and the text is ``prompt + completion + suffix`` with the caller's own strings,
+so it always starts with the prompt and ends with the suffix. For a byte-level BPE (GPT-2's, the demo's)
+this is exactly the decoding of the whole row. Special tokens the model generates (EOS between documents)
+stay visible in the completion; mask and pad ids are dropped.
+
+The only dependencies are ``torch``, ``safetensors`` and ``tokenizers`` (imported lazily): the served model
+ships this package and nothing of ``pipelines``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import numbers
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .checkpoint import CheckpointError, load_checkpoint
+from .config import ConfigError, ModelConfig
+from .infill import infill, plan_infill
+from .kinds import get_sampler, model_kind
+from .samplers import Progress, SamplerError, check_sample_args
+
+SPECIAL_TOKENS_FILE = "special_tokens.json"
+"""``{"bos_id", "eos_id", "pad_id", "mask_id"}`` beside the checkpoint of a registered model."""
+
+DEFAULT_LENGTH = 64
+DEFAULT_STEPS = 128
+DEFAULT_NUCLEUS_P = 0.9
+"""Defaults of a request: METHOD.md section 4's reference nucleus; T kept small enough for a CPU."""
+
+
+MAX_SEED = 2 ** 53
+"""Seeds lie below 2**53: exact in a JSON number (a double), so a reported seed sent back reproduces the text."""
+
+
+class GenerationError(ValueError):
+    """A request that cannot be served (bad length, steps, sampler, text); the message says the fix."""
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The tokenizer's special ids that generation needs."""
+
+    bos_id: int | None
+    """Opens every row (training rows are BOS ... EOS); None: the rows have no BOS."""
+    eos_id: int | None
+    """Ends a document; kept visible in completions."""
+    pad_id: int | None
+    """Padding; dropped from completions (unless it is EOS)."""
+    mask_id: int
+    """The absorbing mask id; never part of a completion."""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpecialTokens:
+        def opt(k: str) -> int | None:
+            return None if d.get(k) is None else int(d[k])
+
+        return cls(bos_id=opt("bos_id"), eos_id=opt("eos_id"), pad_id=opt("pad_id"), mask_id=int(d["mask_id"]))
+
+    def to_dict(self) -> dict[str, int | None]:
+        return {"bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id, "mask_id": self.mask_id}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What a caller asks for (one row of a served request, one ``pipelines.generate`` call)."""
+
+    prompt: str = ""
+    """Text the output starts with."""
+    suffix: str = ""
+    """Text the output ends with (infilling; not for AR)."""
+    length: int = DEFAULT_LENGTH
+    """Tokens generated between prompt and suffix."""
+    steps: int = DEFAULT_STEPS
+    """Diffusion steps T (per block for bd3lm; ignored by ar)."""
+    sampler: str | None = None
+    """A sampler of ``adlm_model.SAMPLERS``; None: the model kind's default."""
+    nucleus_p: float = DEFAULT_NUCLEUS_P
+    """Top-p at every draw (1 = off)."""
+    seed: int | None = None
+    """Seed of the sampling generator; None: a fresh random one (reported in the result)."""
+    num_samples: int = 1
+    """Samples drawn together (one batch, one generator)."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generated text and how it was made."""
+
+    text: str
+    """``prompt + completion + suffix``."""
+    completion: str
+    """The generated part alone."""
+    new_tokens: int
+    """Tokens generated (the request's length)."""
+    seconds: float
+    """Wall-clock seconds of the call that produced it (encoding, sampling, decoding)."""
+    seed: int
+    sampler: str
+    steps: int
+
+
+@dataclass(frozen=True)
+class _Checked:
+    request: GenerationRequest
+    sampler: str
+    seed: int
+    prompt_ids: list[int]
+    suffix_ids: list[int]
+
+
+def _number(name: str, value: Any) -> float | int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise GenerationError(f"{name} must be a number, got {value!r}")
+    return value
+
+
+def _as_int(name: str, value: Any) -> int:
+    v = _number(name, value)
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if not math.isfinite(v) or v != int(v):
+        raise GenerationError(f"{name} must be an integer, got {value!r}")
+    return int(v)
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path))
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+class TextGenerator:
+    """A model, its tokenizer and special ids; ``check`` and ``generate`` requests (module docstring)."""
+
+    def __init__(self, model: nn.Module, cfg: ModelConfig, tokenizer: Any, specials: SpecialTokens) -> None:
+        if specials.mask_id != cfg.mask_id:
+            raise CheckpointError(f"tokenizer mask id {specials.mask_id} differs from the model's {cfg.mask_id}: "
+                                  "the tokenizer.json does not belong to this checkpoint")
+        self.model, self.cfg, self.tokenizer, self.specials = model.eval(), cfg, tokenizer, specials
+        self.device = next(model.parameters()).device
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike, *, specials: SpecialTokens | None = None,
+                 device: str | torch.device = "auto") -> TextGenerator:
+        """Load a checkpoint folder (``checkpoint`` layout, EMA weights when present) or an exported one
+        (``pretrained``). Special ids: ``specials``, else ``special_tokens.json``, else the ``*_token_id``
+        keys of an export's config.json."""
+        d = Path(directory)
+        if not (d / "tokenizer.json").is_file():
+            raise CheckpointError(f"{d} has no tokenizer.json: generation needs the tokenizer the model was trained "
+                                  "with (a registered version or a training checkpoint carries it)")
+        specials = specials or read_special_tokens(d)
+        if specials is None:
+            raise CheckpointError(f"{d} names no special tokens ({SPECIAL_TOKENS_FILE} or config.json "
+                                  "*_token_id): pass specials=SpecialTokens(...)")
+        dev = resolve_device(device)
+        model, cfg, _ = load_checkpoint(d, map_location=dev)
+        return cls(model, cfg, _load_tokenizer(d / "tokenizer.json"), specials)
+
+    # -- requests -------------------------------------------------------------------------------------
+    def request(self, **fields: Any) -> GenerationRequest:
+        """A request from loose fields (a served row: missing or None fields take their defaults)."""
+        known = [f.name for f in dataclasses.fields(GenerationRequest)]
+        unknown = sorted(set(fields) - set(known))
+        if unknown:
+            raise GenerationError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        given = {k: v for k, v in fields.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+        for k in ("length", "steps", "seed", "num_samples"):
+            if k in given:
+                given[k] = _as_int(k, given[k])
+        for k in ("prompt", "suffix", "sampler"):
+            if k in given and not isinstance(given[k], str):
+                raise GenerationError(f"{k} must be a string, got {type(given[k]).__name__}")
+        if "nucleus_p" in given:
+            given["nucleus_p"] = float(_number("nucleus_p", given["nucleus_p"]))
+        return GenerationRequest(**given)
+
+    def check(self, req: GenerationRequest) -> _Checked:
+        """Validate and encode ``req`` (no network call); GenerationError names the problem and the fix."""
+        validate_request(req)
+        sampler = req.sampler or model_kind(self.cfg.kind).default_sampler
+        prompt_ids, suffix_ids = self._encode(req.prompt, "prompt"), self._encode(req.suffix, "suffix")
+        try:
+            plan_infill(self.cfg, sampler, len(prompt_ids), req.length, len(suffix_ids), self.specials.bos_id)
+        except (SamplerError, ConfigError) as e:
+            raise GenerationError(str(e)) from e
+        seed = req.seed if req.seed is not None else secrets.randbits(53)
+        return _Checked(req, sampler, seed, prompt_ids, suffix_ids)
+
+    def _encode(self, text: str, what: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
+        if self.cfg.mask_id in ids:
+            raise GenerationError(f"the {what} contains the mask token "
+                                  f"{self.tokenizer.id_to_token(self.cfg.mask_id)!r}: remove it")
+        return ids
+
+    def generate(self, req: GenerationRequest | _Checked, progress: Progress | None = None) -> list[Generation]:
+        """``req.num_samples`` generations (seeded by ``req.seed``); see the module docstring."""
+        t0 = time.perf_counter()
+        c = req if isinstance(req, _Checked) else self.check(req)
+        r = c.request
+        g = torch.Generator(device=self.device).manual_seed(c.seed)
+        ids = infill(self.model, self.cfg, c.prompt_ids, c.suffix_ids, new_tokens=r.length, steps=r.steps,
+                     sampler=c.sampler, nucleus_p=r.nucleus_p, generator=g, num_samples=r.num_samples,
+                     bos_id=self.specials.bos_id, progress=progress)
+        completions = [self.decode_between(c.prompt_ids, row, c.suffix_ids) for row in ids.cpu().tolist()]
+        seconds = time.perf_counter() - t0
+        return [Generation(text=r.prompt + comp + r.suffix, completion=comp, new_tokens=r.length, seconds=seconds,
+                           seed=c.seed, sampler=c.sampler, steps=r.steps) for comp in completions]
+
+    def decode_between(self, prompt_ids: list[int], new_ids: list[int], suffix_ids: list[int]) -> str:
+        """Text of ``new_ids`` as it reads between the prompt and the suffix (module docstring)."""
+        drop = {self.cfg.mask_id, self.specials.mask_id}
+        if self.specials.pad_id is not None and self.specials.pad_id != self.specials.eos_id:
+            drop.add(self.specials.pad_id)
+        new = [i for i in new_ids if i not in drop and 0 <= i < self.vocab_size]
+
+        def dec(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
+
+        whole, head, tail = dec(prompt_ids + new + suffix_ids), dec(prompt_ids), dec(suffix_ids)
+        if whole.startswith(head) and whole.endswith(tail) and len(whole) >= len(head) + len(tail):
+            return whole[len(head):len(whole) - len(tail)]
+        return dec(new)  # a decoder that merges across the boundaries: the new tokens alone
+
+
+def validate_request(req: GenerationRequest) -> GenerationRequest:
+    """The checks that need no model (counts, ranges, a known sampler): run before loading one."""
+    if req.num_samples < 1:
+        raise GenerationError(f"num_samples must be >= 1, got {req.num_samples}")
+    if req.seed is not None and not 0 <= req.seed < MAX_SEED:
+        raise GenerationError(f"seed must lie in [0, 2**53), got {req.seed}")
+    try:
+        check_sample_args(ModelConfig(), req.num_samples, req.length, req.steps, req.nucleus_p, torch.Generator())
+        if req.sampler is not None:
+            get_sampler(req.sampler)
+    except SamplerError as e:
+        raise GenerationError(str(e)) from e
+    return req
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto``: the GPU when there is one, else the CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def read_special_tokens(directory: str | os.PathLike) -> SpecialTokens | None:
+    """``special_tokens.json`` (a registered model) or an export's config.json ``*_token_id`` keys."""
+    d = Path(directory)
+    if (d / SPECIAL_TOKENS_FILE).is_file():
+        return SpecialTokens.from_dict(json.loads((d / SPECIAL_TOKENS_FILE).read_text()))
+    cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
+    if "mask_token_id" in cfg:
+        return SpecialTokens.from_dict({k: cfg.get(f"{k[:-3]}_token_id") for k in ("bos_id", "eos_id", "pad_id",
+                                                                                  "mask_id")})
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def _cached(path: str, device: str) -> TextGenerator:
+    return TextGenerator.from_dir(path, device=device)
+
+
+def load_generator(directory: str | os.PathLike, device: str = "auto") -> TextGenerator:
+    """``TextGenerator.from_dir``, loaded once per process and folder (the served model loads on its first
+    request and keeps the weights)."""
+    return _cached(str(Path(directory).resolve()), str(resolve_device(device)))
+
+
+__all__ = ["DEFAULT_LENGTH", "DEFAULT_NUCLEUS_P", "DEFAULT_STEPS", "MAX_SEED", "SPECIAL_TOKENS_FILE", "Generation",
+           "GenerationError", "GenerationRequest", "SpecialTokens", "TextGenerator", "load_generator",
+           "read_special_tokens", "resolve_device", "validate_request"]

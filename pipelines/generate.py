@@ -1,0 +1,87 @@
+"""Generate text with a registered model version, a checkpoint or an exported model.
+
+    python -m pipelines.generate --model models:/adlm@champion --prompt "In the beginning" --length 32
+    python -m pipelines.generate --model models:/adlm@champion --prompt "In the beginning" \\
+        --suffix " and the earth." --length 24 --steps 256 --seed 7 --num-samples 2 --json
+
+Infilling (``--suffix``) works with the diffusion kinds (MDLM, ADLM: both sides seen at every step) and
+block-wise with BD3-LM (which also generates beyond the training length); an AR model continues a prompt.
+The machinery is ``pipelines/serving/generate.py``; generation itself is ``adlm_model.textgen``, the code
+the served MLflow model runs, so the same settings and seed give the same text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from adlm_model.textgen import DEFAULT_LENGTH, DEFAULT_NUCLEUS_P, DEFAULT_STEPS, GenerationRequest, validate_request
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pipelines.generate", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Generate text: continue a prompt, or fill in between a prompt and a suffix.",
+        epilog="examples:\n  python -m pipelines.generate --model models:/adlm@champion --prompt 'In the beginning'\n"
+               "  python -m pipelines.generate --model models:/adlm@champion --prompt 'In the beginning' "
+               "--suffix ' the earth.' --length 24 --seed 7 --json")
+    p.add_argument("--model", required=True,
+                   help="models:/NAME@ALIAS, models:/NAME/VERSION, a checkpoint folder or an exported folder")
+    p.add_argument("--prompt", default="", help="text the output starts with (default: empty)")
+    p.add_argument("--suffix", default="", help="text the output ends with: infilling (diffusion kinds; "
+                                                "block-wise for BD3-LM; not for AR)")
+    p.add_argument("--length", type=int, default=DEFAULT_LENGTH,
+                   help=f"tokens to generate between prompt and suffix (default {DEFAULT_LENGTH}); prompt, length "
+                        "and suffix must fit the model's context unless the sampler is bd3lm")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                   help=f"diffusion steps T (per block for bd3lm; ignored by ar; default {DEFAULT_STEPS})")
+    p.add_argument("--sampler", default=None,
+                   help="mdlm, remdm-loop, ar or bd3lm (default: the model kind's own: remdm-loop for MDLM/ADLM, "
+                        "ar, bd3lm)")
+    p.add_argument("--nucleus-p", type=float, default=DEFAULT_NUCLEUS_P,
+                   help=f"top-p at every draw, 1 = off (default {DEFAULT_NUCLEUS_P})")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random, reported with --json)")
+    p.add_argument("--num-samples", type=int, default=1, help="samples drawn together (default 1)")
+    p.add_argument("--device", default="auto", help="auto (GPU when there is one), cpu, cuda, cuda:1, ...")
+    p.add_argument("--workdir", help="work directory (default: $ADLM_WORKDIR or ./work): tracking store and cache")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the workdir's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per sample (a JSON list)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from adlm_model.checkpoint import CheckpointError
+    from adlm_model.config import ConfigError
+    from adlm_model.textgen import GenerationError
+    from pipelines.data.tokenizer import TokenizerError
+    from pipelines.registry import RegistryError
+    from pipelines.runtime import quiet_environment
+    from pipelines.serving.generate import as_json_rows, open_generator, run_generation
+
+    quiet_environment()
+    request = GenerationRequest(prompt=args.prompt, suffix=args.suffix, length=args.length, steps=args.steps,
+                                sampler=args.sampler, nucleus_p=args.nucleus_p, seed=args.seed,
+                                num_samples=args.num_samples)
+    try:
+        validate_request(request)  # what needs no model fails before one is downloaded or loaded
+        loaded = open_generator(args.model, tracking_uri=args.tracking_uri, workdir=args.workdir, device=args.device)
+        out = run_generation(loaded, request, progress=not args.quiet)
+    except (GenerationError, RegistryError, CheckpointError, ConfigError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(as_json_rows(loaded, out), indent=2, ensure_ascii=False))
+    else:
+        for i, g in enumerate(out):
+            if len(out) > 1:
+                print(f"--- sample {i + 1} of {len(out)} ---")
+            print(g.text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""The machinery of ``python -m pipelines.export``: a registered version as a Hugging Face-style folder.
+
+``export_model(uri, out)`` writes (``adlm_model.pretrained`` layout):
+
+- ``config.json``: the ``ModelConfig``, the special token ids and the provenance (registered model, version,
+  run id, the version's tags, the checkpoint's own meta: step, run name, data manifest hash, training config);
+- ``model.safetensors``: the weights the version serves (EMA parameters with the model's buffers);
+- ``tokenizer.json``;
+- ``README.md``: the model card, with the evaluation figures the registry's version tags hold, each with its
+  definition (quoted from METHOD.md sections 1 and 6) and the settings it was measured with.
+
+The folder is written beside ``out`` and moved into place only after ``adlm_model.load_pretrained`` has read
+it back with weights equal, tensor for tensor, to the registered model's: an export is complete or absent.
+Uploading it to the Hugging Face Hub is one command (README "Calling a model"):
+``huggingface-cli upload <user>/<repo> <out> .``
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import adlm_model
+from adlm_model.checkpoint import CheckpointError, load_checkpoint
+from adlm_model.kinds import count_parameters, model_kind
+from adlm_model.pretrained import load_pretrained, save_pretrained
+
+
+class ExportError(ValueError):
+    """An export that cannot be written (the output folder is in use, the model lacks a file)."""
+
+
+# The figures a version's tags can hold, each with its definition (METHOD.md sections 1 and 6) and the tags
+# that record its settings. Zero-shot perplexities (``zero_shot.<name>_ppl``) share the perplexity entry.
+_PPL_BOUND = ("`exp(sum of per-token NELBO / number of tokens)` over the whole evaluation split, one `t` per "
+              "sequence (stratified inside the batch), EMA weights, BOS/EOS included. It is an upper bound: "
+              "reported as `PPL <= value`.")
+_PPL_EXACT = ("`exp(sum of per-token negative log-likelihood / number of tokens)` of the next-token "
+              "distribution over the whole evaluation split, EMA weights: an exact perplexity (AR).")
+FIGURES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "val_ppl": ("Validation perplexity", "ppl", ("val_ppl.settings", "eval.val_key")),
+    "test_ppl": ("Test perplexity", "ppl", ()),
+    "gen_ppl": ("Generative perplexity", "Decode samples to text, re-tokenise with the evaluation LM's tokenizer "
+                "(reference: `gpt2-large`), truncate to 1024, score with the evaluation LM, pool the NLL over "
+                "tokens (not a mean of per-sample perplexities), excluding EOS targets. Meaningless alone: read it "
+                "with the sampler, `T`, `p`, sample count and the unigram entropy.", ("gen.settings", "gen_ppl.eval_lm")),
+    "entropy": ("Unigram entropy", "The mean unigram entropy of samples (per sample, entropy of its token-id "
+                "histogram, in nats).", ("gen.settings",)),
+    "mauve": ("MAUVE", "MAUVE (`mauve-text`): generated texts against the same number of reference texts from "
+              "the validation split, with the featurizer recorded.", ("gen.settings", "mauve.featurizer")),
+}
+
+
+@dataclass
+class ExportResult:
+    """What ``export_model`` wrote."""
+
+    out: Path
+    figures: dict[str, str] = field(default_factory=dict)
+    """The evaluation figures the model card lists (tag name -> value)."""
+    parameters: int = 0
+
+
+@dataclass
+class _Source:
+    uri: str
+    checkpoint_dir: Path
+    name: str | None = None
+    version: str | None = None
+    run_id: str | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+    aliases: list[str] = field(default_factory=list)
+
+
+def _source(uri: str, tracking_uri: str | None, workdir: str | os.PathLike | None) -> _Source:
+    from pipelines.serving.generate import checkpoint_folder
+
+    if not uri.startswith("models:/"):
+        return _Source(uri, checkpoint_folder(uri))
+    from pipelines.registry import get_version
+    from pipelines.tracking import client, resolve_tracking_uri
+
+    turi = tracking_uri or resolve_tracking_uri(workdir)
+    mv = get_version(uri, turi)
+    aliases = sorted(a for a, v in (client(turi).get_registered_model(mv.name).aliases or {}).items()
+                     if str(v) == str(mv.version))
+    return _Source(uri, checkpoint_folder(uri, tracking_uri=turi, workdir=workdir), mv.name, str(mv.version),
+                   mv.run_id, dict(mv.tags or {}), aliases)
+
+
+def _is_export(d: Path) -> bool:
+    import json
+
+    from adlm_model.pretrained import MODEL_TYPE
+
+    try:
+        return d.is_dir() and json.loads((d / "config.json").read_text()).get("model_type") == MODEL_TYPE
+    except (OSError, ValueError):
+        return False
+
+
+def figures_of(tags: dict[str, str]) -> dict[str, str]:
+    """The evaluation figures among a version's tags: ``FIGURES`` in their order, then ``zero_shot.*_ppl``."""
+    zero_shot = sorted(k for k in tags if k.startswith("zero_shot.") and k.endswith("_ppl"))
+    return {k: tags[k] for k in [*FIGURES, *zero_shot] if k in tags}
+
+
+def model_card(src: _Source, cfg: Any, meta: dict[str, Any], parameters: int) -> str:
+    """The README.md of an export (module docstring)."""
+    kind = model_kind(cfg.kind)
+    title = f"{src.name} v{src.version}" if src.name else Path(src.uri).name
+    ppl_def = _PPL_BOUND if kind.diffusion else _PPL_EXACT
+    lines = ["---", "library_name: adlm", f"tags: [text-generation, {'masked-diffusion' if kind.diffusion else 'autoregressive'}, "
+             f"{cfg.kind}]", "---", "", f"# {title}: {cfg.kind.upper()} language model", "",
+             f"A language model of kind {cfg.kind.upper()}, trained with the ADLM pipeline (the Anchored Diffusion "
+             "Language Model and its baselines). Exported from " + (f"`{src.uri}` (registered model `{src.name}`, version {src.version}"
+                                              f"{', aliases ' + ', '.join(src.aliases) if src.aliases else ''}, "
+                                              f"MLflow run `{src.run_id}`)." if src.name else f"`{src.uri}`."), "",
+             "## Model", "", "| field | value |", "|---|---|", f"| kind | {cfg.kind} |",
+             f"| parameters | {parameters:,} |", f"| hidden size, heads | {cfg.hidden}, {cfg.heads} |",
+             f"| blocks | {cfg.n_blocks}" + (f" (anchor) + {cfg.denoiser_blocks} (denoiser)" if kind.anchored else "")
+             + " |", f"| context (training length) | {cfg.seq_len} tokens |",
+             f"| vocabulary | {cfg.vocab_size} (mask id {cfg.mask_id}) |",
+             f"| default sampler | {kind.default_sampler} |"]
+    if kind.anchored:
+        lines += [f"| anchor loss gamma, tau | {cfg.gamma}, {cfg.tau} |"]
+    data = ((meta.get("train_config") or {}).get("data") or {})
+    lines += ["", "## Training", "", "| field | value |", "|---|---|",
+              f"| steps | {meta.get('step', src.tags.get('step', 'unknown'))} |",
+              f"| run | {meta.get('run_name', src.tags.get('run_name', 'unknown'))} |",
+              f"| training data | {data.get('train', 'unknown')} |",
+              f"| validation data | {data.get('validation', 'unknown')} |",
+              f"| data manifest hash | {meta.get('data_manifest_hash') or src.tags.get('data_manifest_hash', 'unknown')} |",
+              "", "## Evaluation", ""]
+    figures = figures_of(src.tags)
+    if figures:
+        lines += ["Figures as the model registry records them for this version (its tags).", "",
+                  "| figure | value | settings |", "|---|---|---|"]
+        for k, v in figures.items():
+            label, _, settings = FIGURES.get(k, (f"Zero-shot perplexity ({k[10:-4]})", "ppl", ("eval.val_key",)))
+            shown = "; ".join(f"{s}: {src.tags[s]}" for s in settings if s in src.tags) or (
+                "training's own validation (not yet evaluated)" if k == "val_ppl" else "not recorded")
+            bound = "<= " if k.endswith("_ppl") and k != "gen_ppl" and kind.diffusion else ""
+            lines.append(f"| {label} (`{k}`) | {bound}{v} | {shown} |")
+        lines += ["", "Definitions (METHOD.md sections 1 and 6):", ""]
+        used = {FIGURES.get(k, ("", "ppl", ()))[1] for k in figures}
+        if "ppl" in used:
+            lines.append(f"- **Perplexity** (validation, test, zero-shot): {ppl_def}")
+        for k, (label, definition, _) in FIGURES.items():
+            if k in figures and definition != "ppl":
+                lines.append(f"- **{label}**: {definition}")
+        status = {k: v for k, v in src.tags.items() if k.startswith("eval.status") or k == "eval.stage"}
+        if status:
+            lines += ["", "Staged evaluation: " + ", ".join(f"{k} = {v}" for k, v in sorted(status.items())) + "."]
+    else:
+        lines.append("No evaluation figures are recorded for this version: run `python -m pipelines.evaluate "
+                     "--model <uri> --suite ppl,gen_ppl,mauve` on it and export again.")
+    lines += ["", "## Use", "", "```python", "from adlm_model import load_pretrained, TextGenerator", "",
+              "model, cfg, meta = load_pretrained('.')        # this folder: config.json + model.safetensors",
+              "gen = TextGenerator.from_dir('.')", "req = gen.request(prompt='In the beginning', suffix=' the end.', "
+              "length=32, seed=0)", "print(gen.generate(req)[0].text)", "```", "",
+              "or `python -m pipelines.generate --model . --prompt 'In the beginning' --length 32` from the "
+              "ADLM pipeline.", ""]
+    return "\n".join(lines)
+
+
+def export_model(uri: str, out: str | os.PathLike, *, tracking_uri: str | None = None,
+                 workdir: str | os.PathLike | None = None, force: bool = False) -> ExportResult:
+    """Export the version (or checkpoint folder) ``uri`` into ``out`` (module docstring)."""
+    from pipelines.serving.generate import special_tokens_of
+
+    dst = Path(out).expanduser()
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        if not _is_export(dst):
+            raise ExportError(f"--out {dst} exists and is not an empty folder or an earlier export: pass another folder")
+        if not force:
+            raise ExportError(f"--out {dst} holds an earlier export: pass --force to replace it, or another folder")
+    src = _source(uri, tracking_uri, workdir)
+    d = src.checkpoint_dir
+    specials = special_tokens_of(d)
+    if specials is None or not (d / "tokenizer.json").is_file():
+        raise ExportError(f"{uri}: the model has no tokenizer.json beside its checkpoint ({d}); re-register it "
+                          "from its training run")
+    model, cfg, meta = load_checkpoint(d)  # the EMA weights, as the registered model serves them
+    provenance = {"source_uri": uri, "registered_model": src.name, "version": src.version, "run_id": src.run_id,
+                  "aliases": src.aliases, "tags": src.tags, "checkpoint_meta": meta,
+                  "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                  "adlm_model_version": adlm_model.__version__}
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=dst.parent))
+    try:
+        save_pretrained(tmp, model, cfg, tokenizer_json=d / "tokenizer.json", special_tokens=specials.to_dict(),
+                        meta=provenance)
+        parameters = count_parameters(model)
+        (tmp / "README.md").write_text(model_card(src, cfg, meta, parameters), encoding="utf-8")
+        back, _, _ = load_pretrained(tmp)
+        want, got = model.state_dict(), back.state_dict()
+        if want.keys() != got.keys() or any(not want[k].equal(got[k]) for k in want):
+            raise CheckpointError(f"the export of {uri} does not read back equal to the registered weights")
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ExportResult(out=dst, figures=figures_of(src.tags), parameters=parameters)

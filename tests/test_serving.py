@@ -1,0 +1,406 @@
+"""Calling a model: registered versions are MLflow Models (pyfunc, models-from-code), ``pipelines.generate``
+with infilling, ``mlflow models serve`` over HTTP, and the Hugging Face-style export.
+
+Everything here is real: tiny models trained for a few steps on the bundled corpora, a 384-entry byte-level
+BPE, a sqlite registry, the evaluation suite tagging a version, and (slow) a ``mlflow models serve`` process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from adlm_model import GenerationError, TextGenerator, infill, load_checkpoint, load_pretrained, sample
+from adlm_model.samplers import SamplerError
+from adlm_model.textgen import GenerationRequest
+from tests.conftest import free_port
+from tests.support_eval import make_data, register, save_ckpt, tiny_config, train_tiny
+
+PROMPT, SUFFIX = "In the beginning God", " and the earth."
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory, one_torch_thread):
+    """Data, a tiny trained checkpoint of every kind, and a sqlite registry whose version 1 (MDLM, alias
+    candidate) has been evaluated (validation bound, samples, gen-PPL under the tiny AR model)."""
+    from pipelines.data.reader import read_rows
+    from pipelines.evaluation.config import EvalConfig
+    from pipelines.evaluation.run import evaluate_model
+
+    root = tmp_path_factory.mktemp("serving")
+    data, tok, tok_path = make_data(root)
+    rows, _ = read_rows(str(data / "train"))
+    out = {"root": root, "data": data, "tok": tok}
+    for kind, steps in (("mdlm", 40), ("adlm", 20), ("ar", 40), ("bd3lm", 20)):
+        cfg = tiny_config(tok, kind)
+        model, ema = train_tiny(cfg, rows, steps)
+        out[kind] = save_ckpt(root / f"ck-{kind}", model, cfg, ema, tok_path, data, step=steps)
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ADLM_WORKDIR", str(root / "work"))
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        mv = register(out["mdlm"], uri, kind="mdlm")
+        cfg = EvalConfig(max_rows=32, num_samples=4, sample_batch_size=4, steps=8, eval_lm=str(out["ar"]))
+        evaluate_model("models:/adlm/1", "ppl,gen_ppl", cfg, workdir=root / "work", tracking_uri=uri,
+                       in_process=True)
+    out.update(uri=uri, version=str(mv.version), run_id=mv.run_id)
+    return out
+
+
+@pytest.fixture()
+def registry(art, monkeypatch: pytest.MonkeyPatch):
+    """The registry of ``art`` as the process's tracking store (what a user's shell would set)."""
+    monkeypatch.setenv("ADLM_WORKDIR", str(art["root"] / "work"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", art["uri"])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # pyfunc.load_model prepends the model's code folder
+    return art
+
+
+def _generator(art, kind: str) -> TextGenerator:
+    from pipelines.serving.generate import open_generator
+
+    return open_generator(str(art[kind])).generator
+
+
+# --------------------------------------------------------------------------------------------------------
+# Token level and text level
+
+
+@pytest.mark.parametrize("kind", ["mdlm", "adlm", "bd3lm"])
+def test_infill_keeps_the_given_tokens_and_reads_the_suffix(art, kind) -> None:
+    model, cfg, _ = load_checkpoint(art[kind])
+    prompt, suffix = [5, 6, 7], [8, 9]
+
+    def g() -> torch.Generator:  # the same draws for every call
+        return torch.Generator().manual_seed(11)
+
+    new = infill(model, cfg, prompt, suffix, new_tokens=12, steps=8, generator=g(), num_samples=2,
+                 bos_id=art["tok"].bos_id)
+    assert new.shape == (2, 12) and not (new == cfg.mask_id).any()
+    # The same row through sample(): the given positions come back unchanged and the middle is infill's.
+    tokens = torch.tensor([[art["tok"].bos_id, *prompt, *[cfg.mask_id] * 12, *suffix]])
+    keep = tokens != cfg.mask_id
+    full = sample(model, cfg, batch_size=2, length=tokens.shape[1], steps=8,
+                  sampler="bd3lm" if kind == "bd3lm" else "remdm-loop", generator=g(), prefix=(tokens, keep))
+    assert torch.equal(full[:, keep[0]], tokens[:, keep[0]].expand(2, -1)) and torch.equal(full[:, 4:16], new)
+    # The network reads the suffix: from the first step on for the diffusion samplers (both sides seen),
+    # when the last block is denoised for the block sampler.
+    embed = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    seen: list[torch.Tensor] = []
+    handle = embed.register_forward_pre_hook(lambda mod, args: seen.append(args[0].clone()))
+    try:
+        infill(model, cfg, prompt, suffix, new_tokens=12, steps=8, generator=g(), num_samples=2,
+               bos_id=art["tok"].bos_id)
+    finally:
+        handle.remove()
+    if kind == "bd3lm":
+        assert any(x.shape[1] == cfg.block_size and x[0, :2].tolist() == suffix for x in seen)
+    else:
+        assert torch.equal(seen[0], tokens.expand(2, -1))
+
+
+def test_block_sampler_generates_beyond_the_training_length(art) -> None:
+    gen = _generator(art, "bd3lm")
+    n = gen.cfg.seq_len + 13
+    out = gen.generate(gen.request(prompt=PROMPT, suffix=SUFFIX, length=n, steps=4, seed=1))[0]
+    assert out.new_tokens == n and out.text.startswith(PROMPT) and out.text.endswith(SUFFIX)
+    with pytest.raises(GenerationError, match="exceeds the model's context of 32 .* bd3lm sampler generates any"):
+        gen.check(gen.request(prompt=PROMPT, length=n, sampler="mdlm"))
+
+
+@pytest.mark.parametrize("kind", ["mdlm", "adlm", "ar", "bd3lm"])
+def test_text_starts_with_the_prompt_and_ends_with_the_suffix(art, kind) -> None:
+    gen = _generator(art, kind)
+    suffix = "" if kind == "ar" else SUFFIX
+    req = gen.request(prompt=PROMPT, suffix=suffix, length=10, steps=8, seed=5, num_samples=2)
+    outs = gen.generate(req)
+    assert len(outs) == 2
+    for o in outs:
+        assert o.text.startswith(PROMPT) and o.text.endswith(suffix) and o.new_tokens == 10 and o.seconds > 0
+        assert o.text == PROMPT + o.completion + suffix and o.seed == 5
+        assert o.sampler == {"ar": "ar", "bd3lm": "bd3lm"}.get(kind, "remdm-loop")
+    # The same seed gives the same texts; the batch is one generator, so its two samples differ.
+    assert [o.text for o in gen.generate(req)] == [o.text for o in outs]
+    assert outs[0].text != outs[1].text
+
+
+@pytest.mark.parametrize(("kind", "fields", "message"), [
+    ("mdlm", {"steps": -3}, "steps must be >= 1, got -3"),
+    ("mdlm", {"sampler": "greedy"}, "unknown sampler 'greedy'"),
+    ("mdlm", {"length": 40}, "exceeds the model's context of 32 for sampler 'remdm-loop': ask for length <= "),
+    ("mdlm", {"sampler": "ar"}, "sampler 'ar' does not run on a mdlm model"),
+    ("mdlm", {"length": 2.5}, "length must be an integer, got 2.5"),
+    ("mdlm", {"nucleus_p": "high"}, "nucleus_p must be a number"),
+    ("mdlm", {"nucleus_p": 0.0}, "nucleus_p must be in"),
+    ("mdlm", {"seed": -1}, "seed must lie in"),
+    ("mdlm", {"prompt": "a <|mask|> b"}, "the prompt contains the mask token '<|mask|>'"),
+    ("mdlm", {"temperature": 1.0}, "unknown field"),
+    ("ar", {"suffix": " the end"}, "cannot infill: drop the suffix"),
+])
+def test_bad_requests_fail_in_one_line_before_the_network_runs(art, kind, fields, message) -> None:
+    gen = _generator(art, kind)
+    calls = []
+    handle = gen.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(GenerationError) as e:
+            gen.generate(gen.request(**{"prompt": "In the", "length": 8, **fields}))
+    finally:
+        handle.remove()
+    assert message in str(e.value) and "\n" not in str(e.value) and not calls
+
+
+def test_infill_rejects_a_suffix_for_ar_at_the_token_level(art) -> None:
+    model, cfg, _ = load_checkpoint(art["ar"])
+    with pytest.raises(SamplerError, match="cannot infill"):
+        infill(model, cfg, [5], [6], new_tokens=4, steps=1, generator=torch.Generator(), bos_id=0)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Registered versions are MLflow Models
+
+
+def test_a_registered_version_is_an_mlflow_model(registry) -> None:
+    import mlflow
+    import yaml
+
+    from pipelines.registry import download_version, get_version, resolve_model
+    from pipelines.serving.mlflow_model import pip_requirements
+
+    mv = get_version("models:/adlm@candidate", registry["uri"])
+    assert mv.run_id == registry["run_id"] and mv.tags["kind"] == "mdlm" and "checkpoint_uri" in mv.tags
+    assert mv.tags["val_ppl"] and mv.tags["gen_ppl"] and mv.tags["entropy"]  # the evaluation tagged it as before
+    root = download_version("models:/adlm@candidate", registry["uri"], dst=registry["root"] / "dl")
+    spec = yaml.safe_load((root / "MLmodel").read_text())
+    pyfunc = spec["flavors"]["python_function"]
+    assert pyfunc["loader_module"] == "mlflow.pyfunc.loaders.code_model"  # models-from-code, not a pickle
+    assert not list(root.rglob("*.pkl")) and not list(root.rglob("*.pickle"))
+    assert (root / "code" / "adlm_model" / "textgen.py").is_file() and not (root / "code" / "pipelines").exists()
+    inputs = {c["name"]: c["required"] for c in json.loads(spec["signature"]["inputs"])}
+    assert inputs == {"prompt": True, "suffix": False, "length": False, "steps": False, "sampler": False,
+                      "nucleus_p": False, "seed": False}
+    assert {c["name"] for c in json.loads(spec["signature"]["outputs"])} >= {"text", "new_tokens", "seconds"}
+    reqs = (root / "requirements.txt").read_text().split()
+    assert set(pip_requirements()) <= set(reqs) and any(r.startswith("torch==") for r in reqs)
+    assert not any(r.startswith(("ray", "adlm")) for r in reqs)
+    # The model links back to the training run; evaluation still finds the checkpoint inside it.
+    assert mv.source.startswith("models:/m-")  # the version's source is the logged model
+    logged = mlflow.MlflowClient(registry["uri"]).get_logged_model(mv.source.removeprefix("models:/"))
+    assert logged.source_run_id == mv.run_id and logged.status == "READY"
+    ckpt = resolve_model("models:/adlm@candidate", registry["uri"], dst=registry["root"] / "dl2")
+    model, cfg, _ = load_checkpoint(ckpt)
+    want, _, _ = load_checkpoint(registry["mdlm"])
+    assert cfg.kind == "mdlm" and all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                                        want.state_dict().values(), strict=True))
+
+
+def test_registering_leaves_the_process_tracking_settings_alone(registry) -> None:
+    import mlflow
+
+    before = (os.environ["MLFLOW_TRACKING_URI"], mlflow.get_tracking_uri())
+    mv = register(registry["mdlm"], registry["uri"], name="adlm-env", kind="mdlm")
+    assert str(mv.version) == "1" and (os.environ.get("MLFLOW_TRACKING_URI"), mlflow.get_tracking_uri()) == before
+
+
+def test_a_checkpoint_missing_a_file_registers_nothing(registry, tmp_path) -> None:
+    import shutil
+
+    from pipelines.registry import RegistryError
+    from pipelines.tracking import client
+
+    broken = tmp_path / "broken"
+    shutil.copytree(registry["mdlm"], broken)
+    (broken / "model.safetensors").unlink()
+    before = len(client(registry["uri"]).search_model_versions("name='adlm'"))
+    with pytest.raises(RegistryError, match="lacks model.safetensors"):
+        register(broken, registry["uri"], kind="mdlm")
+    assert len(client(registry["uri"]).search_model_versions("name='adlm'")) == before
+
+
+def test_an_old_bare_folder_version_still_resolves(registry) -> None:
+    from pipelines.registry import resolve_model
+    from pipelines.tracking import client
+
+    c = client(registry["uri"])
+    source = c.get_run(registry["run_id"]).info.artifact_uri + "/checkpoint"  # how versions were registered before
+    c.create_registered_model("adlm-bare")
+    mv = c.create_model_version("adlm-bare", source=source, run_id=registry["run_id"])
+    local = resolve_model(f"models:/adlm-bare/{mv.version}", registry["uri"], dst=registry["root"] / "bare")
+    assert (local / "config.json").is_file() and load_checkpoint(local)[1].kind == "mdlm"
+
+
+def test_pyfunc_predict_equals_pipelines_generate(registry, capsys) -> None:
+    import mlflow
+    import pandas as pd
+
+    from pipelines.generate import main as generate
+
+    model = mlflow.pyfunc.load_model("models:/adlm@candidate")
+    rows = [{"prompt": PROMPT, "suffix": SUFFIX, "length": 9, "steps": 8, "seed": 21},
+            {"prompt": "And God said", "length": 6, "seed": 3, "sampler": "mdlm", "nucleus_p": 1}]
+    batch = model.predict(pd.DataFrame(rows))
+    assert list(batch["seed"]) == [21, 3] and len(batch) == 2
+    assert batch["text"][0].startswith(PROMPT) and batch["text"][0].endswith(SUFFIX)
+    # Each row is independent of the batch it came in.
+    for i, row in enumerate(rows):
+        alone = model.predict(pd.DataFrame([row]))
+        assert alone["text"][0] == batch["text"][i]
+    # The CLI, same settings, same seed: the same text.
+    capsys.readouterr()
+    rc = generate(["--model", "models:/adlm@candidate", "--prompt", PROMPT, "--suffix", SUFFIX, "--length", "9",
+                   "--steps", "8", "--seed", "21", "--json", "--quiet"])
+    cli = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [c["text"] for c in cli] == [batch["text"][0]] and cli[0]["seed"] == 21
+    # A bad row: the whole request fails before generating, with INVALID_PARAMETER_VALUE (HTTP 400 when served).
+    with pytest.raises(mlflow.exceptions.MlflowException) as e:
+        model.predict(pd.DataFrame([rows[0], {"prompt": "x", "steps": -1}]))
+    assert e.value.error_code == "INVALID_PARAMETER_VALUE" and "request row 1: steps must be >= 1" in e.value.message
+
+
+def test_generate_cli_help_and_bad_input_exit_codes(registry, capsys) -> None:
+    from pipelines.generate import main as generate
+
+    with pytest.raises(SystemExit) as e:
+        generate(["--help"])
+    assert e.value.code == 0 and "--suffix" in capsys.readouterr().out
+    assert generate(["--model", "models:/adlm@candidate", "--prompt", "x", "--steps", "0", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: steps must be >= 1, got 0"]
+    assert generate(["--model", "models:/adlm@nosuch", "--prompt", "x", "--quiet"]) == 2
+    assert "has no alias 'nosuch'" in capsys.readouterr().err
+    assert generate(["--model", str(registry["ar"]), "--prompt", "x", "--suffix", "y", "--quiet"]) == 2
+    assert "cannot infill" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------------
+# Export
+
+
+def test_export_reloads_bit_for_bit_and_its_card_lists_the_registry_figures(registry, tmp_path, capsys) -> None:
+    from pipelines.export import main as export
+    from pipelines.registry import get_version, resolve_model
+    from pipelines.serving.export import FIGURES, figures_of
+
+    out = tmp_path / "exported"
+    assert export(["models:/adlm@candidate", "--out", str(out), "--json"]) == 0
+    written = json.loads(capsys.readouterr().out)
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors", "tokenizer.json"]
+    assert not list(tmp_path.glob(".exported-*"))  # the staging folder is gone
+
+    # The same logits as the registered version's EMA weights, bit for bit.
+    served, cfg, _ = load_checkpoint(resolve_model("models:/adlm@candidate", registry["uri"], dst=tmp_path / "dl"))
+    back, cfg2, meta = load_pretrained(out)
+    assert cfg2 == cfg and meta["registered_model"] == "adlm" and meta["version"] == registry["version"]
+    z = torch.randint(0, cfg.width, (3, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    sigma = torch.zeros(3)
+    with torch.no_grad():
+        assert torch.equal(served.denoiser_logits(z, sigma), back.eval().denoiser_logits(z, sigma))
+    # And the same text for the same request.
+    req = GenerationRequest(prompt=PROMPT, suffix=SUFFIX, length=8, steps=8, seed=4)
+    assert TextGenerator.from_dir(out).generate(req)[0].text == _generator(registry, "mdlm").generate(req)[0].text
+
+    # The card lists every figure the version's tags hold, with its settings and its definition.
+    tags = get_version("models:/adlm@candidate", registry["uri"]).tags
+    figures = figures_of(tags)
+    assert {"val_ppl", "gen_ppl", "entropy"} <= set(figures) and written["figures"] == figures
+    card = (out / "README.md").read_text()
+    for k, v in figures.items():
+        assert f"(`{k}`) | {'<= ' if k == 'val_ppl' else ''}{v} |" in card
+    for setting in ("val_ppl.settings", "gen.settings", "gen_ppl.eval_lm"):
+        assert tags[setting] in card
+    for k in ("gen_ppl", "entropy"):
+        assert FIGURES[k][1] in card
+    assert "one `t` per sequence" in card and f"| parameters | {written['parameters']:,} |" in card
+
+    # A folder in use is refused in one line; --force replaces an earlier export only.
+    assert export(["models:/adlm@candidate", "--out", str(out)]) == 2
+    assert "pass --force" in capsys.readouterr().err
+    assert export(["models:/adlm@candidate", "--out", str(tmp_path)]) == 2
+    assert "not an empty folder or an earlier export" in capsys.readouterr().err
+    assert export(["models:/adlm@candidate", "--out", str(out), "--force"]) == 0
+
+
+# --------------------------------------------------------------------------------------------------------
+# Serving over HTTP
+
+
+def _post(url: str, payload: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"{url}/invocations", data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (mlflow and its uvicorn worker), SIGKILL if it lingers."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=20)
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/ping", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_mlflow_models_serve_answers_with_text_and_refuses_bad_input(registry, tmp_path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "NO_PROXY": "127.0.0.1,localhost"}
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", "models:/adlm@candidate",
+                                 "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port), "--workers", "1"],
+                                env=env, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _up(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"mlflow models serve did not come up; its log:\n{log.read_text(errors='replace')[-4000:]}")
+            time.sleep(0.5)
+        # A batch: one prediction per row, each text framed by its own prompt and suffix.
+        status, body = _post(url, {"dataframe_records": [
+            {"prompt": PROMPT, "suffix": SUFFIX, "length": 10, "steps": 16, "seed": 7},
+            {"prompt": "And God said", "length": 5}]})
+        assert status == 200, body
+        first, second = body["predictions"]
+        assert first["text"].startswith(PROMPT) and first["text"].endswith(SUFFIX) and first["new_tokens"] == 10
+        assert first["seed"] == 7 and first["seconds"] > 0
+        assert second["text"].startswith("And God said") and second["new_tokens"] == 5
+        # Bad inputs: HTTP 400 with the one-line reason; the server stays up and keeps answering.
+        for bad, reason in (({"prompt": "x", "steps": -2}, "steps must be >= 1, got -2"),
+                            ({"prompt": "x", "sampler": "beam"}, "unknown sampler 'beam'"),
+                            ({"prompt": "x", "length": 500}, "exceeds the model's context of 32")):
+            status, body = _post(url, {"dataframe_records": [bad]})
+            assert status == 400 and body["error_code"] == "INVALID_PARAMETER_VALUE", body
+            assert reason in body["message"]
+        assert _up(url) and proc.poll() is None
+        status, body = _post(url, {"inputs": {"prompt": [PROMPT], "suffix": [SUFFIX], "length": [10], "steps": [16],
+                                              "seed": [7]}})
+        assert status == 200 and body["predictions"][0]["text"] == first["text"]  # same seed, same text
+    finally:
+        _stop(proc)
