@@ -174,6 +174,7 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
     timings["total"] = time.time() - t0
 
     summary = _summary(uri, model_name, results, sweep_res, timings)
+    summary["samples"] = _champion_samples(summary, wd, uri, prof.name)
     write_text(join(wd, "summary.json"), json.dumps(summary, indent=2, default=str))
     md = _summary_markdown(summary, uri)
     write_text(join(wd, "summary.md"), md)
@@ -208,6 +209,24 @@ def _summary(uri: str, model_name: str, results: dict, sweep_res: Any, timings: 
             "tracking_uri": uri}
 
 
+def _champion_samples(summary: dict, wd: str, uri: str, profile_name: str) -> list[str]:
+    """Two short unconditional samples of the champion, drawn through the same generator as
+    ``pipelines.generate`` and the served model (seeded: a rerun prints the same two)."""
+    if not summary.get("champion"):
+        return []
+    from pipelines.serving.generate import open_generator, run_generation
+
+    try:
+        loaded = open_generator(f"models:/{summary['model_name']}@champion", tracking_uri=uri, workdir=wd,
+                                device="cpu")
+        length = 24 if profile_name == "smoke" else 48
+        req = loaded.generator.request(length=length, steps=length, num_samples=2, seed=0)
+        return [g.completion for g in run_generation(loaded, req, progress=False)]
+    except Exception as e:  # noqa: BLE001 - the summary stands without its samples; say why
+        print(f"WARNING: sampling the champion failed ({type(e).__name__}: {str(e)[:200]})", flush=True)
+        return []
+
+
 def _fmt(v: Any, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
 
@@ -223,6 +242,8 @@ def _summary_markdown(s: dict, uri: str) -> str:
     out.append("")
     out.append(f"Champion: {s['model_name']} v{s['champion']} (models:/{s['model_name']}@champion)" if s["champion"]
                else "No champion: every candidate was rejected (see the eval.reasons tags).")
+    for i, text in enumerate(s.get("samples") or [], 1):
+        out.append(f"Champion sample {i}: " + " ".join(text.split())[:400])
     out.append("Times: " + ", ".join(f"{k} {v:.0f} s" for k, v in s["timings_s"].items()))
     if uri.startswith("sqlite:"):
         out.append(f"Open the MLflow UI: mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000")

@@ -101,8 +101,10 @@ def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(t
                         r"run/sweeps/smoke-gamma-tau/search\.png", r"run/checkpoints/smoke-adlm/ema\.safetensors",
                         r"run/summary\.md", r"mlartifacts/.+/model\.safetensors"):
             assert has(pattern), f"nothing in the bucket matches {pattern}"
-        source = champion.source
-        assert source.startswith(("mlflow-artifacts:", "s3:")), source
+        # The version is an MLflow Model (models:/m-...) whose files live in the bucket, beside the run's.
+        assert champion.source.startswith("models:/m-"), champion.source
+        location = client.get_logged_model(champion.source.removeprefix("models:/")).artifact_location
+        assert location.startswith(("mlflow-artifacts:", "s3:")), location
 
         # Nothing of the run landed on the local disk: not in the folder the job was submitted from, not in
         # the job's working directory on the head node (only the uploaded project files are there).

@@ -84,6 +84,25 @@ def test_wrap_rows_decode_to_the_documents(ray_session, tmp_path: Path, corpus: 
         m.check_fits({"kind": "mdlm", "vocab_size": 50257, "mask_id": 50257, "seq_len": 128})
 
 
+def test_keep_empty_gives_every_empty_document_its_eos(ray_session, tmp_path: Path, corpus: Path,
+                                                      docs: list[str]) -> None:
+    """The zero-shot convention of the references (their loader appends EOS to every row, empty rows
+    included): with keep_empty the two empty documents become two extra EOS tokens in the stream."""
+    out = tmp_path / "keep"
+    m = prepare(dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=64, keep_empty=True,
+                     quiet=True))["train"]
+    tok = load_tokenizer("gpt2")
+    ids, _, _ = _rows(out / "train")
+    stream = np.concatenate([np.array(x + [50256], np.int32) for x in tok.encode(docs)])  # every document
+    assert [len(x) for x in tok.encode([docs[5], docs[17]])] == [0, 1]  # "" is no token; "   " is one
+    body = ids[:, 1:-1].reshape(-1)
+    np.testing.assert_array_equal(body, stream[: len(body)])
+    assert m.documents == m.documents_used == 60 and not m.skipped and m.options["keep_empty"] is True
+    # The default drops them (test_wrap_rows_decode_to_the_documents): two EOS fewer in the same text.
+    dropped = np.concatenate([np.array(x + [50256], np.int32) for x in tok.encode([d for d in docs if d.strip()])])
+    assert len(stream) - len(dropped) == 2 + 1  # two EOS and the one token of "   "
+
+
 def test_pad_rows_are_exact(ray_session, tmp_path: Path, corpus: Path, docs: list[str]) -> None:
     out = tmp_path / "pad"
     ms = prepare(dict(source=[str(corpus)], out=str(out), tokenizer="bert-base-uncased", mode="pad", length=48,

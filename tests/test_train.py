@@ -102,7 +102,8 @@ def test_two_worker_run_trains_validates_checkpoints_and_registers(env) -> None:
     model, cfg, meta = load_checkpoint(local, expect={"kind": "adlm"})
     for key in ("step", "mlflow_run_id", "run_name", "tokenizer", "data_manifest_hash", "train_config"):
         assert key in meta, key
-    assert meta["step"] == 40 and meta["mlflow_run_id"] == res.run_id and (local / "tokenizer.json").is_file()
+    assert meta["step"] == res.best_step == int(mv.tags["step"]) and meta["mlflow_run_id"] == res.run_id
+    assert (local / "tokenizer.json").is_file()
 
 
 @pytest.mark.slow
@@ -289,3 +290,26 @@ def test_bd3lm_training_searches_its_clipped_schedule_and_keeps_it_across_a_resu
     last = [s for s, _ in list_checkpoints(workdir / "ray_results" / "blocks")][-1]
     state = load_state(workdir / "ray_results" / "blocks" / f"checkpoint_{last:08d}", "trainer_state")
     assert state["ema_updates"] == 8
+
+
+def test_a_same_size_tokenizer_is_refused_on_resume_and_in_evaluation(tiny_data: Path, workdir: Path,
+                                                                       tmp_path_factory) -> None:
+    """Data of another 512-entry BPE (trained on another slice of the corpus): the vocabulary size matches,
+    the token ids mean other strings. Resuming on it and evaluating on it both fail in one line."""
+    from pipelines.data.manifest import read_manifest
+    from pipelines.evaluation.config import EvalConfig, EvalError
+    from pipelines.evaluation.plan import plan_evaluation
+    from tests.support_data import make_tiny_data
+
+    other = make_tiny_data(tmp_path_factory.mktemp("other-bpe"), train_chars=60_000, val_chars=8_000)
+    mine, theirs = read_manifest(tiny_data / "train"), read_manifest(other / "train")
+    assert mine.vocab_size == theirs.vocab_size and mine.tokenizer["hash"] != theirs.tokenizer["hash"]
+    res = train_mod.train(_cfg(tiny_data, "tok", "run.max_steps=2", "scaling.num_workers=0"))
+    with pytest.raises(ConfigError, match="trained on data of another tokenizer") as e:
+        train_mod.train(_cfg(other, "tok", "run.max_steps=4", "scaling.num_workers=0"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(EvalError, match="not by the model's tokenizer") as e:
+        plan_evaluation(str(res.checkpoint_dir), "ppl", EvalConfig(data=str(other)), workdir=str(workdir))
+    assert "\n" not in str(e.value)
+    # Its own data still plans.
+    plan_evaluation(str(res.checkpoint_dir), "ppl", EvalConfig(data=str(tiny_data)), workdir=str(workdir))

@@ -130,6 +130,9 @@ class ScalingSection:
     """One GPU per worker; backend nccl (gloo on CPU)."""
     cpus_per_worker: float = 0.5
     """CPUs each worker reserves; leave some for Ray Data's read tasks (ENVIRONMENT.md)."""
+    threads: int = 0
+    """torch intra-op threads of each worker; 0: its CPUs rounded half up (0.5 -> 1), or every core in local
+    mode. Set it when several local-mode runs share a machine (the study runs two at once on 2 cores)."""
     strategy: str = "ddp"
     """``ddp`` or ``fsdp`` (shards parameters, gradients and optimiser state; for larger models)."""
     bf16: bool = True
@@ -221,6 +224,7 @@ class TrainConfig:
         need(bool(r.name) and "/" not in r.name, f"run.name must be a non-empty name without '/', got {r.name!r}")
         need(s.num_workers >= 0, f"scaling.num_workers must be >= 0, got {s.num_workers}")
         need(s.cpus_per_worker > 0, f"scaling.cpus_per_worker must be > 0, got {s.cpus_per_worker}")
+        need(s.threads >= 0, f"scaling.threads must be >= 0 (0: automatic), got {s.threads}")
         need(s.strategy in ("ddp", "fsdp"), f"scaling.strategy must be ddp or fsdp, got {s.strategy!r}")
         need(self.failure.max_failures >= -1, "failure.max_failures must be >= 0 (or -1 for unlimited)")
         need(0 <= self.ema < 1, f"ema decay must be in [0, 1), got {self.ema}")

@@ -211,8 +211,9 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         cfg=cfg, run_id=run_id, tracking_uri=uri, val_split=plan.val_split, val_rows=plan.val_rows,
         manifest_hash=plan.manifest_hash, tokenizer_spec=plan.tokenizer_spec, tokenizer_path=plan.tokenizer_path,
         tokenizer_hash=plan.tokenizer_hash,
-        # torch threads = the worker's CPUs rounded half up (0.5 -> 1, 1.5 -> 2).
-        threads=max(1, int(cfg.scaling.cpus_per_worker + 0.5)) if not local_mode else max(1, os.cpu_count() or 1),
+        # torch threads (scaling.threads, else) = the worker's CPUs rounded half up (0.5 -> 1, 1.5 -> 2).
+        threads=cfg.scaling.threads or (max(1, int(cfg.scaling.cpus_per_worker + 0.5)) if not local_mode
+                                        else max(1, os.cpu_count() or 1)),
         local_mode=local_mode, run_dir=run_dir, resume_dir=prev[1] if prev else None,
         crash_at_step=crash_at, crash_marker=join(run_dir, ".crashed_once") if crash_at is not None else None)
     resources = {"CPU": cfg.scaling.cpus_per_worker}

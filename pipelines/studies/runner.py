@@ -1,0 +1,333 @@
+"""Run a study: every (arm, seed) one training run, the trials of one Ray Tune grid (FIFO).
+
+What happens, in order:
+
+1. The study file and every arm's recipe are checked (one-line errors) and each arm's training FLOPs per
+   optimiser step are counted on its real network (``adlm_model.flops``), all before Ray starts.
+2. The budgets. *Equal steps*: every arm's validation bound at ``steps``. *Equal FLOPs*: the budget is what
+   ``flops_reference`` spends in ``steps`` steps; an arm that is cheaper per step trains on to that budget
+   (rounded to its nearest validation), and its bound is read there. One run per (arm, seed) gives both
+   readings because a run's first ``s`` steps *are* a run of ``s`` steps: the learning rate is constant after
+   warm-up (required, checked), the gamma ramp's horizon is fixed (``model.gamma_horizon``, default
+   ``steps``), and data order, validation rows and noise do not depend on ``run.max_steps``
+   (``tests/test_study.py`` checks the bounds match).
+3. The data (``data:``) is prepared once (resumable) and the runs go to Ray Tune as a grid, ``max_concurrent``
+   at a time, each a ``pipelines.train`` run of one Ray Train worker with one torch thread. A run already trained to its
+   steps is skipped; an interrupted one resumes from its checkpoint: rerun the same command.
+4. MLflow: a parent run ``study-<name>``, a child per arm (the arm's settings, FLOPs, steps and, at the end,
+   its statistics), and under each arm its training runs (one per seed, with their curves).
+5. The table (mean +- sd and a 95% t interval over seeds; the gain over ``baseline`` paired by seed) and the
+   curves (bound against steps and against FLOPs) are written to ``<workdir>/studies/<name>/`` and logged to
+   the parent run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from adlm_model.config import ConfigError
+from adlm_model.flops import training_flops_per_row
+from adlm_model.kinds import parameter_count
+from pipelines.storage import join, resolve_workdir, write_text
+from pipelines.studies.report import ArmResult, plot_curves, results_csv, table_markdown
+from pipelines.studies.spec import StudySpec, validate_arms
+from pipelines.studies.stats import relative_gain, summarise
+from pipelines.tracking import RUN_NAME_TAG, client, ensure_experiment, resolve_tracking_uri
+from pipelines.training.config import TrainConfig
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+METRIC = "val/ppl"
+
+
+@dataclass
+class RunPlan:
+    """One (arm, seed) training run."""
+
+    arm: str
+    seed: int
+    run_name: str
+    max_steps: int
+    raw: dict[str, Any]
+    """The full recipe of this run (validated)."""
+
+
+@dataclass
+class StudyPlan:
+    spec: StudySpec
+    workdir: str
+    tracking_uri: str
+    configs: dict[str, TrainConfig]
+    params: dict[str, int]
+    """Parameters of each arm's network."""
+    flops_per_step: dict[str, int]
+    """Training FLOPs of one optimiser step (global batch), per arm."""
+    flops_step: dict[str, int]
+    """Equal-FLOPs arms: the step whose validation is read at the FLOP budget."""
+    budget_flops: float | None
+    runs: list[RunPlan] = field(default_factory=list)
+
+
+def plan_study(spec: StudySpec, *, workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
+               root: Path = PROJECT_ROOT) -> StudyPlan:
+    """Everything checked and sized before Ray starts (ConfigError on bad input)."""
+    wd = resolve_workdir(workdir)
+    uri = tracking_uri or resolve_tracking_uri(wd)
+    configs = validate_arms(spec, root)
+    fps, params = {}, {}
+    for arm in spec.arms:
+        cfg = configs[arm.name]
+        if arm.equal_flops and cfg.optim.schedule != "constant":
+            raise ConfigError(f"{spec.source}: arm {arm.name!r} is compared at equal FLOPs, which reads a longer "
+                              f"run part-way: it needs optim.schedule: constant (got {cfg.optim.schedule!r})")
+        fps[arm.name] = training_flops_per_row(cfg.model) * cfg.batch.global_batch
+        params[arm.name] = parameter_count(cfg.model)
+    budget = fps[spec.flops_reference] * spec.steps if spec.flops_reference else None
+    flops_step: dict[str, int] = {}
+    plan = StudyPlan(spec, wd, uri, configs, params, fps, flops_step, budget)
+    for arm in spec.arms:
+        cfg = configs[arm.name]
+        every = cfg.run.val_every
+        steps = spec.steps
+        if budget is not None and arm.equal_flops:
+            flops_step[arm.name] = max(every, round(budget / fps[arm.name] / every) * every)
+            steps = max(steps, flops_step[arm.name])
+        for seed in arm.seeds:
+            raw = spec.raw_config(arm, root)
+            model = raw.setdefault("model", {})
+            # A fixed ramp horizon: a run to more steps than `steps` ramps gamma exactly as one to `steps`.
+            if not model.get("gamma_horizon"):
+                model["gamma_horizon"] = spec.steps
+            name = f"{spec.name}-{arm.name}-s{seed}"
+            raw.setdefault("run", {}).update(name=name, seed=seed, max_steps=steps)
+            raw.setdefault("mlflow", {})["register"] = False
+            TrainConfig.from_dict(raw)  # validated with its seed and length
+            plan.runs.append(RunPlan(arm.name, seed, name, steps, raw))
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------
+# The trials
+
+
+@dataclass
+class TrialContext:
+    """What each trial's driver function needs (pickled into its Tune actor)."""
+
+    runs: dict[str, RunPlan]
+    workdir: str
+    tracking_uri: str
+    arm_runs: dict[str, str | None]
+    study: str
+
+
+def run_one(config: dict[str, Any], *, ctx: TrialContext) -> None:
+    """One (arm, seed), in its Tune actor: a ``pipelines.train`` run (one worker) nested under its arm's run."""
+    from ray import tune
+
+    from pipelines.training.trainer import train
+
+    rp = ctx.runs[config["run"]]
+    cfg = TrainConfig.from_dict(rp.raw)
+    tags = {"study": ctx.study, "study.arm": rp.arm, "study.seed": str(rp.seed)}
+    res = train(cfg, workdir=ctx.workdir, tracking_uri=ctx.tracking_uri, parent_run_id=ctx.arm_runs.get(rp.arm),
+                extra_tags=tags, register=False, quiet=True)
+    tune.report({"step": res.step, "val_ppl": res.val_ppl, "mlflow_run_id": res.run_id})
+
+
+def _trained(plan: StudyPlan, rp: RunPlan) -> bool:
+    from pipelines.training.checkpoints import latest_checkpoint
+    from pipelines.training.trainer import storage_root
+
+    last = latest_checkpoint(join(storage_root(TrainConfig.from_dict(rp.raw), plan.workdir), rp.run_name))
+    return last is not None and last[0] >= rp.max_steps
+
+
+def _mlflow_runs(plan: StudyPlan) -> tuple[str | None, dict[str, str | None]]:
+    """The parent run and a child per arm (created, or found on a rerun); Nones if MLflow is down."""
+    from pipelines.tracking import find_or_create_run, log_params_once
+
+    spec = plan.spec
+    try:
+        exp = ensure_experiment(plan.configs[spec.arms[0].name].mlflow.experiment, plan.tracking_uri, plan.workdir)
+        parent, _ = find_or_create_run(plan.tracking_uri, exp, f"study-{spec.name}",
+                                       tags={"study": spec.name, "adlm.study_parent": "true"})
+        log_params_once(plan.tracking_uri, parent, {
+            "study": spec.name, "config": spec.config, "steps": spec.steps, "seeds": json.dumps(spec.seeds),
+            "flops_reference": spec.flops_reference, "baseline": spec.baseline,
+            "budget_flops": f"{plan.budget_flops:.4g}" if plan.budget_flops else None,
+            "overrides": json.dumps(spec.overrides, sort_keys=True)[:6000], "arms": ",".join(a.name for a in spec.arms)})
+        arms = {}
+        for arm in spec.arms:
+            rid, _ = find_or_create_run(plan.tracking_uri, exp, f"study-{spec.name}/{arm.name}", parent_run_id=parent,
+                                        tags={"study": spec.name, "study.arm": arm.name})
+            log_params_once(plan.tracking_uri, rid, {
+                "arm": arm.name, "set": json.dumps(arm.sets, sort_keys=True), "seeds": json.dumps(arm.seeds),
+                "equal_flops": arm.equal_flops, "model.kind": plan.configs[arm.name].model.kind,
+                "parameters": plan.params[arm.name], "flops_per_step": plan.flops_per_step[arm.name],
+                "max_steps": max(r.max_steps for r in plan.runs if r.arm == arm.name)})
+            arms[arm.name] = rid
+        return parent, arms
+    except Exception as e:  # noqa: BLE001 - a tracking outage must not stop the study; the runs spool their metrics
+        print(f"WARNING: MLflow unavailable ({type(e).__name__}: {str(e)[:200]}); the study runs without its "
+              "parent and arm runs", flush=True)
+        return None, {a.name: None for a in spec.arms}
+
+
+def _history(plan: StudyPlan, rp: RunPlan) -> dict[int, float]:
+    """The run's validation bound by step, from its MLflow run (found by its run name)."""
+    c = client(plan.tracking_uri)
+    exp = c.get_experiment_by_name(TrainConfig.from_dict(rp.raw).mlflow.experiment)
+    found = c.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{rp.run_name}'",
+                          max_results=1, order_by=["attributes.start_time DESC"]) if exp else []
+    if not found:
+        return {}
+    return {m.step: m.value for m in c.get_metric_history(found[0].info.run_id, METRIC)}
+
+
+@dataclass
+class StudyResult:
+    name: str
+    arms: list[ArmResult]
+    parent_run_id: str | None
+    out_dir: str
+    seconds: float
+    artifacts: dict[str, str] = field(default_factory=dict)
+
+
+def run_study(spec: StudySpec, *, workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
+              root: Path = PROJECT_ROOT) -> StudyResult:
+    """Plan, prepare, train every (arm, seed) through Ray Tune, then tabulate, plot and log (module docstring)."""
+    from pipelines.runtime import init_ray, quiet_environment
+
+    quiet_environment()
+    t0 = time.time()
+    plan = plan_study(spec, workdir=workdir, tracking_uri=tracking_uri, root=root)
+    wd = plan.workdir
+    os.environ["ADLM_WORKDIR"] = wd  # Tune trials see the same work directory
+    print(f"[study {spec.name}] {len(spec.arms)} arms, {len(plan.runs)} runs; equal steps {spec.steps}"
+          + (f", equal FLOPs {plan.budget_flops:.3g} ({spec.flops_reference} at {spec.steps} steps)"
+             if plan.budget_flops else ""), flush=True)
+    for arm in spec.arms:
+        print(f"  {arm.name:<22} {plan.params[arm.name] / 1e6:6.2f} M params  "
+              f"{plan.flops_per_step[arm.name] / 1e9:7.2f} GFLOP/step  "
+              f"runs to {max(r.max_steps for r in plan.runs if r.arm == arm.name)} steps  seeds {arm.seeds}",
+              flush=True)
+    init_ray()
+    if spec.data is not None:
+        from pipelines.data.prepare import prepare
+
+        d = dict(spec.data)
+        d["source"] = d.get("source", "embedded")
+        d["source"] = d["source"] if isinstance(d["source"], list) else [d["source"]]
+        d["out"] = join(wd, d["out"])
+        prepare(d)
+    parent, arm_runs = _mlflow_runs(plan)
+    todo = [rp for rp in plan.runs if not _trained(plan, rp)]
+    if todo:
+        _fit(plan, todo, arm_runs)
+    result = _tabulate(plan, parent, time.time() - t0)
+    return result
+
+
+def _fit(plan: StudyPlan, todo: list[RunPlan], arm_runs: dict[str, str | None]) -> None:
+    from functools import partial
+
+    from ray import tune
+    from ray.tune import RunConfig, TuneConfig, Tuner
+
+    spec = plan.spec
+    ctx = TrialContext({rp.run_name: rp for rp in todo}, plan.workdir, plan.tracking_uri, arm_runs, spec.name)
+    # Longest first: the two slots finish together rather than one long run trailing alone.
+    order = sorted(todo, key=lambda rp: -rp.max_steps * plan.flops_per_step[rp.arm])
+    # The trial is a driver function (a sliver of CPU); its training worker asks for trial_cpu CPUs.
+    trainable = tune.with_resources(partial(run_one, ctx=ctx), {"cpu": 0.01})
+    tuner = Tuner(trainable, param_space={"run": tune.grid_search([rp.run_name for rp in order])},
+                  tune_config=TuneConfig(max_concurrent_trials=spec.max_concurrent),
+                  run_config=RunConfig(name=f"study-{spec.name}", storage_path=join(plan.workdir, "ray_results", "tune"),
+                                       verbose=1))
+    grid = tuner.fit()
+    failed = [r for r in grid if r.error is not None]
+    if failed:
+        names = ", ".join(str(r.config.get("run")) for r in failed)
+        raise RuntimeError(f"study {spec.name}: {len(failed)} run(s) failed ({names}); first error: "
+                           f"{str(failed[0].error).splitlines()[0][:300]}; rerun the same command to resume them")
+
+
+def _tabulate(plan: StudyPlan, parent: str | None, seconds: float) -> StudyResult:
+    spec = plan.spec
+    arms: list[ArmResult] = []
+    for arm in spec.arms:
+        curves = {rp.seed: _history(plan, rp) for rp in plan.runs if rp.arm == arm.name}
+        at_steps = {s: h[spec.steps] for s, h in curves.items() if spec.steps in h}
+        fs = plan.flops_step.get(arm.name)
+        at_flops = {s: h[fs] for s, h in curves.items() if fs is not None and fs in h}
+        arms.append(ArmResult(
+            name=arm.name, kind=plan.configs[arm.name].model.kind, sets=arm.sets, params=plan.params[arm.name],
+            flops_per_step=plan.flops_per_step[arm.name], equal_flops=arm.equal_flops, curves=curves,
+            at_steps=at_steps, steps_summary=summarise(list(at_steps.values())) if at_steps else None,
+            flops_step=fs, at_flops=at_flops,
+            flops_summary=summarise(list(at_flops.values())) if at_flops else None))
+    base = next((a for a in arms if a.name == spec.baseline), None)
+    if base is not None:
+        for a in arms:
+            a.gain_steps = relative_gain(a.at_steps, base.at_steps) if a is not base else None
+            a.gain_flops = relative_gain(a.at_flops, base.at_flops) if a is not base and a.equal_flops else None
+    out = join(plan.workdir, "studies", spec.name)
+    md = table_markdown(spec, arms, plan.budget_flops, seconds)
+    artifacts = {"table.md": join(out, "table.md"), "results.csv": join(out, "results.csv"),
+                 "results.json": join(out, "results.json")}
+    write_text(artifacts["table.md"], md)
+    write_text(artifacts["results.csv"], results_csv(arms))
+    write_text(artifacts["results.json"], json.dumps({"study": spec.name, "steps": spec.steps,
+                                                      "budget_flops": plan.budget_flops, "seconds": seconds,
+                                                      "arms": [a.as_dict() for a in arms]}, indent=2))
+    from pipelines.storage import is_uri, temp_dir, write_bytes_atomic
+
+    local_out = Path(temp_dir("study-plot")) if is_uri(out) else Path(out)
+    png = plot_curves(spec, arms, local_out / "curves.png")
+    if png is not None:
+        if is_uri(out):
+            write_bytes_atomic(join(out, "curves.png"), png.read_bytes())
+        artifacts["curves.png"] = join(out, "curves.png")
+    _log_results(plan, parent, arms, local_files=[Path(p) for p in (artifacts.values()) if not is_uri(p)])
+    print(md, flush=True)
+    print(f"[study {spec.name}] {seconds / 60:.1f} min; table and curves in {out}", flush=True)
+    return StudyResult(spec.name, arms, parent, out, seconds, artifacts)
+
+
+def _log_results(plan: StudyPlan, parent: str | None, arms: list[ArmResult], local_files: list[Path]) -> None:
+    from pipelines.tracking import log_artifact_safely
+
+    if parent is None:
+        return
+    try:
+        c = client(plan.tracking_uri)
+        for a in arms:
+            found = c.search_runs([c.get_run(parent).info.experiment_id],
+                                  filter_string=f"tags.`{RUN_NAME_TAG}` = 'study-{plan.spec.name}/{a.name}'",
+                                  max_results=1)
+            if not found:
+                continue
+            rid = found[0].info.run_id
+            for prefix, summ, gain in (("equal_steps", a.steps_summary, a.gain_steps),
+                                       ("equal_flops", a.flops_summary, a.gain_flops)):
+                if summ is None:
+                    continue
+                for k in ("mean", "sd", "lo", "hi"):
+                    v = getattr(summ, k)
+                    if not math.isnan(v):
+                        c.log_metric(rid, f"{prefix}/val_ppl_{k}", v)
+                if gain is not None:
+                    c.log_metric(rid, f"{prefix}/gain_pct_mean", gain.mean)
+            c.set_terminated(rid, "FINISHED")
+        for f in local_files:
+            log_artifact_safely(plan.tracking_uri, parent, f, "study")
+        c.set_terminated(parent, "FINISHED")
+    except Exception as e:  # noqa: BLE001 - the table is on disk; say so
+        print(f"WARNING: logging the study to MLflow failed ({type(e).__name__}: {str(e)[:200]})", flush=True)

@@ -1,0 +1,213 @@
+"""The study file (``studies/*.yaml``): which arms, seeds and budgets; parsed and checked before Ray starts.
+
+Schema (every key but ``name``, ``config``, ``steps`` and ``arms`` has a default)::
+
+    name: laptop                      # MLflow parent run study-<name>; training runs <name>-<arm>-s<seed>
+    config: configs/study.yaml        # the base recipe every arm starts from
+    data: {source: embedded, out: data/study-bpe1024, train_tokenizer: 1024}   # prepared once (optional)
+    seeds: [0, 1, 2]
+    steps: 200                        # the equal-steps budget (a multiple of run.val_every)
+    flops_reference: adlm             # equal-FLOPs budget: what this arm spends in `steps` steps
+    baseline: mdlm                    # relative gains are against this arm, paired by seed
+    max_concurrent: 2                 # runs at once
+    trial_cpu: 0.75                   # CPUs of each run's training worker (leave some to Ray Data's reads)
+    overrides: {run.val_every: 20}    # applied to every run
+    arms:
+      - {name: adlm}
+      - {name: mdlm, set: {model.kind: mdlm}}
+      - {name: adlm-gamma0, set: {model.gamma: 0.0}, equal_flops: false}
+    grid:                             # optional: arms expanded from a product of values (equal steps only)
+      name: adlm-g{model.gamma}-t{model.tau}
+      seeds: [0]
+      params: {model.gamma: [3.0e-4, 3.0e-2], model.tau: [2, 10]}
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from adlm_model.config import ConfigError
+from pipelines.training.config import TOP_KEYS, TrainConfig, apply_override, load_raw
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+TOP = ("name", "config", "data", "seeds", "steps", "flops_reference", "baseline", "max_concurrent", "trial_cpu",
+       "overrides", "arms", "grid")
+ARM_KEYS = ("name", "set", "seeds", "equal_flops")
+GRID_KEYS = ("name", "set", "seeds", "params")
+DATA_KEYS = ("source", "out", "train_tokenizer", "length")
+
+
+@dataclass
+class Arm:
+    """One setting of the recipe, trained once per seed."""
+
+    name: str
+    sets: dict[str, Any] = field(default_factory=dict)
+    """``section.key: value`` applied after the study's ``overrides``."""
+    seeds: list[int] = field(default_factory=list)
+    equal_flops: bool = True
+    """Also compared at equal training FLOPs (its runs go on to the FLOP budget when it is cheaper per step)."""
+
+
+@dataclass
+class StudySpec:
+    name: str
+    config: str
+    steps: int
+    arms: list[Arm]
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    data: dict[str, Any] | None = None
+    flops_reference: str | None = None
+    baseline: str | None = None
+    max_concurrent: int = 2
+    trial_cpu: float = 0.75
+    overrides: dict[str, Any] = field(default_factory=dict)
+    source: str = "<study>"
+
+    def arm(self, name: str) -> Arm:
+        return next(a for a in self.arms if a.name == name)
+
+    def raw_config(self, arm: Arm, root: Path) -> dict[str, Any]:
+        """The base recipe with the study's overrides and then the arm's settings applied (no seed yet)."""
+        raw = load_raw(root / self.config)
+        for k, v in {**self.overrides, **arm.sets}.items():
+            apply_override(raw, f"{k}={json.dumps(v)}")
+        # Every run is one Ray Train worker of `trial_cpu` CPUs and one torch thread: `max_concurrent` of them share
+        # the machine. (Not local mode: Ray Train refuses its in-process loop inside a Tune trial.)
+        raw.setdefault("scaling", {}).update(num_workers=1, threads=1, cpus_per_worker=self.trial_cpu)
+        return raw
+
+
+def _fail(source: str, msg: str) -> None:
+    raise ConfigError(f"{source}: {msg}")
+
+
+def _unknown(d: dict, known: tuple[str, ...], where: str, source: str) -> None:
+    extra = sorted(set(d) - set(known))
+    if extra:
+        _fail(source, f"unknown key(s) {', '.join(extra)} in {where}; known: {', '.join(known)}")
+
+
+def _seeds(v: Any, where: str, source: str) -> list[int]:
+    if not isinstance(v, list) or not v or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                   for s in v) or len(set(v)) != len(v):
+        _fail(source, f"{where} must be a non-empty list of distinct non-negative integers, got {v!r}")
+    return list(v)
+
+
+def _sets(v: Any, where: str, source: str) -> dict[str, Any]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict) or not all(isinstance(k, str) and ("." in k or k in TOP_KEYS) for k in v):
+        _fail(source, f"{where} must map section.key to a value (e.g. model.kind: mdlm), got {v!r}")
+    return dict(v)
+
+
+def parse_study(raw: Any, source: str = "<study>") -> StudySpec:
+    """A StudySpec from the YAML's mapping; a ConfigError naming the key and the fix otherwise."""
+    if not isinstance(raw, dict):
+        _fail(source, f"a study file must be a mapping, got {type(raw).__name__}")
+    _unknown(raw, TOP, "the study", source)
+    for key in ("name", "config", "steps", "arms"):
+        if key not in raw:
+            _fail(source, f"missing required key {key!r}")
+    name = raw["name"]
+    if not isinstance(name, str) or not NAME.match(name):
+        _fail(source, f"name must be letters, digits, '.', '_', '+' or '-', got {name!r}")
+    steps = raw["steps"]
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        _fail(source, f"steps must be a positive integer, got {steps!r}")
+    seeds = _seeds(raw.get("seeds", [0, 1, 2]), "seeds", source)
+    arms: list[Arm] = []
+    if not isinstance(raw["arms"], list) or not raw["arms"]:
+        _fail(source, "arms must be a non-empty list of {name, set, seeds, equal_flops}")
+    for i, a in enumerate(raw["arms"]):
+        if not isinstance(a, dict) or "name" not in a:
+            _fail(source, f"arms[{i}] must be a mapping with a name, got {a!r}")
+        _unknown(a, ARM_KEYS, f"arms[{i}]", source)
+        ef = a.get("equal_flops", True)
+        if not isinstance(ef, bool):
+            _fail(source, f"arms[{i}].equal_flops must be true or false, got {ef!r}")
+        arms.append(Arm(str(a["name"]), _sets(a.get("set"), f"arms[{i}].set", source),
+                        _seeds(a["seeds"], f"arms[{i}].seeds", source) if "seeds" in a else list(seeds), ef))
+    grid = raw.get("grid")
+    if grid is not None:
+        if not isinstance(grid, dict) or "params" not in grid or "name" not in grid:
+            _fail(source, "grid must be a mapping with name (a pattern such as adlm-g{model.gamma}) and params")
+        _unknown(grid, GRID_KEYS, "grid", source)
+        params = grid["params"]
+        if not isinstance(params, dict) or not params or not all(isinstance(v, list) and v for v in params.values()):
+            _fail(source, f"grid.params must map section.key to a non-empty list of values, got {params!r}")
+        _sets(params, "grid.params", source)
+        base = _sets(grid.get("set"), "grid.set", source)
+        gseeds = _seeds(grid["seeds"], "grid.seeds", source) if "seeds" in grid else list(seeds)
+        keys = list(params)
+        for combo in itertools.product(*(params[k] for k in keys)):
+            values = dict(zip(keys, combo, strict=True))
+            arm_name = str(grid["name"])
+            for k, v in values.items():
+                arm_name = arm_name.replace("{" + k + "}", f"{v:g}" if isinstance(v, float) else str(v))
+            if "{" in arm_name:
+                _fail(source, f"grid.name {grid['name']!r} may use only {{{'}, {'.join(keys)}}}")
+            arms.append(Arm(arm_name, {**base, **values}, list(gseeds), False))
+    names = [a.name for a in arms]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        _fail(source, f"arm name(s) {', '.join(dup)} appear more than once; arm names must be unique")
+    for n in names:
+        if not NAME.match(n):
+            _fail(source, f"arm name {n!r} must be letters, digits, '.', '_', '+' or '-'")
+    spec = StudySpec(name=name, config=str(raw["config"]), steps=steps, arms=arms, seeds=seeds,
+                     data=raw.get("data"), flops_reference=raw.get("flops_reference"), baseline=raw.get("baseline"),
+                     max_concurrent=raw.get("max_concurrent", 2), trial_cpu=raw.get("trial_cpu", 0.75),
+                     overrides=_sets(raw.get("overrides"), "overrides", source), source=source)
+    for key in ("flops_reference", "baseline"):
+        ref = getattr(spec, key)
+        if ref is not None and ref not in names:
+            _fail(source, f"{key} {ref!r} is not an arm; arms: {', '.join(names)}")
+    if spec.flops_reference is not None and not spec.arm(spec.flops_reference).equal_flops:
+        _fail(source, f"flops_reference {spec.flops_reference!r} must be an arm with equal_flops: true")
+    if not isinstance(spec.max_concurrent, int) or spec.max_concurrent < 1:
+        _fail(source, f"max_concurrent must be a positive integer, got {spec.max_concurrent!r}")
+    if not isinstance(spec.trial_cpu, (int, float)) or spec.trial_cpu <= 0:
+        _fail(source, f"trial_cpu must be > 0, got {spec.trial_cpu!r}")
+    if spec.data is not None:
+        if not isinstance(spec.data, dict) or "out" not in spec.data:
+            _fail(source, "data must be a mapping with at least out (and source, train_tokenizer, length)")
+        _unknown(spec.data, DATA_KEYS, "data", source)
+    return spec
+
+
+def load_study(path: str | Path) -> StudySpec:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"study file {p} does not exist; pass one of studies/*.yaml")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from e
+    return parse_study(raw, str(p))
+
+
+def validate_arms(spec: StudySpec, root: Path) -> dict[str, TrainConfig]:
+    """Every arm's recipe (with a seed) validated; a ConfigError naming the arm otherwise."""
+    if not (root / spec.config).is_file():
+        _fail(spec.source, f"config {spec.config} does not exist; pass a recipe under configs/")
+    out = {}
+    for arm in spec.arms:
+        try:
+            cfg = TrainConfig.from_dict(spec.raw_config(arm, root))
+        except ConfigError as e:
+            _fail(spec.source, f"arm {arm.name!r}: {e}")
+        if spec.steps % cfg.run.val_every:
+            _fail(spec.source, f"steps {spec.steps} must be a multiple of run.val_every ({cfg.run.val_every}, arm "
+                               f"{arm.name!r}) so that every arm is validated at exactly that step")
+        out[arm.name] = cfg
+    return out
