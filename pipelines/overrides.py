@@ -12,8 +12,10 @@ Every failure is a ``ConfigError`` (a ``ValueError``) of one line naming the key
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -21,6 +23,18 @@ import yaml
 from adlm_model.config import ConfigError
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def read_yaml_file(path: str | os.PathLike, what: str, choices: str) -> Any:
+    """The parsed YAML of a recipe, search space or study file; a one-line ConfigError naming ``what`` and
+    where to find valid ones (``choices``, e.g. ``configs/*.yaml``) when it is missing or not YAML."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {p} does not exist; pass one of {choices}")
+    try:
+        return yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {p} is not valid YAML: {str(e).splitlines()[0]}") from None
 
 
 def split_assignment(assignment: str) -> tuple[list[str], str]:

@@ -61,7 +61,10 @@ def profile(name: str) -> Profile:
     if name == "demo":
         return Profile(
             name="demo",
-            train_runs=[("ADLM", "configs/demo.yaml", []), ("MDLM", "configs/demo_mdlm.yaml", [])],
+            # ADLM first (the first champion, fully evaluated), then the AR baseline (the one model that learns
+            # context within these minutes: it replaces ADLM), then MDLM (screened out by the fast stage).
+            train_runs=[("ADLM", "configs/demo.yaml", []), ("AR", "configs/demo_ar.yaml", []),
+                        ("MDLM", "configs/demo_mdlm.yaml", [])],
             sweep="demo",
             # Sized for 2 cores: 16 samples of 32 steps (gen-PPL under SmolLM2 costs ~2 s a sample here), MAUVE
             # on those 16 (a wiring check at this size, not a measurement), and no nucleus: the demo models'

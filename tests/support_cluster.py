@@ -19,6 +19,17 @@ from pathlib import Path
 
 from tests.conftest import free_port
 
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """Whether ``url`` answers 200 now (a server's health or ping route)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -19,17 +18,14 @@ import pipelines.training.trainer as train_mod
 from adlm_model import load_checkpoint
 from pipelines.training.config import load_config
 from tests.conftest import free_port
+from tests.support_cluster import http_ok
 from tests.support_data import TINY_MODEL, data_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
+    return http_ok(f"{url}/health")
 
 
 def _stop(proc: subprocess.Popen) -> None:

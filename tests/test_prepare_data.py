@@ -103,6 +103,23 @@ def test_keep_empty_gives_every_empty_document_its_eos(ray_session, tmp_path: Pa
     assert len(stream) - len(dropped) == 2 + 1  # two EOS and the one token of "   "
 
 
+def test_row_indices_read_the_same_rows_as_a_range(ray_session, tmp_path: Path, corpus: Path) -> None:
+    """Training validates on rows spread over the split (read_row_indices); they are the rows a full read
+    holds at those positions, across shard boundaries, and bad indices fail in one line."""
+    from pipelines.data.reader import read_row_indices, read_rows
+
+    out = tmp_path / "rows"
+    prepare(dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=32, shard_rows=16, quiet=True))
+    every, _ = read_rows(str(out / "train"))
+    assert len(read_manifest(out / "train").shards) >= 3
+    idx = np.linspace(0, len(every) - 1, 9).round().astype(np.int64)
+    got, mask = read_row_indices(str(out / "train"), idx)
+    np.testing.assert_array_equal(got, every[idx])
+    assert mask is None
+    with pytest.raises(ValueError, match="sorted, distinct"):
+        read_row_indices(str(out / "train"), [3, 3])
+
+
 def test_pad_rows_are_exact(ray_session, tmp_path: Path, corpus: Path, docs: list[str]) -> None:
     out = tmp_path / "pad"
     ms = prepare(dict(source=[str(corpus)], out=str(out), tokenizer="bert-base-uncased", mode="pad", length=48,

@@ -24,6 +24,7 @@ from adlm_model import GenerationError, TextGenerator, infill, load_checkpoint, 
 from adlm_model.samplers import SamplerError
 from adlm_model.textgen import GenerationRequest
 from tests.conftest import free_port
+from tests.support_cluster import http_ok
 from tests.support_eval import make_data, register, save_ckpt, tiny_config, train_tiny
 
 PROMPT, SUFFIX = "In the beginning God", " and the earth."
@@ -358,11 +359,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _up(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/ping", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
+    return http_ok(f"{url}/ping")
 
 
 @pytest.mark.slow

@@ -38,3 +38,33 @@ def read_rows(split_dir: str, start: int = 0, stop: int | None = None) -> tuple[
     if not ids_parts:
         return np.zeros((0, m.length), np.int64), None
     return np.concatenate(ids_parts), (np.concatenate(mask_parts) if mask_parts else None)
+
+
+def read_row_indices(split_dir: str, indices: np.ndarray | list[int]) -> tuple[np.ndarray, np.ndarray | None]:
+    """The rows at ``indices`` (sorted, distinct, in ``[0, rows)``) of a prepared split, in that order; each
+    shard that holds one of them is read once."""
+    import pyarrow.parquet as pq
+
+    m = read_manifest(split_dir)
+    idx = np.asarray(indices, dtype=np.int64)
+    if idx.size and (idx[0] < 0 or idx[-1] >= m.rows or np.any(np.diff(idx) <= 0)):
+        raise ValueError(f"row indices must be sorted, distinct and in [0, {m.rows}) for {split_dir}")
+    ids_parts, mask_parts = [], []
+    offset = 0
+    for info, uri in zip(m.shards, m.shard_uris(), strict=True):
+        lo, hi = offset, offset + info.rows
+        offset = hi
+        local = idx[(idx >= lo) & (idx < hi)] - lo
+        if not local.size:
+            continue
+        fs, path = get_fs(uri)
+        cols = ["input_ids"] + (["attention_mask"] if m.mode == "pad" else [])
+        table = pq.read_table(path, filesystem=fs, columns=cols)
+        ids = table.column("input_ids").combine_chunks().flatten().to_numpy().reshape(-1, m.length)
+        ids_parts.append(ids[local].astype(np.int64))
+        if "attention_mask" in table.column_names:
+            mask = table.column("attention_mask").combine_chunks().flatten().to_numpy().reshape(-1, m.length)
+            mask_parts.append(mask[local].astype(np.int8))
+    if not ids_parts:
+        return np.zeros((0, m.length), np.int64), None
+    return np.concatenate(ids_parts), (np.concatenate(mask_parts) if mask_parts else None)

@@ -29,6 +29,7 @@ import adlm_model
 from adlm_model.checkpoint import CheckpointError, load_checkpoint
 from adlm_model.kinds import count_parameters, model_kind
 from adlm_model.pretrained import load_pretrained, save_pretrained
+from pipelines.evaluation.plan import ModelRef
 
 
 class ExportError(ValueError):
@@ -67,12 +68,9 @@ class ExportResult:
 
 
 @dataclass
-class _Source:
-    uri: str
-    checkpoint_dir: Path
-    name: str | None = None
-    version: str | None = None
-    run_id: str | None = None
+class _Source(ModelRef):
+    """The model to export: what ``--model`` named, plus its version's tags and aliases (for the card)."""
+
     tags: dict[str, str] = field(default_factory=dict)
     aliases: list[str] = field(default_factory=list)
 
@@ -81,7 +79,7 @@ def _source(uri: str, tracking_uri: str | None, workdir: str | os.PathLike | Non
     from pipelines.serving.generate import checkpoint_folder
 
     if not uri.startswith("models:/"):
-        return _Source(uri, checkpoint_folder(uri))
+        return _Source(uri, str(checkpoint_folder(uri)))
     from pipelines.registry import get_version
     from pipelines.tracking import client, resolve_tracking_uri
 
@@ -89,7 +87,7 @@ def _source(uri: str, tracking_uri: str | None, workdir: str | os.PathLike | Non
     mv = get_version(uri, turi)
     aliases = sorted(a for a, v in (client(turi).get_registered_model(mv.name).aliases or {}).items()
                      if str(v) == str(mv.version))
-    return _Source(uri, checkpoint_folder(uri, tracking_uri=turi, workdir=workdir), mv.name, str(mv.version),
+    return _Source(uri, str(checkpoint_folder(uri, tracking_uri=turi, workdir=workdir)), mv.name, str(mv.version),
                    mv.run_id, dict(mv.tags or {}), aliases)
 
 
@@ -181,7 +179,7 @@ def export_model(uri: str, out: str | os.PathLike, *, tracking_uri: str | None =
         if not force:
             raise ExportError(f"--out {dst} holds an earlier export: pass --force to replace it, or another folder")
     src = _source(uri, tracking_uri, workdir)
-    d = src.checkpoint_dir
+    d = Path(src.local_dir)
     specials = special_tokens_of(d)
     if specials is None or not (d / "tokenizer.json").is_file():
         raise ExportError(f"{uri}: the model has no tokenizer.json beside its checkpoint ({d}); re-register it "

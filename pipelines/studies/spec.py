@@ -31,9 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from adlm_model.config import ConfigError
+from pipelines.overrides import read_yaml_file
 from pipelines.training.config import TOP_KEYS, TrainConfig, apply_override, load_raw
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
@@ -186,14 +185,7 @@ def parse_study(raw: Any, source: str = "<study>") -> StudySpec:
 
 
 def load_study(path: str | Path) -> StudySpec:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"study file {p} does not exist; pass one of studies/*.yaml")
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from e
-    return parse_study(raw, str(p))
+    return parse_study(read_yaml_file(path, "study file", "studies/*.yaml"), str(path))
 
 
 def validate_arms(spec: StudySpec, root: Path) -> dict[str, TrainConfig]:

@@ -26,10 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from adlm_model.config import MODEL_KINDS, PRESETS, ConfigError, ModelConfig, preset
-from pipelines.overrides import coerce, coerce_fields, set_nested
+from pipelines.overrides import coerce, coerce_fields, read_yaml_file, set_nested
 from pipelines.storage import join
 
 
@@ -297,15 +295,9 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
 def load_raw(path: str | os.PathLike | None) -> dict[str, Any]:
     if path is None:
         return {}
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {p} does not exist; pass one of configs/*.yaml")
-    try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+    raw = read_yaml_file(path, "config file", "configs/*.yaml") or {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"config file {p} must hold a mapping of sections")
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
     return raw
 
 

@@ -11,12 +11,10 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from adlm_model.config import ConfigError
+from pipelines.overrides import read_yaml_file
 from pipelines.training.config import TOP_KEYS
 
 DISTRIBUTIONS = ("loguniform", "uniform", "choice", "randint", "grid")
@@ -184,14 +182,7 @@ def parse_param(name: str, d: Any, where: str) -> ParamSpec:
 
 def load_space(path: str | os.PathLike) -> SearchSpace:
     """Read and validate a search-space YAML (its own rules; the recipe is checked in :func:`plan_sweep`)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"search space {p} does not exist; pass one of tune_spaces/*.yaml")
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"search space {p} is not valid YAML: {str(e).splitlines()[0]}") from None
-    return parse_space(raw, str(p))
+    return parse_space(read_yaml_file(path, "search space", "tune_spaces/*.yaml"), str(path))
 
 
 def parse_space(raw: Any, source: str = "<space>") -> SearchSpace:
