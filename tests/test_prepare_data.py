@@ -94,13 +94,14 @@ def test_keep_empty_gives_every_empty_document_its_eos(ray_session, tmp_path: Pa
     tok = load_tokenizer("gpt2")
     ids, _, _ = _rows(out / "train")
     stream = np.concatenate([np.array(x + [50256], np.int32) for x in tok.encode(docs)])  # every document
-    assert [len(x) for x in tok.encode([docs[5], docs[17]])] == [0, 1]  # "" is no token; "   " is one
+    empty, blank = tok.encode([docs[5], docs[17]])
+    assert empty == [] and len(blank) >= 1  # "" is no token; "   " is some
     body = ids[:, 1:-1].reshape(-1)
     np.testing.assert_array_equal(body, stream[: len(body)])
     assert m.documents == m.documents_used == 60 and not m.skipped and m.options["keep_empty"] is True
     # The default drops them (test_wrap_rows_decode_to_the_documents): two EOS fewer in the same text.
     dropped = np.concatenate([np.array(x + [50256], np.int32) for x in tok.encode([d for d in docs if d.strip()])])
-    assert len(stream) - len(dropped) == 2 + 1  # two EOS and the one token of "   "
+    assert len(stream) - len(dropped) == 2 + len(blank)  # two EOS and the tokens of "   "
 
 
 def test_row_indices_read_the_same_rows_as_a_range(ray_session, tmp_path: Path, corpus: Path) -> None:

@@ -20,6 +20,9 @@ from pipelines.training.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
+STUDY_VOCAB = {Path(s["config"]).name: s["data"]["train_tokenizer"]
+               for s in (yaml.safe_load(p.read_text()) for p in sorted((ROOT / "studies").glob("*.yaml")))
+               if (s.get("data") or {}).get("train_tokenizer")}
 
 
 def _source(name: str):
@@ -38,7 +41,8 @@ def test_recipe_names_what_its_source_produces(recipe: Path) -> None:
         path = getattr(cfg.data, split)
         assert Path(path).name in src.splits, f"{recipe.name}: data.{split} {path} is no split of {src.name}"
     if src is EMBEDDED:
-        assert cfg.model.vocab_size == EMBEDDED_TOKENIZER_VOCAB
+        # The embedded default BPE, or the size a study trains for the recipe (studies/*.yaml, data.train_tokenizer).
+        assert cfg.model.vocab_size == STUDY_VOCAB.get(recipe.name, EMBEDDED_TOKENIZER_VOCAB), recipe.name
     else:
         tok = load_tokenizer(src.tokenizer)
         assert (cfg.model.vocab_size, cfg.model.mask_id) == (tok.vocab_size, tok.mask_id), recipe.name

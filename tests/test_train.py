@@ -297,7 +297,7 @@ def test_a_same_size_tokenizer_is_refused_on_resume_and_in_evaluation(tiny_data:
     """Data of another 512-entry BPE (trained on another slice of the corpus): the vocabulary size matches,
     the token ids mean other strings. Resuming on it and evaluating on it both fail in one line."""
     from pipelines.data.manifest import read_manifest
-    from pipelines.evaluation.config import EvalConfig, EvalError
+    from pipelines.evaluation.config import EvalConfig
     from pipelines.evaluation.plan import plan_evaluation
     from tests.support_data import make_tiny_data
 
@@ -308,7 +308,7 @@ def test_a_same_size_tokenizer_is_refused_on_resume_and_in_evaluation(tiny_data:
     with pytest.raises(ConfigError, match="trained on data of another tokenizer") as e:
         train_mod.train(_cfg(other, "tok", "run.max_steps=4", "scaling.num_workers=0"))
     assert "\n" not in str(e.value)
-    with pytest.raises(EvalError, match="not by the model's tokenizer") as e:
+    with pytest.raises(DataMismatchError, match="not by the model's tokenizer") as e:
         plan_evaluation(str(res.checkpoint_dir), "ppl", EvalConfig(data=str(other)), workdir=str(workdir))
     assert "\n" not in str(e.value)
     # Its own data still plans.

@@ -156,8 +156,9 @@ EVAL_PROFILES: dict[str, dict[str, Any]] = {
                   sample_batch_size=16, sample_length=0, eval_lm="gpt2-large", mauve_featurizer="gpt2-large",
                   gen_ppl_first_token="keep", t_draws=1, use_ema=True),
     # What `make demo` runs on 2 CPU cores: a wiring check whose figures do not compare with the papers'.
+    # Each kind's own sampler (ReMDM-loop for the diffusion models, left to right for AR).
     "demo": dict(eval_lm="smollm2", mauve_featurizer="minilm", num_samples=16, sample_batch_size=16, steps=32,
-                 nucleus_p=1.0, mauve_min_samples=16, sampler="mdlm", max_rows=256, batch_size=16,
+                 nucleus_p=1.0, mauve_min_samples=16, sampler="auto", max_rows=256, batch_size=16,
                  cpus_per_task=1.0),
 }
 
