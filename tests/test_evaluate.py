@@ -56,7 +56,10 @@ def test_ppl_equals_the_training_code_nelbo_on_the_same_batches(art, kind):
     # The training objective (train=True), EMA weights, the same rows and the same per-batch seeds.
     model, mcfg, _ = load_checkpoint(art[kind])  # EMA weights by default
     model.eval()
-    x_all = torch.from_numpy(_val_rows(art["data"])[: bs * n_batches])
+    # max_rows takes rows spread evenly over the split (its first rows would be one or two documents).
+    rows = _val_rows(art["data"])
+    x_all = torch.from_numpy(rows[np.linspace(0, len(rows) - 1, bs * n_batches).round().astype(int)])
+    assert len(rows) > bs * n_batches
     nelbo = []
     with torch.no_grad():
         for k in range(n_batches):

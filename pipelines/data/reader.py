@@ -68,3 +68,23 @@ def read_row_indices(split_dir: str, indices: np.ndarray | list[int]) -> tuple[n
     if not ids_parts:
         return np.zeros((0, m.length), np.int64), None
     return np.concatenate(ids_parts), (np.concatenate(mask_parts) if mask_parts else None)
+
+
+def spread_indices(total: int, n: int) -> np.ndarray:
+    """``n`` row indices spread evenly over ``[0, total)`` (all of them when ``n`` is 0 or at least ``total``).
+
+    A split is its documents in order, so its first rows are one or two documents (on the embedded corpus,
+    Wikipedia only, where most of the split is the Bible): a subset for validation, a fast stage or MAUVE's
+    references is taken across the whole split instead."""
+    if n <= 0 or n >= total:
+        return np.arange(total, dtype=np.int64)
+    return np.linspace(0, total - 1, n).round().astype(np.int64)
+
+
+def read_subset(split_dir: str, n: int, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Rows ``[start, stop)`` of the split's ``n``-row subset (``spread_indices``; the whole split for 0)."""
+    m = read_manifest(split_dir)
+    idx = spread_indices(m.rows, n)[start:stop]
+    if idx.size and idx[-1] - idx[0] + 1 == idx.size:  # contiguous: one range read
+        return read_rows(split_dir, int(idx[0]), int(idx[-1]) + 1)
+    return read_row_indices(split_dir, idx)

@@ -46,7 +46,7 @@ class EvalConfig:
     seed: int = 0
     """Seed of every random draw (diffusion times, masks, samples); derived per batch."""
     max_rows: int = 0
-    """Score only the first N rows of each split (0: all). Staged evaluation uses it for the fast stage."""
+    """Score N rows of each split, spread evenly over it (0: all). Staged evaluation uses it for the fast stage."""
     use_ema: bool = True
     """Evaluate and sample with the EMA weights (METHOD.md section 7) when the checkpoint has them."""
     num_samples: int = 64
@@ -83,7 +83,7 @@ class EvalConfig:
     mauve_min_samples: int = 50
     """Refuse MAUVE below this many samples (its histogram has n/10 buckets)."""
     mauve_reference_split: str = "validation"
-    """Split whose first ``num_samples`` rows, decoded, are MAUVE's reference texts."""
+    """Split whose ``num_samples`` rows spread over it, decoded, are MAUVE's reference texts."""
     mauve_scaling: float = 5.0
     """MAUVE's scaling constant c (package default 5)."""
     device: str = "auto"

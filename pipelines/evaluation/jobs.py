@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.data.reader import read_rows
+from pipelines.data.reader import read_subset
 from pipelines.evaluation.config import EvalConfig
 from pipelines.seeds import EVAL_NELBO, EVAL_SAMPLES, derive_seed
 
@@ -109,9 +109,10 @@ def score_rows(model: Any, cfg: Any, ids: np.ndarray, mask: np.ndarray | None, *
 
 def ppl_job(model: str, split_dir: str, start: int, stop: int, settings: JobSettings,
             progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
-    """NELBO sums over rows ``[start, stop)`` of a split (``start`` is a multiple of the batch size)."""
+    """NELBO sums over rows ``[start, stop)`` of a split's evaluation subset (``max_rows`` rows spread over the
+    split, or all of it; ``start`` is a multiple of the batch size)."""
     net, cfg, _ = load_eval_model(model, settings)
-    ids, mask = read_rows(split_dir, start, stop)
+    ids, mask = read_subset(split_dir, settings.cfg.max_rows, start, stop)
     bs = settings.cfg.batch_size
     pooled = score_rows(net, cfg, ids, mask, batch_size=bs, seed=settings.cfg.seed, t_draws=settings.cfg.t_draws,
                         first_batch=start // bs, progress=progress)

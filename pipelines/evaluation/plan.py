@@ -291,5 +291,6 @@ def plan_evaluation(model: str, suite: str | Sequence[str], cfg: EvalConfig, *, 
 def ppl_key(dataset: Dataset, cfg: EvalConfig) -> str:
     """Identity of a perplexity figure: same key, same number (data, rows, batch size, draws, seed, EMA)."""
     rows = min(cfg.max_rows, dataset.rows) if cfg.max_rows else dataset.rows
-    return (f"{dataset.manifest_hash[:16]}:rows={rows}:bs={cfg.batch_size}:draws={cfg.t_draws}:seed={cfg.seed}"
+    # "spread": a subset is spread over the split (reader.spread_indices), not its first rows as before.
+    return (f"{dataset.manifest_hash[:16]}:rows={rows}{'-spread' if rows < dataset.rows else ''}:bs={cfg.batch_size}:draws={cfg.t_draws}:seed={cfg.seed}"
             f":ema={int(cfg.use_ema)}")

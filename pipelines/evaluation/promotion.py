@@ -4,8 +4,8 @@
 model that has not been decided yet (no final ``eval.status``), oldest first, and records each step on the
 version as tags:
 
-1. **Fast stage** (``eval.stage1``): the validation bound on a fixed subset (the first ``stage1_rows``
-   rows, the evaluation's seed and batch size), compared with ``stage1_max_ppl`` and with the current
+1. **Fast stage** (``eval.stage1``): the validation bound on a fixed subset (``stage1_rows`` rows spread
+   over the split, the evaluation's seed and batch size), compared with ``stage1_max_ppl`` and with the current
    champion's figure on the very same subset (``stage1_tolerance``: how far above the champion a candidate
    may be and still earn the full stage). A failing version never runs the full stage.
 2. **Full stage** (``eval.stage2``): ``stage2_suite`` (full validation and zero-shot perplexities,
@@ -55,7 +55,7 @@ class PromotionConfig:
     model_name: str = "adlm"
     """Registered model whose waiting versions are processed."""
     stage1_rows: int = 256
-    """Fast stage: score the first N validation rows."""
+    """Fast stage: score N validation rows spread over the split."""
     stage1_max_ppl: float = math.inf
     """Fast stage: the subset's validation bound must be at most this (inf: no threshold)."""
     stage1_tolerance: float = 0.05
@@ -213,7 +213,7 @@ class _Stager:
         figures["stage1_val_ppl"] = fast
         reasons = []
         if not math.isfinite(fast) or fast > self.promo.stage1_max_ppl:
-            reasons.append(f"stage 1: validation bound {fast:.4f} on the first {self.promo.stage1_rows} rows is "
+            reasons.append(f"stage 1: validation bound {fast:.4f} on {self.promo.stage1_rows} rows spread over the split is "
                            f"above the threshold {self.promo.stage1_max_ppl:g}")
         s1 = {"eval.stage1.val_ppl": f"{fast:.6g}", "eval.stage1.key": key1}
         if champion is not None:

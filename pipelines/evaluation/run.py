@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.data.reader import read_rows
+from pipelines.data.reader import read_subset
 from pipelines.evaluation.config import PPL_METRIC_NAMES, EvalConfig
 from pipelines.evaluation.eval_lm import is_hub_model
 from pipelines.evaluation.executors import LocalExecutor, RayExecutor
@@ -148,7 +148,7 @@ def run_plan(plan: Plan, executor: Any) -> EvalResult:
                                  f"pooled, EOS targets excluded, truncated to {r['max_length']}, "
                                  f"{GEN_PPL_DEFINITIONS[r['first_token']]}"})
     if "mauve" in suite:
-        ref_ids, _ = read_rows(plan.reference_split, 0, len(samples))
+        ref_ids, _ = read_subset(plan.reference_split, len(samples), 0, len(samples))  # spread over the split
         refs = [sample_text(row, plan.tokenizer) for row in ref_ids]
         r = executor.run(mauve_job, [{"sample_texts": [s["text"] for s in samples], "reference_texts": refs,
                                       "settings": settings}], f"MAUVE ({cfg.mauve_featurizer})", large=is_hub_model(cfg.mauve_featurizer))[0]

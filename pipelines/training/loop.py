@@ -30,13 +30,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from adlm_model import gamma_at
 from adlm_model.checkpoint import save_checkpoint, save_state
 from adlm_model.losses import LossOutput
-from pipelines.data.reader import read_row_indices, read_rows
+from pipelines.data.reader import read_subset
 from pipelines.seeds import TRAIN_DATA_ORDER, TRAIN_VALIDATION, derive_seed
 from pipelines.storage import (
     delete_dir,
@@ -144,19 +143,13 @@ VALIDATION_NOISE_SEED = 0
 
 
 def validation_rows(w: Worker) -> dict[str, torch.Tensor]:
-    """This worker's slice of the fixed validation rows (``run.val_batches`` micro-batches per worker).
-
-    A subset is spread evenly over the split, not its first rows: a split is its documents in order, and its
-    first rows are one or two of them (on the embedded corpus, Wikipedia only), so a bound on them would
-    reward whichever run happened to meet that text first."""
+    """This worker's slice of the fixed validation rows (``run.val_batches`` micro-batches per worker, spread
+    over the split: ``reader.spread_indices``)."""
     cfg, lc = w.cfg, w.lc
     micro, world = cfg.batch.micro_batch, w.world
     whole = (lc.val_rows // (micro * world)) * micro * world
     n_val = min(cfg.run.val_batches * micro * world, whole) if cfg.run.val_batches else whole
-    if n_val < lc.val_rows:
-        ids, mask = read_row_indices(lc.val_split, np.linspace(0, lc.val_rows - 1, n_val).round().astype(np.int64))
-    else:
-        ids, mask = read_rows(lc.val_split, 0, n_val)
+    ids, mask = read_subset(lc.val_split, n_val if n_val < lc.val_rows else 0, 0, n_val)
     per = n_val // world
     rows = {"input_ids": torch.from_numpy(ids[w.rank * per:(w.rank + 1) * per].copy())}
     if mask is not None:
