@@ -1,6 +1,6 @@
 """The whole pipeline, top to bottom: what ``make demo`` runs and what a cluster job submits.
 
-    python -m pipelines.run_all                      # the embedded demo (CPU, offline, < 10 minutes here)
+    python -m pipelines.run_all                      # the embedded demo (CPU, offline, about 5 minutes here)
     python -m pipelines.run_all --profile smoke      # a 1-2 minute end-to-end check (tests, job submit)
     ray job submit --working-dir . --runtime-env runtime_env.yaml -- python -m pipelines.run_all
 
@@ -8,14 +8,16 @@ Stages (each one is also its own CLI; this script only chains them):
 
 1. ``prepare``: Ray Data tokenises and packs the embedded corpus (gensim's Wikipedia sample and the
    King James Bible, shipped by pip packages) into Parquet shards with manifests.
-2. ``train``: ADLM (``configs/demo.yaml``) and the MDLM baseline (``configs/demo_mdlm.yaml``) with
-   Ray Train on 2 CPU workers; each final EMA checkpoint is registered ``@candidate``.
+2. ``train``: ADLM (``configs/demo.yaml``), the AR baseline (``configs/demo_ar.yaml``) and MDLM
+   (``configs/demo_mdlm.yaml``) with Ray Train on 2 CPU workers; each run's best EMA checkpoint by
+   validation bound is registered ``@candidate``.
 3. ``tune``: a small gamma/tau search (``tune_spaces/demo.yaml``) with ASHA; the best trial is
    registered ``@candidate``.
 4. ``evaluate``: staged evaluation of every waiting version (fast validation bound, then validation
    PPL, samples, gen-PPL under SmolLM2-135M, unigram entropy and MAUVE on MiniLM features, all
    offline), and the gate promotes the best to ``@champion``.
-5. A summary table (ADLM vs MDLM vs the sweep's best) and the command that opens the MLflow UI.
+5. A summary table (ADLM vs AR vs MDLM vs the sweep's best), two samples of the champion and the command
+   that opens the MLflow UI.
 
 Everything lives under the work directory (``--workdir`` > ``$ADLM_WORKDIR`` > ``./work``) and the
 MLflow store (``$MLFLOW_TRACKING_URI`` > ``sqlite:///<workdir>/mlflow.db``). Every stage resumes:
@@ -261,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the whole ADLM pipeline: prepare -> train ADLM and MDLM -> gamma/tau sweep -> staged "
                     "evaluation and promotion -> summary. Offline on the embedded corpus; rerun to resume.")
     p.add_argument("--profile", choices=PROFILES, default="demo",
-                   help="demo: the `make demo` pipeline (< 10 minutes on 2 CPU cores); smoke: a 1-2 minute check")
+                   help="demo: the `make demo` pipeline (about 5 minutes on 2 CPU cores); smoke: a 1-2 minute check")
     p.add_argument("--workdir", default=None, help="work directory (default: $ADLM_WORKDIR or ./work)")
     p.add_argument("--skip-sweep", action="store_true", help="leave out the gamma/tau sweep")
     return p
