@@ -284,6 +284,10 @@ def _maybe_crash(w: Worker) -> None:
     if exists(lc.crash_marker):
         return
     write_text(lc.crash_marker, str(w.step))
+    # A real failure comes well after the last report; Ray Train's controller registers reported checkpoints when
+    # it polls the workers (every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default). Waiting out two polls makes
+    # the fault test "resumes from the last checkpoint", not a race between a fast tiny model and the poll.
+    time.sleep(2 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0")) + 1)
     print(f"[rank {w.rank}] fault train.crash_at_step: killing this worker at step {w.step}", flush=True)
     os._exit(1)
 
