@@ -6,6 +6,7 @@ resumes without rerunning finished trials."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -100,6 +101,12 @@ def _finished_trials() -> set[str]:
     return {t for t, r in _trial_runs().items() if r.info.status == "FINISHED"}
 
 
+def _completed_in_tune(log_path: Path) -> set[str]:
+    """Trials Tune itself has recorded as complete (its console line), by trial id. The MLflow run is
+    FINISHED a moment before: a Ctrl-C in between saves the trial as running, and a resume reruns it."""
+    return set(re.findall(r"Trial run_trial_(\w+) completed after", log_path.read_text()))
+
+
 @pytest.mark.slow
 def test_sweep_stops_early_nests_runs_registers_best_and_resumes(tiny_data: Path, workdir: Path, tmp_path: Path,
                                                                   ray_session) -> None:
@@ -124,13 +131,13 @@ def test_sweep_stops_early_nests_runs_registers_best_and_resumes(tiny_data: Path
     cmd = [sys.executable, "-m", "pipelines.tune", "--space", str(space_file), "--config",
            str(ROOT / "configs" / "demo.yaml"), *sets]
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address,
-           "PYTHONPATH": str(ROOT)}
-    # 1. Start the sweep and interrupt it (Ctrl-C) once a first trial has finished.
+           "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    # 1. Start the sweep and interrupt it (Ctrl-C) once a first trial has finished, in MLflow and in Tune.
     log_path = tmp_path / "sweep.log"  # a file, not a pipe: Tune's tables would fill a pipe and block
     with log_path.open("w") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 400
-    while not _finished_trials():
+    while not _finished_trials() & _completed_in_tune(log_path):
         if proc.poll() is not None or time.time() > deadline:
             proc.kill()
             pytest.fail(f"the sweep ended or hung before a trial finished:\n{log_path.read_text()[-4000:]}")
@@ -138,7 +145,7 @@ def test_sweep_stops_early_nests_runs_registers_best_and_resumes(tiny_data: Path
     os.killpg(proc.pid, signal.SIGINT)
     proc.wait(timeout=180)
     assert proc.returncode == 130, log_path.read_text()[-4000:]
-    finished_before = _finished_trials()
+    finished_before = _finished_trials() & _completed_in_tune(log_path)
     assert finished_before
 
     # 2. Rerun the same sweep: it resumes and completes without rerunning the finished trial(s).
