@@ -18,7 +18,9 @@ What happens, in order:
 
 Resume: rerun the same command (same sweep name and work directory). Tune restores the experiment
 from ``<workdir>/ray_results/tune/<sweep>``: finished and stopped trials are not rerun; unfinished ones
-are rerun, and their training runs continue from their own latest checkpoints.
+are rerun, and their training runs continue from their own latest checkpoints. A trial whose training
+ended in the moment before Ctrl-C, before Tune processed its last report, is saved as running: its rerun
+finds its final checkpoint, trains nothing and reports the same validation again.
 """
 
 
