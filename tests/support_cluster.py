@@ -56,6 +56,15 @@ class S3:
                 return out
             token = page["NextContinuationToken"]
 
+    def read(self, key: str) -> bytes | None:
+        """The object's bytes, or None when it does not exist (yet)."""
+        import boto3
+
+        try:
+            return boto3.client("s3", endpoint_url=self.endpoint).get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        except Exception:  # noqa: BLE001 - a missing key (or one being written) reads as not there yet
+            return None
+
 
 @contextlib.contextmanager
 def s3_server(bucket: str = "adlm") -> Iterator[S3]:

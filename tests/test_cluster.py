@@ -131,10 +131,13 @@ def test_a_worker_node_lost_mid_training_resumes_from_the_bucket(tmp_path: Path,
     from pipelines.training.trainer import train
     from tests.support_data import TINY_MODEL, data_overrides
 
+    # About 50 steps a second here: enough steps that the run is still going once the first checkpoint is
+    # registered (up to one 2 s poll after it is written) and the node is found and killed.
+    steps = 200
     with s3_server() as s3, ray_cluster(nodes=2) as rc:
         os.environ["RAY_ADDRESS"] = rc.address
         try:
-            sets = [*data_overrides(tiny_data), *TINY_MODEL, "run.name=lost-node", "run.max_steps=40",
+            sets = [*data_overrides(tiny_data), *TINY_MODEL, "run.name=lost-node", f"run.max_steps={steps}",
                     "run.val_every=10", "run.ckpt_every=10", "run.log_every=1", "run.val_batches=1",
                     "batch.global_batch=8", "batch.micro_batch=8", "scaling.num_workers=1",
                     "scaling.cpus_per_worker=0.5", "failure.max_failures=3", "optim.warmup_steps=2",
@@ -146,11 +149,13 @@ def test_a_worker_node_lost_mid_training_resumes_from_the_bucket(tmp_path: Path,
             killed: list[str] = []
 
             def kill_the_workers_node() -> None:
-                # Wait for the first checkpoint in the bucket, then kill the node the worker runs on.
+                # Wait until Ray Train's controller has registered the first checkpoint (its snapshot in the
+                # bucket names it; a checkpoint written but not yet registered, up to one 2 s poll, would be
+                # unknown to the restart), then kill the node the worker runs on.
                 deadline = time.time() + 300
-                while time.time() < deadline and not any("checkpoint_00000010/trainer_state.json" in k
-                                                          for k in s3.keys("ray_results/lost-node/")):
-                    time.sleep(0.5)
+                while time.time() < deadline and b"checkpoint_00000010" not in (
+                        s3.read("ray_results/lost-node/checkpoint_manager_snapshot.json") or b""):
+                    time.sleep(0.2)
                 for node in list(rc.workers):
                     workers = [a for a in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
                                if a.class_name == "RayTrainWorker" and a.node_id == node.node_id]
@@ -168,10 +173,10 @@ def test_a_worker_node_lost_mid_training_resumes_from_the_bucket(tmp_path: Path,
             os.environ.pop("RAY_ADDRESS", None)
             ray.shutdown()
         assert killed, "the worker's node was never killed (no checkpoint appeared?)"
-        assert res.step == 40
+        assert res.step == steps
         hist = mlflow.MlflowClient(uri).get_metric_history(res.run_id, "train/loss")
-        steps = sorted(m.step for m in hist)
-        assert steps == list(range(1, 41)), steps  # no step twice, none skipped
+        logged = sorted(m.step for m in hist)
+        assert logged == list(range(1, steps + 1)), logged  # no step twice, none skipped
         resumed = mlflow.MlflowClient(uri).get_metric_history(res.run_id, "train/resumed_from")
         assert [m.value for m in resumed] and all(v % 10 == 0 and v >= 10 for v in (m.value for m in resumed))
 
