@@ -52,6 +52,9 @@ class ModelKind:
     """Has the anchor loss (gamma, tau are meaningful: tags, sweeps)."""
     diffusion: bool = True
     """A masked-diffusion model: its perplexity is an upper bound, it can infill."""
+    clipped_schedule: bool = False
+    """Trains on a data-driven clipped masking schedule, searched at each validation (BD3-LM, METHOD.md
+    section 3); evaluation stays on the full schedule."""
 
 
 Mask = torch.Tensor | None
@@ -90,7 +93,7 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
     ModelKind("adlm", ADLM, _adlm_train, _mdlm, "remdm-loop", anchored=True),
     ModelKind("ar", AR, _ar, _ar, "ar", diffusion=False),
     # BD3-LM shares MDLM's network; it differs in attention masks, objective and sampler.
-    ModelKind("bd3lm", MDLM, _bd3lm_train, _bd3lm_eval, "bd3lm"),
+    ModelKind("bd3lm", MDLM, _bd3lm_train, _bd3lm_eval, "bd3lm", clipped_schedule=True),
 )}
 assert tuple(KINDS) == MODEL_KINDS, "config.MODEL_KINDS and the KINDS table must list the same kinds"
 

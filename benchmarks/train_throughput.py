@@ -5,7 +5,7 @@ batch 16, so accumulation 2 on one worker) with the embedded demo data (prepared
 ``pipelines.prepare_data`` under ``--workdir`` and reused), runs of ``--steps`` optimiser steps, each
 with ``--threads`` torch threads:
 
-- Ray Train: ``pipelines.train.train`` with one Ray Train worker (``num_workers=1``,
+- Ray Train: ``pipelines.training.trainer.train`` with one Ray Train worker (``num_workers=1``,
   ``cpus_per_worker=--threads``, which the loop turns into ``torch.set_num_threads(--threads)``).
   Batches stream from the shards through Ray Data (``iter_torch_batches``, local shuffle buffer);
   rank 0 logs to a sqlite MLflow store every ``--window`` steps; its tokens/s are read back from the
@@ -93,6 +93,7 @@ def ray_train_rates(args: argparse.Namespace, workdir: Path) -> list[float]:
     import mlflow
     import ray
 
+    from pipelines.runtime import init_ray
     from pipelines.training.trainer import train
 
     started = not ray.is_initialized()
@@ -106,8 +107,7 @@ def ray_train_rates(args: argparse.Namespace, workdir: Path) -> list[float]:
         private = workdir / "ray-address"
         private.mkdir(exist_ok=True)
         env["RAY_TMPDIR"] = str(private)
-        ray.init(address="local", num_cpus=args.threads + 1, configure_logging=False, log_to_driver=True,
-                 runtime_env={"env_vars": env})
+        init_ray(num_cpus=args.threads + 1, dashboard=False, env_vars=env)
     name = f"bench-ray-{time.strftime('%Y%m%d-%H%M%S')}"  # a new name: an old one would resume
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     try:
@@ -229,7 +229,10 @@ def main() -> None:
     steady_plain = statistics.median(plain_a[k:n] + plain_a[n + k:])
     steady_ray = statistics.median(ray_a[k:])
     adlm_time = statistics.median(m / a for a, m in zip(plain_a[k:n], plain_m[k:], strict=True))
-    show = lambda v: ", ".join(f"{x:,.0f}" for x in v)  # noqa: E731
+
+    def show(v: list[float]) -> str:
+        return ", ".join(f"{x:,.0f}" for x in v)
+
     print(f"plain adlm      {steady_plain:8,.0f} tok/s (median of steady windows)  windows: {show(plain_a)}")
     print(f"plain mdlm      {statistics.median(plain_m[k:]):8,.0f} tok/s                             "
           f"windows: {show(plain_m)}")

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipelines.tracking import client
+from pipelines.tracking import client, redact_uri
 
 DEFAULT_MODEL_NAME = "adlm"
 CHECKPOINT_ARTIFACT = "checkpoint"
@@ -123,7 +123,7 @@ def get_version(uri: str, tracking_uri: str | None = None):
         return c.get_model_version(name, version)
     except Exception as e:
         what = f"alias {alias!r}" if alias else f"version {version}"
-        raise RegistryError(f"registered model {name!r} has no {what} in {tracking_uri or 'the tracking store'}: "
+        raise RegistryError(f"registered model {name!r} has no {what} in {redact_uri(tracking_uri) if tracking_uri else 'the tracking store'}: "
                             f"list versions with `mlflow models` or the UI, or pass a checkpoint directory") from e
 
 

@@ -1,6 +1,6 @@
 """The process environment every stage shares: offline/quiet defaults and the one way to start Ray.
 
-- ``quiet_environment``: no telemetry, no Ray auth token in ``$HOME`` for local runs.
+- ``quiet_environment``: no telemetry, no usage statistics.
 - ``init_ray``: connect to ``$RAY_ADDRESS`` (a cluster, ``ray job submit``) or start a local Ray.
 """
 
@@ -18,9 +18,10 @@ nodes take those from their own environment or instance role (a job's runtime en
 
 
 def quiet_environment() -> None:
-    """Environment defaults for local runs: no telemetry, no Ray auth token in $HOME."""
+    """Environment defaults for every stage: no telemetry, no usage statistics. (Ray's authentication mode
+    is left alone here: a driver that connects to a token-authenticated cluster must keep it; only a local
+    Ray that ``init_ray`` starts turns it off.)"""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -30,14 +31,16 @@ def forwarded_env() -> dict[str, str]:
     return {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
 
 
-def init_ray(address: str | None = None, *, num_cpus: int | None = None, dashboard: bool = True) -> bool:
+def init_ray(address: str | None = None, *, num_cpus: int | None = None, dashboard: bool = True,
+             env_vars: dict[str, str] | None = None) -> bool:
     """Connect to ``address`` or ``$RAY_ADDRESS`` when set, else start a local Ray; True if this call
     started or connected (False: Ray was already initialised).
 
     A local Ray gets its dashboard on a free loopback port (``dashboard=True``): Ray Tune over Ray Train
     V2 needs the state API the dashboard serves, or finished trials' placement groups are never released
     (ENVIRONMENT.md); loopback only, never open to the network. Data preparation alone starts without
-    it (``dashboard=False``: seconds faster).
+    it (``dashboard=False``: seconds faster). ``env_vars``: extra environment for a local Ray's workers
+    (without it they inherit this process's and the raylet's prestarted workers serve at once).
     """
     import ray
 
@@ -53,9 +56,12 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, dashboa
         env = None if in_job else {"env_vars": forwarded_env()}
         ray.init(address=address, log_to_driver=True, configure_logging=False, runtime_env=env)
         return True
+    # A Ray of this process alone, on loopback: no auth token written under $HOME (unless asked for one).
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    runtime_env = {"env_vars": env_vars} if env_vars else None
     if not dashboard:
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
-                 configure_logging=False)
+                 configure_logging=False, runtime_env=runtime_env)
         return True
     import socket
 
@@ -65,5 +71,5 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, dashboa
     # address="local": always a fresh local Ray, never a stale `ray start` head that
     # /tmp/ray/ray_current_cluster may still name.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
-             log_to_driver=True, configure_logging=False)
+             log_to_driver=True, configure_logging=False, runtime_env=runtime_env)
     return True

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -43,6 +44,19 @@ def resolve_tracking_uri(workdir: str | os.PathLike | None = None) -> str:
         raise StorageError(f"the work directory {wd} is remote: set MLFLOW_TRACKING_URI to a tracking server "
                            "(mlflow/server.sh) that every node reaches")
     return f"sqlite:///{Path(wd) / 'mlflow.db'}"
+
+
+_USERINFO = re.compile(r"(?<=://)([^/@:]*):([^/@]*)@")
+_SECRET_QUERY = re.compile(r"(?i)([?&](?:password|passwd|pwd|token|secret|access_key|key)=)[^&]*")
+
+
+def redact_uri(uri: str | None) -> str:
+    """``uri`` with its password (``scheme://user:password@host``) and secret query values replaced by
+    ``***``: what every message, log line and summary shows of a tracking or store URI (a job's logs are
+    readable by everyone on the cluster's dashboard)."""
+    if not uri:
+        return str(uri)
+    return _SECRET_QUERY.sub(r"\1***", _USERINFO.sub(r"\1:***@", str(uri)))
 
 
 def client(tracking_uri: str | None) -> Any:
@@ -211,7 +225,7 @@ class ResilientLogger:
             lines = "".join(json.dumps({"key": k, "value": v, "timestamp": ts, "step": st}) + "\n"
                             for k, v, ts, st, _ in rest)
             write_text(join(self.spool_dir, name), lines)
-            print(f"WARNING: MLflow at {self.tracking_uri} is unreachable: {len(rest)} metrics kept in "
+            print(f"WARNING: MLflow at {redact_uri(self.tracking_uri)} is unreachable: {len(rest)} metrics kept in "
                   f"{self.spool_dir}; the next run of the same command sends them", flush=True)
         return len(rest)
 
@@ -340,7 +354,7 @@ def log_artifact_safely(tracking_uri: str, run_id: str, local: str | os.PathLike
         else:
             c.log_artifact(run_id, str(local), artifact_path)
         return True
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - an artifact the store refuses (outage, permissions) must not fail the run: the caller decides
         log.warning("could not log artifact %s: %s", local, e)
         print(f"WARNING: could not log artifact {local} to MLflow: {type(e).__name__}", flush=True)
         return False

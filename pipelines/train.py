@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train ADLM / MDLM / AR / BD3-LM with Ray Train from prepared Parquet shards; track and "
                     "register in MLflow. Rerunning the same run name resumes it from its latest checkpoint.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Config sections and keys (see pipelines/train_config.py for every field): model (preset + "
+        epilog="Config sections and keys (see pipelines/training/config.py for every field): model (preset + "
                "ModelConfig fields), data (train, validation: split dirs, relative = under the workdir; "
                "shuffle_buffer), optim (lr, betas, eps, weight_decay, warmup_steps, schedule constant|cosine, "
                "min_lr_ratio, clip), batch (global_batch, micro_batch), run (name, max_steps, val_every, "

@@ -1,4 +1,4 @@
-"""Staged evaluation and gated promotion on a real sqlite MLflow registry (pipelines/promotion.py)."""
+"""Staged evaluation and gated promotion on a real sqlite MLflow registry (pipelines/evaluation/promotion.py)."""
 
 from __future__ import annotations
 

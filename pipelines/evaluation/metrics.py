@@ -1,7 +1,7 @@
 """Evaluation metrics, each with exactly one definition (METHOD.md section 6).
 
 - **Perplexity bound** (METHOD.md sections 1 and 6): ``PPL = exp(sum of per-token NELBO / number of
-  tokens)`` over the whole split. The per-batch sums come from ``adlm_model.losses.compute_loss`` (its
+  tokens)`` over the whole split. The per-batch sums come from ``adlm_model.kinds.compute_loss`` (its
   ``nll_sum`` and ``n_tokens``); ``PooledNLL`` adds them up exactly (float64 sums, integer counts), so the
   result does not depend on how batches were split across workers.
 - **Generative perplexity** (``generative_perplexity``): decoded samples are re-tokenised with the
@@ -85,7 +85,7 @@ def mean_unigram_entropy(samples: Iterable[Sequence[int] | np.ndarray | torch.Te
 
 
 class CausalScorer(Protocol):
-    """What ``generative_perplexity`` needs from an evaluation LM (``pipelines.eval_lm.EvalLM``)."""
+    """What ``generative_perplexity`` needs from an evaluation LM (``pipelines.evaluation.eval_lm.EvalLM``)."""
 
     name: str
     eos_id: int | None
@@ -209,7 +209,7 @@ def mauve_score(p_features: np.ndarray, q_features: np.ndarray, *, featurizer: s
                 scaling_factor: float = 5.0, kmeans_num_redo: int = 5, kmeans_max_iter: int = 500) -> MauveResult:
     """MAUVE of generated features ``p`` against as many reference features ``q`` (METHOD.md section 6).
 
-    Features (``(n, d)`` arrays) come from ``pipelines.eval_lm.Featurizer``; the featurizer's name is
+    Features (``(n, d)`` arrays) come from ``pipelines.evaluation.eval_lm.Featurizer``; the featurizer's name is
     recorded with the score. Runs on CPU (``device_id=-1``): featurisation already happened.
     """
     p = np.asarray(p_features, dtype=np.float32)

@@ -33,11 +33,11 @@ from typing import Any
 
 from pipelines.evaluation.config import EvalConfig, EvalError, parse_suite
 from pipelines.evaluation.plan import Plan, plan_evaluation
-from pipelines.evaluation.report import EvalResult
+from pipelines.evaluation.report import EvalResult, gen_ppl_definition
 from pipelines.evaluation.run import log_result, make_executor, run_plan
 from pipelines.storage import parent_of
 from pipelines.tracking import client as tracking_client
-from pipelines.tracking import resolve_tracking_uri
+from pipelines.tracking import redact_uri, resolve_tracking_uri
 
 FINAL_STATUSES = ("promoted", "rejected")
 CHAMPION = "champion"
@@ -107,6 +107,8 @@ class StageOutcome:
     figures: dict[str, float] = field(default_factory=dict)
     replaced: str | None = None
     """The champion this version replaced."""
+    definitions: dict[str, str] = field(default_factory=dict)
+    """Figure -> its definition where one number can mean several things (gen-PPL)."""
 
 
 def _now() -> str:
@@ -176,7 +178,7 @@ class _Stager:
         return value
 
     def decide(self, version: str, status: str, stage: int, reasons: list[str], figures: dict[str, float],
-               replaced: str | None = None) -> StageOutcome:
+               replaced: str | None = None, definitions: dict[str, str] | None = None) -> StageOutcome:
         tags: dict[str, Any] = {"eval.status": status, "eval.decided_at": _now(), "eval.stage": stage}
         if reasons:
             tags["eval.reasons"] = "; ".join(reasons)
@@ -184,7 +186,7 @@ class _Stager:
         if alias_version(self.client, self.name, CANDIDATE) == version:
             self.client.delete_registered_model_alias(self.name, CANDIDATE)
         return StageOutcome(version=version, status=status, stage=stage, reasons=reasons, figures=figures,
-                            replaced=replaced)
+                            replaced=replaced, definitions=definitions or {})
 
     # -- the stages ---------------------------------------------------------------------------------------
     def process(self, version: str) -> StageOutcome:
@@ -246,6 +248,7 @@ class _Stager:
         r2 = self.run(plan2, stage="2", tag_version=True)
         m = r2.metrics
         figures.update({k: m[k] for k in ("val_ppl", "gen_ppl", "entropy", "mauve") if k in m})
+        definitions = {"gen_ppl": gen_ppl_definition(self.cfg)} if "gen_ppl" in m else {}
         self.tag(version, {"eval.stage2": "passed", "eval.stage": 3})
 
         # Stage 3: the gate.
@@ -274,13 +277,13 @@ class _Stager:
             reasons.append(f"gate: MAUVE {m['mauve']:.4f} below the bound {p.mauve_min:g}")
         self.tag(version, {"eval.stage3": "failed" if reasons else "passed"})
         if reasons:
-            return self.decide(version, "rejected", 3, reasons, figures)
+            return self.decide(version, "rejected", 3, reasons, figures, definitions=definitions)
         when = _now()
         self.client.set_registered_model_alias(self.name, CHAMPION, version)
         self.tag(version, {"eval.promoted_at": when, **({"eval.previous_champion": champion} if champion else {})})
         if champion is not None:
             self.tag(champion, {"eval.replaced_by": version, "eval.replaced_at": when})
-        return self.decide(version, "promoted", 3, [], figures, replaced=champion)
+        return self.decide(version, "promoted", 3, [], figures, replaced=champion, definitions=definitions)
 
 
 def check_stage_all(promo: PromotionConfig, cfg: EvalConfig, tracking_uri: str) -> None:
@@ -300,7 +303,7 @@ def check_stage_all(promo: PromotionConfig, cfg: EvalConfig, tracking_uri: str) 
     try:
         client.get_registered_model(promo.model_name)
     except Exception as e:
-        raise PromotionError(f"no registered model {promo.model_name!r} in {tracking_uri}: train with registration "
+        raise PromotionError(f"no registered model {promo.model_name!r} in {redact_uri(tracking_uri)}: train with registration "
                              "on (python -m pipelines.train ...) or pass --name") from e
 
 
@@ -329,6 +332,8 @@ def outcomes_markdown(outcomes: list[StageOutcome]) -> str:
         figs = ", ".join(f"{k}={v:.4g}" for k, v in o.figures.items())
         extra = f" (replaced v{o.replaced})" if o.replaced else ""
         lines.append(f"| {o.version} | {o.status}{extra} | {o.stage} | {figs} | {'; '.join(o.reasons)} |")
+    defined = sorted({(k, d) for o in outcomes for k, d in o.definitions.items()})
+    lines += [""] * bool(defined) + [f"{k}: {d}" for k, d in defined]
     return "\n".join(lines)
 
 

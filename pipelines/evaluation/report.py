@@ -74,6 +74,15 @@ def plots(result: EvalResult, out: Path) -> list[Path]:
     return made
 
 
+def gen_ppl_definition(cfg: EvalConfig) -> str:
+    """The definition printed next to every gen-PPL figure (METHOD.md section 6): the evaluation LM, the
+    pooling, the truncation and the first-token convention."""
+    from pipelines.evaluation.metrics import GEN_PPL_DEFINITIONS
+
+    return (f"token-pooled NLL under {cfg.eval_lm}, EOS targets excluded, truncated to {cfg.gen_ppl_max_length}, "
+            f"{GEN_PPL_DEFINITIONS[cfg.gen_ppl_first_token]}")
+
+
 def version_tags(result: EvalResult, cfg: EvalConfig) -> dict[str, str]:
     """Headline figures and the settings they were measured with, for the registry version."""
     m, s = result.metrics, result.settings
@@ -96,10 +105,7 @@ def version_tags(result: EvalResult, cfg: EvalConfig) -> dict[str, str]:
                                 + (f" {json.dumps(s['sampler_kwargs'], sort_keys=True)}" if s["sampler_kwargs"] else ""))
     if "gen_ppl" in result.suite:
         tags["gen_ppl.eval_lm"] = cfg.eval_lm
-        from pipelines.evaluation.metrics import GEN_PPL_DEFINITIONS
-
-        tags["gen_ppl.definition"] = (f"token-pooled NLL under {cfg.eval_lm}, EOS targets excluded, truncated to "
-                                      f"{cfg.gen_ppl_max_length}, {GEN_PPL_DEFINITIONS[cfg.gen_ppl_first_token]}")
+        tags["gen_ppl.definition"] = gen_ppl_definition(cfg)
     if "mauve" in result.suite:
         tags["mauve.featurizer"] = cfg.mauve_featurizer
     return tags

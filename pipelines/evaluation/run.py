@@ -173,12 +173,11 @@ def log_result(result: EvalResult, plan: Plan, *, stage: str | None = None, tag_
     The run is tagged with the model name/version/URI; a registry version gets ``eval.run_id`` (or
     ``eval.stageN.run_id``) and, when ``tag_version``, the headline figures.
     """
-    import mlflow
-
+    from pipelines.tracking import client as mlflow_client
     from pipelines.tracking import ensure_experiment, resolve_tracking_uri
 
     plan.tracking_uri = plan.tracking_uri or resolve_tracking_uri(plan.workdir)
-    client = mlflow.MlflowClient(tracking_uri=plan.tracking_uri, registry_uri=plan.tracking_uri)
+    client = mlflow_client(plan.tracking_uri)
     exp = ensure_experiment(plan.cfg.experiment, plan.tracking_uri, plan.workdir)
     ref = plan.ref
     label = f"{ref.name}-v{ref.version}" if ref.version else Path(ref.local_dir).name

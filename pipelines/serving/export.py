@@ -49,7 +49,8 @@ FIGURES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "gen_ppl": ("Generative perplexity", "Decode samples to text, re-tokenise with the evaluation LM's tokenizer "
                 "(reference: `gpt2-large`), truncate to 1024, score with the evaluation LM, pool the NLL over "
                 "tokens (not a mean of per-sample perplexities), excluding EOS targets. Meaningless alone: read it "
-                "with the sampler, `T`, `p`, sample count and the unigram entropy.", ("gen.settings", "gen_ppl.eval_lm")),
+                "with the sampler, `T`, `p`, sample count and the unigram entropy.",
+                ("gen_ppl.definition", "gen.settings", "gen_ppl.eval_lm")),
     "entropy": ("Unigram entropy", "The mean unigram entropy of samples (per sample, entropy of its token-id "
                 "histogram, in nats).", ("gen.settings",)),
     "mauve": ("MAUVE", "MAUVE (`mauve-text`): generated texts against the same number of reference texts from "

@@ -81,7 +81,7 @@ def stage_checkpoint(src: Path, dst: Path) -> Path:
     missing = [f for f in ("config.json", "model.safetensors") if not (src / f).is_file()]
     if missing:
         raise ModelPackagingError(f"checkpoint {src} lacks {', '.join(missing)}: register a folder written by "
-                                  "training (pipelines.training.checkpoints.export_checkpoint)")
+                                  "training (<workdir>/checkpoints/<run name>, or a Ray checkpoint folder)")
     dst.mkdir(parents=True, exist_ok=True)
     for f in REQUIRED_FILES + OPTIONAL_FILES:
         if (src / f).is_file():
@@ -138,8 +138,10 @@ def log_text_model(run_id: str, checkpoint_dir: Path, tracking_uri: str, tmp: Pa
     import mlflow
     from mlflow.models import Model
 
+    from pipelines.tracking import client
+
     staged = stage_checkpoint(checkpoint_dir, tmp / CHECKPOINT_KEY)
-    c = mlflow.MlflowClient(tracking_uri)
+    c = client(tracking_uri)
     run = c.get_run(run_id)
     # The logged model is created here, in the run's experiment: Model.log would put it in the process's
     # active experiment (the default one, whose artifacts land in ./mlruns) when no run is active.

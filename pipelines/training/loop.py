@@ -34,6 +34,7 @@ import torch
 
 from adlm_model import gamma_at
 from adlm_model.checkpoint import save_checkpoint, save_state
+from adlm_model.kinds import model_kind
 from adlm_model.losses import LossOutput
 from pipelines.data.reader import read_subset
 from pipelines.seeds import TRAIN_DATA_ORDER, TRAIN_VALIDATION, derive_seed
@@ -130,7 +131,7 @@ def log_window(w: Worker) -> dict[str, float]:
                "train/grad_norm": tot[5] / (n * world), "train/lr": win.get("lr", 0.0),
                "train/tokens_per_s": tot[2] / max(dt, 1e-9), "train/epoch": w.epoch}
     mc = w.cfg.model
-    if mc.kind == "adlm":
+    if model_kind(mc.kind).anchored:
         metrics["train/anchor_loss"] = tot[3] / max(tot[2], 1.0)
         metrics["train/anchor_frac"] = tot[4] / max(tot[2], 1.0)
         metrics["train/gamma_k"] = gamma_at(w.step - 1, mc.gamma, mc.gamma_beta, mc.gamma_horizon)
@@ -344,7 +345,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             ppl = validate(w, val_rows)
             keep_if_best(w, ppl)
             last.update({"step": step, "val_ppl": ppl, "epoch": w.epoch, "best_val_ppl": w.best_val})
-            if cfg.model.kind == "bd3lm" and r.clip_search and step < r.max_steps:
+            if model_kind(cfg.model.kind).clipped_schedule and r.clip_search and step < r.max_steps:
                 lo, hi = search_clip(w, val_rows)
                 if tracker is not None:
                     tracker.log_metrics({"train/clip_low": lo, "train/clip_high": hi}, step)

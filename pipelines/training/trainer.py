@@ -36,7 +36,15 @@ from pipelines.storage import (
     temp_dir,
     write_bytes_atomic,
 )
-from pipelines.tracking import SPOOL, client, ensure_experiment, resolve_tracking_uri, send_spool, tracking_reachable
+from pipelines.tracking import (
+    SPOOL,
+    client,
+    ensure_experiment,
+    redact_uri,
+    resolve_tracking_uri,
+    send_spool,
+    tracking_reachable,
+)
 from pipelines.training.checkpoints import BEST, fetch_export, latest_checkpoint
 from pipelines.training.config import TrainConfig, flatten
 from pipelines.training.data import DataPlan, plan_data
@@ -179,12 +187,12 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     prev_id = prev_meta.get("mlflow_run_id")
     run_id = open_run(cfg, plan, uri, wd, prev_id, parent_run_id, extra_tags)
     if run_id is None:
-        print(f"WARNING: MLflow at {uri} is unavailable at start; training without a run: the metrics wait in "
+        print(f"WARNING: MLflow at {redact_uri(uri)} is unavailable at start; training without a run: the metrics wait in "
               f"{join(run_dir, SPOOL)} and the next run of this command sends them and registers", flush=True)
     if not quiet:
         print(f"[{cfg.run.name}] {cfg.model.kind} model, {cfg.world} worker(s) x micro-batch {cfg.batch.micro_batch} "
               f"x accumulation {cfg.accumulation} = global batch {cfg.batch.global_batch}; data {plan.train_rows} "
-              f"train rows; storage {run_dir}; MLflow run {run_id} at {uri}"
+              f"train rows; storage {run_dir}; MLflow run {run_id} at {redact_uri(uri)}"
               + (f"; resuming from step {prev[0]}" if prev else ""), flush=True)
 
     import ray
@@ -259,7 +267,7 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
             **(extra_tags or {}), "step": best_step, "val_ppl": best_val, "final_step": final[0],
             "checkpoint": "best" if chosen == best else "latest"})
     else:
-        print(f"WARNING: MLflow at {uri} is unreachable: the run is trained (checkpoint {final[1]}) but its "
+        print(f"WARNING: MLflow at {redact_uri(uri)} is unreachable: the run is trained (checkpoint {final[1]}) but its "
               f"metrics wait in {join(run_dir, SPOOL)} and it is not registered; run the same command again once "
               "the tracking server is back: it trains nothing, sends the metrics and registers", flush=True)
     export = publish_dir(local_export, join(wd, "checkpoints", cfg.run.name))

@@ -7,7 +7,7 @@ What happens, in order:
    (a negative gamma, an unknown key), and the data must fit the model: all before Ray starts.
 2. One MLflow *parent* run for the sweep (its name is the sweep name; reopened on a rerun).
 3. A Tune driver function per trial builds and fits a ``TorchTrainer`` through
-   :func:`pipelines.train.train` (the current Ray pattern; ``Tuner(trainer)`` is deprecated). The
+   :func:`pipelines.training.trainer.train` (the current Ray pattern; ``Tuner(trainer)`` is deprecated). The
    trainer's ``TuneReportCallback`` forwards every validation report to Tune, so ASHA can stop bad
    trials early on the validation NELBO perplexity (minimised) with ``step`` as its time unit.
    Each trial is an MLflow *child* run (nested under the parent, tagged with the trial id, params
@@ -40,9 +40,10 @@ from typing import Any
 import yaml
 
 from adlm_model.config import ConfigError
+from adlm_model.kinds import model_kind
 from pipelines.runtime import init_ray, quiet_environment
 from pipelines.storage import join, publish_dir, resolve_workdir, temp_dir
-from pipelines.tracking import client, ensure_experiment, resolve_tracking_uri
+from pipelines.tracking import client, ensure_experiment, redact_uri, resolve_tracking_uri
 from pipelines.training.config import TrainConfig, apply_override, load_raw
 from pipelines.tuning.report import TrialRow, plot_search, table_markdown
 from pipelines.tuning.space import METRIC, TIME_ATTR, SearchSpace, parse_space
@@ -91,7 +92,7 @@ def plan_sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[st
     for k, v in space.overrides.items():
         apply_override(raw, f"{k}={json.dumps(v)}")
     base = TrainConfig.from_dict(json.loads(json.dumps(raw)))
-    if base.model.kind != "adlm" and any(p.key in ("model.gamma", "model.tau") for p in space.params):
+    if not model_kind(base.model.kind).anchored and any(p.key in ("model.gamma", "model.tau") for p in space.params):
         raise ConfigError(f"the space searches gamma/tau but the recipe's model.kind is {base.model.kind!r}; "
                           "gamma and tau only act on ADLM (set model.kind=adlm)")
     for p in space.params:  # every corner must make a valid recipe (e.g. gamma >= 0, tau >= 0)
@@ -373,7 +374,7 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     if not quiet:
         print(f"[sweep {space.name}] {space.total_trials} trials ({space.algorithm} search, {space.scheduler} "
               f"scheduler, max_t {plan.max_t} steps), {space.max_concurrent} at a time; MLflow parent run {parent} "
-              f"at {plan.tracking_uri}", flush=True)
+              f"at {redact_uri(plan.tracking_uri)}", flush=True)
     try:
         grid = tuner.fit()
     except Exception as e:

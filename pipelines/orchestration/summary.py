@@ -1,0 +1,125 @@
+"""The whole pipeline's summary: one row per registered version (validation bound, gen-PPL with its
+definition, entropy, MAUVE, the staged evaluation's decision), the sweep's trials, two samples of the
+champion, the stage times, and, for the demo, whether it did what it promises (``profiles.DemoGoals``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from adlm_model.kinds import KINDS
+from pipelines.orchestration.profiles import DemoGoals, Profile
+from pipelines.tracking import client, redact_uri
+
+
+def summarize(prof: Profile, uri: str, model_name: str, vocab_size: int, results: dict, sweep_res: Any,
+              timings: dict[str, float]) -> dict:
+    """The summary as a dict (``summary.json``); ``results``: label -> ``TrainResult``."""
+    from pipelines.evaluation.promotion import CHAMPION, alias_version
+
+    c = client(uri)
+    rows = []
+    entries = [(label, r.registered_version) for label, r in results.items()]
+    if sweep_res is not None and sweep_res.registered_version:
+        entries.append((f"ADLM sweep best ({sweep_res.best.trial_id})", sweep_res.registered_version))
+    champion = alias_version(c, model_name, CHAMPION)  # None: every candidate was rejected
+    for label, version in entries:
+        tags = dict(c.get_model_version(model_name, version).tags) if version else {}
+
+        def num(key: str, tags: dict = tags) -> float | None:
+            try:
+                return float(tags[key])
+            except (KeyError, ValueError):
+                return None
+
+        rows.append({"model": label, "version": version, "kind": tags.get("kind"), "gamma": tags.get("gamma"),
+                     "tau": tags.get("tau"), "val_ppl": num("val_ppl"), "gen_ppl": num("gen_ppl"),
+                     "gen_ppl_definition": tags.get("gen_ppl.definition"), "entropy": num("entropy"),
+                     "mauve": num("mauve"), "status": tags.get("eval.status"),
+                     "reasons": tags.get("eval.reasons", ""), "champion": version == champion})
+    sweep = None
+    if sweep_res is not None:
+        sweep = {"name": sweep_res.name, "trials": len(sweep_res.trials),
+                 "stopped": sorted(t.trial_id for t in sweep_res.trials if t.status == "stopped"),
+                 "statuses": {t.trial_id: t.status for t in sweep_res.trials}}
+    return {"profile": prof.name, "model_name": model_name, "champion": champion, "vocab_size": vocab_size,
+            "rows": rows, "sweep": sweep, "timings_s": timings, "tracking_uri": redact_uri(uri), "comparable": prof.comparable}
+
+
+def check_goals(s: dict, goals: DemoGoals) -> list[dict[str, Any]]:
+    """Each promise of the demo with what this run measured and whether it holds (``s``: the summary with its
+    samples)."""
+    champ = next((r for r in s["rows"] if r["champion"]), None)
+    bound, limit = (champ or {}).get("val_ppl"), goals.champion_bound_over_vocab * s["vocab_size"]
+    sweep = s.get("sweep") or {"trials": 0, "stopped": []}
+    total = s["timings_s"].get("total", float("inf"))
+    return [
+        {"goal": f"champion's validation bound <= vocabulary/10 = {limit:g}",
+         "measured": "no champion" if champ is None else f"{bound:.1f} ({champ['model']})",
+         "met": bound is not None and bound <= limit},
+        {"goal": f"sweep of >= {goals.min_trials} trials, ASHA stopping >= {goals.min_stopped}",
+         "measured": f"{sweep['trials']} trials, {len(sweep['stopped'])} stopped",
+         "met": sweep["trials"] >= goals.min_trials and len(sweep["stopped"]) >= goals.min_stopped},
+        {"goal": f"{goals.samples} samples of the champion", "measured": f"{len(s.get('samples') or [])}",
+         "met": len(s.get("samples") or []) >= goals.samples},
+        {"goal": f"whole pipeline <= {goals.max_seconds:.0f} s", "measured": f"{total:.0f} s",
+         "met": total <= goals.max_seconds},
+    ]
+
+
+def champion_samples(s: dict, wd: str, uri: str, length: int, n: int = 2) -> list[str]:
+    """``n`` short unconditional samples of the champion, drawn through the same generator as
+    ``pipelines.generate`` and the served model (seeded: a rerun prints the same ones)."""
+    if not s.get("champion"):
+        return []
+    from pipelines.serving.generate import open_generator, run_generation
+
+    try:
+        loaded = open_generator(f"models:/{s['model_name']}@champion", tracking_uri=uri, workdir=wd, device="cpu")
+        req = loaded.generator.request(length=length, steps=length, num_samples=n, seed=0)
+        return [g.completion for g in run_generation(loaded, req, progress=False)]
+    except Exception as e:  # noqa: BLE001 - the summary stands without its samples; say why
+        print(f"WARNING: sampling the champion failed ({type(e).__name__}: {str(e)[:200]})", flush=True)
+        return []
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+
+
+def summary_markdown(s: dict) -> str:
+    out = ["| model | kind | version | gamma | tau | validation PPL (bound) | gen-PPL | entropy | MAUVE | status |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in s["rows"]:
+        status = (r["status"] or "-") + (" **champion**" if r["champion"] else "")
+        # gamma and tau are tagged on anchored (ADLM) versions only (pipelines.registry.training_tags)
+        anchor = (f"{float(r['gamma']):.3g}", _fmt(r["tau"])) if r["gamma"] is not None else ("-", "-")
+        bound = "<= " if r["kind"] in KINDS and KINDS[r["kind"]].diffusion and r["val_ppl"] is not None else ""
+        out.append(f"| {r['model']} | {_fmt(r['kind'])} | {_fmt(r['version'])} | {anchor[0]} | {anchor[1]} | "
+                   f"{bound}{_fmt(r['val_ppl'])} | {_fmt(r['gen_ppl'])} | {_fmt(r['entropy'])} | {_fmt(r['mauve'])} | "
+                   f"{status} |")
+    out.append("")
+    for d in sorted({r["gen_ppl_definition"] for r in s["rows"] if r["gen_ppl"] is not None and r["gen_ppl_definition"]}):
+        out.append(f"gen-PPL: {d}.")
+    if not s.get("comparable", False):
+        out.append(f"Profile {s.get('profile', '?')}: minutes of training and a small evaluation, there to show the "
+                   "wiring and that the models learn; no figure here compares with a published one (those need "
+                   "the recipes in configs/ and `pipelines.evaluate --profile paper`).")
+    champ = next((r for r in s["rows"] if r["champion"]), None)
+    out.append(f"Champion: {s['model_name']} v{s['champion']}, the {champ['model'] if champ else '?'} run "
+               f"(models:/{s['model_name']}@champion)" if s["champion"]
+               else "No champion: every candidate was rejected (see the eval.reasons tags).")
+    for i, text in enumerate(s.get("samples") or [], 1):
+        out.append(f"Champion sample {i}: " + " ".join(text.split())[:400])
+    if s.get("sweep"):
+        sw = s["sweep"]
+        out.append(f"Sweep {sw['name']}: {sw['trials']} trials, ASHA stopped {len(sw['stopped'])} early"
+                   + (f" ({', '.join(sw['stopped'])})" if sw["stopped"] else ""))
+    out.append("Times: " + ", ".join(f"{k} {v:.0f} s" for k, v in s["timings_s"].items()))
+    for g in s.get("goals") or []:
+        out.append(f"Demo goal: {g['goal']}: {g['measured']} -> {'met' if g['met'] else 'NOT MET'}")
+    uri = s["tracking_uri"]
+    if uri.startswith("sqlite:"):
+        out.append(f"Open the MLflow UI: mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000")
+    else:
+        out.append(f"MLflow: {redact_uri(uri)}")
+    return "\n".join(out) + "\n"

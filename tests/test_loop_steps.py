@@ -1,0 +1,125 @@
+"""The training loop's named steps on their own, without Ray (``pipelines/training/worker.py``, ``loop.py``):
+gradient accumulation equals one large batch, a log window pools and resets, and a checkpoint written by
+``write_checkpoint`` and read back by ``resume`` continues the run bit for bit (weights, EMA and its update
+count, optimiser, schedule, data position, RNG streams)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+VOCAB, LENGTH, ROWS = 64, 16, 32
+
+
+def _cfg(kind: str, *sets: str):
+    from pipelines.training.config import load_config
+
+    return load_config(ROOT / "configs" / "demo.yaml", [
+        f"model.kind={kind}", f"model.vocab_size={VOCAB}", f"model.seq_len={LENGTH}", "model.mask_id=2",
+        "model.hidden=32", "model.heads=2", "model.n_blocks=1", "model.denoiser_blocks=1", "model.cond_dim=16",
+        "model.dropout=0.1", "batch.global_batch=8", "batch.micro_batch=4", "optim.warmup_steps=2",
+        "run.max_steps=20", "scaling.num_workers=0", *sets])
+
+
+def _worker(cfg):
+    from pipelines.training.worker import LoopConfig, build
+
+    lc = LoopConfig(cfg=cfg, run_id=None, tracking_uri="sqlite:///unused.db", val_split="unused", val_rows=0,
+                    manifest_hash="m", tokenizer_spec="t", tokenizer_path=None, tokenizer_hash="h", threads=1,
+                    local_mode=True, run_dir="unused", resume_dir=None)
+    return build(lc, rank=0, world=1, device=torch.device("cpu"))
+
+
+ROWS_DATA = torch.randint(3, VOCAB, (ROWS, LENGTH), generator=torch.Generator().manual_seed(0))
+
+
+def _stream(w, micro: int) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
+    """What ``batch_stream`` yields, over fixed rows, from the worker's data position on."""
+    epoch, i = w.epoch, w.position
+    per_epoch = ROWS // micro
+    while True:
+        if i >= per_epoch:
+            epoch, i = epoch + 1, 0
+        yield epoch, i, {"input_ids": ROWS_DATA[i * micro:(i + 1) * micro]}
+        i += 1
+
+
+def _params(w) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in w.raw.state_dict().items()}
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_accumulated_micro_batches_step_like_one_batch() -> None:
+    """AR without dropout is deterministic: two micro-batches of 4 rows (accumulation 2) must give the gradient
+    of one micro-batch of 8 (a missing 1/accumulation, or a gradient left over, would not), step after step.
+    Gradients are compared, not weights: Adam's first steps turn float-rounding differences of near-zero
+    gradients into differences of a whole learning rate."""
+    from pipelines.training.loop import optimiser_step
+
+    a = _worker(_cfg("ar", "model.dropout=0.0", "batch.micro_batch=4"))
+    b = _worker(_cfg("ar", "model.dropout=0.0", "batch.micro_batch=8"))
+    assert (a.accumulation, b.accumulation) == (2, 1)
+    for _ in range(3):
+        optimiser_step(a, _stream(a, 4))
+        optimiser_step(b, _stream(b, 8))
+        for (name, p), q in zip(a.raw.named_parameters(), b.raw.parameters(), strict=True):
+            scale = q.grad.abs().max().item()
+            assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-5 * scale), (a.step, name)
+    assert all(p.grad.abs().max() > 0 for p in a.raw.parameters())  # every layer learns by the third step
+    assert (a.step, a.position, b.position) == (3, 6, 3)
+    assert a.ema.num_updates == 3
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("kind", ["adlm", "mdlm"])
+def test_a_log_window_pools_the_steps_and_starts_afresh(kind: str) -> None:
+    from adlm_model import gamma_at
+    from pipelines.training.loop import log_window, optimiser_step
+
+    w = _worker(_cfg(kind))
+    for _ in range(3):
+        optimiser_step(w, _stream(w, 4))
+    assert w.window["steps"] == 3
+    m = log_window(w)
+    assert w.window["steps"] == 0 and float(w.window["ntok"]) == 0.0
+    assert 0 < m["train/nll"] < 2 * torch.log(torch.tensor(float(VOCAB))).item() * 10
+    assert m["train/tokens_per_s"] > 0 and m["train/grad_norm"] > 0
+    anchored = {"train/anchor_loss", "train/anchor_frac", "train/gamma_k"}
+    if kind == "adlm":
+        assert anchored <= set(m)
+        c = w.cfg.model
+        assert m["train/gamma_k"] == gamma_at(2, c.gamma, c.gamma_beta, c.gamma_horizon)
+        assert 0 < m["train/anchor_frac"] <= 1
+    else:
+        assert not anchored & set(m)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_checkpoint_resumes_the_run_bit_for_bit(tmp_path: Path) -> None:
+    """ADLM with dropout (the torch RNG) and masking noise (the worker's generator): 2 steps, a checkpoint,
+    2 more; a fresh worker resumed from the checkpoint takes the same 2 steps to identical weights."""
+    from pipelines.training.loop import optimiser_step, write_checkpoint
+    from pipelines.training.worker import resume
+
+    a = _worker(_cfg("adlm", "run.max_steps=4"))
+    for _ in range(2):
+        optimiser_step(a, _stream(a, 4))
+    write_checkpoint(a, tmp_path, {"val_ppl": 1.0})
+    for _ in range(2):
+        optimiser_step(a, _stream(a, 4))
+
+    torch.manual_seed(123)  # whatever the fresh process's RNG holds, the checkpoint's streams take over
+    b = _worker(_cfg("adlm", "run.max_steps=4"))
+    assert resume(b, str(tmp_path), 2) == 2
+    assert (b.step, b.position, b.ema.num_updates) == (2, 4, 2)
+    for _ in range(2):
+        optimiser_step(b, _stream(b, 4))
+    pa, pb = _params(a), _params(b)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert all(torch.equal(x, y) for x, y in zip(a.ema.shadow.values(), b.ema.shadow.values(), strict=True))
+    assert (b.step, b.ema.num_updates, b.sched.get_last_lr()) == (4, 4, a.sched.get_last_lr())
