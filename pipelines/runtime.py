@@ -31,6 +31,17 @@ def forwarded_env() -> dict[str, str]:
     return {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
 
 
+def spans_nodes() -> bool:
+    """Whether this process's Ray can run work on another machine: a cluster of several nodes, or one whose
+    head has no CPUs (an autoscaling cluster whose workers are not up yet: every task will run elsewhere)."""
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    return len(alive) > 1 or any(not (n.get("Resources") or {}).get("CPU") for n in alive)
+
+
 def init_ray(address: str | None = None, *, num_cpus: int | None = None, dashboard: bool = True,
              env_vars: dict[str, str] | None = None) -> bool:
     """Connect to ``address`` or ``$RAY_ADDRESS`` when set, else start a local Ray; True if this call

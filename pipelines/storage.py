@@ -10,8 +10,12 @@ folder or to an object store that every node of a cluster shares.
 - ``join`` keeps URIs URIs; ``write_bytes_atomic`` writes ``<path>.tmp`` then renames (a reader never sees
   half a file; on object stores a put is atomic anyway); ``upload_dir`` / ``download_dir`` move folders
   (checkpoints, plots, tables) between a node's disk and the store.
-- ``local_cache_dir``: a node's own cache (``$ADLM_CACHE`` or ``~/.cache/adlm``); what is cached there is
-  re-derivable, never the only copy of a result.
+- ``cache_dir``: a node's own cache (``$ADLM_CACHE`` > ``<workdir>/cache`` for a local work directory >
+  ``~/.cache/adlm``); what is cached there is re-derivable, never the only copy of a result.
+  ``shared_cache_entry``: an entry built once per cluster (the converted evaluation LM) and shared through
+  ``<workdir>/cache`` in the object store; registry downloads stay per node (their source, MLflow's
+  artifact store, is already shared).
+- ``warn_if_node_local``: one line when a local path is used while Ray's work runs on other nodes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +200,63 @@ def publish_dir(local: str | os.PathLike, dest: str | os.PathLike) -> str:
     upload_dir(local, dest)
     shutil.rmtree(local, ignore_errors=True)
     return str(dest)
+
+
+def warn_if_node_local(paths: list[str] | tuple[str, ...], what: str) -> bool:
+    """Say so (one line) when ``paths`` include a path on this node's disk while Ray's work runs on other
+    nodes: they must see it at the same path (a shared filesystem), else each node reads and writes its own
+    partial copy. Returns whether it warned."""
+    from pipelines.runtime import spans_nodes
+
+    local = [str(p) for p in paths if not is_uri(p)]
+    if not local or not spans_nodes():
+        return False
+    print(f"WARNING: {what} {local[0]} is a path on this node's disk, but Ray's work runs on other nodes: every node "
+          "must see it at that path (a shared filesystem), or use an object store (ADLM_WORKDIR=s3://...)", flush=True)
+    return True
+
+
+SHARED_DONE = "_COMPLETE"
+"""Marks an entry of a shared cache as whole (written after its files)."""
+
+
+def shared_cache_entry(local: Path, build: Callable[[Path], None], complete: Callable[[Path], bool],
+                       shared: str | None = None) -> Path:
+    """The cache entry ``local`` (a folder on this node), filled once: ``build(tmp)`` writes a temporary folder
+    that becomes ``local`` by an atomic rename (a concurrent builder's result is kept if it finished first).
+
+    ``shared``: the same entry in the work directory's object store (a cluster, whose nodes share nothing
+    else). A node without the entry fetches it from there instead of building it, and a node that has it
+    (built or found) puts it there when it is missing, so an expensive derivation runs once per cluster.
+    Sharing is best effort: without it each node builds its own."""
+
+    def share() -> None:
+        try:
+            upload_dir(local, shared)
+            write_bytes_atomic(join(shared, SHARED_DONE), b"")  # last: a reader never takes half an entry
+        except Exception as e:  # noqa: BLE001 - the node's own copy serves; another node builds for itself
+            print(f"WARNING: could not share the cache entry {local.name} at {shared}: {type(e).__name__}",
+                  flush=True)
+
+    if complete(local):
+        if shared and not exists(join(shared, SHARED_DONE)):
+            share()
+        return local
+    tmp = local.with_name(local.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    fetched = bool(shared) and exists(join(shared, SHARED_DONE))
+    if fetched:
+        download_dir(shared, tmp)
+    else:
+        build(tmp)
+    try:
+        os.replace(tmp, local)
+    except OSError:  # another process finished first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    if shared and not fetched:
+        share()
+    return local
 
 
 def cache_dir(workdir: str | os.PathLike | None = None, *parts: str) -> Path:

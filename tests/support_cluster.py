@@ -172,18 +172,27 @@ def ray_cluster(nodes: int = 2, cpus: int = 1) -> Iterator[RayCluster]:
 
     saved_path = os.environ["PATH"]
     os.environ["PATH"] = f"{BIN}{os.pathsep}{saved_path}"
-    dash = free_port()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dash,
-        **_free_ports()})
     try:
-        workers = [cluster.add_node(num_cpus=cpus, runtime_env_dir_name=f"runtime_resources_node{i}", **_free_ports())
-                   for i in range(nodes)]
-        cluster.wait_for_nodes()
-        _wait_for_job_api(f"http://127.0.0.1:{dash}")
-        yield RayCluster(cluster, cluster.address, f"http://127.0.0.1:{dash}", workers)
+        for attempt in (1, 2):
+            dash = free_port()
+            cluster = Cluster(initialize_head=True, head_node_args={
+                "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dash,
+                **_free_ports()})
+            try:
+                workers = [cluster.add_node(num_cpus=cpus, runtime_env_dir_name=f"runtime_resources_node{i}",
+                                            **_free_ports()) for i in range(nodes)]
+                break
+            except Exception as e:  # a raylet that missed Ray's 30 s start-up window on 2 busy cores: once more
+                cluster.shutdown()
+                if attempt == 2 or "timed out during startup" not in str(e):
+                    raise
+        try:
+            cluster.wait_for_nodes()
+            _wait_for_job_api(f"http://127.0.0.1:{dash}")
+            yield RayCluster(cluster, cluster.address, f"http://127.0.0.1:{dash}", workers)
+        finally:
+            cluster.shutdown()
     finally:
-        cluster.shutdown()
         os.environ["PATH"] = saved_path
 
 
@@ -225,3 +234,55 @@ def submit_job(dashboard: str, entrypoint: list[str], runtime_env: Path, cwd: Pa
         time.sleep(2)
     status = "SUCCEEDED" if r.returncode == 0 and "succeeded" in text else "FAILED"
     return status, text
+
+
+@dataclass
+class Outage:
+    """When a tracking server was down (``start``/``end``: epoch seconds), filled in by ``tracking_outage``."""
+
+    seconds: float
+    start: float | None = None
+    end: float | None = None
+    thread: object = field(repr=False, default=None)
+
+
+def tracking_outage(server: MLflowServer, run_name: str, seconds: float, after_windows: int = 5) -> Outage:
+    """In the background: once the MLflow run tagged ``adlm.run_name = run_name`` has ``after_windows`` logged
+    loss windows, stop ``server`` for ``seconds``, then start it again on the same port and store."""
+    import threading
+
+    import mlflow
+
+    client = mlflow.MlflowClient(server.url)
+    outage = Outage(seconds)
+
+    def run() -> None:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            exps = client.search_experiments()
+            runs = client.search_runs([e.experiment_id for e in exps], f"tags.`adlm.run_name` = '{run_name}'") \
+                if exps else []
+            if runs and len(client.get_metric_history(runs[0].info.run_id, "train/loss")) >= after_windows:
+                break
+            time.sleep(1)
+        outage.start = time.time()
+        server.stop()
+        time.sleep(seconds)
+        server.start()
+        outage.end = time.time()
+
+    outage.thread = threading.Thread(target=run, daemon=True)
+    outage.thread.start()
+    return outage
+
+
+def outage_step_rates(tracking_uri: str, run_id: str, outage: Outage) -> tuple[list[float], list[float]]:
+    """Tokens/s of the windows the training loop measured while the server was up (before the outage, the
+    first window left out as warm-up, and after it) and while it was down (from 5 s in)."""
+    import mlflow
+
+    rate = mlflow.MlflowClient(tracking_uri).get_metric_history(run_id, "train/tokens_per_s")
+    rate = sorted(rate, key=lambda m: m.step)[1:]
+    up = [m.value for m in rate if not outage.start - 1 < m.timestamp / 1000 < outage.end + 5]
+    down = [m.value for m in rate if outage.start + 5 < m.timestamp / 1000 < outage.end]
+    return up, down

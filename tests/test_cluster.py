@@ -53,13 +53,14 @@ def _tracked_files() -> set[str]:
     return set(out.split())
 
 
-def _job_folder(cluster, log: str) -> Path:
-    """The head node's unpacked copy of the job's working directory (where the job's driver runs)."""
+def _job_folders(cluster, log: str) -> list[Path]:
+    """Every node's unpacked copy of the job's working directory (the driver runs in the head's; the worker
+    nodes unpack it too for the tasks and actors they run)."""
     pkg = re.findall(r"gcs://(_ray_pkg_\w+)\.zip", log)[-1]
     session = Path(cluster.cluster.head_node.get_session_dir_path())
-    found = list(session.glob(f"runtime_resources*/working_dir_files/{pkg}"))
+    found = sorted(session.glob(f"runtime_resources*/working_dir_files/{pkg}"))
     assert found, f"no unpacked job folder {pkg} under {session}"
-    return found[0]
+    return found
 
 
 def _new_files(folder: Path, tracked: set[str]) -> list[str]:
@@ -109,7 +110,9 @@ def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(t
         # Nothing of the run landed on the local disk: not in the folder the job was submitted from, not in
         # the job's working directory on the head node (only the uploaded project files are there).
         assert not any(empty.iterdir())
-        assert not _new_files(_job_folder(rc, log), _tracked_files())
+        folders = _job_folders(rc, log)
+        for folder in folders:
+            assert not _new_files(folder, _tracked_files()), folder
 
         # A second run of the same command finds everything done: no new version, no alias moves.
         status, log2 = submit_job(rc.dashboard, ["python", "-m", "pipelines.run_all", "--profile", "smoke"], env_file,
@@ -121,12 +124,17 @@ def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(t
 
 
 def test_a_worker_node_lost_mid_training_resumes_from_the_bucket(tmp_path: Path, tiny_data: Path, own_ray) -> None:
-    """One training worker on a cluster of two 1-CPU nodes, storage in the bucket: its node is killed after
-    the first checkpoint; Ray Train restarts the worker group on the other node, which resumes from the
-    bucket's checkpoint: every optimiser step appears once, none is skipped."""
+    """One training worker on a cluster of two 1-CPU nodes and a 0-CPU head, the work directory, data and
+    checkpoints in the bucket: the worker's node is killed after the first checkpoint; Ray Train restarts the
+    worker group on the other node, which resumes from the bucket's checkpoint. Every optimiser step is taken
+    once: the final checkpoint has made exactly ``steps`` optimiser updates (the EMA counts them) on exactly
+    ``steps`` batches of data (its data position), and every step's loss was logged once."""
     import mlflow
     import ray
 
+    from adlm_model.checkpoint import load_state
+    from pipelines.data.manifest import read_manifest
+    from pipelines.storage import download_dir, upload_dir, warn_if_node_local
     from pipelines.training.config import load_config
     from pipelines.training.trainer import train
     from tests.support_data import TINY_MODEL, data_overrides
@@ -135,13 +143,15 @@ def test_a_worker_node_lost_mid_training_resumes_from_the_bucket(tmp_path: Path,
     # registered (up to one 2 s poll after it is written) and the node is found and killed.
     steps = 200
     with s3_server() as s3, ray_cluster(nodes=2) as rc:
+        bucket = f"s3://{s3.bucket}"
+        upload_dir(tiny_data, f"{bucket}/run/data/tiny")
         os.environ["RAY_ADDRESS"] = rc.address
         try:
-            sets = [*data_overrides(tiny_data), *TINY_MODEL, "run.name=lost-node", f"run.max_steps={steps}",
+            sets = [*data_overrides(tiny_data), *TINY_MODEL, "data.train=data/tiny/train",
+                    "data.validation=data/tiny/validation", "run.name=lost-node", f"run.max_steps={steps}",
                     "run.val_every=10", "run.ckpt_every=10", "run.log_every=1", "run.val_batches=1",
                     "batch.global_batch=8", "batch.micro_batch=8", "scaling.num_workers=1",
-                    "scaling.cpus_per_worker=0.5", "failure.max_failures=3", "optim.warmup_steps=2",
-                    f"run.storage_path=s3://{s3.bucket}/ray_results"]
+                    "scaling.cpus_per_worker=0.5", "failure.max_failures=3", "optim.warmup_steps=2"]
             cfg = load_config(ROOT / "configs" / "demo.yaml", sets)
             uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
             import threading
@@ -154,7 +164,7 @@ def test_a_worker_node_lost_mid_training_resumes_from_the_bucket(tmp_path: Path,
                 # unknown to the restart), then kill the node the worker runs on.
                 deadline = time.time() + 300
                 while time.time() < deadline and b"checkpoint_00000010" not in (
-                        s3.read("ray_results/lost-node/checkpoint_manager_snapshot.json") or b""):
+                        s3.read("run/ray_results/lost-node/checkpoint_manager_snapshot.json") or b""):
                     time.sleep(0.2)
                 for node in list(rc.workers):
                     workers = [a for a in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
@@ -167,18 +177,27 @@ def test_a_worker_node_lost_mid_training_resumes_from_the_bucket(tmp_path: Path,
             ray.init(address=rc.address)
             t = threading.Thread(target=kill_the_workers_node, daemon=True)
             t.start()
-            res = train(cfg, workdir=str(tmp_path / "work"), tracking_uri=uri, quiet=True)
+            res = train(cfg, workdir=f"{bucket}/run", tracking_uri=uri, quiet=True)
             t.join(timeout=10)
+            # This cluster runs work off the head: a path on the driver's disk is worth a warning there.
+            assert warn_if_node_local([str(tmp_path)], "a local folder")
         finally:
             os.environ.pop("RAY_ADDRESS", None)
             ray.shutdown()
         assert killed, "the worker's node was never killed (no checkpoint appeared?)"
         assert res.step == steps
-        hist = mlflow.MlflowClient(uri).get_metric_history(res.run_id, "train/loss")
-        logged = sorted(m.step for m in hist)
-        assert logged == list(range(1, steps + 1)), logged  # no step twice, none skipped
-        resumed = mlflow.MlflowClient(uri).get_metric_history(res.run_id, "train/resumed_from")
-        assert [m.value for m in resumed] and all(v % 10 == 0 and v >= 10 for v in (m.value for m in resumed))
+        final = download_dir(f"{bucket}/run/ray_results/lost-node/checkpoint_{steps:08d}", tmp_path / "final")
+        state = load_state(final, "trainer_state")
+    assert state["step"] == steps and state["ema_updates"] == steps  # no update twice, none skipped
+    per_epoch = read_manifest(tiny_data / "train").rows // 8  # one worker, 8 rows a step, the last part dropped
+    assert state["data"]["epoch"] * per_epoch + state["data"]["position"] == steps  # each step's own batch
+    hist = mlflow.MlflowClient(uri).get_metric_history(res.run_id, "train/loss")
+    logged = sorted(m.step for m in hist)
+    assert logged == list(range(1, steps + 1)), logged  # no step twice, none skipped
+    resumed = mlflow.MlflowClient(uri).get_metric_history(res.run_id, "train/resumed_from")
+    assert [m.value for m in resumed] and all(v % 10 == 0 and v >= 10 for v in (m.value for m in resumed))
+    local = {q.name for q in tmp_path.rglob("*")}
+    assert not local & {"ray_results", "checkpoints", "tracking_spool"}, local  # the run lives in the bucket
 
 
 @pytest.mark.parametrize("case, message", [

@@ -123,3 +123,37 @@ def test_a_checkpoint_resumes_the_run_bit_for_bit(tmp_path: Path) -> None:
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
     assert all(torch.equal(x, y) for x, y in zip(a.ema.shadow.values(), b.ema.shadow.values(), strict=True))
     assert (b.step, b.ema.num_updates, b.sched.get_last_lr()) == (4, 4, a.sched.get_last_lr())
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_bd3lm_trains_on_the_interval_its_search_chose() -> None:
+    """``search_clip`` (the loop's step at each validation) picks an interval of the reference grid and the
+    next optimiser steps draw every block's time from it; before any search, from the full schedule."""
+    import adlm_model.bd3lm as bd3
+    from pipelines.training.loop import optimiser_step, search_clip
+    from pipelines.training.worker import set_training_clip
+
+    w = _worker(_cfg("bd3lm", "model.block_size=4", "run.clip_search_batches=2"))
+    seen: list[torch.Tensor] = []
+    original = bd3.block_times
+
+    def spy(*a, **k):
+        t = original(*a, **k)
+        seen.append(t.detach().clone())
+        return t
+
+    bd3.block_times = spy
+    try:
+        optimiser_step(w, _stream(w, 4))
+        before = torch.cat([t.flatten() for t in seen])
+        lo, hi = search_clip(w, {"input_ids": ROWS_DATA[:8]})
+        assert (lo, hi) in bd3.clip_intervals(eps=w.cfg.model.sampling_eps) and w.clip == (lo, hi)
+        for interval in [(lo, hi), (0.45, 0.95)]:  # the search's choice, then one no search would make by chance
+            set_training_clip(w, interval)
+            seen.clear()
+            optimiser_step(w, _stream(w, 4))
+            times = torch.cat([t.flatten() for t in seen])
+            assert times.numel() > 0 and float(times.min()) >= interval[0] and float(times.max()) <= interval[1]
+    finally:
+        bd3.block_times = original
+    assert float(before.min()) < 0.45 or float(before.max()) > 0.95  # the unclipped schedule at first

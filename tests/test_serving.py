@@ -267,6 +267,42 @@ def test_pyfunc_predict_equals_pipelines_generate(registry, capsys) -> None:
     assert e.value.error_code == "INVALID_PARAMETER_VALUE" and "request row 1: steps must be >= 1" in e.value.message
 
 
+def test_the_served_model_loads_its_weights_on_the_first_request_and_keeps_them(registry, monkeypatch) -> None:
+    import mlflow
+    import pandas as pd
+
+    from adlm_model.textgen import TextGenerator
+
+    loads: list[str] = []
+    original = TextGenerator.from_dir.__func__
+
+    def counting(cls, directory, *args, **kwargs):
+        loads.append(str(directory))
+        return original(cls, directory, *args, **kwargs)
+
+    monkeypatch.setattr(TextGenerator, "from_dir", classmethod(counting))
+    model = mlflow.pyfunc.load_model("models:/adlm@candidate")  # a fresh download folder: not cached yet
+    assert loads == []  # loading the MLflow Model reads no weights
+    row = pd.DataFrame([{"prompt": PROMPT, "length": 4, "steps": 4, "seed": 1}])
+    first = model.predict(row)
+    assert len(loads) == 1
+    again = model.predict(row)
+    assert len(loads) == 1 and again["text"][0] == first["text"][0]  # the weights stay loaded
+
+
+def test_generate_cli_shows_a_progress_bar_over_steps(registry, capsys) -> None:
+    from pipelines.generate import main as generate
+
+    assert generate(["--model", "models:/adlm@candidate", "--prompt", PROMPT, "--length", "4", "--steps", "6",
+                     "--seed", "2"]) == 0
+    out = capsys.readouterr()
+    # tqdm on stderr (stdout keeps the text alone): the bar over the sampler's steps, 6 + the final greedy fill
+    assert "sampling:" in out.err and "/7 [" in out.err and out.out.strip().startswith(PROMPT)
+    assert generate(["--model", "models:/adlm@candidate", "--prompt", PROMPT, "--length", "4", "--steps", "6",
+                     "--seed", "2", "--quiet"]) == 0
+    assert "sampling" not in capsys.readouterr().err
+
+
 def test_generate_cli_help_and_bad_input_exit_codes(registry, capsys) -> None:
     from pipelines.generate import main as generate
 

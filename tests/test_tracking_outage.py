@@ -6,13 +6,12 @@ says so in one clear message and the next run of the same command sends its metr
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.support_cluster import MLflowServer
+from tests.support_cluster import MLflowServer, outage_step_rates, tracking_outage
 
 pytestmark = pytest.mark.slow
 
@@ -46,39 +45,25 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url)
     try:
         client = mlflow.MlflowClient(server.url)
-        outage: dict[str, float] = {}
-
-        def outage_mid_run() -> None:
-            deadline = time.time() + 300
-            while time.time() < deadline:  # a few windows logged first
-                runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
-                                          "tags.`adlm.run_name` = 'long'") if client.search_experiments() else []
-                if runs and len(client.get_metric_history(runs[0].info.run_id, "train/loss")) >= 5:
-                    break
-                time.sleep(1)
-            outage["start"] = time.time()
-            server.stop()
-            time.sleep(OUTAGE_S)
-            server.start()
-            outage["end"] = time.time()
-
-        t = threading.Thread(target=outage_mid_run, daemon=True)
-        t.start()
+        outage = tracking_outage(server, "long", OUTAGE_S)
         # About 7 minutes here (64 x 32 tokens a step): the outage starts after a few windows and ends with
         # training still running.
         res = train(_cfg(tiny_data, "long", STEPS, micro=64), workdir=str(wd), tracking_uri=server.url, quiet=True)
-        t.join(timeout=OUTAGE_S + 60)
-        assert outage.get("end"), "the outage never happened"
-        assert time.time() > outage["end"], "training ended before the server was back: lengthen STEPS"
+        outage.thread.join(timeout=OUTAGE_S + 60)
+        assert outage.end, "the outage never happened"
+        assert time.time() > outage.end, "training ended before the server was back: lengthen STEPS"
         assert res.step == STEPS and res.registered_version is not None  # the server was back at the end
 
-        rate = client.get_metric_history(res.run_id, "train/tokens_per_s")
-        before = [m.value for m in rate if m.timestamp / 1000 < outage["start"]][1:]  # the first window warms up
-        during = [m.value for m in rate if outage["start"] + 5 < m.timestamp / 1000 < outage["end"]]
-        assert len(before) >= 3 and len(during) >= 20, (len(before), len(during))
-        ratio = statistics.median(during) / statistics.median(before)
-        print(f"step rate during the outage / before: {ratio:.3f} ({len(during)} windows in {OUTAGE_S:.0f} s down)")
-        assert ratio > 0.8
+        # The loop never waited on the server: windows kept coming at the rate they came with it up. A stall
+        # (a call waiting out MLflow's ~250 s of retries) would leave a handful of windows at a fraction of it.
+        # How close the rates are is a measurement, not an assertion: benchmarks/tracking_outage.py.
+        up, down = outage_step_rates(server.url, res.run_id, outage)
+        assert len(up) >= 3 and len(down) >= 20, (len(up), len(down))
+        ratio = statistics.median(down) / statistics.median(up)
+        with capfd.disabled():
+            print(f"\nstep rate during the outage / with the server up: {ratio:.3f} ({len(down)} windows in "
+                  f"{OUTAGE_S:.0f} s down)")
+        assert ratio > 0.8, ratio
         steps = [m.step for m in client.get_metric_history(res.run_id, "train/loss")]
         assert sorted(steps) == list(range(20, STEPS + 1, 20))  # every window once, the outage's included
 

@@ -124,6 +124,16 @@ def test_resume_equals_uninterrupted_run(env) -> None:
         assert s1 == s2 and abs(a - b) < 1e-5, (s1, a, b)
     assert second.val_ppl == pytest.approx(env["full"].val_ppl, rel=1e-5)
 
+    # Rerunning the finished run trains nothing, registers nothing new and moves no alias.
+    client = mlflow.MlflowClient(uri)
+    versions = sorted(v.version for v in client.search_model_versions("name='adlm'"))
+    candidate = client.get_model_version_by_alias("adlm", "candidate").version
+    third = train_mod.train(_cfg(data, "half", "run.max_steps=40"))
+    assert (third.run_id, third.step, third.registered_version) == (second.run_id, 40, second.registered_version)
+    assert sorted(v.version for v in client.search_model_versions("name='adlm'")) == versions
+    assert client.get_model_version_by_alias("adlm", "candidate").version == candidate
+    assert [s for s, _ in _history(uri, third.run_id, "train/loss")] == list(range(1, 41))
+
 
 @pytest.mark.slow
 def test_killed_worker_is_restarted_and_finishes_at_max_steps(env, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -319,3 +329,13 @@ def test_a_same_size_tokenizer_is_refused_on_resume_and_in_evaluation(tiny_data:
     assert "\n" not in str(e.value)
     # Its own data still plans.
     plan_evaluation(str(res.checkpoint_dir), "ppl", EvalConfig(data=str(tiny_data)), workdir=str(workdir))
+    # Staged evaluation on the other tokenizer's data: the version is rejected at stage 1 with that reason,
+    # never measured and never promoted.
+    from pipelines.evaluation.promotion import PromotionConfig, stage_all
+
+    uri = os.environ["MLFLOW_TRACKING_URI"]
+    [out] = stage_all(PromotionConfig(model_name="adlm", stage1_rows=8, stage2_suite=("ppl",)),
+                      EvalConfig(data=str(other), batch_size=8), workdir=str(workdir), tracking_uri=uri,
+                      in_process=True)
+    assert (out.version, out.status, out.stage) == (res.registered_version, "rejected", 1)
+    assert "not by the model's tokenizer" in out.reasons[0] and not out.figures

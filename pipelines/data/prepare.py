@@ -83,7 +83,7 @@ from pipelines.data.sources import read_unit
 from pipelines.data.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
 from pipelines.faults import fault
 from pipelines.runtime import init_ray
-from pipelines.storage import exists, get_fs, join, read_bytes, write_bytes_atomic
+from pipelines.storage import exists, get_fs, join, read_bytes, warn_if_node_local, write_bytes_atomic
 
 # ----------------------------------------------------------------------------------------------------------
 # The tokenizer (trained or loaded) and the pad-mode length check
@@ -346,11 +346,7 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
         ctx.execution_options.preserve_order = True  # the stream order is the packing order
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
-        # An autoscaling pool: it starts at min_actors and grows (up to one actor a unit, or --actors) as the
-        # cluster offers CPUs, instead of being sized from the CPUs present at start (0 on a cluster whose
-        # workers are still launching); Ray Data asks the autoscaler for the nodes.
-        high = min(cfg.actors or MAX_ACTORS, len(items))
-        low = min(cfg.min_actors, high)
+        low, high = actor_pool_bounds(cfg, len(items))
         per_split = {s: {"text_field": r.sp.text_field, "detokenizer": r.sp.detokenizer,
                          "hf_dataset": r.sp.hf_dataset, "keep_empty": r.sp.keep_empty} for s, r in runs.items()}
         ds = rdata.from_items(items, override_num_blocks=len(items))
@@ -421,6 +417,15 @@ def _coerce(cfg: Any) -> PrepareConfig:
     raise TypeError(f"prepare() takes a PrepareConfig, dict or argparse.Namespace, not {type(cfg)}")
 
 
+def actor_pool_bounds(cfg: PrepareConfig, units: int) -> tuple[int, int]:
+    """(min, max) of the tokenizer actor pool: an autoscaling pool that starts at ``--min-actors`` and grows (up
+    to one actor a unit of work, or ``--actors``) as the cluster offers CPUs, instead of being sized from the
+    CPUs present at start (none on a cluster whose workers are still launching); Ray Data asks the autoscaler
+    for the nodes, and idle actors go when the stream ends."""
+    high = max(1, min(cfg.actors or MAX_ACTORS, units))
+    return min(cfg.min_actors, high), high
+
+
 def prepare(config: Any = None, *, shutdown_ray: bool = False) -> dict[str, Manifest]:
     """Prepare every split of ``config`` (PrepareConfig, dict, argparse.Namespace or argv list).
 
@@ -464,6 +469,13 @@ def prepare(config: Any = None, *, shutdown_ray: bool = False) -> dict[str, Mani
                   f"splits {', '.join(todo)} -> {plan.out}")
         started = init_ray(cfg.ray_address, dashboard=False)
         try:
+            if warn_if_node_local([plan.out], "prepare_data's output") and any(
+                    sp.hf_dataset is not None for sp, _, _ in todo.values()):
+                # Staged to the store only for a remote output (data.plan.make_plan); here the tokenizer actors
+                # would read this node's Hugging Face cache.
+                raise PrepareError(f"--out {plan.out} is on this node's disk, and Ray's tokenizer actors run on other "
+                                   "nodes that cannot read its Hugging Face cache: write to an object store (--out "
+                                   "s3://... or ADLM_WORKDIR=s3://...)")
             runs = {s: SplitRun(plan, sp, tok, fp, st, engine) for s, (sp, fp, st) in todo.items()}
             results.update(run_splits(plan, tok, runs, engine))
         finally:

@@ -21,10 +21,10 @@ cannot be loaded offline fails in one line that names the offline option.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from pipelines.assets import package_dir
 from pipelines.storage import cache_dir as storage_cache_dir
+from pipelines.storage import join, shared_cache_entry
 
 DEFAULT_EVAL_LM = "gpt2-large"
 DEFAULT_FEATURIZER = "gpt2-large"
@@ -184,38 +185,49 @@ def check_featurizer(spec: str) -> str:
 # GGUF conversion cache.
 
 
+@functools.lru_cache(maxsize=8)
+def _content_key(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()[:12]
+
+
 def converted_gguf_dir(gguf: Path, cache_dir: str | os.PathLike | None = None,
-                       progress: Callable[[str], Any] | None = print) -> Path:
-    """A float32 safetensors copy of a GGUF model (converted once, then reused).
+                       progress: Callable[[str], Any] | None = print, shared: str | None = None) -> Path:
+    """A float32 safetensors copy of a GGUF model (converted once, then reused), in this node's cache folder.
 
     transformers refuses ``save_pretrained`` on a model loaded with ``gguf_file=`` (it is marked
     quantized); the weights are already dequantised to float32, so dropping the quantizer marker and saving
     gives an ordinary model directory that reloads in about 0.5 s with identical logits.
+
+    ``shared``: the work directory's cache in the object store (a cluster): a node without the copy fetches it
+    from there instead of converting (about a minute of CPU), and a node that converts puts it there. The copy
+    is named by the GGUF file's content, so every node and install finds the same one.
     """
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = _content_key(str(gguf.resolve()), st.st_size, st.st_mtime_ns)
     root = Path(cache_dir) if cache_dir else storage_cache_dir()
     out = root / "gguf" / f"{gguf.stem}-f32-{key}"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if progress:
-        progress(f"[eval_lm] converting {gguf.name} to a cached float32 copy (once; about a minute on CPU) -> {out}")
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(str(tmp))
-    tok.save_pretrained(str(tmp))
-    try:
-        os.replace(tmp, out)
-    except OSError:  # another process finished first: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    def convert(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if progress:
+            progress(f"[eval_lm] converting {gguf.name} to a cached float32 copy (once; about a minute on CPU) -> {out}")
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+
+    def complete(d: Path) -> bool:
+        return (d / "config.json").is_file() and (d / "model.safetensors").is_file()
+
+    return shared_cache_entry(out, convert, complete, join(shared, "gguf", out.name) if shared else None)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -303,14 +315,17 @@ def checkpoint_tokenizer(ckpt_dir: str | os.PathLike, meta: dict[str, Any] | Non
 
 def load_eval_lm(spec: str = DEFAULT_EVAL_LM, *, device: str | torch.device | None = "auto",
                  dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike | None = None,
-                 tracking_uri: str | None = None) -> EvalLM:
-    """Load the evaluation causal LM named by ``spec`` (see the module docstring)."""
+                 tracking_uri: str | None = None, shared_cache: str | None = None) -> EvalLM:
+    """Load the evaluation causal LM named by ``spec`` (see the module docstring); ``shared_cache``: the work
+    directory's cache in the object store, for the converted GGUF copy (``converted_gguf_dir``)."""
     kind = check_eval_lm(spec, tracking_uri=tracking_uri)
     dev = resolve_device(device)
     if kind == "smollm2":
-        return _from_hf_dir(str(converted_gguf_dir(smollm2_gguf(), cache_dir)), OFFLINE_LM, dev, dtype)
+        return _from_hf_dir(str(converted_gguf_dir(smollm2_gguf(), cache_dir, shared=shared_cache)), OFFLINE_LM, dev,
+                            dtype)
     if kind == "gguf":
-        return _from_hf_dir(str(converted_gguf_dir(Path(spec).expanduser(), cache_dir)), spec, dev, dtype)
+        return _from_hf_dir(str(converted_gguf_dir(Path(spec).expanduser(), cache_dir, shared=shared_cache)), spec,
+                            dev, dtype)
     if kind == "registry":
         from pipelines.registry import resolve_model
 
@@ -376,7 +391,7 @@ def _causal_features(lm: EvalLM, name: str) -> Featurizer:
 
 
 def load_featurizer(spec: str = DEFAULT_FEATURIZER, *, device: str | torch.device | None = "auto",
-                    cache_dir: str | os.PathLike | None = None) -> Featurizer:
+                    cache_dir: str | os.PathLike | None = None, shared_cache: str | None = None) -> Featurizer:
     kind = check_featurizer(spec)
     dev = resolve_device(device)
     if kind == "minilm":
@@ -384,9 +399,10 @@ def load_featurizer(spec: str = DEFAULT_FEATURIZER, *, device: str | torch.devic
     if kind == "sentence-transformers":
         return _sentence_transformer(Path(spec).expanduser(), spec, dev)
     if kind == "smollm2":
-        return _causal_features(load_eval_lm(OFFLINE_LM, device=dev, cache_dir=cache_dir), OFFLINE_LM)
+        return _causal_features(load_eval_lm(OFFLINE_LM, device=dev, cache_dir=cache_dir, shared_cache=shared_cache),
+                                OFFLINE_LM)
     try:
-        return _causal_features(load_eval_lm(spec, device=dev, cache_dir=cache_dir), spec)
+        return _causal_features(load_eval_lm(spec, device=dev, cache_dir=cache_dir, shared_cache=shared_cache), spec)
     except EvalLMError:
         raise
     except Exception as e:

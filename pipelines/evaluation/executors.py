@@ -56,7 +56,8 @@ class RayExecutor:
         self.ray = ray
         self.cpus, self.gpus = cpus, gpus
 
-    def _gpus(self, large: bool) -> float:
+    def gpus_for(self, large: bool) -> float:
+        """GPUs a task asks for (class docstring)."""
         if self.gpus >= 0:
             return self.gpus
         if large:
@@ -68,7 +69,7 @@ class RayExecutor:
             large: bool = False) -> list[Any]:
         from tqdm.auto import tqdm
 
-        remote = self.ray.remote(fn).options(num_cpus=self.cpus, num_gpus=self._gpus(large), max_retries=1)
+        remote = self.ray.remote(fn).options(num_cpus=self.cpus, num_gpus=self.gpus_for(large), max_retries=1)
         refs = [remote.remote(**job) for job in jobs]
         index = {r: i for i, r in enumerate(refs)}
         results: list[Any] = [None] * len(refs)

@@ -54,7 +54,7 @@ from pipelines.evaluation.jobs import (
 from pipelines.evaluation.metrics import GEN_PPL_DEFINITIONS
 from pipelines.evaluation.plan import Plan, plan_evaluation, ppl_key
 from pipelines.evaluation.report import EvalResult, plots, summary_markdown, version_tags
-from pipelines.storage import cache_dir, is_uri, name_of
+from pipelines.storage import cache_dir, is_uri, join, name_of
 
 
 def make_executor(cfg: EvalConfig, *, in_process: bool, ray_address: str | None = None) -> Any:
@@ -71,6 +71,7 @@ def job_settings(plan: Plan) -> JobSettings:
     return JobSettings(cfg=plan.cfg, sampler=plan.sampler, sampler_kwargs=plan.sampler_kwargs, length=plan.length,
                        steps=plan.steps,
                        cache_dir=None if is_uri(plan.workdir) else str(cache_dir(plan.workdir)),
+                       shared_cache=join(plan.workdir, "cache") if is_uri(plan.workdir) else None,
                        tracking_uri=plan.tracking_uri)
 
 

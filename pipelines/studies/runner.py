@@ -219,6 +219,9 @@ def run_study(spec: StudySpec, *, workdir: str | os.PathLike | None = None, trac
               f"runs to {max(r.max_steps for r in plan.runs if r.arm == arm.name)} steps  seeds {arm.seeds}",
               flush=True)
     init_ray()
+    from pipelines.storage import warn_if_node_local
+
+    warn_if_node_local([plan.workdir], "the study's work directory")
     if spec.data is not None:
         from pipelines.data.prepare import prepare
 

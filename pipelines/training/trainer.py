@@ -34,6 +34,7 @@ from pipelines.storage import (
     read_text,
     resolve_workdir,
     temp_dir,
+    warn_if_node_local,
     write_bytes_atomic,
 )
 from pipelines.tracking import (
@@ -201,6 +202,7 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     from ray.train.torch import TorchConfig, TorchTrainer
 
     init_ray()
+    warn_if_node_local([*plan.train_uris[:1], storage, wd], "training reads or writes")
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # deterministic order (the driver's context: local mode)
     ctx.enable_progress_bars = False

@@ -42,7 +42,7 @@ import yaml
 from adlm_model.config import ConfigError
 from adlm_model.kinds import model_kind
 from pipelines.runtime import init_ray, quiet_environment
-from pipelines.storage import join, publish_dir, resolve_workdir, temp_dir
+from pipelines.storage import join, publish_dir, resolve_workdir, temp_dir, warn_if_node_local
 from pipelines.tracking import client, ensure_experiment, redact_uri, resolve_tracking_uri
 from pipelines.training.config import TrainConfig, apply_override, load_raw
 from pipelines.tuning.report import TrialRow, plot_search, table_markdown
@@ -351,8 +351,8 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
 
     from ray import tune
 
-
     init_ray()
+    warn_if_node_local([plan.storage], "the sweep's Tune storage")
     exp_dir = join(plan.storage, space.name)
     trial_plan = TrialPlan(space_raw=space.to_raw(), space_source=space.source, base_raw=plan.base_raw,
                            workdir=plan.workdir, tracking_uri=plan.tracking_uri, parent_run_id=parent)

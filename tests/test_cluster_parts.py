@@ -1,0 +1,144 @@
+"""The pieces of the cluster story that need no cluster: secrets never shown, what drivers forward to
+workers, the tokenizer actor pool's bounds, Hugging Face splits staged to the object store (a real S3
+server on loopback), evaluation tasks asking for a GPU, and the node-local path warning on a one-node Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support_cluster import s3_server
+
+
+def test_uris_lose_their_secrets_in_everything_the_pipeline_prints() -> None:
+    from pipelines.orchestration.summary import summary_markdown
+    from pipelines.tracking import redact_uri
+
+    assert redact_uri("postgresql://mlflow:hunter2@db:5432/mlflow") == "postgresql://mlflow:***@db:5432/mlflow"
+    assert redact_uri("https://alice:p%40ss@mlflow.internal") == "https://alice:***@mlflow.internal"
+    assert redact_uri("https://mlflow.internal/?token=abc&x=1") == "https://mlflow.internal/?token=***&x=1"
+    for plain in ("http://127.0.0.1:5000", "sqlite:////tmp/mlflow.db", "databricks"):
+        assert redact_uri(plain) == plain
+    summary = {"profile": "smoke", "model_name": "adlm", "champion": None, "rows": [], "timings_s": {"total": 1.0},
+               "tracking_uri": "https://alice:hunter2@mlflow.internal", "comparable": False}
+    shown = summary_markdown(summary)
+    assert "hunter2" not in shown and "alice:***@mlflow.internal" in shown
+
+
+def test_drivers_forward_no_credential_to_a_clusters_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipelines.runtime import FORWARDED_ENV, forwarded_env
+
+    secrets = {"AWS_SECRET_ACCESS_KEY": "s", "AWS_ACCESS_KEY_ID": "a", "AWS_SESSION_TOKEN": "t", "HF_TOKEN": "h",
+               "MLFLOW_TRACKING_PASSWORD": "p", "MLFLOW_TRACKING_TOKEN": "t", "RAY_AUTH_TOKEN": "r",
+               "MLFLOW_TRACKING_URI": "https://u:p@mlflow", "GOOGLE_APPLICATION_CREDENTIALS": "/k.json"}
+    for k, v in secrets.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("ADLM_WORKDIR", "s3://bucket/run")
+    env = forwarded_env()
+    assert env["ADLM_WORKDIR"] == "s3://bucket/run" and not set(secrets) & set(env)
+    import re
+
+    secret_like = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|CREDENTIALS?|KEY)(_|$)")
+    assert not [k for k in FORWARDED_ENV if secret_like.search(k)]
+
+
+def test_the_tokenizer_actor_pool_grows_and_shrinks_within_its_bounds() -> None:
+    from pipelines.data.plan import MAX_ACTORS, PrepareConfig
+    from pipelines.data.prepare import actor_pool_bounds
+
+    # Not sized from the CPUs present at start: one actor at first, up to one a unit (or --actors).
+    assert actor_pool_bounds(PrepareConfig(), 1000) == (1, MAX_ACTORS)
+    assert actor_pool_bounds(PrepareConfig(), 3) == (1, 3)
+    assert actor_pool_bounds(PrepareConfig(actors=8, min_actors=2), 1000) == (2, 8)
+    assert actor_pool_bounds(PrepareConfig(actors=8, min_actors=4), 2) == (2, 2)
+
+
+def test_a_hugging_face_split_is_staged_to_the_store_once() -> None:
+    """On a cluster, tokenizer actors on other nodes cannot read the driver's Hugging Face cache: the split's
+    rows go to the object store as Parquet (row groups = units of work), named by the split's identity."""
+    import boto3
+    import datasets
+    import pyarrow.parquet as pq
+
+    from pipelines.data.plan import stage_hf_split
+    from pipelines.storage import get_fs
+
+    ds = datasets.Dataset.from_dict({"text": [f"document {i}" for i in range(10)], "other": list(range(10))})
+    ident = {"hf": "local", "split": "train", "start": 2, "rows": 5}
+    with s3_server() as s3:
+        out = f"s3://{s3.bucket}/data/local"
+        dest = stage_hf_split(ds, 2, 5, "text", out, rows_per_group=2, ident=ident)
+        assert dest.startswith(f"{out}/_inputs/hf-") and dest.endswith(".parquet")
+        fs, inner = get_fs(dest)
+        with fs.open_input_file(inner) as f:
+            pf = pq.ParquetFile(f)
+            assert pf.read().column("text").to_pylist() == [f"document {i}" for i in range(2, 7)]
+            assert pf.schema_arrow.names == ["text"] and pf.num_row_groups == 3
+        key = dest.split(f"s3://{s3.bucket}/", 1)[1]
+        etag = boto3.client("s3", endpoint_url=s3.endpoint).head_object(Bucket=s3.bucket, Key=key)["ETag"]
+        other = datasets.Dataset.from_dict({"text": ["something else"] * 10})
+        assert stage_hf_split(other, 2, 5, "text", out, rows_per_group=2, ident=ident) == dest  # written once
+        assert boto3.client("s3", endpoint_url=s3.endpoint).head_object(Bucket=s3.bucket, Key=key)["ETag"] == etag
+        assert not [k for k in s3.keys() if k.endswith(".tmp")]
+
+
+def test_evaluation_asks_for_a_gpu_for_large_work_even_before_one_is_up(ray_session) -> None:
+    from adlm_model.kinds import parameter_count
+    from pipelines.evaluation.config import EvalConfig
+    from pipelines.evaluation.executors import RayExecutor
+    from pipelines.training.config import load_config
+    from tests.conftest import ROOT
+
+    assert ray_session.cluster_resources().get("GPU", 0) == 0  # this machine: no GPU is up
+    auto = RayExecutor(cpus=0.5, gpus=-1)
+    assert auto.gpus_for(large=True) == 1.0  # the autoscaler launches a GPU node; no silent CPU fallback
+    assert auto.gpus_for(large=False) == 0.0
+    assert RayExecutor(cpus=0.5, gpus=0).gpus_for(large=True) == 0.0  # told: CPU
+    threshold = EvalConfig().gpu_min_params
+    assert parameter_count(load_config(ROOT / "configs" / "owt_adlm_small.yaml").model) >= threshold
+    assert parameter_count(load_config(ROOT / "configs" / "demo.yaml").model) < threshold
+
+
+def test_a_one_node_ray_needs_no_shared_storage(ray_session, tmp_path) -> None:
+    from pipelines.storage import warn_if_node_local
+
+    assert not warn_if_node_local([str(tmp_path)], "test")  # every task runs here: a local path is fine
+
+
+def test_a_cache_entry_is_built_once_per_cluster_through_the_work_directorys_store(tmp_path) -> None:
+    """What the converted evaluation LM goes through (a GGUF file dequantised once: about a minute of CPU): with
+    a remote work directory the entry goes to ``<workdir>/cache`` in the store, and a node without it fetches it
+    there instead of building it again."""
+    from pipelines.storage import SHARED_DONE, shared_cache_entry
+
+    built: list[str] = []
+
+    def build(d):
+        built.append(d.name)
+        d.mkdir()
+        (d / "config.json").write_text('{"a": 1}')
+        (d / "model.safetensors").write_bytes(bytes(range(256)) * 1000)
+
+    def complete(d):
+        return (d / "config.json").is_file() and (d / "model.safetensors").is_file()
+
+    with s3_server() as s3:
+        shared = f"s3://{s3.bucket}/run/cache/gguf/lm-f32-0123"
+        node_a = shared_cache_entry(tmp_path / "a" / "lm-f32-0123", build, complete, shared)
+        assert len(built) == 1 and complete(node_a)
+        assert {"run/cache/gguf/lm-f32-0123/model.safetensors", f"run/cache/gguf/lm-f32-0123/{SHARED_DONE}"} <= set(
+            s3.keys("run/cache/"))
+        node_b = shared_cache_entry(tmp_path / "b" / "lm-f32-0123", build, complete, shared)
+        assert len(built) == 1  # fetched, not built
+        assert (node_b / "model.safetensors").read_bytes() == (node_a / "model.safetensors").read_bytes()
+        assert shared_cache_entry(node_a, build, complete, shared) == node_a and len(built) == 1
+        # A node that built its entry before the store had one shares it then.
+        s3_keys = s3.keys("run/cache/")
+        import boto3
+
+        boto3.client("s3", endpoint_url=s3.endpoint).delete_objects(
+            Bucket=s3.bucket, Delete={"Objects": [{"Key": k} for k in s3_keys]})
+        shared_cache_entry(node_a, build, complete, shared)
+        assert f"run/cache/gguf/lm-f32-0123/{SHARED_DONE}" in s3.keys("run/cache/") and len(built) == 1
+    assert not list(tmp_path.rglob("*.tmp-*"))
+    # Without a shared store: this node's entry alone.
+    assert shared_cache_entry(tmp_path / "c" / "x", build, complete) == tmp_path / "c" / "x" and len(built) == 2
