@@ -73,8 +73,14 @@ def test_the_shipped_study_validates_and_puts_the_flops_in_the_blocks() -> None:
     spec = load_study(ROOT / "studies" / "laptop.yaml")
     plan = plan_study(spec, workdir=str(ROOT / "work"), tracking_uri="sqlite:///:memory:")
     names = [a.name for a in spec.arms]
-    assert {"adlm", "mdlm", "mdlm-1.5n", "ar", "bd3lm-b4", "adlm-gamma0"} <= set(names) and len(names) == 10
-    assert all(len(a.seeds) >= 3 for a in spec.arms[:6])
+    main_arms = {"adlm", "mdlm", "mdlm-1.5n", "mdlm-2n", "ar", "bd3lm-b4", "adlm-gamma0"}
+    assert main_arms <= set(names) and len(names) == 11
+    assert all(len(a.seeds) >= 3 for a in spec.arms if a.name in main_arms)
+    # The two larger MDLM arms bracket ADLM's parameter count (N + N/2 blocks below it, 2N above).
+    from adlm_model.kinds import parameter_count
+
+    params = {a: parameter_count(plan.configs[a].model) for a in ("adlm", "mdlm-1.5n", "mdlm-2n")}
+    assert params["mdlm-1.5n"] < params["adlm"] < params["mdlm-2n"]
     # Equal FLOPs: a cheaper arm trains on to ADLM's budget (MDLM about 1.7x the steps).
     assert plan.flops_step["adlm"] == spec.steps and 1.6 * spec.steps <= plan.flops_step["mdlm"] <= 1.8 * spec.steps
     # The blocks carry most of MDLM's FLOPs: remove them and most of the count goes.
