@@ -19,27 +19,12 @@ from collections.abc import Sequence
 
 from pipelines.evaluation.config import EVAL_PROFILES, SUITES, EvalConfig, EvalError, apply_overrides, eval_profile
 from pipelines.evaluation.promotion import PromotionConfig
+from pipelines.overrides import settings_help
 
 
 def _config_help() -> str:
-    import ast
-    import inspect
-
-
-    lines = []
-    for cls in (EvalConfig, PromotionConfig):
-        src = inspect.getsource(cls)
-        docs: dict[str, str] = {}
-        body = ast.parse(src).body[0].body
-        for a, b in zip(body, body[1:], strict=False):
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-                docs[a.target.id] = " ".join(str(b.value.value).split())
-        lines.append(f"{cls.__name__} ({'evaluation' if cls is EvalConfig else 'staged evaluation / promotion'}):")
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            shown = ",".join(default) if isinstance(default, tuple) else default
-            lines.append(f"  {f.name} (default {shown!s}): {docs.get(f.name, '')}")
-    return "\n".join(lines)
+    return "\n".join([settings_help(EvalConfig, "EvalConfig (evaluation)"),
+                      settings_help(PromotionConfig, "PromotionConfig (staged evaluation / promotion)")])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -163,3 +163,22 @@ def apply_to(configs: Sequence[Any], assignments: Sequence[str], *, dict_prefixe
                            - set(dict_prefixes.values()))
             extra = ", ".join(f"{p}.OPTION" for p in dict_prefixes)
             raise ConfigError(f"unknown setting {key!r}; known: {', '.join(known)}" + (f", {extra}" if extra else ""))
+
+
+def settings_help(cls: type, title: str) -> str:
+    """``--help`` text for the ``--set`` keys of a settings dataclass: each field with its default and the
+    docstring written under it in the class's source (the one place they are documented)."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    for a, b in zip(body, body[1:], strict=False):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = " ".join(str(b.value.value).split())
+    lines = [f"{title}:"]
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        lines.append(f"  {f.name} (default {shown!s}): {docs.get(f.name, '')}")
+    return "\n".join(lines)

@@ -11,7 +11,7 @@ import numpy as np
 
 # Purposes: the second part of every derivation, so that two streams never share a seed.
 TRAIN_NOISE, TRAIN_DROPOUT, TRAIN_DATA_ORDER, TRAIN_VALIDATION = 1, 2, 3, 4
-EVAL_NELBO, EVAL_SAMPLES = 10, 11
+EVAL_NELBO, EVAL_SAMPLES, EVAL_MAUVE = 10, 11, 12
 
 
 def derive_seed(*parts: int) -> int:

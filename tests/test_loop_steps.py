@@ -1,5 +1,6 @@
 """The training loop's named steps on their own, without Ray (``pipelines/training/worker.py``, ``loop.py``):
-gradient accumulation equals one large batch, a log window pools and resets, and a checkpoint written by
+gradient accumulation equals one large batch, a log window pools and resets, a validation step reads the EMA
+weights' bound and keeps only a better one as the best checkpoint, and a checkpoint written by
 ``write_checkpoint`` and read back by ``resume`` continues the run bit for bit (weights, EMA and its update
 count, optimiser, schedule, data position, RNG streams)."""
 
@@ -26,12 +27,12 @@ def _cfg(kind: str, *sets: str):
         "run.max_steps=20", "scaling.num_workers=0", *sets])
 
 
-def _worker(cfg):
+def _worker(cfg, run_dir: str = "unused"):
     from pipelines.training.worker import LoopConfig, build
 
     lc = LoopConfig(cfg=cfg, run_id=None, tracking_uri="sqlite:///unused.db", val_split="unused", val_rows=0,
                     manifest_hash="m", tokenizer_spec="t", tokenizer_path=None, tokenizer_hash="h", threads=1,
-                    local_mode=True, run_dir="unused", resume_dir=None)
+                    local_mode=True, run_dir=run_dir, resume_dir=None)
     return build(lc, rank=0, world=1, device=torch.device("cpu"))
 
 
@@ -84,9 +85,9 @@ def test_a_log_window_pools_the_steps_and_starts_afresh(kind: str) -> None:
     w = _worker(_cfg(kind))
     for _ in range(3):
         optimiser_step(w, _stream(w, 4))
-    assert w.window["steps"] == 3
+    assert w.window.steps == 3
     m = log_window(w)
-    assert w.window["steps"] == 0 and float(w.window["ntok"]) == 0.0
+    assert w.window.steps == 0 and float(w.window.ntok) == 0.0
     assert 0 < m["train/nll"] < 2 * torch.log(torch.tensor(float(VOCAB))).item() * 10
     assert m["train/tokens_per_s"] > 0 and m["train/grad_norm"] > 0
     anchored = {"train/anchor_loss", "train/anchor_frac", "train/gamma_k"}
@@ -157,3 +158,54 @@ def test_bd3lm_trains_on_the_interval_its_search_chose() -> None:
     finally:
         bd3.block_times = original
     assert float(before.min()) < 0.45 or float(before.max()) > 0.95  # the unclipped schedule at first
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_bd3lm_resumes_on_the_interval_it_was_training_on(tmp_path: Path) -> None:
+    """The searched interval is part of the checkpoint: a resumed worker trains on it until the next search, not
+    on the full schedule."""
+    from pipelines.training.loop import write_checkpoint
+    from pipelines.training.worker import resume, set_training_clip
+
+    a = _worker(_cfg("bd3lm", "model.block_size=4"))
+    set_training_clip(a, (0.3, 0.8))
+    write_checkpoint(a, tmp_path, {"val_ppl": 1.0})
+    b = _worker(_cfg("bd3lm", "model.block_size=4"))
+    assert b.clip is None and (b.net.cfg.clip_low, b.net.cfg.clip_high) != (0.3, 0.8)
+    resume(b, str(tmp_path), 0)
+    assert b.clip == (0.3, 0.8) and (b.net.cfg.clip_low, b.net.cfg.clip_high) == (0.3, 0.8)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_validation_step_reads_the_ema_bound_and_keeps_only_a_better_best(tmp_path: Path) -> None:
+    """``validation_step``: the bound is the EMA weights' (not the live weights'), the same on a second call (one
+    fixed noise draw), and becomes ``<run_dir>/best`` only when it beats the run's best so far."""
+    import math
+
+    from adlm_model.checkpoint import read_config
+    from pipelines.training.checkpoints import BEST
+    from pipelines.training.loop import optimiser_step, validate, validation_step
+
+    w = _worker(_cfg("mdlm", "ema=0.9999"), run_dir=str(tmp_path / "run"))
+    for _ in range(3):
+        optimiser_step(w, _stream(w, 4))
+    rows = {"input_ids": ROWS_DATA[:8]}
+    first = validation_step(w, rows, tracker=None)
+    ppl = first["val_ppl"]
+    assert math.isfinite(ppl) and ppl > 1 and first["best_val_ppl"] == ppl == w.best_val and first["step"] == 3
+    assert validate(w, rows) == ppl  # common random numbers: the same draw every time
+    _, meta = read_config(tmp_path / "run" / BEST)
+    assert (meta["val_ppl"], meta["step"], meta["checkpoint"]) == (ppl, 3, "best")
+
+    # The live weights give another bound: with a warm-up EMA after 3 updates the two differ.
+    live = _worker(_cfg("mdlm", "ema=0.0"))
+    live.raw.load_state_dict(w.raw.state_dict())
+    live.ema.update(live.raw)  # decay 0: the EMA weights are the live weights
+    assert validate(live, rows) != ppl
+
+    # A bound no better than the best so far leaves the best checkpoint as it is.
+    w.best_val = ppl / 2
+    optimiser_step(w, _stream(w, 4))
+    again = validation_step(w, rows, tracker=None)
+    assert again["best_val_ppl"] == ppl / 2 and again["val_ppl"] != ppl
+    assert read_config(tmp_path / "run" / BEST)[1]["step"] == 3

@@ -19,7 +19,7 @@ import numpy as np
 
 from pipelines.data.reader import read_subset
 from pipelines.evaluation.config import EvalConfig
-from pipelines.seeds import EVAL_NELBO, EVAL_SAMPLES, derive_seed
+from pipelines.seeds import EVAL_MAUVE, EVAL_NELBO, EVAL_SAMPLES, derive_seed
 
 
 def batch_seed(seed: int, batch_index: int, draw: int = 0) -> int:
@@ -181,8 +181,8 @@ def mauve_job(sample_texts: list[str], reference_texts: list[str], settings: Job
         settings.cfg.mauve_featurizer, device=settings.cfg.device, shared_cache=settings.shared_cache))
     p = feat.features(sample_texts)
     q = feat.features(reference_texts)
-    r = mauve_score(p, q, featurizer=feat.name, min_samples=settings.cfg.mauve_min_samples, seed=settings.cfg.seed + 25,
-                    scaling_factor=settings.cfg.mauve_scaling)
+    r = mauve_score(p, q, featurizer=feat.name, min_samples=settings.cfg.mauve_min_samples,
+                    seed=derive_seed(settings.cfg.seed, EVAL_MAUVE), scaling_factor=settings.cfg.mauve_scaling)
     return dataclasses.asdict(r)
 
 

@@ -15,8 +15,9 @@ Each worker iterates its shard with ``iter_torch_batches`` and a local shuffle b
 (seed, epoch, rank). So a worker's batch sequence is a pure function of (seed, epoch, position); the
 checkpoint stores (epoch, batches consumed) and a resumed worker replays its stream up to that position
 (reading and dropping the consumed batches), which makes a resumed run equal to an uninterrupted one.
-Validation rows are the first ``val_batches * micro_batch * workers`` rows of the validation split, the
-same rows every time, with a fixed noise seed, so validation curves are comparable across steps.
+Validation rows are ``val_batches * micro_batch * workers`` rows spread over the validation split
+(``validation_rows``), the same rows every time, with a fixed noise draw, so validation curves are
+comparable across steps and runs.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,7 @@ from pipelines.storage import (
     temp_dir,
     write_text,
 )
+from pipelines.tracking import SPOOL, ResilientLogger
 from pipelines.training.checkpoints import (
     BEST,
     TRAINER_STATE,
@@ -99,12 +102,12 @@ def optimiser_step(w: Worker, stream: Iterator[tuple[int, int, dict[str, torch.T
             with w.autocast():
                 out: LossOutput = w.net(x, am, k, True, w.noise)
             (out.loss / accum).backward()
-        win["loss"] += out.loss.detach().double() / accum
-        win["nll"] += out.nll_sum
-        win["ntok"] += out.n_tokens
+        win.loss += out.loss.detach().double() / accum
+        win.nll += out.nll_sum
+        win.ntok += out.n_tokens
         if out.anchor_sum is not None:
-            win["anc"] += out.anchor_sum
-            win["nanc"] += out.n_anchor
+            win.anc += out.anchor_sum
+            win.nanc += out.n_anchor
         w.epoch, w.position = ep, i + 1
     params = [p for p in w.raw.parameters() if p.grad is not None]
     if cfg.optim.clip > 0:
@@ -112,23 +115,23 @@ def optimiser_step(w: Worker, stream: Iterator[tuple[int, int, dict[str, torch.T
     else:
         gn = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
     gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-    win["gnorm"] += gn.detach().double()
-    win["lr"] = w.sched.get_last_lr()[0]
+    win.gnorm += gn.detach().double()
+    win.lr = w.sched.get_last_lr()[0]
     w.opt.step()
     w.sched.step()
     w.ema.update(w.raw)
     w.step += 1
-    win["steps"] += 1
+    win.steps += 1
 
 
 def log_window(w: Worker) -> dict[str, float]:
     """The window's metrics pooled over workers (one host sync), then a fresh window."""
     win, world = w.window, w.world
-    dt = time.perf_counter() - win["t"]
-    tot = w.all_sum(torch.stack([win[k] for k in ("loss", "nll", "ntok", "anc", "nanc", "gnorm")])).tolist()
-    n = max(win["steps"], 1)
+    dt = time.perf_counter() - win.t
+    tot = w.all_sum(win.sums()).tolist()
+    n = max(win.steps, 1)
     metrics = {"train/loss": tot[0] / (n * world), "train/nll": tot[1] / max(tot[2], 1.0),
-               "train/grad_norm": tot[5] / (n * world), "train/lr": win.get("lr", 0.0),
+               "train/grad_norm": tot[5] / (n * world), "train/lr": win.lr,
                "train/tokens_per_s": tot[2] / max(dt, 1e-9), "train/epoch": w.epoch}
     mc = w.cfg.model
     if model_kind(mc.kind).anchored:
@@ -293,11 +296,52 @@ def _maybe_crash(w: Worker) -> None:
     os._exit(1)
 
 
+@dataclass
+class Progress:
+    """Where this session of the loop started (for the ETA: a resumed run counts from its resume step)."""
+
+    t_start: float
+    start_step: int
+
+
+def log_step(w: Worker, tracker: ResilientLogger | None, progress: Progress) -> dict[str, Any]:
+    """Every ``log_every`` steps: the window's metrics to MLflow (rank 0, asynchronous) and a progress line;
+    returns what the next report to Ray Train carries."""
+    r, step = w.cfg.run, w.step
+    metrics = log_window(w)
+    if tracker is not None:
+        tracker.log_metrics(metrics, step)
+    if w.rank == 0:
+        eta = (time.perf_counter() - progress.t_start) / max(step - progress.start_step, 1) * (r.max_steps - step)
+        print(f"[{r.name}] step {step}/{r.max_steps} loss {metrics['train/loss']:.4f} "
+              f"nll {metrics['train/nll']:.4f} tok/s {metrics['train/tokens_per_s']:,.0f} "
+              f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}", flush=True)
+    return {"step": step, "train_loss": metrics["train/loss"], "train_nll": metrics["train/nll"]}
+
+
+def validation_step(w: Worker, rows: dict[str, torch.Tensor], tracker: ResilientLogger | None) -> dict[str, Any]:
+    """Every ``val_every`` steps: the EMA bound (``validate``), the best checkpoint (``keep_if_best``), BD3-LM's
+    interval search before training goes on (``search_clip``), each logged; returns what the next report to
+    Ray Train carries."""
+    cfg, r, step = w.cfg, w.cfg.run, w.step
+    ppl = validate(w, rows)
+    keep_if_best(w, ppl)
+    if model_kind(cfg.model.kind).clipped_schedule and r.clip_search and step < r.max_steps:
+        lo, hi = search_clip(w, rows)
+        if tracker is not None:
+            tracker.log_metrics({"train/clip_low": lo, "train/clip_high": hi}, step)
+        if w.rank == 0:
+            print(f"[{r.name}] step {step}: block times from [{lo:g}, {hi:g}] (clipped schedule)", flush=True)
+    if tracker is not None:
+        tracker.log_metrics({"val/ppl": ppl, "val/nll": math.log(ppl)}, step)
+    if w.rank == 0:
+        print(f"[{r.name}] step {step} validation PPL <= {ppl:.3f} (EMA)", flush=True)
+    return {"step": step, "val_ppl": ppl, "epoch": w.epoch, "best_val_ppl": w.best_val}
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """The training loop every Ray Train worker runs (or the driver, in local mode)."""
     import ray.train
-
-    from pipelines.tracking import SPOOL, ResilientLogger
 
     lc: LoopConfig = config["loop"]
     cfg, r = lc.cfg, lc.cfg.run
@@ -321,7 +365,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             tracker.log_metrics({"train/resumed_from": resumed_from}, step=resumed_from, force=True)
 
     w.net.train()
-    t_start, start_step = time.perf_counter(), w.step
+    progress = Progress(time.perf_counter(), w.step)
     last: dict[str, Any] = {"step": w.step}
     if w.step >= r.max_steps:  # a finished run rerun: report its validation once more, train nothing
         last = {"step": w.step, "val_ppl": validate(w, val_rows), "epoch": w.epoch}
@@ -331,30 +375,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         optimiser_step(w, stream)
         step = w.step
         if step % r.log_every == 0 or step == r.max_steps:
-            metrics = log_window(w)
-            if tracker is not None:
-                tracker.log_metrics(metrics, step)
-            if w.rank == 0:
-                eta = (time.perf_counter() - t_start) / max(step - start_step, 1) * (r.max_steps - step)
-                print(f"[{r.name}] step {step}/{r.max_steps} loss {metrics['train/loss']:.4f} "
-                      f"nll {metrics['train/nll']:.4f} tok/s {metrics['train/tokens_per_s']:,.0f} "
-                      f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}", flush=True)
-            last.update({"step": step, "train_loss": metrics["train/loss"], "train_nll": metrics["train/nll"]})
+            last.update(log_step(w, tracker, progress))
         do_val = step % r.val_every == 0 or step == r.max_steps
         if do_val:
-            ppl = validate(w, val_rows)
-            keep_if_best(w, ppl)
-            last.update({"step": step, "val_ppl": ppl, "epoch": w.epoch, "best_val_ppl": w.best_val})
-            if model_kind(cfg.model.kind).clipped_schedule and r.clip_search and step < r.max_steps:
-                lo, hi = search_clip(w, val_rows)
-                if tracker is not None:
-                    tracker.log_metrics({"train/clip_low": lo, "train/clip_high": hi}, step)
-                if w.rank == 0:
-                    print(f"[{r.name}] step {step}: block times from [{lo:g}, {hi:g}] (clipped schedule)", flush=True)
-            if tracker is not None:
-                tracker.log_metrics({"val/ppl": ppl, "val/nll": math.log(ppl)}, step)
-            if w.rank == 0:
-                print(f"[{r.name}] step {step} validation PPL <= {ppl:.3f} (EMA)", flush=True)
+            last.update(validation_step(w, val_rows, tracker))
         if step % r.ckpt_every == 0 or step == r.max_steps:
             _report_checkpoint(w, dict(last))
         elif do_val:

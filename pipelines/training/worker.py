@@ -39,7 +39,6 @@ with contextlib.suppress(ValueError):  # already registered (a re-import)
     pytree.register_dataclass(LossOutput)
 
 
-
 @dataclass
 class LoopConfig:
     """What the driver hands every worker (pickled by Ray): the recipe and the facts about the run."""
@@ -67,6 +66,41 @@ class LoopConfig:
     crash_at_step: int | None = None
     """Fault injection (``pipelines.faults``): the last worker exits at this step, once."""
     crash_marker: str | None = None
+
+
+@dataclass
+class Window:
+    """Running sums of one log interval, kept on the device as float64 tensors: ``log_window`` reads them
+    with one host sync per interval (a ``float()`` per micro-batch would sync the GPU every time)."""
+
+    t: float
+    """``time.perf_counter()`` when the window started."""
+    loss: torch.Tensor
+    """Sum over steps of the mean training loss of each step."""
+    nll: torch.Tensor
+    """Sum of the per-token NELBO terms (METHOD.md section 1)."""
+    ntok: torch.Tensor
+    """Tokens those terms count."""
+    anc: torch.Tensor
+    """ADLM: sum of the anchor loss's per-token terms (METHOD.md section 2)."""
+    nanc: torch.Tensor
+    """ADLM: tokens the anchor loss counts."""
+    gnorm: torch.Tensor
+    """Sum over steps of the gradient norm (before clipping)."""
+    steps: int = 0
+    lr: float = 0.0
+    """The learning rate of the window's last step."""
+
+    @classmethod
+    def fresh(cls, device: torch.device) -> Window:
+        def z() -> torch.Tensor:
+            return torch.zeros((), dtype=torch.float64, device=device)
+
+        return cls(t=time.perf_counter(), loss=z(), nll=z(), ntok=z(), anc=z(), nanc=z(), gnorm=z())
+
+    def sums(self) -> torch.Tensor:
+        """The six running sums as one tensor (loss, nll, ntok, anc, nanc, gnorm): one all-reduce, one sync."""
+        return torch.stack([self.loss, self.nll, self.ntok, self.anc, self.nanc, self.gnorm])
 
 
 class LossModule(torch.nn.Module):
@@ -108,8 +142,11 @@ class Worker:
     """The best validation bound so far (its checkpoint is ``<run_dir>/best``: what the run registers)."""
     clip: tuple[float, float] | None = None
     """BD3-LM: the masking-rate interval training draws block times from (the last search's choice)."""
-    window: dict[str, Any] = field(default_factory=dict)
-    """Running sums since the last log line, kept on the device (one host sync per log interval)."""
+    window: Window = field(init=False)
+    """Running sums since the last log line (a fresh one after each, ``reset_window``)."""
+
+    def __post_init__(self) -> None:
+        self.window = Window.fresh(self.device)
 
     @property
     def cfg(self) -> TrainConfig:
@@ -137,9 +174,7 @@ class Worker:
 
 
 def reset_window(w: Worker) -> None:
-    z = torch.zeros((), dtype=torch.float64, device=w.device)
-    w.window = {"t": time.perf_counter(), "steps": 0, "loss": z.clone(), "nll": z.clone(), "ntok": z.clone(),
-                "anc": z.clone(), "nanc": z.clone(), "gnorm": z.clone()}
+    w.window = Window.fresh(w.device)
 
 
 def build(lc: LoopConfig, rank: int, world: int, device: torch.device) -> Worker:
@@ -175,7 +210,6 @@ def build(lc: LoopConfig, rank: int, world: int, device: torch.device) -> Worker
     torch.manual_seed(derive_seed(r.seed, TRAIN_DROPOUT, rank))  # dropout differs per rank, reproducibly
     w = Worker(lc=lc, rank=rank, world=world, device=device, raw=raw, net=net, ema=ema, opt=opt, sched=sched,
                noise=noise, distributed=distributed, fsdp=fsdp, use_gpu=use_gpu)
-    reset_window(w)
     return w
 
 
@@ -211,7 +245,6 @@ def resume(w: Worker, ray_checkpoint_dir: str | None, ray_checkpoint_step: int =
         print(f"[rank {w.rank}] checkpoint written with another worker count: continuing with fresh RNG "
               "streams (not bit-exact)", flush=True)
     return w.step
-
 
 
 def set_training_clip(w: Worker, clip: tuple[float, float]) -> None:
