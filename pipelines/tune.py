@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(json.dumps({"sweep": res.name, "parent_run_id": res.parent_run_id, "interrupted": res.interrupted,
                       "best_trial": res.best.trial_id if res.best else None,
-                      "best_val_ppl": res.best.val_ppl if res.best else None,
+                      "best_val_ppl": res.best.selection_ppl if res.best else None,
                       "registered_version": res.registered_version}))
     return 130 if res.interrupted else 0
 

@@ -5,6 +5,7 @@ resumes without rerunning finished trials."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -159,7 +160,9 @@ def test_sweep_stops_early_nests_runs_registers_best_and_resumes(tiny_data: Path
         assert not mlflow.MlflowClient(uri).get_metric_history(run.info.run_id, "train/resumed_from"), tid
     assert any(r.status == "stopped" for r in res.trials), [(r.trial_id, r.params, r.status) for r in res.trials]
     assert res.best is not None and res.best.status == "finished" and res.best.params["optim.lr"] == 3e-3
-    assert res.best.val_ppl == min(r.val_ppl for r in res.trials if r.status == "finished")
+    finished = [r for r in res.trials if r.status == "finished"]
+    assert res.best.selection_ppl == min(r.best_val_ppl for r in finished)
+    assert all(r.best_step is not None and r.best_step <= r.step and r.best_val_ppl <= r.val_ppl for r in finished)
 
     # 3. MLflow: one parent, 4 nested children with params gamma and tau, artifacts, the best registered.
     client = mlflow.MlflowClient(uri)
@@ -183,6 +186,12 @@ def test_sweep_stops_early_nests_runs_registers_best_and_resumes(tiny_data: Path
     assert str(mv.version) == res.registered_version and mv.run_id == res.best.mlflow_run_id
     assert mv.tags["sweep"] == "t-sweep" and mv.tags["tune.trial_id"] == res.best.trial_id
     assert float(mv.tags["gamma"]) == pytest.approx(res.best.params["gamma"])
+    # The version's figures are those of the checkpoint it holds: the trial run's best, not its last report.
+    assert (int(mv.tags["step"]), int(mv.tags["final_step"])) == (res.best.best_step, res.best.step)
+    assert mv.tags["checkpoint"] == res.best.checkpoint == "best"
+    assert float(mv.tags["val_ppl"]) == pytest.approx(res.best.best_val_ppl)
+    held = client.download_artifacts(mv.run_id, "checkpoint/config.json", str(tmp_path / "held"))
+    assert json.loads(Path(held).read_text())["meta"]["step"] == res.best.best_step
 
     # 4. A rerun of the finished sweep changes nothing and registers nothing new.
     again = sweep(load_space(space_file), ROOT / "configs" / "demo.yaml",

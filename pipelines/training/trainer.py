@@ -79,6 +79,8 @@ class TrainResult:
     best_step: int | None = None
     """Step of the checkpoint the run exported and registered: its best by validation bound."""
     best_val_ppl: float | None = None
+    checkpoint: str = "best"
+    """Which checkpoint was exported: ``best`` (by validation bound) or ``latest`` (a run that never validated)."""
 
 
 def open_run(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, prev_id: str | None, parent_run_id: str | None,
@@ -258,6 +260,7 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     local_export = fetch_export(chosen, temp_dir("adlm-export-") / cfg.run.name)
     chosen_meta = json.loads((local_export / "config.json").read_text()).get("meta", {})
     best_step, best_val = int(chosen_meta.get("step", final[0])), chosen_meta.get("val_ppl")
+    which = "best" if chosen == best else "latest"
     val_ppl = metrics.get("val_ppl", best_val if chosen == final[1] else None)
 
     version = None
@@ -267,7 +270,7 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     if run_id is not None and tracking_reachable(uri):
         version = _finish_tracking(cfg, plan, uri, wd, run_dir, run_id, local_export, do_register, {
             **(extra_tags or {}), "step": best_step, "val_ppl": best_val, "final_step": final[0],
-            "checkpoint": "best" if chosen == best else "latest"})
+            "checkpoint": which})
     else:
         print(f"WARNING: MLflow at {redact_uri(uri)} is unreachable: the run is trained (checkpoint {final[1]}) but its "
               f"metrics wait in {join(run_dir, SPOOL)} and it is not registered; run the same command again once "
@@ -281,4 +284,4 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     return TrainResult(run_id=run_id or "", run_name=cfg.run.name, step=final[0], val_ppl=val_ppl,
                        checkpoint_dir=export, registered_version=version,
                        model_name=cfg.mlflow.registered_model if version else None, metrics=metrics,
-                       best_step=best_step, best_val_ppl=best_val)
+                       best_step=best_step, best_val_ppl=best_val, checkpoint=which)

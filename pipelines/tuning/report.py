@@ -14,20 +14,38 @@ class TrialRow:
     status: str
     """``finished`` (reached max_t), ``stopped`` (by ASHA), ``error`` or ``unfinished``."""
     step: int | None
+    """The last step reported (ASHA's time attribute)."""
     val_ppl: float | None
+    """The last validation bound reported (what ASHA compares at its rungs)."""
     mlflow_run_id: str | None
+    best_step: int | None = None
+    """A finished trial: the step of the checkpoint its training run exported (its best by validation bound,
+    METHOD.md section 7), which is what the sweep registers."""
+    best_val_ppl: float | None = None
+    checkpoint: str | None = None
+    """``best`` or ``latest``: which checkpoint the trial's run exported."""
 
+    @property
+    def selection_ppl(self) -> float | None:
+        """The bound the best trial is chosen by: that of the checkpoint that would be registered."""
+        return self.best_val_ppl if self.best_val_ppl is not None else self.val_ppl
 
 
 def table_markdown(rows: list[TrialRow], best: TrialRow | None) -> str:
     names = list(rows[0].params) if rows else []
-    head = "| trial | " + " | ".join(names) + " | status | step | val PPL |"
-    out = [head, "|" + "---|" * (len(names) + 4)]
+    """One row per trial: its last report (step, bound) and, for a finished trial, its best checkpoint (what
+    the best trial is chosen by and what is registered)."""
+    head = "| trial | " + " | ".join(names) + " | status | step | val PPL | best step | best val PPL |"
+    out = [head, "|" + "---|" * (len(names) + 6)]
+
+    def fmt(v: Any) -> str:
+        return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
     for r in rows:
         vals = " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.params.values())
-        ppl = f"{r.val_ppl:.3f}" if r.val_ppl is not None else "-"
         mark = " (best)" if best is not None and r.trial_id == best.trial_id else ""
-        out.append(f"| {r.trial_id}{mark} | {vals} | {r.status} | {r.step if r.step is not None else '-'} | {ppl} |")
+        out.append(f"| {r.trial_id}{mark} | {vals} | {r.status} | {fmt(r.step)} | {fmt(r.val_ppl)} | "
+                   f"{fmt(r.best_step)} | {fmt(r.best_val_ppl)} |")
     return "\n".join(out) + "\n"
 
 
@@ -52,7 +70,7 @@ def plot_search(rows: list[TrialRow], out: Path, title: str) -> Path | None:
             sc = ax.scatter([float(r.params["gamma"]) for r in sel], [float(r.params["tau"]) for r in sel],
                             c=[r.val_ppl for r in sel], cmap="viridis_r", norm=norm, marker=marker, s=110,
                             edgecolors="black", label=label)
-    best = min((r for r in pts if r.status == "finished"), key=lambda r: r.val_ppl, default=None)
+    best = min((r for r in pts if r.status == "finished"), key=lambda r: r.selection_ppl, default=None)
     if best is not None:
         ax.scatter([float(best.params["gamma"])], [float(best.params["tau"])], s=380, facecolors="none",
                    edgecolors="red", linewidths=2, label="best")

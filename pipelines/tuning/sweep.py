@@ -162,7 +162,8 @@ def run_trial(config: dict[str, Any], *, plan: TrialPlan) -> None:
     res = train(cfg, workdir=plan.workdir, tracking_uri=plan.tracking_uri, callbacks=[TuneReportCallback()],
                 parent_run_id=plan.parent_run_id, extra_tags=tags, register=False, quiet=True)
     tune.report({TIME_ATTR: res.step, METRIC: res.val_ppl, "mlflow_run_id": res.run_id,
-                 "checkpoint_dir": str(res.checkpoint_dir), "finished": True})
+                 "checkpoint_dir": str(res.checkpoint_dir), "finished": True, "best_step": res.best_step,
+                 "best_val_ppl": res.best_val_ppl, "checkpoint": res.checkpoint})
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -231,6 +232,13 @@ def _scheduler(space: SearchSpace, max_t: int) -> Any:
                          reduction_factor=space.reduction_factor, stop_last_trials=False)
 
 
+def _number(v: Any, kind: type) -> Any:
+    """A dataframe cell as ``kind``, or None where Tune left it empty (None or NaN)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return None
+    return kind(v)
+
+
 def _rows(grid: Any, space: SearchSpace, max_t: int) -> list[TrialRow]:
     df = grid.get_dataframe()
     rows = []
@@ -238,15 +246,14 @@ def _rows(grid: Any, space: SearchSpace, max_t: int) -> list[TrialRow]:
     for _, rec in df.iterrows():
         params = {n: rec.get(f"config/{n}") for n in names}
         params = {k: (v.item() if hasattr(v, "item") else v) for k, v in params.items()}
-        step = rec.get(TIME_ATTR)
-        step = int(step) if step is not None and not (isinstance(step, float) and math.isnan(step)) else None
-        ppl = rec.get(METRIC)
-        ppl = float(ppl) if ppl is not None and not (isinstance(ppl, float) and math.isnan(ppl)) else None
+        step, ppl = _number(rec.get(TIME_ATTR), int), _number(rec.get(METRIC), float)
         rid = rec.get("mlflow_run_id")
         rid = rid if isinstance(rid, str) and rid else None
         status = "finished" if step is not None and step >= max_t else "stopped"
+        best_step, best_ppl, which = rec.get("best_step"), rec.get("best_val_ppl"), rec.get("checkpoint")
         rows.append(TrialRow(trial_id=str(rec["trial_id"]), params=params, status=status, step=step, val_ppl=ppl,
-                             mlflow_run_id=rid))
+                             mlflow_run_id=rid, best_step=_number(best_step, int), best_val_ppl=_number(best_ppl, float),
+                             checkpoint=which if isinstance(which, str) and which else None))
     errored = {str(r.metrics.get("trial_id")) for r in grid if r.error is not None and r.metrics}
     for r in rows:
         if r.trial_id in errored:
@@ -270,9 +277,10 @@ def _finalise(plan: SweepPlan, parent: str | None, rows: list[TrialRow], best: T
     buf = io.StringIO()
     w = csv.writer(buf)
     names = [p.name for p in space.params]
-    w.writerow(["trial_id", *names, "status", "step", METRIC, "mlflow_run_id"])
+    w.writerow(["trial_id", *names, "status", "step", METRIC, "best_step", "best_val_ppl", "mlflow_run_id"])
     for r in rows:
-        w.writerow([r.trial_id, *[r.params.get(n) for n in names], r.status, r.step, r.val_ppl, r.mlflow_run_id])
+        w.writerow([r.trial_id, *[r.params.get(n) for n in names], r.status, r.step, r.val_ppl, r.best_step,
+                    r.best_val_ppl, r.mlflow_run_id])
     (out / "trials.csv").write_text(buf.getvalue())
     (out / "trials.md").write_text(table_markdown(rows, best))
     plot_search(rows, out / "search.png", f"sweep {space.name}: {len(rows)} trials")
@@ -313,7 +321,7 @@ def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: Trial
         metrics = [mlflow.entities.Metric("trials", len(rows), stamp, 0),
                    mlflow.entities.Metric("trials_stopped", sum(r.status == "stopped" for r in rows), stamp, 0)]
         if best is not None:
-            metrics.append(mlflow.entities.Metric("best_val_ppl", best.val_ppl, stamp, 0))
+            metrics.append(mlflow.entities.Metric("best_val_ppl", best.selection_ppl, stamp, 0))
         c.log_batch(parent, metrics=metrics)
         if best is not None:
             c.set_tag(parent, "best_trial", best.trial_id)
@@ -326,9 +334,13 @@ def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: Trial
                 params = dict(best.params)
                 mc = plan.base.model.replace(gamma=params.get("gamma", plan.base.model.gamma),
                                              tau=params.get("tau", plan.base.model.tau))
+                # The version's figures are those of the checkpoint it holds (the trial run's export: its best by
+                # validation bound), as for a training run's version (pipelines.training.trainer).
                 tags = training_tags(
-                    mc, val_ppl=best.val_ppl, run_name=f"{space.name}-{best.trial_id}", step=best.step,
-                    sweep=space.name, sweep_parent_run_id=parent, **{"tune.trial_id": best.trial_id},
+                    mc, val_ppl=best.selection_ppl, run_name=f"{space.name}-{best.trial_id}",
+                    step=best.best_step if best.best_step is not None else best.step, final_step=best.step,
+                    checkpoint=best.checkpoint or "best", sweep=space.name, sweep_parent_run_id=parent,
+                    **{"tune.trial_id": best.trial_id},
                     data_manifest_hash=c.get_run(best.mlflow_run_id).data.params.get("data_manifest_hash", ""))
                 mv = register_checkpoint(best.mlflow_run_id, plan.base.mlflow.registered_model, tags,
                                          tracking_uri=plan.tracking_uri)
@@ -382,8 +394,8 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
                         f"rerun the same command to resume from {exp_dir}") from e
     rows = _rows(grid, space, plan.max_t)
     interrupted = grid.num_terminated + grid.num_errors < space.total_trials
-    finished = [r for r in rows if r.status == "finished" and r.val_ppl is not None]
-    best = min(finished, key=lambda r: r.val_ppl) if finished and not interrupted else None
+    finished = [r for r in rows if r.status == "finished" and r.selection_ppl is not None]
+    best = min(finished, key=lambda r: r.selection_ppl) if finished and not interrupted else None
     version, arts = _finalise(plan, parent, rows, best, interrupted)
     if not quiet:
         print(table_markdown(rows, best), flush=True)
@@ -392,7 +404,7 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
                   "rerun the same command to resume", flush=True)
         elif best is not None:
             print(f"[sweep {space.name}] best trial {best.trial_id}: {best.params}, validation PPL <= "
-                  f"{best.val_ppl:.3f}" + (f"; registered {plan.base.mlflow.registered_model} v{version} @candidate"
+                  f"{best.selection_ppl:.3f} (step {best.best_step})" + (f"; registered {plan.base.mlflow.registered_model} v{version} @candidate"
                                            if version else ""), flush=True)
     return SweepResult(name=space.name, parent_run_id=parent, trials=rows, best=best, registered_version=version,
                        interrupted=interrupted, artifacts=arts)
