@@ -128,6 +128,9 @@ def test_full_suite_logs_an_evaluation_run_linked_to_the_model_version(art, work
     assert float(tags["gen_ppl"]) == pytest.approx(r.metrics["gen_ppl"], rel=1e-5)
     assert float(tags["mauve"]) == pytest.approx(r.metrics["mauve"], rel=1e-5)
     assert tags["gen.settings"].startswith("sampler=mdlm T=4 p=0.9 n=50") and tags["mauve.featurizer"] == "minilm"
+    # The gen-PPL figure names its definition: the reference's first-token convention by default.
+    assert tags["gen_ppl.definition"].endswith("first token scored after the LM's EOS (reference)")
+    assert f"truncated to {cfg.gen_ppl_max_length}" in tags["gen_ppl.definition"]
 
 
 def _fails(capsys, *argv: str) -> str:

@@ -63,3 +63,14 @@ def test_the_clipped_schedule_is_the_interval_of_least_variance() -> None:
     assert choose_clip(halves, intervals).variances == pytest.approx(res.variances, rel=1e-12)
     with pytest.raises(SamplerError, match="at least two"):
         choose_clip(_moments([[1.0], [1.0, 2.0], [1.0, 2.0]]), intervals)
+
+
+def test_the_zero_shot_sets_keep_their_empty_rows_by_default() -> None:
+    """The reference's zero-shot loader appends EOS to every row, empty rows (WikiText's blank lines) included:
+    every named zero-shot source keeps them unless ``--no-keep-empty``; the training corpora drop them."""
+    from pipelines.data.sources import NAMED_SOURCES
+
+    training = {"openwebtext", "lm1b"}
+    assert training < set(NAMED_SOURCES)
+    for name, src in NAMED_SOURCES.items():
+        assert src.keep_empty is (name not in training), name
