@@ -141,7 +141,6 @@ def parse_suite(suite: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(s for s in SUITES if s in chosen)
 
 
-
 def apply_overrides(configs: Sequence[Any], assignments: Sequence[str]) -> None:
     """``--set KEY=VALUE`` on the evaluation (and promotion) settings; ``sampler.NAME=VALUE`` goes into
     ``EvalConfig.sampler_kwargs``, ``steps.KIND=T`` into ``steps_by_kind`` (``pipelines.overrides``)."""
@@ -152,6 +151,8 @@ EVAL_PROFILES: dict[str, dict[str, Any]] = {
     # The references' settings (METHOD.md sections 4 and 6): ReMDM-loop with T = 4096 for ADLM and 1024 for
     # the baselines, nucleus 0.9, 5,000 samples of the model's length for MAUVE against as many validation
     # texts, gen-PPL under gpt2-large with the first token scored. For a GPU cluster: hours of sampling.
+    # The reference samples one sequence at a time; 16 rows a batch draw the same distribution (every sampler
+    # here is row-wise: noise, nucleus and the cache's skipped steps are per row), only faster.
     "paper": dict(sampler="auto", steps=1024, steps_by_kind={"adlm": 4096}, nucleus_p=0.9, num_samples=5000,
                   sample_batch_size=16, sample_length=0, eval_lm="gpt2-large", mauve_featurizer="gpt2-large",
                   gen_ppl_first_token="keep", t_draws=1, use_ema=True),
