@@ -32,9 +32,9 @@ class TrialRow:
 
 
 def table_markdown(rows: list[TrialRow], best: TrialRow | None) -> str:
-    names = list(rows[0].params) if rows else []
     """One row per trial: its last report (step, bound) and, for a finished trial, its best checkpoint (what
     the best trial is chosen by and what is registered)."""
+    names = list(rows[0].params) if rows else []
     head = "| trial | " + " | ".join(names) + " | status | step | val PPL | best step | best val PPL |"
     out = [head, "|" + "---|" * (len(names) + 6)]
 

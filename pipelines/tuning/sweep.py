@@ -403,8 +403,9 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
             print(f"[sweep {space.name}] interrupted with {grid.num_terminated} of {space.total_trials} trials done; "
                   "rerun the same command to resume", flush=True)
         elif best is not None:
+            at = f" (step {best.best_step})" if best.best_step is not None else ""
+            registered = f"; registered {plan.base.mlflow.registered_model} v{version} @candidate" if version else ""
             print(f"[sweep {space.name}] best trial {best.trial_id}: {best.params}, validation PPL <= "
-                  f"{best.selection_ppl:.3f} (step {best.best_step})" + (f"; registered {plan.base.mlflow.registered_model} v{version} @candidate"
-                                           if version else ""), flush=True)
+                  f"{best.selection_ppl:.3f}{at}{registered}", flush=True)
     return SweepResult(name=space.name, parent_run_id=parent, trials=rows, best=best, registered_version=version,
                        interrupted=interrupted, artifacts=arts)
