@@ -10,23 +10,27 @@ from pipelines.logs import add_logging_flags, get_logger, setup_logging
 
 
 def _run(verbosity: int) -> str:
+    import mlflow  # noqa: F401  (imported first, as in a CLI: MLflow configures its logger on import)
+    import ray  # noqa: F401
+
     out = io.StringIO()
     setup_logging(verbosity, stream=out)
     log = get_logger("test")
     log.debug("dbg line")
     log.info("info line")
     log.warning("warn line")
-    logging.getLogger("mlflow.store").info("mlflow info line")
-    logging.getLogger("ray.data").warning("ray warn line")
     return out.getvalue()
 
 
 def test_levels_follow_verbose_and_quiet() -> None:
     default = _run(0)
     assert "INFO adlm.test: info line" in default and "WARNING adlm.test: warn line" in default
-    assert "dbg line" not in default and "mlflow info line" not in default and "ray warn line" in default
+    assert "dbg line" not in default
+    # Ray and MLflow keep their own handlers (propagate=False once imported): their levels are what we set.
+    assert all(logging.getLogger(n).getEffectiveLevel() == logging.WARNING for n in ("ray", "mlflow", "urllib3"))
     verbose = _run(1)
-    assert "DEBUG adlm.test: dbg line" in verbose and "mlflow info line" in verbose
+    assert "DEBUG adlm.test: dbg line" in verbose
+    assert all(logging.getLogger(n).getEffectiveLevel() == logging.INFO for n in ("ray", "mlflow"))
     quiet = _run(-1)
     assert "info line" not in quiet and "warn line" in quiet
     setup_logging(0)
