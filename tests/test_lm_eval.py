@@ -185,3 +185,42 @@ def test_bad_tasks_and_settings_fail_in_one_line_before_a_model_loads(art, capsy
     assert "even number of samples" in capsys.readouterr().err
     assert cli(["--model", "adlm", "--model_args", f"pretrained={missing},colour=red", "--tasks", "adlm_offline"]) == 2
     assert "colour" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scheme", ["plain", "stratified"])
+def test_on_the_testbed_the_adapter_converges_to_the_exact_conditional_within_its_stderr(scheme):
+    """The adapter's scorer with the testbed's exact conditionals as the denoiser (an oracle: METHOD.md
+    section 1's any-order property makes every ordering exact) gives log p(continuation | context) of the
+    generator within its reported standard error, and the error shrinks as 1/sqrt(samples)."""
+    from adlm_model.testbed import BOS_ID, MASK_ID, Testbed, TestbedConfig
+
+    tb = Testbed(TestbedConfig(length=24))
+
+    def oracle(z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        logp = tb.conditionals(z, MASK_ID)
+        return -logp.gather(-1, x.clamp(max=logp.shape[-1] - 1)[..., None]).squeeze(-1)
+
+    row = tb.sample(1, seed=5)[0]
+    ctx, cont = row[1:10].tolist(), row[10:18].tolist()  # the rest of the row (and its EOS) stays unknown
+    z_joint = torch.full((1, 24), MASK_ID)
+    z_joint[0, :18] = row[:18]
+    z_ctx = z_joint.clone()
+    z_ctx[0, 10:] = MASK_ID
+    exact = float(tb.log_marginal(z_joint, MASK_ID) - tb.log_marginal(z_ctx, MASK_ID))
+    got = {}
+    for k in (64, 256):
+        scorer = ContinuationScorer(seq_len=24, mask_id=MASK_ID, bos_id=BOS_ID, nll_fn=oracle, samples=k,
+                                    scheme=scheme, batch_size=256, greedy_max_tokens=0)
+        [(est, _)] = scorer.score([(ctx, cont)], seeds=[7])
+        assert abs(est.loglik - exact) < 4 * est.stderr + 1e-9, (k, est, exact)
+        got[k] = est
+    assert 1.3 < got[64].stderr / got[256].stderr < 3.2  # ~2: the standard error falls as 1/sqrt(samples)
+    assert abs(got[256].loglik - exact) < 0.05 * abs(exact)
+
+    def blind(z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # ignores every visible token: not exact
+        return oracle(torch.where(torch.arange(24) == 0, z, MASK_ID).expand_as(z).contiguous(), x)
+
+    scorer = ContinuationScorer(seq_len=24, mask_id=MASK_ID, bos_id=BOS_ID, nll_fn=blind, samples=64, scheme=scheme,
+                                batch_size=256, greedy_max_tokens=0)
+    [(worse, _)] = scorer.score([(ctx, cont)], seeds=[7])
+    assert worse.loglik < exact - 4 * worse.stderr  # an imperfect denoiser: a strictly lower bound
