@@ -133,6 +133,16 @@ def test_ar_loglikelihood_is_the_direct_sum_of_token_log_probabilities(art):
         assert ll == pytest.approx(direct, abs=1e-4) and ll < 0
         assert greedy == all(int(logp[i - 1].argmax()) == ids[i] for i in range(1 + len(c), len(ids)))
     assert all(s["samples"] == 0 and s["stderr"] == 0 for s in lm.stats)  # exact: no Monte Carlo
+    # loglikelihood_rolling: the document framed as a training row (BOS doc EOS): log p(doc | BOS) from
+    # loglikelihood plus log p(EOS | BOS doc).
+    doc = "And the evening and the morning were the first day."
+    [rolling] = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (doc,), 0)], disable_tqdm=True)
+    [(ll, _)] = lm.loglikelihood([Instance("loglikelihood", {}, ("", doc), 0)], disable_tqdm=True)
+    ids = [tok.bos_id, *tok.encode([doc])[0]]
+    with torch.no_grad():
+        last = model(torch.tensor([ids]))[0, -1].double()
+    last[cfg.mask_id] = -math.inf
+    assert rolling == pytest.approx(ll + float(torch.log_softmax(last, -1)[tok.eos_id]), abs=1e-4)
 
 
 def test_offline_tasks_run_through_the_harness_and_log_figures_with_stderrs(art, workdir):

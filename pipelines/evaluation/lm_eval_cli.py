@@ -61,8 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import pipelines.evaluation.lm_eval_model  # noqa: F401 - registers the adlm model with the harness
     from pipelines.evaluation.lm_eval_suite import TASK_DIR
 
-    if "--include_path" not in argv and argv and argv[0] not in ("ls", "validate"):
-        argv += ["--include_path", str(TASK_DIR)]  # the harness takes one folder: a user's own replaces ours
+    if argv and argv[0] not in ("ls", "validate"):
+        if "--include_path" not in argv:
+            argv += ["--include_path", str(TASK_DIR)]  # the harness takes one folder: a user's own replaces ours
+        if "--device" not in argv:
+            argv += ["--device", "auto"]  # the harness defaults to cuda:0; ours: CUDA when present, else CPU
     sys.argv = ["lm-eval", *argv]
     cli_evaluate()
     return 0

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -70,6 +70,8 @@ class AdapterSettings:
     steps: int = 64
     """``generate_until``: sampling steps T."""
     nucleus_p: float = 1.0
+    sampler_kwargs: dict[str, Any] = field(default_factory=dict)
+    """``generate_until``: the sampler's options (ReMDM ``eta``, ...; the evaluation's ``--set sampler.NAME=V``)."""
     max_gen_toks: int = 32
     """``generate_until``: new tokens when the task does not say."""
 
@@ -92,6 +94,14 @@ class AdapterSettings:
         for ok, msg in problems:
             if not ok:
                 raise EvalError(f"lm-eval adapter: {msg}")
+        if self.sampler != "auto":
+            from adlm_model.kinds import check_sampler_options
+            from adlm_model.samplers import SamplerError
+
+            try:
+                check_sampler_options(self.sampler, dict(self.sampler_kwargs))
+            except SamplerError as e:
+                raise EvalError(f"lm-eval adapter: {e}") from e
         return self
 
     @classmethod
@@ -241,8 +251,10 @@ class ADLMEvalLM(LM):
 
         cfg, s = self.cfg, self.settings
         sampler = resolve_sampler(s.sampler, cfg.kind)
-        options = {k: v for k, v in (("eos_id", self.tok.eos_id), ("pad_id", self.tok.pad_id))
-                   if v is not None} if sampler == "bd3lm" else {}
+        options = dict(s.sampler_kwargs)
+        if sampler == "bd3lm":
+            options.update({k: v for k, v in (("eos_id", self.tok.eos_id), ("pad_id", self.tok.pad_id))
+                            if v is not None and k not in options})
         out = []
         for r in tqdm(requests, desc=f"lm-eval generate_until ({sampler}, T={s.steps})", unit="request",
                       disable=disable_tqdm):

@@ -6,8 +6,9 @@ data: network needed); without ``--tasks`` the offline tasks of ``lm_eval_tasks/
 split). Task names and the adapter's settings are checked before any model loads. Every task's figures and
 the harness's standard errors become metrics ``lm_eval.TASK.METRIC`` / ``lm_eval.TASK.METRIC_stderr`` and
 version tags; for the diffusion kinds each task also gets the Monte Carlo error of its log-likelihoods
-(``lm_eval.TASK.mc_stderr``: the root mean square of the per-request standard errors, nats, with
-``lm_eval.TASK.mc_samples`` draws a request).
+(``lm_eval.TASK.mc_stderr``: the root mean square of the per-request standard errors, nats;
+``lm_eval.TASK.mc_stderr_of_mean``: that of the task's mean log-likelihood; ``lm_eval.TASK.mc_samples`` draws a
+request).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def adapter_settings(cfg: EvalConfig, kind: str | None = None) -> dict[str, Any]
     s = AdapterSettings(mc_samples=cfg.lm_eval_mc_samples, mask_draws=cfg.lm_eval_mask_draws,
                         batch_size=cfg.lm_eval_batch_size, device=cfg.device, dtype=cfg.lm_eval_dtype, seed=cfg.seed,
                         use_ema=cfg.use_ema, greedy_max_tokens=cfg.lm_eval_greedy_max_tokens, t_draws=cfg.t_draws,
-                        sampler=cfg.sampler, steps=steps, nucleus_p=cfg.nucleus_p)
+                        sampler=cfg.sampler, steps=steps, nucleus_p=cfg.nucleus_p,
+                        sampler_kwargs=dict(cfg.sampler_kwargs))
     return vars(s.validate())
 
 
@@ -111,6 +113,7 @@ def lm_eval_job(model: str, settings: Any, adapter: dict[str, Any], tasks: list[
     for task in {s["task"] for s in lm.stats}:
         ses = [s["stderr"] for s in lm.stats if s["task"] == task]
         mc[task] = {"requests": float(len(ses)), "mc_stderr": math.sqrt(sum(x * x for x in ses) / len(ses)),
+                    "mc_stderr_of_mean": math.sqrt(sum(x * x for x in ses)) / len(ses),
                     "mc_samples": float(lm.stats[0]["samples"])}
     n_docs = {t: int(v.get("effective", v.get("original", 0))) for t, v in (out.get("n-samples") or {}).items()}
     return {"figures": figures, "mc": mc, "n_docs": n_docs, "adapter": lm.describe(),
@@ -149,6 +152,7 @@ def run_lm_eval(state: Any) -> None:
                 accs.append(value)
         if mc is not None and not exact:
             state.metrics[f"lm_eval.{task}.mc_stderr"] = mc["mc_stderr"]
+            state.metrics[f"lm_eval.{task}.mc_stderr_of_mean"] = mc["mc_stderr_of_mean"]
             state.metrics[f"lm_eval.{task}.mc_samples"] = mc["mc_samples"]
     if accs:
         state.metrics["lm_eval.acc_mean"] = float(np.mean(accs))
@@ -161,7 +165,7 @@ def lm_eval_tags(result: Any, cfg: EvalConfig) -> dict[str, str]:
     m = result.metrics
     tags = {}
     for k, v in m.items():
-        if k.startswith("lm_eval.") and not k.endswith(("_stderr", ".mc_samples")) and k.count(".") == 2:
+        if k.startswith("lm_eval.") and not k.endswith(("_stderr", ".mc_samples", "_of_mean")) and k.count(".") == 2:
             se = m.get(f"{k}_stderr")
             tags[k] = f"{v:.6g}" + (f" ± {se:.3g}" if se is not None else "")
     s = (result.settings.get("lm_eval") or {}).get("adapter", {})
