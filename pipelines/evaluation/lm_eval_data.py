@@ -2,10 +2,11 @@
 
 The embedded corpus (``pipelines.data.embedded``: gensim's Wikipedia sample and the King James Bible, shipped
 by pip packages) has a held-out ``test`` split that no demo model trains on. Its sentences become three task
-files, written once into the node's cache (``$ADLM_CACHE/lm_eval_tasks-v1``) and read by the YAML tasks of
+files, written once into the node's cache (``$ADLM_CACHE/lm_eval_tasks-v2``) and read by the YAML tasks of
 ``lm_eval_tasks/`` through ``datasets.load_dataset("json", ...)``:
 
-- ``lastword.jsonl`` (``adlm_lastword``, LAMBADA-style): a passage of one or two sentences; the target is its
+- ``lastword.jsonl`` (``adlm_lastword``, LAMBADA-style): a passage of one sentence of at least 15 words or two
+  consecutive sentences of one document; the target is its
   last word (``text``, as LAMBADA's field; the task splits it). Scored by loglikelihood: perplexity and the
   greedy accuracy of the last word.
 - ``choice.jsonl`` (``adlm_choice``): the first half of a sentence and four endings, the true one and three
@@ -14,7 +15,8 @@ files, written once into the node's cache (``$ADLM_CACHE/lm_eval_tasks-v1``) and
 - ``generate.jsonl`` (``adlm_generate``): the first words of a sentence; the target is the rest of it up to the
   period. Generated with the stop sequence ``"."``: ``exact_match``.
 
-Same corpus, same files: sentences are picked by a fixed rule and shuffled with ``random.Random(0)``.
+Same corpus, same files: sentences are picked by a fixed rule and shuffled with ``random.Random(0)``; the
+multiple-choice and generation items come from sentences no last-word passage uses.
 """
 
 from __future__ import annotations
@@ -26,35 +28,45 @@ import re
 from pathlib import Path
 from typing import Any
 
-TASKS_VERSION = "lm_eval_tasks-v1"
+TASKS_VERSION = "lm_eval_tasks-v2"
 ROWS = {"lastword": 200, "choice": 100, "generate": 50}
 """Rows per task file (the suite's ``lm_eval_limit`` takes fewer)."""
 
 
-def _sentences(texts: list[str]) -> list[str]:
-    """Plain sentences of 8-30 words ending with a period after a lower-case word (no titles, lists, digits)."""
-    out = []
-    for text in texts:
-        for para in text.split("\n"):
-            for s in re.split(r"(?<=\.)\s+", para.strip()):
-                words = s.split()
-                if 8 <= len(words) <= 30 and re.fullmatch(r"[a-z]+\.", words[-1]) and not re.search(r"[\d=|{}\[\]<>]", s):
-                    out.append(" ".join(words))
-    return out
+def _sentences(text: str) -> list[list[str]]:
+    """Runs of consecutive plain sentences of one document (8-30 words ending with a period after a lower-case
+    word; no titles, lists, digits or markup): a run breaks wherever a sentence fails the rule."""
+    runs: list[list[str]] = [[]]
+    for para in text.split("\n"):
+        for s in re.split(r"(?<=\.)\s+", para.strip()):
+            words = s.split()
+            if 8 <= len(words) <= 30 and re.fullmatch(r"[a-z]+\.", words[-1]) and not re.search(r"[\d=|{}\[\]<>]", s):
+                runs[-1].append(" ".join(words))
+            elif runs[-1]:
+                runs.append([])
+        if runs[-1]:
+            runs.append([])
+    return [r for r in runs if r]
 
 
 def build_rows(texts: list[str]) -> dict[str, list[dict[str, Any]]]:
     """The three tasks' rows from the corpus's test documents ``texts`` (module docstring)."""
     rng = random.Random(0)
-    sents = _sentences(texts)
-    rng.shuffle(sents)
-    lastword = []
-    for i in range(0, len(sents) - 1, 2):
-        passage = sents[i] if len(sents[i].split()) >= 15 else f"{sents[i]} {sents[i + 1]}"
-        lastword.append({"text": passage[:-1]})  # the final period dropped: the last word is the target
-        if len(lastword) == ROWS["lastword"]:
-            break
-    pool = sents[2 * ROWS["lastword"]:]
+    runs = [run for text in texts for run in _sentences(text)]
+    rng.shuffle(runs)
+    lastword, single = [], []
+    for run in runs:
+        # A passage: a long sentence alone, or a short one with the sentence that follows it in the document.
+        if len(run[0].split()) < 15 and len(run) > 1 and len(lastword) < ROWS["lastword"]:
+            lastword.append({"text": f"{run[0]} {run[1]}"[:-1]})  # the final period dropped: the last word is the target
+            single.extend(run[2:])
+        elif len(run[0].split()) >= 15 and len(lastword) < ROWS["lastword"]:
+            lastword.append({"text": run[0][:-1]})
+            single.extend(run[1:])
+        else:
+            single.extend(run)
+    rng.shuffle(single)
+    pool = single
     choice = []
     halves = [(s.split()[:len(s.split()) // 2], s.split()[len(s.split()) // 2:]) for s in pool]
     for i, (head, tail) in enumerate(halves[:ROWS["choice"]]):
