@@ -13,8 +13,10 @@ request).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -90,17 +92,13 @@ def check_lm_eval(cfg: EvalConfig, tracking_uri: str | None) -> None:
 def lm_eval_job(model: str, settings: Any, adapter: dict[str, Any], tasks: list[str]) -> dict[str, Any]:
     """Load the model into the adapter, run the harness on ``tasks``; figures per task and the adapter's Monte
     Carlo errors (plain JSON types: what a Ray task returns)."""
-    from lm_eval import simple_evaluate
-
     from pipelines.evaluation.lm_eval_model import ADLMEvalLM
 
     cfg = settings.cfg
     lm = ADLMEvalLM(pretrained=model, tracking_uri=settings.tracking_uri, **adapter)
-    out = simple_evaluate(model=lm, tasks=tasks, task_manager=_task_manager(cfg, tasks),
-                          limit=cfg.lm_eval_limit or None,
-                          num_fewshot=cfg.lm_eval_num_fewshot if cfg.lm_eval_num_fewshot >= 0 else None,
-                          bootstrap_iters=cfg.lm_eval_bootstrap_iters, log_samples=False, random_seed=cfg.seed,
-                          numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed)
+    # The harness prints progress notes on stdout; ours carries only results (``--json``): they go to stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        out = _evaluate(lm, cfg, tasks)
     figures: dict[str, dict[str, float]] = {}
     for task, res in out["results"].items():
         for key, value in res.items():
@@ -118,6 +116,16 @@ def lm_eval_job(model: str, settings: Any, adapter: dict[str, Any], tasks: list[
     n_docs = {t: int(v.get("effective", v.get("original", 0))) for t, v in (out.get("n-samples") or {}).items()}
     return {"figures": figures, "mc": mc, "n_docs": n_docs, "adapter": lm.describe(),
             "version": str(out.get("lm_eval_version") or _version())}
+
+
+def _evaluate(lm: Any, cfg: EvalConfig, tasks: list[str]) -> dict[str, Any]:
+    from lm_eval import simple_evaluate
+
+    return simple_evaluate(model=lm, tasks=tasks, task_manager=_task_manager(cfg, tasks),
+                           limit=cfg.lm_eval_limit or None,
+                           num_fewshot=cfg.lm_eval_num_fewshot if cfg.lm_eval_num_fewshot >= 0 else None,
+                           bootstrap_iters=cfg.lm_eval_bootstrap_iters, log_samples=False, random_seed=cfg.seed,
+                           numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed)
 
 
 def _version() -> str:
