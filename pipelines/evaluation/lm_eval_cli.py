@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     from lm_eval.__main__ import cli_evaluate
 
-    import pipelines.evaluation.lm_eval_model  # noqa: F401 - registers the adlm model with the harness
+    from pipelines.evaluation.lm_eval_model import AdapterSettings  # importing it registers the adlm model
     from pipelines.evaluation.lm_eval_suite import TASK_DIR
 
     if argv and argv[0] not in ("ls", "validate"):
@@ -66,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             argv += ["--include_path", str(TASK_DIR)]  # the harness takes one folder: a user's own replaces ours
         if "--device" not in argv:
             argv += ["--device", "auto"]  # the harness defaults to cuda:0; ours: CUDA when present, else CPU
+        if "--batch_size" not in argv:  # the harness's default of 1 would mean one row a forward pass
+            argv += ["--batch_size", str(AdapterSettings.batch_size)]
     sys.argv = ["lm-eval", *argv]
     cli_evaluate()
     return 0
