@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     from adlm_model.checkpoint import read_config
     from pipelines.data.prepare import prepare
     from pipelines.evaluation.config import EvalConfig
-    from pipelines.evaluation.plan import resolve_model_ref
     from pipelines.evaluation.run import evaluate_model
+    from pipelines.registry import resolve_model_ref
     from pipelines.runtime import init_ray
     from pipelines.storage import cache_dir, resolve_workdir
     from pipelines.tracking import resolve_tracking_uri

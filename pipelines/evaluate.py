@@ -4,6 +4,7 @@
         --set eval_lm=smollm2 --set mauve_featurizer=minilm --set num_samples=64
     python -m pipelines.evaluate --model work/runs/r1/checkpoints/best --suite ppl --in-process
     python -m pipelines.evaluate --stage-all            # every registry version waiting for evaluation
+    python -m pipelines.evaluate --model models:/adlm@champion --suite lm-eval --tasks lambada_openai,piqa
 
 The suites and how they run: ``pipelines/evaluation/run.py``; staged evaluation and promotion:
 ``pipelines/evaluation/promotion.py``.
@@ -17,8 +18,9 @@ import json
 import sys
 from collections.abc import Sequence
 
-from pipelines.evaluation.config import EVAL_PROFILES, SUITES, EvalConfig, EvalError, apply_overrides, eval_profile
+from pipelines.evaluation.config import EVAL_PROFILES, EvalConfig, EvalError, apply_overrides, eval_profile
 from pipelines.evaluation.promotion import PromotionConfig
+from pipelines.evaluation.suites import suites_help
 from pipelines.overrides import settings_help
 
 
@@ -48,10 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "metrics settings (ReMDM-loop T=4096 for ADLM, 1024 for the baselines, p=0.9, 5000 samples, "
                         "gpt2-large; for a GPU cluster); demo = what make demo runs (not comparable)")
     p.add_argument("--suite", default="ppl",
-                   help=f"comma list of {', '.join(SUITES)} (default ppl; gen_ppl and mauve imply generate)")
+                   help=f"comma list of suites (default ppl; gen_ppl and mauve imply generate): {suites_help()}")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a setting (listed below); repeatable")
     p.add_argument("--data", help="prepared data directory (same as --set data=DIR)")
+    p.add_argument("--tasks", help="suite lm-eval: comma list of harness tasks (same as --set lm_eval_tasks=...; "
+                                   "default: the offline tasks adlm_offline)")
     p.add_argument("--name", default=None, help="registered model name for --stage-all (default adlm)")
     p.add_argument("--workdir", help="work directory (default: $ADLM_WORKDIR or ./work)")
     p.add_argument("--in-process", action="store_true", help="run in this process instead of Ray tasks")
@@ -82,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         apply_overrides([cfg, promo], args.overrides)
         if args.data:
             cfg.data = args.data
+        if args.tasks:
+            cfg.lm_eval_tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
         if args.name:
             promo.model_name = args.name
         if args.stage_all:

@@ -9,6 +9,9 @@ Contract shared by training, tuning, evaluation and serving:
   (``kind``, ``gamma``, ``tau``, ``data_manifest_hash``, ``val_ppl``, ``checkpoint_uri``, ...) and aliases
   (``candidate``, ``champion``); stages are never used. ``mlflow.pyfunc.load_model("models:/adlm@champion")``
   and ``mlflow models serve`` work on every version.
+- ``resolve_model_ref(model)``: what every stage that takes ``--model`` (evaluation, serving, export, the
+  lm-eval adapter) resolves a model reference with: ``models:/name@alias``, ``models:/name/3``, a checkpoint
+  folder or a checkpoint in an object store, downloaded once into the node's cache (``ModelRef``).
 - ``resolve_model(uri)`` accepts ``models:/name@alias``, ``models:/name/3`` or a local checkpoint
   directory and returns a local checkpoint directory to ``load_checkpoint`` from: for a version, the
   checkpoint folder inside its downloaded MLflow Model (or, for a version registered before versions
@@ -17,11 +20,16 @@ Contract shared by training, tuning, evaluation and serving:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import shutil
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipelines.storage import cache_dir, download_dir, is_uri
 from pipelines.tracking import client, redact_uri
 
 DEFAULT_MODEL_NAME = "adlm"
@@ -161,3 +169,88 @@ def resolve_model(uri: str, tracking_uri: str | None = None, dst: str | os.PathL
             raise RegistryError(f"{uri} is neither a models:/ URI nor a checkpoint directory with config.json")
         return p
     return checkpoint_of(download_version(uri, tracking_uri, dst))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Model references: what ``--model`` names, resolved to a local checkpoint folder on this node.
+
+
+@dataclass
+class ModelRef:
+    """What ``--model`` named: a URI and the local checkpoint directory it resolves to."""
+
+    uri: str
+    local_dir: str
+    name: str | None = None
+    version: str | None = None
+    run_id: str | None = None
+    """Training run of a registered version."""
+
+    @property
+    def pinned(self) -> str:
+        """The URI that names exactly this model on any node: ``models:/NAME/VERSION`` (an alias could move
+        while an evaluation runs) or the checkpoint location as given."""
+        return f"models:/{self.name}/{self.version}" if self.version else self.uri
+
+
+def resolve_model_ref(model: str, tracking_uri: str | None, cache: str | os.PathLike | None = None) -> ModelRef:
+    """A local folder of ``model`` on this node: a ``models:/`` URI or a checkpoint in an object store is
+    downloaded once into the node's cache (``cache``, default ``storage.cache_dir()``); a local checkpoint
+    folder is used as it is. Every node resolves for itself: the driver plans with it, and each evaluation
+    task loads its model with it where it runs. A registered version is an MLflow Model whose checkpoint is a
+    folder inside it (``checkpoint_of``)."""
+    models = Path(cache) / "models" if cache else cache_dir(None, "models")
+    if is_uri(model):
+        dst = models / ("ckpt-" + hashlib.sha256(model.encode()).hexdigest()[:16])
+        if not (dst / "config.json").is_file():
+            tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=models))
+            try:
+                download_dir(model, tmp)
+                if not (tmp / "config.json").is_file():
+                    raise RegistryError(f"{model} is not a checkpoint: no config.json (pass a checkpoint folder or "
+                                        "a models:/ URI)")
+                _settle(tmp, dst)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return ModelRef(uri=model, local_dir=str(dst))
+    if not model.startswith("models:/"):
+        return ModelRef(uri=model, local_dir=str(resolve_model(model, tracking_uri)))
+    mv = get_version(model, tracking_uri)
+
+    def cached() -> Path | None:
+        try:
+            return checkpoint_of(dst) if dst.is_dir() else None
+        except RegistryError:
+            return None
+
+    # Keyed by the version's identity, not only its number: the cache (ADLM_CACHE) may be shared by several
+    # tracking stores, and a recreated registry numbers its versions from 1 again.
+    ident = hashlib.sha256(f"{tracking_uri}|{mv.source}|{mv.run_id}".encode()).hexdigest()[:12]
+    dst = models / f"{mv.name}-v{mv.version}-{ident}"
+    if cached() is None:
+        uri = f"models:/{mv.name}/{mv.version}"
+        # Downloaded beside its final place, so the rename is atomic (same filesystem) and nothing is left in /tmp.
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{mv.name}-v{mv.version}-", dir=dst.parent))
+        try:
+            local = download_version(uri, tracking_uri, dst=tmp)
+            checkpoint_of(local)  # a version without a checkpoint fails here, not as a half-filled cache entry
+            try:
+                os.replace(local, dst)
+            except OSError:
+                if cached() is None:  # not a concurrent download that won: a real failure
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return ModelRef(uri=model, local_dir=str(checkpoint_of(dst)), name=mv.name, version=str(mv.version),
+                    run_id=mv.run_id)
+
+
+def _settle(local: str | os.PathLike, dst: Path) -> None:
+    """Move a downloaded folder into its cache entry (same filesystem: atomic); a concurrent download that
+    won is fine, any other failure is raised."""
+    try:
+        os.replace(local, dst)
+    except OSError:
+        if not (dst / "config.json").is_file():
+            raise

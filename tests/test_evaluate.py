@@ -175,7 +175,7 @@ def test_shared_cache_never_confuses_version_1_of_two_stores(art, tmp_path, monk
     shared box): each URI must resolve to its own weights (a cache keyed by name and number mixed them up)."""
     from safetensors.torch import load_file
 
-    from pipelines.evaluation.plan import resolve_model_ref
+    from pipelines.registry import resolve_model_ref
 
     monkeypatch.setenv("ADLM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("ADLM_WORKDIR", str(tmp_path / "work"))  # the registered files, not under ./work
@@ -225,3 +225,54 @@ def test_cli_help_documents_every_setting():
         for f in dataclasses.fields(cls):
             assert f"  {f.name} (default" in out, f.name
     assert "smollm2" in out and "minilm" in out
+
+
+def test_a_metric_registered_in_one_place_reaches_the_plan_run_report_tags_and_gate(art, workdir, monkeypatch):
+    """One ``Suite`` entry (and its function) is all a new metric needs: the planner checks it, the runner runs
+    it, the summary shows it, the registry version is tagged with it and promotion can gate on it."""
+    import mlflow
+
+    from pipelines.evaluation import suites
+    from pipelines.evaluation.plan import plan_evaluation
+    from pipelines.evaluation.promotion import PromotionConfig, gate_reasons
+    from pipelines.evaluation.report import summary_markdown
+    from pipelines.evaluation.suites import Gate, Suite
+
+    seen = {}
+
+    def check(cfg, tracking_uri):
+        if cfg.seed < 0:
+            raise suites.EvalError("toy needs seed >= 0")
+
+    def plan(p):
+        seen["planned"] = p.ref.local_dir
+
+    def run(state):  # shares the NELBO of the planned datasets with ppl (scored once)
+        pooled, _ = state.nelbo()["validation"]
+        state.metrics["toy_score"] = 2.0 * pooled.nll
+        state.row("toy score", state.metrics["toy_score"], "twice the validation NELBO per token", stderr=0.01)
+
+    monkeypatch.setitem(suites.SUITES, "toy", Suite(
+        "toy", "a toy metric", run, implies=("ppl",), check=check, plan=plan, headline=("toy_score",),
+        tags=lambda result, cfg: {"toy.settings": f"seed={cfg.seed}"},
+        gates=(Gate("toy_score", "max", "toy_score_max", "toy score"),), in_stage2=False))
+
+    tracking = f"sqlite:///{workdir / 'mlflow.db'}"
+    mv = register(art["mdlm"], tracking)
+    cfg = EvalConfig(splits=("validation",), max_rows=16, batch_size=16)
+    assert plan_evaluation("models:/adlm@candidate", "toy", cfg).suite == ("ppl", "toy")
+    assert seen["planned"]
+    with pytest.raises(suites.EvalError, match="toy needs seed"):
+        plan_evaluation(str(art["mdlm"]), "toy", EvalConfig(seed=-1))
+    r = evaluate_model("models:/adlm@candidate", "toy", cfg, in_process=True)
+    assert r.metrics["toy_score"] == pytest.approx(2.0 * r.metrics["val_nll"])
+    assert "| toy score | " in summary_markdown(r) and " ± 0.0100 |" in summary_markdown(r)
+    tags = mlflow.MlflowClient(tracking).get_model_version("adlm", mv.version).tags
+    assert float(tags["toy_score"]) == pytest.approx(r.metrics["toy_score"], rel=1e-5)
+    assert tags["toy.settings"] == "seed=0" and "val_ppl" in tags
+    assert mlflow.MlflowClient(tracking).get_run(r.run_id).data.metrics["toy_score"] == pytest.approx(r.metrics["toy_score"])
+    promo = PromotionConfig(bounds={"toy_score_max": r.metrics["toy_score"] - 1}).validate()
+    assert gate_reasons(r.metrics, r.suite, promo) == [
+        f"gate: toy score {r.metrics['toy_score']:.4f} above the bound {r.metrics['toy_score'] - 1:g}"]
+    assert gate_reasons(r.metrics, r.suite, PromotionConfig()) == []  # no bound set: no gate
+    assert "toy" not in PromotionConfig().stage2_suite

@@ -1,4 +1,6 @@
-"""Evaluation settings: the suites, ``EvalConfig`` (every field a ``--set`` key), and the default sampler.
+"""Evaluation settings: ``EvalConfig`` (every field a ``--set`` key), the profiles, and the default sampler.
+
+The suites themselves are one table, ``evaluation/suites.py``.
 
 Every metric has exactly one definition (METHOD.md section 6; ``evaluation/metrics.py``).
 """
@@ -13,7 +15,6 @@ from typing import Any
 from adlm_model.config import ConfigError
 from pipelines.overrides import apply_to
 
-SUITES = ("ppl", "zero_shot", "generate", "gen_ppl", "mauve")
 EVAL_EXPERIMENT = "adlm-eval"
 PPL_METRIC_NAMES = {"validation": "val", "test": "test"}
 
@@ -100,6 +101,27 @@ class EvalConfig:
     """Split each dataset into Ray tasks of this many rows (rounded up to whole batches); 0: one task each."""
     experiment: str = EVAL_EXPERIMENT
     """MLflow experiment of the evaluation runs."""
+    lm_eval_tasks: tuple[str, ...] = ()
+    """Suite lm-eval: harness task or group names (``--tasks``; e.g. lambada_openai,piqa: network needed); empty:
+    the offline tasks (group adlm_offline: adlm_lastword, adlm_choice, adlm_generate)."""
+    lm_eval_limit: int = 0
+    """Suite lm-eval: documents per task (0: all)."""
+    lm_eval_num_fewshot: int = -1
+    """Suite lm-eval: few-shot examples (-1: each task's default)."""
+    lm_eval_mc_samples: int = 32
+    """Suite lm-eval, diffusion kinds: Monte Carlo draws of the continuation's ELBO per request."""
+    lm_eval_mask_draws: str = "stratified"
+    """Suite lm-eval: how the draws' numbers of masked tokens are spread: plain, antithetic or stratified."""
+    lm_eval_batch_size: int = 32
+    """Suite lm-eval: rows per forward pass."""
+    lm_eval_dtype: str = "float32"
+    """Suite lm-eval: float32, or bfloat16/float16 autocast on CUDA."""
+    lm_eval_greedy_max_tokens: int = 8
+    """Suite lm-eval, diffusion kinds: is_greedy by greedy decoding for continuations up to this long (else False)."""
+    lm_eval_bootstrap_iters: int = 1000
+    """Suite lm-eval: bootstrap resamples of the harness's stderr for non-mean metrics (perplexity)."""
+    lm_eval_include_path: str = ""
+    """Suite lm-eval: more task folders (``:``-separated) besides the offline tasks' folder."""
 
     def validate(self) -> EvalConfig:
         def need(ok: bool, msg: str) -> None:
@@ -129,22 +151,12 @@ class EvalConfig:
         return dataclasses.asdict(self)
 
 
-def parse_suite(suite: str | Sequence[str]) -> tuple[str, ...]:
-    """Suite names in canonical order; gen_ppl and mauve imply generate."""
-    items = [s.strip() for s in (suite.split(",") if isinstance(suite, str) else suite) if s.strip()]
-    unknown = [s for s in items if s not in SUITES]
-    if unknown or not items:
-        raise EvalError(f"unknown suite {', '.join(unknown) or '(empty)'}: use a comma list of {', '.join(SUITES)}")
-    chosen = set(items)
-    if chosen & {"gen_ppl", "mauve"}:
-        chosen.add("generate")
-    return tuple(s for s in SUITES if s in chosen)
-
-
 def apply_overrides(configs: Sequence[Any], assignments: Sequence[str]) -> None:
     """``--set KEY=VALUE`` on the evaluation (and promotion) settings; ``sampler.NAME=VALUE`` goes into
-    ``EvalConfig.sampler_kwargs``, ``steps.KIND=T`` into ``steps_by_kind`` (``pipelines.overrides``)."""
-    apply_to(configs, assignments, dict_prefixes={"sampler": "sampler_kwargs", "steps": "steps_by_kind"})
+    ``EvalConfig.sampler_kwargs``, ``steps.KIND=T`` into ``steps_by_kind``, ``gate.NAME=BOUND`` into
+    ``PromotionConfig.bounds`` (``pipelines.overrides``)."""
+    apply_to(configs, assignments, dict_prefixes={"sampler": "sampler_kwargs", "steps": "steps_by_kind",
+                                                  "gate": "bounds"})
 
 
 EVAL_PROFILES: dict[str, dict[str, Any]] = {

@@ -67,10 +67,10 @@ def _device(device: str) -> Any:
 
 def load_eval_model(model: str, settings: JobSettings) -> tuple[Any, Any, dict[str, Any]]:
     """(model in eval mode, ModelConfig, meta) of ``model`` (a ``models:/`` URI or a checkpoint location),
-    resolved on this node (``plan.resolve_model_ref``: downloaded into this node's cache) and kept per process:
+    resolved on this node (``registry.resolve_model_ref``: downloaded into this node's cache) and kept per process:
     a Ray worker reuses it across tasks."""
     from adlm_model.checkpoint import load_checkpoint
-    from pipelines.evaluation.plan import resolve_model_ref
+    from pipelines.registry import resolve_model_ref
 
     dev = _device(settings.cfg.device)
     key = (model, settings.tracking_uri, str(dev), settings.cfg.use_ema)

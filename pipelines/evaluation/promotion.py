@@ -12,7 +12,8 @@ version as tags:
    generation, gen-PPL with entropy, MAUVE) through ``evaluate.evaluate_model``'s machinery; the headline
    figures become version tags (``val_ppl``, ``gen_ppl``, ``entropy``, ``mauve`` and their settings).
 3. **Gate** (``eval.stage3``): validation PPL must beat the champion's (measured on the same data with the
-   same settings) by ``margin``; gen-PPL, entropy and MAUVE must lie within their bounds. A passing version
+   same settings) by ``margin``; every figure with a ``Gate`` in the suites' table (gen-PPL, entropy, MAUVE,
+   ...) must lie within its bound. A passing version
    gets the alias ``champion``; the previous champion is tagged ``eval.replaced_by`` / ``eval.replaced_at``.
 
 Every decided version loses the ``candidate`` alias and carries ``eval.status`` (``promoted`` or
@@ -31,10 +32,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from pipelines.evaluation.config import EvalConfig, EvalError, parse_suite
+from pipelines.evaluation.config import EvalConfig, EvalError
 from pipelines.evaluation.plan import Plan, plan_evaluation
-from pipelines.evaluation.report import EvalResult, gen_ppl_definition
+from pipelines.evaluation.report import EvalResult
 from pipelines.evaluation.run import log_result, make_executor, run_plan
+from pipelines.evaluation.suites import SUITES, check_suites, default_stage2, parse_suite
 from pipelines.storage import parent_of
 from pipelines.tracking import client as tracking_client
 from pipelines.tracking import redact_uri, resolve_tracking_uri
@@ -60,8 +62,9 @@ class PromotionConfig:
     """Fast stage: the subset's validation bound must be at most this (inf: no threshold)."""
     stage1_tolerance: float = 0.05
     """Fast stage: the bound may exceed the champion's on the same subset by at most this fraction."""
-    stage2_suite: tuple[str, ...] = ("ppl", "zero_shot", "generate", "gen_ppl", "mauve")
-    """Full stage suite (``zero_shot`` is skipped when no zero-shot sets are configured)."""
+    stage2_suite: tuple[str, ...] = field(default_factory=default_stage2)
+    """Full stage suite (default: every suite of ``suites.SUITES`` marked ``in_stage2``; a suite that is not
+    available with the settings, such as ``zero_shot`` without sets, is skipped)."""
     margin: float = 0.0
     """Gate: validation PPL must be below champion PPL x (1 - margin) (0: strictly lower)."""
     gen_ppl_max: float = math.inf
@@ -72,6 +75,9 @@ class PromotionConfig:
     """Gate: mean unigram entropy must be at most this."""
     mauve_min: float = 0.0
     """Gate: MAUVE must be at least this."""
+    bounds: dict[str, float] = field(default_factory=dict)
+    """Gate bounds of suites without a field above (``--set gate.NAME=VALUE``; NAME as the suite's ``Gate``
+    names it, e.g. ``gate.lm_eval_acc_min=0.3``)."""
 
     def validate(self) -> PromotionConfig:
         problems = []
@@ -91,7 +97,31 @@ class PromotionConfig:
             raise PromotionError(f"stage2_suite: {e}") from e
         if "ppl" not in suite:
             raise PromotionError("stage2_suite must include ppl: the gate compares validation perplexities")
+        known = {g.setting for s in SUITES.values() for g in s.gates}
+        unknown = sorted(set(self.bounds) - known)
+        if unknown:
+            raise PromotionError(f"unknown gate {', '.join(unknown)}: use one of {', '.join(sorted(known))}")
         return self
+
+    def bound(self, setting: str) -> float | None:
+        """The bound of a gate setting: its field, else ``bounds``; None: not gated."""
+        if setting in self.bounds:
+            return float(self.bounds[setting])
+        value = getattr(self, setting, None)
+        return None if value is None else float(value)
+
+
+def gate_reasons(metrics: dict[str, float], suite: tuple[str, ...], promo: PromotionConfig) -> list[str]:
+    """Why the figures of ``suite`` fail their gates (``suites.Gate``), in table order."""
+    reasons = []
+    for name in suite:
+        for gate in SUITES[name].gates:
+            bound = promo.bound(gate.setting)
+            if gate.metric in metrics and bound is not None:
+                why = gate.reason(metrics[gate.metric], bound)
+                if why:
+                    reasons.append(why)
+    return reasons
 
 
 @dataclass
@@ -238,7 +268,8 @@ class _Stager:
             return self.decide(version, "rejected", 1, reasons, figures)
 
         # Stage 2: the full evaluation.
-        suite = [s for s in parse_suite(self.promo.stage2_suite) if s != "zero_shot" or self.cfg.zero_shot]
+        suite = [s for s in parse_suite(self.promo.stage2_suite)
+                 if SUITES[s].available is None or SUITES[s].available(self.cfg)]
         self.tag(version, {"eval.stage": 2})
         try:
             plan2 = self.plan(version, tuple(suite), self.cfg)
@@ -247,8 +278,9 @@ class _Stager:
             return self.decide(version, "rejected", 2, [f"stage 2: {e}"], figures)
         r2 = self.run(plan2, stage="2", tag_version=True)
         m = r2.metrics
-        figures.update({k: m[k] for k in ("val_ppl", "gen_ppl", "entropy", "mauve") if k in m})
-        definitions = {"gen_ppl": gen_ppl_definition(self.cfg)} if "gen_ppl" in m else {}
+        figures.update({k: m[k] for s in suite for k in SUITES[s].headline if k in m})
+        definitions = {k: v for s in suite if SUITES[s].definitions is not None
+                       for k, v in SUITES[s].definitions(self.cfg).items()}
         self.tag(version, {"eval.stage2": "passed", "eval.stage": 3})
 
         # Stage 3: the gate.
@@ -269,12 +301,7 @@ class _Stager:
                                    f"{champ_val:.4f} by the margin {p.margin:.1%}")
         elif not math.isfinite(m["val_ppl"]):
             reasons.append("gate: validation PPL is not finite")
-        if "gen_ppl" in m and not m["gen_ppl"] <= p.gen_ppl_max:
-            reasons.append(f"gate: gen-PPL {m['gen_ppl']:.4f} above the bound {p.gen_ppl_max:g}")
-        if "entropy" in m and not p.entropy_min <= m["entropy"] <= p.entropy_max:
-            reasons.append(f"gate: entropy {m['entropy']:.4f} outside [{p.entropy_min:g}, {p.entropy_max:g}]")
-        if "mauve" in m and not m["mauve"] >= p.mauve_min:
-            reasons.append(f"gate: MAUVE {m['mauve']:.4f} below the bound {p.mauve_min:g}")
+        reasons += gate_reasons(m, tuple(suite), p)
         self.tag(version, {"eval.stage3": "failed" if reasons else "passed"})
         if reasons:
             return self.decide(version, "rejected", 3, reasons, figures, definitions=definitions)
@@ -288,17 +315,9 @@ class _Stager:
 
 def check_stage_all(promo: PromotionConfig, cfg: EvalConfig, tracking_uri: str) -> None:
     """Bad settings or a missing registered model fail here, before any version is touched."""
-    from pipelines.evaluation.eval_lm import check_eval_lm, check_featurizer
-    from pipelines.evaluation.metrics import check_mauve_inputs
-
     promo.validate()
     cfg.validate()
-    suite = parse_suite(promo.stage2_suite)
-    if "gen_ppl" in suite:
-        check_eval_lm(cfg.eval_lm, tracking_uri=tracking_uri)
-    if "mauve" in suite:
-        check_mauve_inputs(cfg.num_samples, cfg.num_samples, cfg.mauve_min_samples)
-        check_featurizer(cfg.mauve_featurizer)
+    check_suites(parse_suite(promo.stage2_suite), cfg, tracking_uri)
     client = tracking_client(tracking_uri)
     try:
         client.get_registered_model(promo.model_name)
@@ -337,5 +356,5 @@ def outcomes_markdown(outcomes: list[StageOutcome]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PromotionConfig", "PromotionError", "StageOutcome", "check_stage_all",
+__all__ = ["PromotionConfig", "PromotionError", "StageOutcome", "check_stage_all", "gate_reasons",
            "alias_version", "outcomes_markdown", "stage_all", "waiting_versions"]

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipelines.evaluation.config import EvalConfig
+from pipelines.evaluation.suites import SUITES, gen_ppl_definition  # noqa: F401 - gen_ppl_definition re-exported
 
 
 @dataclass
@@ -35,9 +35,11 @@ def summary_markdown(result: EvalResult) -> str:
     for row in result.table:
         v = row["value"]
         shown = "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4f}"
+        if row.get("stderr") is not None and shown != "n/a":
+            shown += f" ± {row['stderr']:.4f}"
         lines.append(f"| {row['quantity']} | {'<= ' if row.get('bound') else ''}{shown} | {row['details']} |")
     lines += ["", "PPL of diffusion models is the NELBO upper bound (METHOD.md section 1); gen-PPL, entropy and "
-              "MAUVE follow METHOD.md section 6.", ""]
+              "MAUVE follow METHOD.md section 6; ± is a standard error.", ""]
     return "\n".join(lines)
 
 
@@ -74,38 +76,14 @@ def plots(result: EvalResult, out: Path) -> list[Path]:
     return made
 
 
-def gen_ppl_definition(cfg: EvalConfig) -> str:
-    """The definition printed next to every gen-PPL figure (METHOD.md section 6): the evaluation LM, the
-    pooling, the truncation and the first-token convention."""
-    from pipelines.evaluation.metrics import GEN_PPL_DEFINITIONS
-
-    return (f"token-pooled NLL under {cfg.eval_lm}, EOS targets excluded, truncated to {cfg.gen_ppl_max_length}, "
-            f"{GEN_PPL_DEFINITIONS[cfg.gen_ppl_first_token]}")
-
-
 def version_tags(result: EvalResult, cfg: EvalConfig) -> dict[str, str]:
-    """Headline figures and the settings they were measured with, for the registry version."""
-    m, s = result.metrics, result.settings
+    """Headline figures and the settings they were measured with, for the registry version: each suite of the
+    result as its entry in ``suites.SUITES`` says."""
     tags: dict[str, str] = {}
-    for k in ("val_ppl", "test_ppl", "gen_ppl", "entropy", "mauve"):
-        if k in m:
-            tags[k] = f"{m[k]:.6g}"
-    for row in result.table:
-        if row["quantity"].startswith("zero_shot/"):
-            tags[f"{row['quantity'].split(' ')[0].replace('/', '.')}_ppl"] = f"{row['value']:.6g}"
-    if "validation" in result.ppl_keys:
-        tags["eval.val_key"] = result.ppl_keys["validation"]
-    if "val_ppl" in m:
-        tags["val_ppl.settings"] = (f"NELBO bound, {int(m['val_tokens'])} tokens, t_draws={cfg.t_draws}, "
-                                    f"seed={cfg.seed}, batch={cfg.batch_size}, ema={cfg.use_ema}")
+    for name in result.suite:
+        suite = SUITES[name]
+        tags.update({k: f"{result.metrics[k]:.6g}" for k in suite.headline if k in result.metrics})
+        if suite.tags is not None:
+            tags.update(suite.tags(result, cfg))
     tags["eval.profile"] = cfg.profile or "custom"
-    if "generate" in result.suite:
-        tags["gen.settings"] = (f"sampler={s['sampler']} T={s['steps']} p={s['nucleus_p']} n={len(result.samples)} "
-                                f"length={s['length']} seed={s['seed']}"
-                                + (f" {json.dumps(s['sampler_kwargs'], sort_keys=True)}" if s["sampler_kwargs"] else ""))
-    if "gen_ppl" in result.suite:
-        tags["gen_ppl.eval_lm"] = cfg.eval_lm
-        tags["gen_ppl.definition"] = gen_ppl_definition(cfg)
-    if "mauve" in result.suite:
-        tags["mauve.featurizer"] = cfg.mauve_featurizer
     return tags

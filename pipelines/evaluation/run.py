@@ -1,6 +1,6 @@
 """Evaluate a checkpoint or a registered model version; stage and promote registry versions.
 
-Suites (every metric has exactly the definition of METHOD.md section 6; ``evaluation/metrics.py``):
+Suites (one table: ``evaluation/suites.py``; every metric has exactly the definition of METHOD.md section 6; ``evaluation/metrics.py``):
 
 - ``ppl``: the NELBO bound ``PPL <= exp(sum NELBO / tokens)`` on prepared splits (METHOD.md section 1):
   EMA weights, ``t`` stratified inside each batch, a fixed seed per batch (so the figure does not depend
@@ -12,6 +12,8 @@ Suites (every metric has exactly the definition of METHOD.md section 6; ``evalua
 - ``gen_ppl``: an evaluation causal LM (``eval_lm=``: ``gpt2-large`` by default; ``smollm2`` offline; a
   local model; an AR checkpoint) scores the decoded samples; reported with entropy, sampler, T, p, count.
 - ``mauve``: ``mauve-text`` on features of the samples vs as many validation texts (``mauve_featurizer=``).
+- ``lm-eval``: EleutherAI's lm-evaluation-harness tasks through the project's adapter
+  (``evaluation/lm_eval_model.py``; ``lm_eval_tasks=``, offline tasks by default).
 
 Execution: on Ray by default (one task per split chunk and per sample batch, a GPU each when the cluster
 has GPUs; ``RAY_ADDRESS`` or ``--ray-address`` picks the cluster), or ``--in-process``. The results are
@@ -36,25 +38,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from pipelines.data.reader import read_subset
-from pipelines.evaluation.config import PPL_METRIC_NAMES, EvalConfig
-from pipelines.evaluation.eval_lm import is_hub_model
+from pipelines.evaluation.config import EvalConfig
 from pipelines.evaluation.executors import LocalExecutor, RayExecutor
-from pipelines.evaluation.jobs import (
-    JobSettings,
-    gen_ppl_job,
-    mauve_job,
-    ppl_job,
-    sample_job,
-    sample_segments,
-    sample_text,
-)
-from pipelines.evaluation.metrics import GEN_PPL_DEFINITIONS
-from pipelines.evaluation.plan import Plan, plan_evaluation, ppl_key
+from pipelines.evaluation.jobs import JobSettings
+from pipelines.evaluation.plan import Plan, plan_evaluation
 from pipelines.evaluation.report import EvalResult, plots, summary_markdown, version_tags
-from pipelines.storage import cache_dir, is_uri, join, name_of
+from pipelines.evaluation.suites import SUITES, RunState
+from pipelines.storage import cache_dir, is_uri, join
 
 
 def make_executor(cfg: EvalConfig, *, in_process: bool, ray_address: str | None = None) -> Any:
@@ -76,96 +66,24 @@ def job_settings(plan: Plan) -> JobSettings:
 
 
 def run_plan(plan: Plan, executor: Any) -> EvalResult:
-    """The expensive part: perplexities, samples, gen-PPL, MAUVE."""
-    cfg, suite, settings = plan.cfg, plan.suite, job_settings(plan)
-    model = plan.ref.pinned  # each task resolves it on the node where it runs
+    """The expensive part: each chosen suite of the table (``suites.SUITES``) in canonical order; the NELBO of
+    the planned datasets and the samples are computed once, by the first suite that needs them."""
     from adlm_model.kinds import parameter_count
 
-    large_model = parameter_count(plan.model_cfg) >= cfg.gpu_min_params
-    metrics: dict[str, float] = {}
-    table: list[dict[str, Any]] = []
-    ppl_keys: dict[str, str] = {}
-    from adlm_model.kinds import model_kind
-
-    bound = model_kind(plan.model_cfg.kind).diffusion  # diffusion figures are upper bounds (METHOD.md section 1)
-
-    # -- perplexities ------------------------------------------------------------------------------------
-    jobs, owners = [], []
-    for ds in plan.datasets:
-        n = min(cfg.max_rows, ds.rows) if cfg.max_rows else ds.rows
-        chunk = n if not cfg.rows_per_task else math.ceil(cfg.rows_per_task / cfg.batch_size) * cfg.batch_size
-        for start in range(0, n, max(chunk, 1)):
-            jobs.append({"model": model, "split_dir": ds.split_dir, "start": start, "stop": min(n, start + chunk),
-                         "settings": settings})
-            owners.append(ds)
-    if jobs:
-        total_rows = sum(j["stop"] - j["start"] for j in jobs)
-        results = executor.run(ppl_job, jobs, "NELBO scoring", unit="row", total_units=total_rows, progress_kw="rows",
-                               large=large_model)
-        for ds in plan.datasets:
-            from pipelines.evaluation.metrics import PooledNLL
-
-            pooled = PooledNLL()
-            rows = 0
-            for r, owner in zip(results, owners, strict=True):
-                if owner is ds:
-                    pooled.add(r["nll_sum"], r["n_tokens"])
-                    rows += r["rows"]
-            prefix = PPL_METRIC_NAMES.get(ds.label, ds.label.replace("zero_shot/", "zero_shot_"))
-            metrics.update({f"{prefix}_ppl": pooled.ppl, f"{prefix}_nll": pooled.nll,
-                            f"{prefix}_tokens": float(pooled.n_tokens), f"{prefix}_rows": float(rows)})
-            table.append({"quantity": f"{ds.label} PPL", "value": pooled.ppl, "bound": bound,
-                          "details": f"{pooled.n_tokens} tokens, {rows} rows, {cfg.t_draws} t draw(s)/sequence, "
-                                     f"seed {cfg.seed}, {'EMA' if cfg.use_ema else 'raw'} weights, {ds.source}"})
-            ppl_keys[ds.label] = ppl_key(ds, cfg)
-
-    # -- samples -----------------------------------------------------------------------------------------
-    samples: list[dict[str, Any]] = []
-    if "generate" in suite:
-        from pipelines.evaluation.metrics import unigram_entropy
-
-        sizes = [min(cfg.sample_batch_size, cfg.num_samples - s) for s in range(0, cfg.num_samples, cfg.sample_batch_size)]
-        jobs = [{"model": model, "batch_index": i, "n": n, "settings": settings} for i, n in enumerate(sizes)]
-        batches = executor.run(sample_job, jobs, f"sampling ({plan.sampler}, T={plan.steps})", unit="sample", large=large_model,
-                               total_units=cfg.num_samples, progress_kw="steps", step_total=plan.steps + 1)
-        ids = np.concatenate(batches, axis=0)
-        for i, row in enumerate(ids):
-            segs = sample_segments(row, plan.tokenizer)
-            samples.append({"index": i, "text": "\n\n".join(segs), "segments": segs, "ids": row.tolist(),
-                            "entropy": unigram_entropy(row)})
-        metrics["entropy"] = float(np.mean([s["entropy"] for s in samples]))
-        metrics["num_samples"] = float(len(samples))
-        table.append({"quantity": "unigram entropy (nats)", "value": metrics["entropy"], "bound": False,
-                      "details": f"mean over {len(samples)} samples of length {plan.length}; sampler {plan.sampler}, "
-                                 f"T={plan.steps}, p={cfg.nucleus_p}"})
-    if "gen_ppl" in suite:
-        r = executor.run(gen_ppl_job, [{"texts": [s["segments"] for s in samples], "settings": settings}],
-                         f"gen-PPL ({cfg.eval_lm})", large=is_hub_model(cfg.eval_lm))[0]
-        metrics.update({"gen_ppl": r["gen_ppl"], "gen_nll": r["nll_sum"] / max(r["n_tokens"], 1),
-                        "gen_tokens": float(r["n_tokens"]), "gen_truncated": float(r["n_truncated"])})
-        table.append({"quantity": "gen PPL", "value": r["gen_ppl"], "bound": False,
-                      "details": f"eval LM {cfg.eval_lm}; sampler {plan.sampler}, T={plan.steps}, p={cfg.nucleus_p}, "
-                                 f"{len(samples)} samples, entropy {metrics['entropy']:.3f}; {r['n_tokens']} tokens "
-                                 f"pooled, EOS targets excluded, truncated to {r['max_length']}, "
-                                 f"{GEN_PPL_DEFINITIONS[r['first_token']]}"})
-    if "mauve" in suite:
-        ref_ids, _ = read_subset(plan.reference_split, len(samples), 0, len(samples))  # spread over the split
-        refs = [sample_text(row, plan.tokenizer) for row in ref_ids]
-        r = executor.run(mauve_job, [{"sample_texts": [s["text"] for s in samples], "reference_texts": refs,
-                                      "settings": settings}], f"MAUVE ({cfg.mauve_featurizer})", large=is_hub_model(cfg.mauve_featurizer))[0]
-        metrics.update({"mauve": r["mauve"], "mauve_frontier_integral": r["frontier_integral"]})
-        table.append({"quantity": "MAUVE", "value": r["mauve"], "bound": False,
-                      "details": f"featurizer {r['featurizer']}; {r['n_samples']} samples vs {r['n_samples']} "
-                                 f"{name_of(plan.reference_split)} texts; {r['num_buckets']} buckets, "
-                                 f"c={cfg.mauve_scaling}"})
+    cfg = plan.cfg
+    state = RunState(plan=plan, executor=executor, settings=job_settings(plan),
+                     large_model=parameter_count(plan.model_cfg) >= cfg.gpu_min_params)
+    for name in plan.suite:
+        SUITES[name].run(state)
     settings_out = {**dataclasses.asdict(cfg), "sampler": plan.sampler, "sampler_kwargs": plan.sampler_kwargs,
                     "length": plan.length, "steps": plan.steps}
-    settings_out.update({"suite": list(suite), "model": plan.ref.uri, "checkpoint": plan.ref.local_dir, "kind": plan.model_cfg.kind,
-                         "executor": executor.name, "num_samples": cfg.num_samples,
+    settings_out.update({"suite": list(plan.suite), "model": plan.ref.uri, "checkpoint": plan.ref.local_dir,
+                         "kind": plan.model_cfg.kind, "executor": executor.name, "num_samples": cfg.num_samples,
                          "datasets": {d.label: {"split_dir": d.split_dir, "manifest_hash": d.manifest_hash}
-                                      for d in plan.datasets}})
-    return EvalResult(model=plan.ref.uri, suite=suite, metrics=metrics, table=table, settings=settings_out,
-                      version=plan.ref.version, samples=samples, ppl_keys=ppl_keys)
+                                      for d in plan.datasets}, **state.settings_out})
+    return EvalResult(model=plan.ref.uri, suite=plan.suite, metrics=state.metrics, table=state.table,
+                      settings=settings_out, version=plan.ref.version, samples=state.samples,
+                      ppl_keys=state.ppl_keys)
 
 
 def log_result(result: EvalResult, plan: Plan, *, stage: str | None = None, tag_version: bool = True) -> str:

@@ -29,7 +29,7 @@ import adlm_model
 from adlm_model.checkpoint import CheckpointError, load_checkpoint
 from adlm_model.kinds import count_parameters, model_kind
 from adlm_model.pretrained import load_pretrained, save_pretrained
-from pipelines.evaluation.plan import ModelRef
+from pipelines.registry import ModelRef
 
 
 class ExportError(ValueError):

@@ -3,7 +3,7 @@
 ``open_generator`` accepts what users have at hand:
 
 - ``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``: the version is downloaded once into the cache that
-  evaluation uses (``pipelines.evaluation.plan.resolve_model_ref``) and its checkpoint loaded;
+  evaluation uses (``pipelines.registry.resolve_model_ref``) and its checkpoint loaded;
 - a checkpoint folder written by training, a downloaded MLflow Model folder (holds ``MLmodel``), or a folder
   written by ``python -m pipelines.export``.
 
@@ -41,7 +41,7 @@ def checkpoint_folder(model: str, *, tracking_uri: str | None = None,
     from pipelines.registry import RegistryError, checkpoint_of
 
     if model.startswith("models:/"):
-        from pipelines.evaluation.plan import resolve_model_ref
+        from pipelines.registry import resolve_model_ref
         from pipelines.storage import cache_dir, is_uri
         from pipelines.tracking import resolve_tracking_uri
 

@@ -1,0 +1,425 @@
+"""The evaluation metrics as one table: every suite of ``--suite`` is one ``Suite`` entry of ``SUITES``.
+
+An entry says what the suite needs (the suites it implies, the checks it runs before any weights load), how it
+runs (on a ``RunState``: the plan, the executor, and the resources several suites share: the NELBO of the
+planned datasets, the samples), how it is reported and tagged (its headline figures, its version tags, the
+definitions printed next to its figures) and whether, and in which direction, it may gate promotion
+(``Gate``). The planner (``plan.py``), the runner (``run.py``), the report (``report.py``) and promotion
+(``promotion.py``) read this table and nothing else: adding a metric is one ``register_suite`` call plus its
+function. Every figure keeps its single definition in ``metrics.py`` (METHOD.md section 6).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pipelines.evaluation.config import PPL_METRIC_NAMES, EvalConfig, EvalError
+
+
+@dataclass(frozen=True)
+class Gate:
+    """A bound promotion puts on one figure: ``min`` (the figure must be at least the bound) or ``max`` (at
+    most). The bound is the ``PromotionConfig`` field named ``setting``, else ``PromotionConfig.bounds[setting]``
+    (``--set gate.NAME=VALUE``); no bound set: no gate. A figure that is NaN never passes."""
+
+    metric: str
+    direction: str
+    setting: str
+    label: str = ""
+
+    def reason(self, value: float, bound: float) -> str | None:
+        """Why ``value`` fails this gate, or None."""
+        ok = value >= bound if self.direction == "min" else value <= bound
+        if ok:
+            return None
+        side = "below" if self.direction == "min" else "above"
+        return f"gate: {self.label or self.metric} {value:.4f} {side} the bound {bound:g}"
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One evaluation suite (a row of the table)."""
+
+    name: str
+    description: str
+    """One line for ``--help``."""
+    run: Callable[[RunState], None]
+    """Adds its figures to ``state.metrics`` and its rows to ``state.table``."""
+    implies: tuple[str, ...] = ()
+    """Suites it needs (registered before it): ``gen_ppl`` implies ``generate``."""
+    check: Callable[[EvalConfig, str | None], None] | None = None
+    """Model-free checks of the settings (``cfg, tracking_uri``): run by the planner and by ``--stage-all``
+    before any version is touched."""
+    plan: Callable[[Any], None] | None = None
+    """Checks against the resolved model that fill the plan (``plan.Plan``: datasets, sampler, ...)."""
+    headline: tuple[str, ...] = ()
+    """Figures tagged on the registry version (``%.6g``) and shown in promotion's outcome."""
+    tags: Callable[[Any, EvalConfig], dict[str, str]] | None = None
+    """More version tags (``result, cfg``): the settings its figures were measured with."""
+    definitions: Callable[[EvalConfig], dict[str, str]] | None = None
+    """Figure -> its definition, where one number can mean several things (gen-PPL)."""
+    gates: tuple[Gate, ...] = ()
+    available: Callable[[EvalConfig], bool] | None = None
+    """Promotion's full stage skips the suite when this says False (``zero_shot`` without sets)."""
+    in_stage2: bool = True
+    """Part of promotion's default full stage (``PromotionConfig.stage2_suite``)."""
+
+
+SUITES: dict[str, Suite] = {}
+"""Every suite, in canonical (registration) order: the order they run and are reported in."""
+
+
+def register_suite(suite: Suite) -> Suite:
+    """Add ``suite`` to the table (a name registered again is replaced in place)."""
+    missing = [s for s in suite.implies if s not in SUITES]
+    if missing:
+        raise ValueError(f"suite {suite.name!r} implies unregistered suites {missing}: register them first")
+    SUITES[suite.name] = suite
+    return suite
+
+
+def parse_suite(suite: str | Sequence[str]) -> tuple[str, ...]:
+    """Suite names in canonical order, with the suites they imply."""
+    items = [s.strip() for s in (suite.split(",") if isinstance(suite, str) else suite) if s.strip()]
+    unknown = [s for s in items if s not in SUITES]
+    if unknown or not items:
+        raise EvalError(f"unknown suite {', '.join(unknown) or '(empty)'}: use a comma list of {', '.join(SUITES)}")
+    chosen: set[str] = set()
+    todo = list(items)
+    while todo:
+        s = todo.pop()
+        if s not in chosen:
+            chosen.add(s)
+            todo.extend(SUITES[s].implies)
+    return tuple(s for s in SUITES if s in chosen)
+
+
+def check_suites(suite: Sequence[str], cfg: EvalConfig, tracking_uri: str | None) -> None:
+    """Every model-free check of ``suite`` (one-line errors, nothing loaded)."""
+    for name in suite:
+        if SUITES[name].check is not None:
+            SUITES[name].check(cfg, tracking_uri)
+
+
+def default_stage2() -> tuple[str, ...]:
+    return tuple(s.name for s in SUITES.values() if s.in_stage2)
+
+
+def suites_help() -> str:
+    return "; ".join(f"{s.name}: {s.description}" for s in SUITES.values())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What a suite's run sees.
+
+
+@dataclass
+class RunState:
+    """One evaluation in progress: the plan, the executor, the figures so far, and the resources several
+    suites share, computed once on first use (``nelbo``, ``draw_samples``)."""
+
+    plan: Any
+    executor: Any
+    settings: Any
+    """``jobs.JobSettings`` (pickled into every task)."""
+    large_model: bool = False
+    """The model asks for a GPU per task (``EvalConfig.gpu_min_params``)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    table: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    ppl_keys: dict[str, str] = field(default_factory=dict)
+    settings_out: dict[str, Any] = field(default_factory=dict)
+    """Extra settings a suite records with the run (params, summary.json)."""
+    _nelbo: dict[str, tuple[Any, int]] | None = None
+    _sampled: bool = False
+
+    @property
+    def cfg(self) -> EvalConfig:
+        return self.plan.cfg
+
+    @property
+    def model(self) -> str:
+        """The pinned URI every task resolves on its node."""
+        return self.plan.ref.pinned
+
+    def row(self, quantity: str, value: float, details: str, *, bound: bool = False,
+            stderr: float | None = None) -> None:
+        self.table.append({"quantity": quantity, "value": value, "bound": bound, "details": details,
+                           **({"stderr": stderr} if stderr is not None else {})})
+
+    def nelbo(self) -> dict[str, tuple[Any, int]]:
+        """Dataset label -> (``metrics.PooledNLL``, rows) of every planned dataset, scored in one wave of jobs."""
+        if self._nelbo is not None:
+            return self._nelbo
+        from pipelines.evaluation.jobs import ppl_job
+        from pipelines.evaluation.metrics import PooledNLL
+
+        cfg = self.cfg
+        jobs, owners = [], []
+        for ds in self.plan.datasets:
+            n = min(cfg.max_rows, ds.rows) if cfg.max_rows else ds.rows
+            chunk = n if not cfg.rows_per_task else math.ceil(cfg.rows_per_task / cfg.batch_size) * cfg.batch_size
+            for start in range(0, n, max(chunk, 1)):
+                jobs.append({"model": self.model, "split_dir": ds.split_dir, "start": start,
+                             "stop": min(n, start + chunk), "settings": self.settings})
+                owners.append(ds.label)
+        results = []
+        if jobs:
+            total_rows = sum(j["stop"] - j["start"] for j in jobs)
+            results = self.executor.run(ppl_job, jobs, "NELBO scoring", unit="row", total_units=total_rows,
+                                        progress_kw="rows", large=self.large_model)
+        out: dict[str, tuple[Any, int]] = {}
+        for ds in self.plan.datasets:
+            pooled, rows = PooledNLL(), 0
+            for r, owner in zip(results, owners, strict=True):
+                if owner == ds.label:
+                    pooled.add(r["nll_sum"], r["n_tokens"])
+                    rows += r["rows"]
+            out[ds.label] = (pooled, rows)
+        self._nelbo = out
+        return out
+
+    def report_ppl(self, select: Callable[[str], bool]) -> None:
+        """Figures and rows of the planned datasets whose label ``select`` accepts."""
+        from adlm_model.kinds import model_kind
+        from pipelines.evaluation.datasets import ppl_key
+
+        cfg = self.cfg
+        bound = model_kind(self.plan.model_cfg.kind).diffusion  # diffusion figures are upper bounds (METHOD.md 1)
+        scored = self.nelbo()
+        for ds in self.plan.datasets:
+            if not select(ds.label):
+                continue
+            pooled, rows = scored[ds.label]
+            prefix = PPL_METRIC_NAMES.get(ds.label, ds.label.replace("zero_shot/", "zero_shot_"))
+            self.metrics.update({f"{prefix}_ppl": pooled.ppl, f"{prefix}_nll": pooled.nll,
+                                 f"{prefix}_tokens": float(pooled.n_tokens), f"{prefix}_rows": float(rows)})
+            self.row(f"{ds.label} PPL", pooled.ppl,
+                     f"{pooled.n_tokens} tokens, {rows} rows, {cfg.t_draws} t draw(s)/sequence, seed {cfg.seed}, "
+                     f"{'EMA' if cfg.use_ema else 'raw'} weights, {ds.source}", bound=bound)
+            self.ppl_keys[ds.label] = ppl_key(ds, cfg)
+
+    def draw_samples(self) -> list[dict[str, Any]]:
+        """``num_samples`` samples (ids, decoded text, documents, unigram entropy), drawn once."""
+        if self._sampled:
+            return self.samples
+        from pipelines.evaluation.jobs import sample_job, sample_segments
+        from pipelines.evaluation.metrics import unigram_entropy
+
+        cfg, plan = self.cfg, self.plan
+        sizes = [min(cfg.sample_batch_size, cfg.num_samples - s) for s in range(0, cfg.num_samples, cfg.sample_batch_size)]
+        jobs = [{"model": self.model, "batch_index": i, "n": n, "settings": self.settings} for i, n in enumerate(sizes)]
+        batches = self.executor.run(sample_job, jobs, f"sampling ({plan.sampler}, T={plan.steps})", unit="sample",
+                                    large=self.large_model, total_units=cfg.num_samples, progress_kw="steps",
+                                    step_total=plan.steps + 1)
+        ids = np.concatenate(batches, axis=0)
+        for i, row in enumerate(ids):
+            segs = sample_segments(row, plan.tokenizer)
+            self.samples.append({"index": i, "text": "\n\n".join(segs), "segments": segs, "ids": row.tolist(),
+                                 "entropy": unigram_entropy(row)})
+        self._sampled = True
+        return self.samples
+
+
+def gen_ppl_definition(cfg: EvalConfig) -> str:
+    """The definition printed next to every gen-PPL figure (METHOD.md section 6): the evaluation LM, the
+    pooling, the truncation and the first-token convention."""
+    from pipelines.evaluation.metrics import GEN_PPL_DEFINITIONS
+
+    return (f"token-pooled NLL under {cfg.eval_lm}, EOS targets excluded, truncated to {cfg.gen_ppl_max_length}, "
+            f"{GEN_PPL_DEFINITIONS[cfg.gen_ppl_first_token]}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The suites.
+
+
+def _is_zero_shot(label: str) -> bool:
+    return label.startswith("zero_shot/")
+
+
+def _plan_ppl(plan: Any) -> None:
+    from pipelines.evaluation.datasets import has_manifest
+    from pipelines.storage import join
+
+    data = plan.data_dir()
+    splits = list(plan.cfg.splits)
+    if splits == ["auto"]:
+        splits = [s for s in ("validation", "test") if has_manifest(join(data, s))]
+        if not splits:
+            raise EvalError(f"no validation or test split under {data}; pass --set data=DIR of prepared data")
+    for s in splits:
+        plan.add_dataset(s, join(data, s) if not has_manifest(s) else s)
+
+
+def _ppl_tags(result: Any, cfg: EvalConfig) -> dict[str, str]:
+    m, tags = result.metrics, {}
+    if "validation" in result.ppl_keys:
+        tags["eval.val_key"] = result.ppl_keys["validation"]
+    if "val_ppl" in m:
+        tags["val_ppl.settings"] = (f"NELBO bound, {int(m['val_tokens'])} tokens, t_draws={cfg.t_draws}, "
+                                    f"seed={cfg.seed}, batch={cfg.batch_size}, ema={cfg.use_ema}")
+    return tags
+
+
+def _plan_zero_shot(plan: Any) -> None:
+    from pipelines.evaluation.datasets import discover_zero_shot
+
+    if not plan.cfg.zero_shot:
+        raise EvalError("suite zero_shot needs the prepared zero-shot sets: --set zero_shot=NAME=DIR,... "
+                        "(python -m pipelines.prepare_data --source wikitext2 ... --out DIR)")
+    for name, split_dir in discover_zero_shot(plan.cfg.zero_shot, plan.workdir):
+        plan.add_dataset(f"zero_shot/{name}", split_dir)
+
+
+def _zero_shot_tags(result: Any, cfg: EvalConfig) -> dict[str, str]:
+    return {f"{row['quantity'].split(' ')[0].replace('/', '.')}_ppl": f"{row['value']:.6g}"
+            for row in result.table if row["quantity"].startswith("zero_shot/")}
+
+
+def _plan_generate(plan: Any) -> None:
+    from adlm_model.kinds import check_sampler_options
+    from adlm_model.samplers import SamplerError
+    from pipelines.evaluation.config import resolve_sampler, sampler_options
+    from pipelines.evaluation.eval_lm import checkpoint_tokenizer
+
+    cfg, model_cfg = plan.cfg, plan.model_cfg
+    plan.tokenizer = checkpoint_tokenizer(plan.ref.local_dir, plan.meta)
+    plan.sampler = resolve_sampler(cfg.sampler, model_cfg.kind)
+    try:
+        sampler = check_sampler_options(plan.sampler, cfg.sampler_kwargs)
+    except SamplerError as e:
+        raise EvalError(f"{e} (sampler=auto picks the model kind's default)") from e
+    plan.sampler_kwargs = sampler_options(plan.sampler, cfg.sampler_kwargs, plan.tokenizer)
+    plan.length = cfg.sample_length or model_cfg.seq_len
+    plan.steps = int(cfg.steps_by_kind.get(model_cfg.kind, cfg.steps))
+    if not sampler.any_length and plan.length > model_cfg.seq_len:
+        raise EvalError(f"sample_length {plan.length} exceeds the model's seq_len {model_cfg.seq_len}; only the "
+                        "bd3lm sampler generates beyond it")
+
+
+def _run_generate(state: RunState) -> None:
+    samples, plan = state.draw_samples(), state.plan
+    state.metrics["entropy"] = float(np.mean([s["entropy"] for s in samples]))
+    state.metrics["num_samples"] = float(len(samples))
+    state.row("unigram entropy (nats)", state.metrics["entropy"],
+              f"mean over {len(samples)} samples of length {plan.length}; sampler {plan.sampler}, T={plan.steps}, "
+              f"p={state.cfg.nucleus_p}")
+
+
+def _generate_tags(result: Any, cfg: EvalConfig) -> dict[str, str]:
+    import json
+
+    s = result.settings
+    return {"gen.settings": (f"sampler={s['sampler']} T={s['steps']} p={s['nucleus_p']} n={len(result.samples)} "
+                             f"length={s['length']} seed={s['seed']}"
+                             + (f" {json.dumps(s['sampler_kwargs'], sort_keys=True)}" if s["sampler_kwargs"] else ""))}
+
+
+def _check_gen_ppl(cfg: EvalConfig, tracking_uri: str | None) -> None:
+    from pipelines.evaluation.eval_lm import check_eval_lm
+
+    check_eval_lm(cfg.eval_lm, tracking_uri=tracking_uri)
+
+
+def _run_gen_ppl(state: RunState) -> None:
+    from pipelines.evaluation.eval_lm import is_hub_model
+    from pipelines.evaluation.jobs import gen_ppl_job
+    from pipelines.evaluation.metrics import GEN_PPL_DEFINITIONS
+
+    cfg, plan, samples = state.cfg, state.plan, state.draw_samples()
+    r = state.executor.run(gen_ppl_job, [{"texts": [s["segments"] for s in samples], "settings": state.settings}],
+                           f"gen-PPL ({cfg.eval_lm})", large=is_hub_model(cfg.eval_lm))[0]
+    state.metrics.update({"gen_ppl": r["gen_ppl"], "gen_nll": r["nll_sum"] / max(r["n_tokens"], 1),
+                          "gen_tokens": float(r["n_tokens"]), "gen_truncated": float(r["n_truncated"])})
+    entropy = float(np.mean([s["entropy"] for s in samples]))
+    state.row("gen PPL", r["gen_ppl"],
+              f"eval LM {cfg.eval_lm}; sampler {plan.sampler}, T={plan.steps}, p={cfg.nucleus_p}, {len(samples)} "
+              f"samples, entropy {entropy:.3f}; {r['n_tokens']} tokens pooled, EOS targets excluded, truncated to "
+              f"{r['max_length']}, {GEN_PPL_DEFINITIONS[r['first_token']]}")
+
+
+def _check_mauve(cfg: EvalConfig, tracking_uri: str | None) -> None:
+    from pipelines.evaluation.eval_lm import check_featurizer
+    from pipelines.evaluation.metrics import check_mauve_inputs
+
+    check_mauve_inputs(cfg.num_samples, cfg.num_samples, cfg.mauve_min_samples)
+    check_featurizer(cfg.mauve_featurizer)
+
+
+def _plan_mauve(plan: Any) -> None:
+    from pipelines.data.manifest import read_manifest
+    from pipelines.evaluation.datasets import has_manifest
+    from pipelines.evaluation.metrics import check_mauve_inputs
+    from pipelines.storage import join
+
+    data = plan.data_dir()
+    ref_dir = plan.cfg.mauve_reference_split
+    ref_dir = ref_dir if has_manifest(ref_dir) else join(data, ref_dir)
+    m = read_manifest(ref_dir)
+    m.check_fits(plan.model_cfg, plan.meta.get("tokenizer_hash"))
+    check_mauve_inputs(plan.cfg.num_samples, m.rows, plan.cfg.mauve_min_samples)
+    plan.reference_split = m.split_dir
+
+
+def _run_mauve(state: RunState) -> None:
+    from pipelines.data.reader import read_subset
+    from pipelines.evaluation.eval_lm import is_hub_model
+    from pipelines.evaluation.jobs import mauve_job, sample_text
+    from pipelines.storage import name_of
+
+    cfg, plan, samples = state.cfg, state.plan, state.draw_samples()
+    ref_ids, _ = read_subset(plan.reference_split, len(samples), 0, len(samples))  # spread over the split
+    refs = [sample_text(row, plan.tokenizer) for row in ref_ids]
+    r = state.executor.run(mauve_job, [{"sample_texts": [s["text"] for s in samples], "reference_texts": refs,
+                                        "settings": state.settings}], f"MAUVE ({cfg.mauve_featurizer})",
+                           large=is_hub_model(cfg.mauve_featurizer))[0]
+    state.metrics.update({"mauve": r["mauve"], "mauve_frontier_integral": r["frontier_integral"]})
+    state.row("MAUVE", r["mauve"], f"featurizer {r['featurizer']}; {r['n_samples']} samples vs {r['n_samples']} "
+              f"{name_of(plan.reference_split)} texts; {r['num_buckets']} buckets, c={cfg.mauve_scaling}")
+
+
+register_suite(Suite(
+    "ppl", "NELBO perplexity bound on prepared splits (AR: exact)",
+    lambda state: state.report_ppl(lambda label: not _is_zero_shot(label)),
+    plan=_plan_ppl, headline=("val_ppl", "test_ppl"), tags=_ppl_tags))
+register_suite(Suite(
+    "zero_shot", "the same bound on every prepared zero-shot set (zero_shot=)",
+    lambda state: state.report_ppl(_is_zero_shot), plan=_plan_zero_shot, tags=_zero_shot_tags,
+    available=lambda cfg: bool(cfg.zero_shot)))
+register_suite(Suite(
+    "generate", "num_samples samples with the sampler; mean unigram entropy", _run_generate, plan=_plan_generate,
+    headline=("entropy",), tags=_generate_tags,
+    gates=(Gate("entropy", "min", "entropy_min", "entropy"), Gate("entropy", "max", "entropy_max", "entropy"))))
+register_suite(Suite(
+    "gen_ppl", "generative perplexity of the samples under eval_lm", _run_gen_ppl, implies=("generate",),
+    check=_check_gen_ppl, headline=("gen_ppl",),
+    tags=lambda result, cfg: {"gen_ppl.eval_lm": cfg.eval_lm, "gen_ppl.definition": gen_ppl_definition(cfg)},
+    definitions=lambda cfg: {"gen_ppl": gen_ppl_definition(cfg)},
+    gates=(Gate("gen_ppl", "max", "gen_ppl_max", "gen-PPL"),)))
+register_suite(Suite(
+    "mauve", "MAUVE of the samples against as many validation texts", _run_mauve, implies=("generate",),
+    check=_check_mauve, plan=_plan_mauve, headline=("mauve",),
+    tags=lambda result, cfg: {"mauve.featurizer": cfg.mauve_featurizer},
+    gates=(Gate("mauve", "min", "mauve_min", "MAUVE"),)))
+
+
+def _lm_eval(fn: str) -> Callable[..., Any]:
+    """A function of ``lm_eval_suite``, imported when used (the harness is imported only by this suite)."""
+    def call(*args: Any) -> Any:
+        from pipelines.evaluation import lm_eval_suite
+
+        return getattr(lm_eval_suite, fn)(*args)
+
+    return call
+
+
+register_suite(Suite(
+    "lm-eval", "EleutherAI lm-evaluation-harness tasks through the adlm adapter (--tasks; offline tasks by default)",
+    _lm_eval("run_lm_eval"), check=_lm_eval("check_lm_eval"), tags=_lm_eval("lm_eval_tags"),
+    gates=(Gate("lm_eval.acc_mean", "min", "lm_eval_acc_min", "lm-eval mean accuracy"),), in_stage2=False))
