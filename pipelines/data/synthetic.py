@@ -186,14 +186,21 @@ def _write_split(tb: Any, split: str, n_rows: int, split_dir: str, info: Tokeniz
         write_bytes_atomic(join(split_dir, name), data)
         shards.append(ShardInfo(name, int(len(ids)), hashlib.sha256(data).hexdigest(), len(data)))
         log(cfg, f"{split}: shard {k} ({start + len(ids):,}/{n_rows:,} rows)")
-    from pipelines.data.prepare import _project_version, _versions
+    import sys
+
+    import pyarrow
+    import torch
+
+    from adlm_model import __version__
 
     m = Manifest(
         source=SOURCE, split=split, tokenizer=info.to_dict(), vocab_size=info.vocab_size, mask_id=info.mask_id,
         bos_id=info.bos_id, eos_id=info.eos_id, pad_id=info.pad_id, length=tb.length, mode="wrap", rows=n_rows,
         tokens=n_rows * tb.length, shards=shards, documents=n_rows, documents_used=n_rows,
-        token_frequency={str(i): int(c) for i, c in enumerate(counts) if c}, project_version=_project_version(),
-        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), versions=_versions(),
+        token_frequency={str(i): int(c) for i, c in enumerate(counts) if c}, project_version=__version__,
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        versions={"torch": torch.__version__, "numpy": np.__version__, "pyarrow": pyarrow.__version__,
+                  "python": sys.version.split()[0]},
         options={**options, "fingerprint": fingerprint, "row_seeds": f"derive_seed({seed}, {SPLITS[split]}, shard)"},
         truth=truth)
     m.write(split_dir)
