@@ -323,11 +323,14 @@ class Testbed:
         z = self._check(z)
         return self._forward(z, z == mask_id)[0]
 
-    def conditionals(self, z: torch.Tensor, mask_id: int = MASK_ID, width: int | None = None) -> torch.Tensor:
+    def conditionals(self, z: torch.Tensor, mask_id: int = MASK_ID, width: int | None = None,
+                     strict: bool = False) -> torch.Tensor:
         """Exact ``log p(x^l | visible tokens of z)`` at every position, (B, L, width) float64 (``width`` defaults
         to ``vocab_size``; the mask column is -inf). At visible positions a one-hot (log 1 = 0 on the token).
 
-        Raises TestbedError when the visible tokens of a row have probability 0 (no conditional exists)."""
+        A row whose visible tokens have probability 0 has no conditional (a sampler that unmasks positions in
+        parallel can draw, e.g., anchors of two classes): its masked positions get the position marginals
+        ``p(x^l)`` instead, or, with ``strict``, TestbedError is raised."""
         z = self._check(z)
         width = width or self.vocab_size
         if width < self.vocab_size:
@@ -336,8 +339,12 @@ class Testbed:
             return torch.cat([self.conditionals(z[i:i + CHUNK], mask_id, width) for i in range(0, z.shape[0], CHUNK)])
         masked = z == mask_id
         logz, alphas, (fc, fa, frame) = self._forward(z, masked, keep=True)
-        if torch.isneginf(logz).any():
-            raise TestbedError("the visible tokens of a row have probability 0 under the testbed: no conditional")
+        bad = torch.isneginf(logz)
+        if bad.any():
+            if strict:
+                raise TestbedError("the visible tokens of a row have probability 0 under the testbed: no conditional")
+            z_msg = torch.where(bad[:, None], torch.full_like(z, mask_id), z)  # those rows: nothing visible
+            logz, alphas, (fc, fa, frame) = self._forward(z_msg, z_msg == mask_id, keep=True)
         B, n = fc.shape[0], fc.shape[1]
         rho = self.rho.view(1, 1, -1, 1)
         # Backward messages beta_t(c, k, h) = p(visible after t | state at t), scaled per row.
