@@ -37,6 +37,8 @@ import torch.nn as nn
 PAD_ID, BOS_ID, EOS_ID, MASK_ID = 0, 1, 2, 3
 N_SPECIALS = 4
 SPECIAL_NAMES = ("<pad>", "<bos>", "<eos>", "<mask>")
+CHUNK = 256
+"""Rows per forward-backward pass of ``conditionals`` (its messages are rows x L x states)."""
 
 
 class TestbedError(ValueError):
@@ -75,7 +77,7 @@ class TestbedConfig:
     """Dirichlet concentration of each state's emission over the content symbols."""
     smoothing: float = 1e-3
     """Mass mixed uniformly into every distribution, so every row of the right shape has positive probability."""
-    entropy_rows: int = 20000
+    entropy_rows: int = 30000
     """Generated rows whose exact log-probabilities estimate the entropy (standard error well below 0.1%)."""
 
     def validate(self) -> TestbedConfig:
@@ -321,19 +323,28 @@ class Testbed:
         z = self._check(z)
         return self._forward(z, z == mask_id)[0]
 
-    def conditionals(self, z: torch.Tensor, mask_id: int = MASK_ID, width: int | None = None) -> torch.Tensor:
+    def conditionals(self, z: torch.Tensor, mask_id: int = MASK_ID, width: int | None = None,
+                     strict: bool = False) -> torch.Tensor:
         """Exact ``log p(x^l | visible tokens of z)`` at every position, (B, L, width) float64 (``width`` defaults
         to ``vocab_size``; the mask column is -inf). At visible positions a one-hot (log 1 = 0 on the token).
 
-        Raises TestbedError when the visible tokens of a row have probability 0 (no conditional exists)."""
+        A row whose visible tokens have probability 0 has no conditional (a sampler that unmasks positions in
+        parallel can draw, e.g., anchors of two classes): its masked positions get the position marginals
+        ``p(x^l)`` instead, or, with ``strict``, TestbedError is raised."""
         z = self._check(z)
         width = width or self.vocab_size
         if width < self.vocab_size:
             raise TestbedError(f"width {width} is below the testbed's vocab_size {self.vocab_size}")
+        if z.shape[0] > CHUNK:  # forward-backward keeps every position's messages: bound the memory
+            return torch.cat([self.conditionals(z[i:i + CHUNK], mask_id, width) for i in range(0, z.shape[0], CHUNK)])
         masked = z == mask_id
         logz, alphas, (fc, fa, frame) = self._forward(z, masked, keep=True)
-        if torch.isneginf(logz).any():
-            raise TestbedError("the visible tokens of a row have probability 0 under the testbed: no conditional")
+        bad = torch.isneginf(logz)
+        if bad.any():
+            if strict:
+                raise TestbedError("the visible tokens of a row have probability 0 under the testbed: no conditional")
+            z_msg = torch.where(bad[:, None], torch.full_like(z, mask_id), z)  # those rows: nothing visible
+            logz, alphas, (fc, fa, frame) = self._forward(z_msg, z_msg == mask_id, keep=True)
         B, n = fc.shape[0], fc.shape[1]
         rho = self.rho.view(1, 1, -1, 1)
         # Backward messages beta_t(c, k, h) = p(visible after t | state at t), scaled per row.
@@ -422,9 +433,10 @@ class Testbed:
                 "anchors_per_row": _mean_se(anc.sum(1).double())}
 
     def summary(self) -> dict[str, Any]:
-        """What a manifest records: the config, the exact entropy, the floors and the anchors' value."""
+        """What a manifest records: the config, the exact entropy, the floors and the anchors' value (over
+        ``entropy_rows / 15`` rows, at most 2,000: the forward-backward passes cost more than the forward)."""
         e, e1 = self.entropy_per_token(), self.entropy_per_token(skip_first=True)
-        av = self.anchor_value()
+        av = self.anchor_value(n=max(50, min(2000, self.config.entropy_rows // 15)))
         return {
             "config": self.to_dict(), "vocab_size": self.vocab_size, "length": self.length,
             "entropy_per_row": self.entropy_per_row().mean, "entropy_per_row_se": self.entropy_per_row().se,

@@ -167,3 +167,18 @@ def test_oracle_denoiser_nelbo_is_the_exact_nll():
     exact = -float(tb.log_prob(x[:1]))
     se = float(means.std()) / math.sqrt(len(means))
     assert abs(float(means.mean()) - exact) < 4 * se + 0.01 * exact, (float(means.mean()), exact, se)
+
+
+def test_impossible_visible_tokens_fall_back_to_the_position_marginals():
+    """A parallel sampler can unmask anchors of two classes at once: no conditional exists, the oracle gives the
+    position marginals at the masked positions (strict: an error) and keeps the visible tokens."""
+    tb = Testbed(TestbedConfig(length=8, seed=1))
+    z = torch.full((1, 8), MASK_ID)
+    z[0, 2], z[0, 5] = tb.anchor_lo, tb.anchor_lo + tb.config.anchors_per_class  # classes 0 and 1
+    assert torch.isneginf(tb.log_marginal(z)).all()
+    with pytest.raises(TestbedError, match="probability 0"):
+        tb.conditionals(z, strict=True)
+    got = tb.conditionals(z)
+    masked = torch.tensor([0, 1, 3, 4, 6, 7])
+    torch.testing.assert_close(got[0, masked].exp(), tb.position_marginals[masked], rtol=0, atol=1e-12)
+    assert got[0, 2, tb.anchor_lo] == 0 and got[0, 5, tb.anchor_lo + tb.config.anchors_per_class] == 0

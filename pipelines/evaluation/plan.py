@@ -87,4 +87,10 @@ def plan_evaluation(model: str, suite: str | Sequence[str], cfg: EvalConfig, *, 
     for name in suite:
         if SUITES[name].plan is not None:
             SUITES[name].plan(plan)
+    joined = [n for n, s in SUITES.items() if n not in suite and s.auto is not None and s.auto(plan)]
+    if joined:  # e.g. the figures against the truth, on testbed data
+        plan.suite = tuple(n for n in SUITES if n in suite or n in joined)
+        for name in joined:
+            if SUITES[name].plan is not None:
+                SUITES[name].plan(plan)
     return plan

@@ -68,6 +68,8 @@ class Suite:
     """Promotion's full stage skips the suite when this says False (``zero_shot`` without sets)."""
     in_stage2: bool = True
     """Part of promotion's default full stage (``PromotionConfig.stage2_suite``)."""
+    auto: Callable[[Any], bool] | None = None
+    """Joins the chosen suites on its own when this says True of the plan (``truth``: on testbed data)."""
 
 
 SUITES: dict[str, Suite] = {}
@@ -407,6 +409,50 @@ register_suite(Suite(
     check=_check_mauve, plan=_plan_mauve, headline=("mauve",),
     tags=lambda result, cfg: {"mauve.featurizer": cfg.mauve_featurizer},
     gates=(Gate("mauve", "min", "mauve_min", "MAUVE"),)))
+
+
+def _plan_truth(plan: Any) -> None:
+    from pipelines.evaluation.truth import plan_truth
+
+    if plan_truth(plan) is None:
+        raise EvalError("suite truth needs testbed data (python -m pipelines.prepare_data --source testbed): "
+                        f"no split of {plan.data_dir()} carries the language in its manifest")
+
+
+def _auto_truth(plan: Any) -> bool:
+    """On testbed data, the figures against the truth come beside the bound and the samples."""
+    from pipelines.evaluation.truth import plan_truth
+
+    return any(s in plan.suite for s in ("ppl", "zero_shot", "generate")) and plan_truth(plan) is not None
+
+
+def _run_truth(state: RunState) -> None:
+    """The bound's excess over the exact entropy for every testbed split scored, and the samples under the
+    language's exact likelihood (``evaluation/truth.py``)."""
+    from pipelines.evaluation.truth import bound_rows, plan_truth, sample_rows, skips_first, truth_of
+
+    plan = state.plan
+    if any(s in plan.suite for s in ("ppl", "zero_shot")):
+        scored = state.nelbo()
+        for ds in plan.datasets:
+            truth = truth_of(ds.split_dir)
+            if truth is None:
+                continue
+            prefix = PPL_METRIC_NAMES.get(ds.label, ds.label.replace("zero_shot/", "zero_shot_"))
+            m, rows = bound_rows(prefix, ds.label, scored[ds.label][0].nll, truth, skips_first(plan.model_cfg))
+            state.metrics.update(m)
+            state.table.extend(rows)
+    truth = plan_truth(plan)
+    if "generate" in plan.suite and truth is not None and plan.length == truth["length"]:
+        ids = np.asarray([s["ids"] for s in state.draw_samples()])
+        m, rows = sample_rows(ids, truth)
+        state.metrics.update(m)
+        state.table.extend(rows)
+
+
+register_suite(Suite(
+    "truth", "on testbed data: the bound's excess over the exact entropy, the samples' true NLL (joins on its own)",
+    _run_truth, plan=_plan_truth, headline=("val_excess_nats", "true_nll"), auto=_auto_truth))
 
 
 def _lm_eval(fn: str) -> Callable[..., Any]:
