@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(json.dumps({"run_id": res.run_id, "step": res.step, "val_ppl": res.val_ppl,
                       "checkpoint_dir": str(res.checkpoint_dir), "registered_version": res.registered_version}))
+    if res.unregistered:  # trained, not registered: not a success a script may take for one
+        print(f"error: {res.unregistered}", file=sys.stderr)
+        return 3
     return 0
 
 
