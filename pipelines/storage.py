@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -304,6 +305,11 @@ def check_location(uri: str) -> None:
     try:
         info = fs.get_file_info(bucket)
     except Exception as e:  # noqa: BLE001 - endpoint down, credentials refused, ...
+        if re.search(r"ACCESS_DENIED|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|\b403\b", str(e)):
+            raise StorageError(f"{uri}: the {scheme} store refused this node's credentials ({_first_line(e)}); set "
+                               "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to credentials allowed on "
+                               "the bucket, or grant the node's instance role the bucket prefix "
+                               "(deploy/iam/worker.json)") from None
         raise StorageError(f"{uri}: the {scheme} store does not answer ({_first_line(e)}); check the endpoint "
                            "(AWS_ENDPOINT_URL), the network and the credentials (AWS_ACCESS_KEY_ID / "
                            "AWS_SECRET_ACCESS_KEY, or the node's instance role)") from None

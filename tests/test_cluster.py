@@ -204,6 +204,7 @@ def test_a_worker_node_lost_mid_training_resumes_from_the_bucket(tmp_path: Path,
     ("unreachable", "does not answer"),
     ("no-bucket", "bucket 'nowhere' does not exist"),
     ("no-credentials", "no AWS credentials"),
+    ("refused-credentials", "refused this node's credentials"),
     ("scheme", "no filesystem serves the scheme 'ftp'"),
 ])
 def test_bad_storage_fails_in_one_line_before_any_work(case: str, message: str, tmp_path: Path) -> None:
@@ -218,6 +219,10 @@ def test_bad_storage_fails_in_one_line_before_any_work(case: str, message: str, 
             env.pop("AWS_ACCESS_KEY_ID")
             env.pop("AWS_SECRET_ACCESS_KEY")
             env["AWS_SHARED_CREDENTIALS_FILE"] = env["AWS_CONFIG_FILE"] = str(tmp_path / "none")
+        elif case == "refused-credentials":  # moto checks keys from now on: "testing" is no known key
+            import requests
+
+            requests.post(f"{s3.endpoint}/moto-api/reset-auth", data=b"0", timeout=10).raise_for_status()
         elif case == "scheme":
             workdir = "ftp://host/run"
         env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
