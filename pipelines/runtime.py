@@ -19,6 +19,22 @@ FORWARDED_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"
 nodes take those from their own environment or instance role (a job's runtime env shows in the dashboard)."""
 
 
+DRIVER_RESOURCE = "adlm_driver"
+"""A custom resource only never-preempted nodes offer (cluster.yaml: the on-demand head; the KubeRay head). Tune
+trial drivers ask for a sliver of it, so they, and the Ray Train controller that attaches to its driver's node,
+are never on a spot node that preemption takes."""
+
+
+def driver_resources(cpu: float) -> dict[str, float]:
+    """What a long-lived driver (a Tune trial's driver function) asks for: a sliver of ``DRIVER_RESOURCE`` and no
+    CPU where the cluster offers that resource, else ``cpu`` CPUs (a local Ray, a cluster without the label)."""
+    import ray
+
+    if ray.is_initialized() and ray.cluster_resources().get(DRIVER_RESOURCE):
+        return {"CPU": 0, DRIVER_RESOURCE: 0.01}
+    return {"CPU": cpu}
+
+
 class RayAuthError(ValueError):
     """This driver cannot join the Ray cluster at ``$RAY_ADDRESS``: its token is missing or refused."""
 
