@@ -261,3 +261,88 @@ def test_mlflow_folder_does_not_shadow_the_package() -> None:
     import mlflow
 
     assert Path(mlflow.__file__).resolve().parent != folder.resolve()
+
+
+# ---- Kubernetes: deploy/k8s (KubeRay) -------------------------------------------------------------------------
+
+K8S = ROOT / "deploy" / "k8s"
+
+
+def _quantity(q: str | int | float) -> float:
+    """A Kubernetes CPU/GPU quantity ("8", "500m", 2) as a number."""
+    q = str(q)
+    return float(q[:-1]) / 1000 if q.endswith("m") else float(q)
+
+
+def _kuberay() -> tuple[dict, dict]:
+    cluster = yaml.safe_load((K8S / "raycluster.yaml").read_text())
+    job = yaml.safe_load((K8S / "rayjob.yaml").read_text())
+    assert (cluster["kind"], job["kind"]) == ("RayCluster", "RayJob")
+    return cluster, job
+
+
+def _pods(cluster: dict, job: dict) -> list[dict]:
+    spec = cluster["spec"]
+    return [spec["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in spec["workerGroupSpecs"]),
+            job["spec"]["submitterPodTemplate"]["spec"]]
+
+
+def test_kuberay_cluster_has_a_0_cpu_head_and_autoscaling_gpu_and_cpu_groups() -> None:
+    import ray
+
+    from pipelines.runtime import DRIVER_RESOURCE
+
+    cluster, job = _kuberay()
+    spec = cluster["spec"]
+    assert spec["rayVersion"] == ray.__version__ and spec["enableInTreeAutoscaling"] is True
+    head = spec["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    assert json.loads(json.loads(head["rayStartParams"]["resources"]))[DRIVER_RESOURCE] >= 100
+    assert head["serviceType"] == "ClusterIP"  # the job API stays inside the cluster (kubectl port-forward)
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    gpu = [g for g in groups.values() if "nvidia.com/gpu" in g["template"]["spec"]["containers"][0]["resources"]["limits"]]
+    assert len(gpu) == 1 and len(groups) == 2
+    for g in groups.values():
+        assert g["minReplicas"] == 0 < g["maxReplicas"] and g["replicas"] == 0, g["groupName"]
+        assert DRIVER_RESOURCE not in json.dumps(g["rayStartParams"])
+    assert job["spec"]["clusterSelector"] == {"ray.io/cluster": cluster["metadata"]["name"]}
+    assert job["spec"]["entrypoint"].startswith("python -m pipelines.")
+
+
+@pytest.mark.parametrize("recipe", _recipes(), ids=lambda p: p.name)
+def test_every_recipe_fits_a_kuberay_worker_group(recipe: Path) -> None:
+    from pipelines.training.config import load_config
+
+    cfg = load_config(recipe)
+    s = cfg.scaling
+    workers = max(1, s.num_workers)
+    need_cpu = workers * s.cpus_per_worker + cfg.data.read_cpus
+    need_gpu = workers if s.use_gpu else 0
+    cluster, _ = _kuberay()
+    fits = []
+    for g in cluster["spec"]["workerGroupSpecs"]:
+        limits = g["template"]["spec"]["containers"][0]["resources"]["limits"]
+        if _quantity(limits["cpu"]) >= need_cpu and _quantity(limits.get("nvidia.com/gpu", 0)) >= need_gpu:
+            fits.append(g["groupName"])
+    assert fits, f"{recipe.name}: {need_cpu} CPUs and {need_gpu} GPUs fit no worker group"
+
+
+def test_kuberay_manifests_use_token_auth_and_workload_identity_and_hold_no_secret() -> None:
+    cluster, job = _kuberay()
+    account = yaml.safe_load((K8S / "serviceaccount.yaml").read_text())
+    assert account["kind"] == "ServiceAccount" and account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
+    secret_like = re.compile(r"TOKEN(?!IZERS)|SECRET|PASSWORD|ACCESS_KEY|CREDENTIAL", re.I)
+    for pod in _pods(cluster, job):
+        assert pod["serviceAccountName"] == account["metadata"]["name"]  # storage through IRSA, not keys
+        for c in pod["containers"]:
+            env = {e["name"]: e for e in c["env"]}
+            assert env["RAY_AUTH_MODE"]["value"] == "token"
+            assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "adlm-ray-token"
+            for name, e in env.items():
+                if secret_like.search(name):
+                    assert "value" not in e, f"{name} in plain text"
+            for m in c.get("volumeMounts", []):
+                if m["name"] == "mlflow-credentials":
+                    assert m["readOnly"] is True and m["mountPath"] == "/home/ray/.mlflow"
+    text = "".join(p.read_text() for p in K8S.glob("*.yaml"))
+    assert "kind: Secret\n" not in text and not re.search(r"AWS_(ACCESS_KEY_ID|SECRET_ACCESS_KEY)", text)

@@ -27,7 +27,6 @@ from pipelines.faults import fault
 from pipelines.runtime import init_ray, quiet_environment
 from pipelines.storage import (
     check_location,
-    is_file,
     is_uri,
     join,
     publish_dir,
@@ -49,7 +48,7 @@ from pipelines.tracking import (
     send_spool,
     tracking_reachable,
 )
-from pipelines.training.checkpoints import BEST, fetch_export, latest_checkpoint
+from pipelines.training.checkpoints import best_checkpoint, fetch_export, latest_checkpoint
 from pipelines.training.config import TrainConfig, flatten
 from pipelines.training.data import DataPlan, plan_data
 from pipelines.training.loop import train_loop_per_worker
@@ -253,7 +252,8 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         threads=cfg.scaling.threads or (max(1, int(cfg.scaling.cpus_per_worker + 0.5)) if not local_mode
                                         else max(1, os.cpu_count() or 1)),
         local_mode=local_mode, run_dir=run_dir, resume_dir=prev[1] if prev else None,
-        crash_at_step=crash_at, crash_marker=join(run_dir, ".crashed_once") if crash_at is not None else None)
+        crash_at_step=crash_at, crash_marker=join(run_dir, ".crashed_once") if crash_at is not None else None,
+        crash_writing_best=fault("train.crash_writing_best"))
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -281,12 +281,12 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         raise TrainError(f"training run {cfg.run.name!r} finished without a checkpoint in {run_dir}")
     # What the run exports and registers: its best checkpoint by validation bound (METHOD.md section 7); the
     # latest one stays in the run folder for resuming.
-    best = join(run_dir, BEST)
-    chosen = best if is_file(join(best, "config.json")) else final[1]
+    best = best_checkpoint(run_dir)  # complete or None: a best cut short mid-upload is never named
+    chosen = best or final[1]
     local_export = fetch_export(chosen, temp_dir("adlm-export-") / cfg.run.name)
     chosen_meta = json.loads((local_export / "config.json").read_text()).get("meta", {})
     best_step, best_val = int(chosen_meta.get("step", final[0])), chosen_meta.get("val_ppl")
-    which = "best" if chosen == best else "latest"
+    which = "best" if best else "latest"
     val_ppl = metrics.get("val_ppl", best_val if chosen == final[1] else None)
 
     version = None

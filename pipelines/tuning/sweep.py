@@ -48,7 +48,6 @@ from pipelines.training.config import TrainConfig, apply_override, load_raw
 from pipelines.tuning.report import TrialRow, plot_search, table_markdown
 from pipelines.tuning.space import METRIC, TIME_ATTR, SearchSpace, parse_space
 
-
 TRIAL_RETRIES = 3
 """How often Tune restarts a trial whose driver failed (a lost node) before the sweep reports it errored."""
 
