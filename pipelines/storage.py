@@ -1,6 +1,7 @@
 """The storage layer: every file the pipeline reads or writes under its work directory goes through here.
 
-A location is a local path or a URI (``file://``, ``s3://``, ``gs://``); pyarrow's filesystems serve them
+A location is a local path or a URI (``file://``, ``s3://``; tested against a real S3 server; ``gs://`` is
+served by pyarrow's GCS filesystem too but is untested and has no recipe); pyarrow's filesystems serve them
 (``get_fs``), so the same code writes shards, manifests, checkpoints, sweep tables and summaries to a laptop
 folder or to an object store that every node of a cluster shares.
 
