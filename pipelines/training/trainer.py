@@ -291,10 +291,10 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
 
     version = None
     do_register = cfg.mlflow.register if register is None else register
-    if run_id is None:  # tracking was down at start: try again now that training is done
-        run_id = open_run(cfg, plan, uri, wd, None, parent_run_id, extra_tags)
     unregistered = None
     try:
+        if run_id is None:  # tracking was down at start: try again now that training is done
+            run_id = open_run(cfg, plan, uri, wd, None, parent_run_id, extra_tags)
         reachable = run_id is not None and tracking_reachable(uri)
     except TrackingAuthError as e:  # credentials revoked while training: the checkpoint is safe, say what to set
         reachable, unregistered = False, str(e)
