@@ -144,6 +144,7 @@ def test_a_cache_entry_is_built_once_per_cluster_through_the_work_directorys_sto
     assert shared_cache_entry(tmp_path / "c" / "x", build, complete) == tmp_path / "c" / "x" and len(built) == 2
 
 
+@pytest.mark.slow
 def test_a_best_checkpoint_cut_short_mid_upload_is_never_registered(tiny_data, tmp_path, monkeypatch,
                                                                      ray_session) -> None:
     """The training worker dies after the first file of a new best checkpoint is uploaded (the fault
