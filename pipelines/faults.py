@@ -5,6 +5,8 @@
 - ``train.crash_at_step=N``: the last training worker kills its own process (``os._exit``) at optimiser
   step N, once per run (a marker file in the run folder remembers it), to test Ray Train's restart and
   resume from the latest checkpoint.
+- ``train.crash_writing_best=N``: rank 0 kills its own process (``os._exit``) after the first file of the
+  best checkpoint of step N is uploaded, once per run, to test that a best cut short is never registered.
 - ``prepare.fail_after_shards=N``: data preparation raises after committing N shards in this process, to
   test that a rerun resumes byte-identically.
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import os
 
 ENV = "ADLM_FAULT"
-KNOWN = ("train.crash_at_step", "prepare.fail_after_shards")
+KNOWN = ("train.crash_at_step", "prepare.fail_after_shards", "train.crash_writing_best")
 
 
 def faults() -> dict[str, str]:

@@ -1,7 +1,9 @@
 """The process environment every stage shares: offline/quiet defaults and the one way to start Ray.
 
 - ``quiet_environment``: no telemetry, no usage statistics.
-- ``init_ray``: connect to ``$RAY_ADDRESS`` (a cluster, ``ray job submit``) or start a local Ray.
+- ``init_ray``: connect to ``$RAY_ADDRESS`` (a cluster, ``ray job submit``) or start a local Ray. A cluster
+  that refuses this driver (no token, a wrong one, token mode off on this side) fails in one line naming what
+  to set (``RayAuthError``), before any work.
 """
 
 from __future__ import annotations
@@ -15,6 +17,49 @@ FORWARDED_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"
                  "HF_HOME", "HF_DATASETS_CACHE", "ADLM_WORKDIR", "ADLM_CACHE", "MLFLOW_DISABLE_TELEMETRY")
 """Settings a driver passes to a cluster's workers (which do not inherit its shell). Never a credential:
 nodes take those from their own environment or instance role (a job's runtime env shows in the dashboard)."""
+
+
+DRIVER_RESOURCE = "adlm_driver"
+"""A custom resource only never-preempted nodes offer (cluster.yaml: the on-demand head; the KubeRay head). Tune
+trial drivers ask for a sliver of it, so they, and the Ray Train controller that attaches to its driver's node,
+are never on a spot node that preemption takes."""
+
+
+def driver_resources(cpu: float) -> dict[str, float]:
+    """What a long-lived driver (a Tune trial's driver function) asks for: a sliver of ``DRIVER_RESOURCE`` and no
+    CPU where the cluster offers that resource, else ``cpu`` CPUs (a local Ray, a cluster without the label)."""
+    import ray
+
+    if ray.is_initialized() and ray.cluster_resources().get(DRIVER_RESOURCE):
+        return {"CPU": 0, DRIVER_RESOURCE: 0.01}
+    return {"CPU": cpu}
+
+
+class RayAuthError(ValueError):
+    """This driver cannot join the Ray cluster at ``$RAY_ADDRESS``: its token is missing or refused."""
+
+
+TOKEN_HINT = ("export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<the cluster's token> (or RAY_AUTH_TOKEN_PATH=<file>; "
+              "on the cluster: the Secrets Manager secret adlm/ray-auth-token)")
+
+
+def _connect(address: str, env: dict | None) -> None:
+    """``ray.init`` on a running cluster, its refusals turned into one line. A token the GCS refuses (or a driver
+    whose RAY_AUTH_MODE is not ``token``) reads as a connection failure to Ray: the line names both causes."""
+    import ray
+    from ray.exceptions import AuthenticationError
+
+    mode = os.environ.get("RAY_AUTH_MODE", "disabled")
+    try:
+        ray.init(address=address, log_to_driver=True, configure_logging=False, runtime_env=env)
+    except AuthenticationError as e:
+        raise RayAuthError(f"the Ray cluster at {address} needs this driver's token "
+                           f"({str(e.message).strip().splitlines()[0][:120]}): {TOKEN_HINT}") from None
+    except ConnectionError as e:
+        why = "" if mode == "token" else f" (RAY_AUTH_MODE is {mode!r} here: a token-authenticated cluster refuses it)"
+        raise RayAuthError(f"could not join the Ray cluster at {address}: {str(e).strip().splitlines()[0][:120]}; "
+                           f"the address is wrong, the cluster is down, or it refused this driver{why}: check "
+                           f"RAY_ADDRESS and {TOKEN_HINT}") from None
 
 
 def quiet_environment() -> None:
@@ -65,7 +110,7 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, dashboa
         # refuses a driver env var that repeats one of the job's).
         in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
         env = None if in_job else {"env_vars": forwarded_env()}
-        ray.init(address=address, log_to_driver=True, configure_logging=False, runtime_env=env)
+        _connect(address, env)
         return True
     # A Ray of this process alone, on loopback: no auth token written under $HOME (unless asked for one).
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -1,6 +1,7 @@
 """The storage layer: every file the pipeline reads or writes under its work directory goes through here.
 
-A location is a local path or a URI (``file://``, ``s3://``, ``gs://``); pyarrow's filesystems serve them
+A location is a local path or a URI (``file://``, ``s3://``; tested against a real S3 server; ``gs://`` is
+served by pyarrow's GCS filesystem too but is untested and has no recipe); pyarrow's filesystems serve them
 (``get_fs``), so the same code writes shards, manifests, checkpoints, sweep tables and summaries to a laptop
 folder or to an object store that every node of a cluster shares.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -304,6 +306,11 @@ def check_location(uri: str) -> None:
     try:
         info = fs.get_file_info(bucket)
     except Exception as e:  # noqa: BLE001 - endpoint down, credentials refused, ...
+        if re.search(r"ACCESS_DENIED|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|\b403\b", str(e)):
+            raise StorageError(f"{uri}: the {scheme} store refused this node's credentials ({_first_line(e)}); set "
+                               "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to credentials allowed on "
+                               "the bucket, or grant the node's instance role the bucket prefix "
+                               "(deploy/iam/worker.json)") from None
         raise StorageError(f"{uri}: the {scheme} store does not answer ({_first_line(e)}); check the endpoint "
                            "(AWS_ENDPOINT_URL), the network and the credentials (AWS_ACCESS_KEY_ID / "
                            "AWS_SECRET_ACCESS_KEY, or the node's instance role)") from None

@@ -9,7 +9,9 @@
 - ``ResilientLogger``: rank 0's metric logger, asynchronous: a tracking outage of any length costs the
   training loop nothing; what cannot be sent by the end of the run waits in the run's spool for the next
   command (``send_spool``). Steps already stored are not sent twice (a restart from a checkpoint).
-- ``tracking_reachable``: a quick probe of a tracking server before the first (retrying) MLflow call.
+- ``tracking_reachable``: a quick probe of a tracking server before the first (retrying) MLflow call. A
+  server that refuses this client's credentials (401/403) is not an outage: ``TrackingAuthError``, one line
+  naming what to set, before any training (an outage, by contrast, leaves training going and the spool).
 - ``plot_loss_curve``: the loss-curve artifact, drawn from the run's stored metric history.
 """
 
@@ -129,17 +131,66 @@ SPOOL = "tracking_spool"
 """Folder of a run (in its storage) where metrics that could not be sent wait for the next command."""
 
 
+class TrackingAuthError(ValueError):
+    """The tracking server refused this client's credentials (HTTP 401/403): a setting to fix, not an outage."""
+
+
+AUTH_HINT = ("set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in this "
+             "process's environment, or ~/.mlflow/credentials on the node (cluster.yaml fetches it from the "
+             "Secrets Manager secret adlm/mlflow-credentials)")
+
+_PROBE = "/api/2.0/mlflow/experiments/get-by-name"
+"""An authenticated route of the tracking API (``/health`` answers anyone, so it cannot tell a refused
+credential); the experiment need not exist: 404 means the server took the credentials."""
+
+
+def _auth_headers_and_basic(tracking_uri: str) -> tuple[dict[str, str], tuple[str, str] | None]:
+    """The credentials MLflow's own client would send to ``tracking_uri``: a bearer token, else basic auth
+    from the environment or ``~/.mlflow/credentials``."""
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    if token:
+        return {"Authorization": f"Bearer {token}"}, None
+    try:
+        from mlflow.utils.credentials import read_mlflow_creds
+
+        creds = read_mlflow_creds()
+        if creds.username and creds.password:
+            return {}, (creds.username, creds.password)
+    except Exception:  # noqa: BLE001 - an older/newer MLflow: fall back to the environment
+        user, pw = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+        if user and pw:
+            return {}, (user, pw)
+    return {}, None
+
+
 def tracking_reachable(tracking_uri: str, timeout: float = 5.0) -> bool:
-    """Whether a tracking server answers its health check within ``timeout`` (local stores: always). A quick
-    probe before the first MLflow call: MLflow's own retries would wait about 4 minutes on a dead server."""
+    """Whether a tracking server answers within ``timeout`` (local stores: always). A quick probe before the
+    first MLflow call: MLflow's own retries would wait about 4 minutes on a dead server. Connection refused, a
+    timeout or a 5xx is an outage (False); a 401/403 raises ``TrackingAuthError``: no retry fixes it."""
     if not tracking_uri.startswith(("http://", "https://")):
         return True
     import requests
 
+    headers, basic = _auth_headers_and_basic(tracking_uri)
     try:
-        return requests.get(tracking_uri.rstrip("/") + "/health", timeout=timeout).status_code < 500
+        r = requests.get(tracking_uri.rstrip("/") + _PROBE, params={"experiment_name": "Default"},
+                         headers=headers, auth=basic, timeout=timeout)
     except requests.RequestException:
         return False
+    if r.status_code in (401, 403):
+        raise TrackingAuthError(f"the MLflow tracking server at {redact_uri(tracking_uri)} refused this client's "
+                                f"credentials (HTTP {r.status_code}): {AUTH_HINT}")
+    return r.status_code < 500
+
+
+def is_auth_refusal(e: BaseException) -> bool:
+    """Whether an MLflow client error is the server refusing the credentials (401/403, UNAUTHENTICATED,
+    PERMISSION_DENIED) rather than an outage."""
+    code = str(getattr(e, "error_code", "") or "")
+    status = getattr(getattr(e, "response", None), "status_code", None) or getattr(e, "get_http_status_code",
+                                                                                  lambda: None)()
+    return (code in ("UNAUTHENTICATED", "PERMISSION_DENIED") or status in (401, 403)
+            or bool(re.search(r"error code 40[13]\b", str(e))))
 
 
 class ResilientLogger:
@@ -207,7 +258,10 @@ class ResilientLogger:
         """Drain for at most ``timeout`` seconds (none while the store is failing: the run is over and must not
         wait on an outage), stop the sender, spool the rest; returns how many metrics were spooled."""
         # A store that is failing, or whose health check does not answer, is not waited for.
-        dead = self.failures or self._in_flight and not tracking_reachable(self.tracking_uri, timeout=2.0)
+        try:
+            dead = self.failures or self._in_flight and not tracking_reachable(self.tracking_uri, timeout=2.0)
+        except TrackingAuthError:  # credentials revoked mid-run: spool, the next command says what to set
+            dead = True
         sent = self.flush(0.0 if dead else timeout)
         with self._cond:
             self._closing = True

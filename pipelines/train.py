@@ -29,7 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
                "val_batches, ckpt_every, num_to_keep, log_every, seed, storage_path), scaling (num_workers, "
                "use_gpu, cpus_per_worker, strategy ddp|fsdp, bf16), failure (max_failures), ema, mlflow "
                "(experiment, registered_model, register).\n\nExample:\n  python -m pipelines.train --config "
-               "configs/demo.yaml --set run.max_steps=50 --set model.kind=mdlm --set run.name=demo-mdlm")
+               "configs/demo.yaml --set run.max_steps=50 --set model.kind=mdlm --set run.name=demo-mdlm\n\nExit codes: 0 trained "
+               "(and registered when mlflow.register); 1 training failed; 2 bad input, or credentials refused (the "
+               "tracking server, the store, the Ray cluster), before any work; 3 trained but not registered (the "
+               "tracking server was down or refused the registration): rerun the same command to register it.")
     p.add_argument("--config", required=True, help="YAML recipe (configs/*.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config value, e.g. run.max_steps=100 or model.gamma=0.01 (repeatable)")
@@ -59,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(json.dumps({"run_id": res.run_id, "step": res.step, "val_ppl": res.val_ppl,
                       "checkpoint_dir": str(res.checkpoint_dir), "registered_version": res.registered_version}))
+    if res.unregistered:  # trained, not registered: not a success a script may take for one
+        print(f"error: {res.unregistered}", file=sys.stderr)
+        return 3
     return 0
 
 

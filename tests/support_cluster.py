@@ -162,11 +162,12 @@ class RayCluster:
 
 
 @contextlib.contextmanager
-def ray_cluster(nodes: int = 2, cpus: int = 1) -> Iterator[RayCluster]:
+def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] | None = None) -> Iterator[RayCluster]:
     """Head (0 CPUs, dashboard and job API on loopback) plus ``nodes`` nodes of ``cpus`` CPUs. The nodes are
     started from this process: they inherit its environment (the S3 settings and credentials, as nodes of a
     real cluster take them from their own environment or instance role), with the venv first on PATH so
-    that a job's ``python`` is this interpreter. Each node gets its own runtime-env folder: nodes that share
+    that a job's ``python`` is this interpreter. ``head_resources``: custom resources of the head (cluster.yaml's
+    ``adlm_driver``, which keeps Tune trial drivers on the never-preempted head). Each node gets its own runtime-env folder: nodes that share
     one (as on one machine) garbage-collect each other's job working directories."""
     from ray.cluster_utils import Cluster
 
@@ -176,7 +177,7 @@ def ray_cluster(nodes: int = 2, cpus: int = 1) -> Iterator[RayCluster]:
         for attempt in (1, 2):
             dash = free_port()
             cluster = Cluster(initialize_head=True, head_node_args={
-                "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dash,
+                "num_cpus": 0, "resources": dict(head_resources or {}), "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dash,
                 **_free_ports()})
             try:
                 workers = [cluster.add_node(num_cpus=cpus, runtime_env_dir_name=f"runtime_resources_node{i}",

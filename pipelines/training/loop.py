@@ -52,11 +52,11 @@ from pipelines.storage import (
 )
 from pipelines.tracking import SPOOL, ResilientLogger
 from pipelines.training.checkpoints import (
-    BEST,
     TRAINER_STATE,
     checkpoint_name,
     gather_state,
     list_checkpoints,
+    publish_best,
     step_of,
 )
 from pipelines.training.worker import LoopConfig, Worker, build, reset_window, resume, set_training_clip
@@ -234,7 +234,7 @@ def keep_if_best(w: Worker, ppl: float) -> bool:
     if w.rank == 0:
         d = temp_dir("adlm-best-")
         _write_weights(w, d, model_sd, ema_sd, {"val_ppl": ppl, "checkpoint": "best"})
-        publish_dir(d, join(w.lc.run_dir, BEST))
+        publish_best(d, w.lc.run_dir, w.step, crash_at=w.lc.crash_writing_best)  # atomic: a new folder, then the pointer (checkpoints.py)
     return True
 
 

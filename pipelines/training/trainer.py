@@ -27,7 +27,6 @@ from pipelines.faults import fault
 from pipelines.runtime import init_ray, quiet_environment
 from pipelines.storage import (
     check_location,
-    is_file,
     is_uri,
     join,
     publish_dir,
@@ -38,15 +37,18 @@ from pipelines.storage import (
     write_bytes_atomic,
 )
 from pipelines.tracking import (
+    AUTH_HINT,
     SPOOL,
+    TrackingAuthError,
     client,
     ensure_experiment,
+    is_auth_refusal,
     redact_uri,
     resolve_tracking_uri,
     send_spool,
     tracking_reachable,
 )
-from pipelines.training.checkpoints import BEST, fetch_export, latest_checkpoint
+from pipelines.training.checkpoints import best_checkpoint, fetch_export, latest_checkpoint
 from pipelines.training.config import TrainConfig, flatten
 from pipelines.training.data import DataPlan, plan_data
 from pipelines.training.loop import train_loop_per_worker
@@ -55,6 +57,10 @@ from pipelines.training.worker import LoopConfig
 
 class TrainError(RuntimeError):
     """Training failed after it started (the message names the run and where its logs are)."""
+
+
+class RegistrationError(RuntimeError):
+    """Training finished and its checkpoint is in storage, but it could not be registered."""
 
 
 @dataclass
@@ -81,6 +87,9 @@ class TrainResult:
     best_val_ppl: float | None = None
     checkpoint: str = "best"
     """Which checkpoint was exported: ``best`` (by validation bound) or ``latest`` (a run that never validated)."""
+    unregistered: str | None = None
+    """Why a run that was to be registered is not (tracking down at its end, registration refused): the
+    command's exit is then non-zero and this one line says how to finish it (rerun the same command)."""
 
 
 def open_run(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, prev_id: str | None, parent_run_id: str | None,
@@ -104,16 +113,27 @@ def open_run(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, prev_id: str |
             params.update(gamma=cfg.model.gamma, tau=cfg.model.tau)
         log_params_once(uri, run_id, params)
         return run_id
-    except Exception as e:  # noqa: BLE001 - a tracking outage must not stop training
+    except TrackingAuthError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a tracking outage must not stop training; refused credentials must
+        if is_auth_refusal(e):
+            raise TrackingAuthError(f"the MLflow tracking server at {redact_uri(uri)} refused this client "
+                                    f"({_one_line(e)}): {AUTH_HINT}") from None
         print(f"WARNING: MLflow unavailable ({type(e).__name__}: {str(e)[:200]})", flush=True)
         return None
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_dir: str, run_id: str,
                      local_export: Path, do_register: bool, tags: dict[str, Any]) -> str | None:
     """After training: the spooled metrics, the loss curve, the checkpoint artifact and the registered version
     (``tags``: its step, validation bound, which checkpoint it is, ...; reused when this step is already
-    registered: a rerun registers nothing new). Returns the version."""
+    registered: a rerun registers nothing new). Returns the version; raises ``RegistrationError`` when
+    registration was asked for and failed (the checkpoint is safe in storage: the rerun registers it)."""
     from pipelines.registry import register_checkpoint, registered_version, training_tags
     from pipelines.tracking import log_artifact_safely, plot_loss_curve
 
@@ -132,6 +152,9 @@ def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_di
     except Exception as e:  # noqa: BLE001 - a plot must not fail a finished run
         print(f"WARNING: loss-curve plot failed: {e}", flush=True)
     logged = log_artifact_safely(uri, run_id, local_export, "checkpoint")
+    failure = None
+    if do_register and not logged:
+        failure = "the checkpoint artifact could not be logged"
     if do_register and logged:
         try:
             step = tags["step"]
@@ -146,12 +169,13 @@ def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_di
                                          checkpoint_dir=local_export)
             version = str(mv.version)
         except Exception as e:  # noqa: BLE001 - the checkpoint is safe in storage; say how to register it
-            print(f"WARNING: registration failed ({type(e).__name__}: {e}); rerun the same command to register "
-                  "it", flush=True)
+            failure = f"registration failed ({type(e).__name__}: {_one_line(e)})"
     try:
         client(uri).set_terminated(run_id, "FINISHED")
     except Exception:  # noqa: BLE001 - the run's status is cosmetic; training is done
         pass
+    if failure:
+        raise RegistrationError(failure)
     return version
 
 
@@ -173,6 +197,7 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     cfg.validate()
     wd = resolve_workdir(workdir)
     uri = tracking_uri or resolve_tracking_uri(wd)
+    tracking_reachable(uri)  # refused credentials (401/403) fail here in one line; an outage trains on
     plan = plan_data(cfg, wd)  # every data error before Ray starts
     storage = storage_root(cfg, wd)
     if is_uri(storage):
@@ -227,7 +252,8 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         threads=cfg.scaling.threads or (max(1, int(cfg.scaling.cpus_per_worker + 0.5)) if not local_mode
                                         else max(1, os.cpu_count() or 1)),
         local_mode=local_mode, run_dir=run_dir, resume_dir=prev[1] if prev else None,
-        crash_at_step=crash_at, crash_marker=join(run_dir, ".crashed_once") if crash_at is not None else None)
+        crash_at_step=crash_at, crash_marker=join(run_dir, ".crashed_once") if crash_at is not None else None,
+        crash_writing_best=fault("train.crash_writing_best"))
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -255,26 +281,41 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         raise TrainError(f"training run {cfg.run.name!r} finished without a checkpoint in {run_dir}")
     # What the run exports and registers: its best checkpoint by validation bound (METHOD.md section 7); the
     # latest one stays in the run folder for resuming.
-    best = join(run_dir, BEST)
-    chosen = best if is_file(join(best, "config.json")) else final[1]
+    best = best_checkpoint(run_dir)  # complete or None: a best cut short mid-upload is never named
+    chosen = best or final[1]
     local_export = fetch_export(chosen, temp_dir("adlm-export-") / cfg.run.name)
     chosen_meta = json.loads((local_export / "config.json").read_text()).get("meta", {})
     best_step, best_val = int(chosen_meta.get("step", final[0])), chosen_meta.get("val_ppl")
-    which = "best" if chosen == best else "latest"
+    which = "best" if best else "latest"
     val_ppl = metrics.get("val_ppl", best_val if chosen == final[1] else None)
 
     version = None
     do_register = cfg.mlflow.register if register is None else register
-    if run_id is None:  # tracking was down at start: try again now that training is done
-        run_id = open_run(cfg, plan, uri, wd, None, parent_run_id, extra_tags)
-    if run_id is not None and tracking_reachable(uri):
-        version = _finish_tracking(cfg, plan, uri, wd, run_dir, run_id, local_export, do_register, {
-            **(extra_tags or {}), "step": best_step, "val_ppl": best_val, "final_step": final[0],
-            "checkpoint": which})
-    else:
+    unregistered = None
+    try:
+        if run_id is None:  # tracking was down at start: try again now that training is done
+            run_id = open_run(cfg, plan, uri, wd, None, parent_run_id, extra_tags)
+        reachable = run_id is not None and tracking_reachable(uri)
+    except TrackingAuthError as e:  # credentials revoked while training: the checkpoint is safe, say what to set
+        reachable, unregistered = False, str(e)
+    if reachable:
+        try:
+            version = _finish_tracking(cfg, plan, uri, wd, run_dir, run_id, local_export, do_register, {
+                **(extra_tags or {}), "step": best_step, "val_ppl": best_val, "final_step": final[0],
+                "checkpoint": which})
+        except RegistrationError as e:
+            unregistered = str(e)
+    elif unregistered is None:
+        unregistered = f"MLflow at {redact_uri(uri)} is unreachable"
         print(f"WARNING: MLflow at {redact_uri(uri)} is unreachable: the run is trained (checkpoint {final[1]}) but its "
               f"metrics wait in {join(run_dir, SPOOL)} and it is not registered; run the same command again once "
               "the tracking server is back: it trains nothing, sends the metrics and registers", flush=True)
+    if unregistered and do_register:
+        unregistered = (f"run {cfg.run.name!r} is trained (best step {best_step}, in {run_dir}) but not registered: "
+                        f"{unregistered}; rerun the same command to register it (it trains nothing)")
+        print(f"WARNING: {unregistered}", flush=True)
+    elif not do_register:
+        unregistered = None
     export = publish_dir(local_export, join(wd, "checkpoints", cfg.run.name))
     shutil.rmtree(local_export.parent, ignore_errors=True)
     if not quiet:
@@ -284,4 +325,4 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     return TrainResult(run_id=run_id or "", run_name=cfg.run.name, step=final[0], val_ppl=val_ppl,
                        checkpoint_dir=export, registered_version=version,
                        model_name=cfg.mlflow.registered_model if version else None, metrics=metrics,
-                       best_step=best_step, best_val_ppl=best_val, checkpoint=which)
+                       best_step=best_step, best_val_ppl=best_val, checkpoint=which, unregistered=unregistered)

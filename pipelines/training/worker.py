@@ -66,6 +66,8 @@ class LoopConfig:
     crash_at_step: int | None = None
     """Fault injection (``pipelines.faults``): the last worker exits at this step, once."""
     crash_marker: str | None = None
+    crash_writing_best: int | None = None
+    """Fault injection (``ADLM_FAULT=train.crash_writing_best=N``): rank 0 dies mid-upload of step N's best."""
 
 
 @dataclass

@@ -41,12 +41,15 @@ import yaml
 
 from adlm_model.config import ConfigError
 from adlm_model.kinds import model_kind
-from pipelines.runtime import init_ray, quiet_environment
+from pipelines.runtime import driver_resources, init_ray, quiet_environment
 from pipelines.storage import join, publish_dir, resolve_workdir, temp_dir, warn_if_node_local
 from pipelines.tracking import client, ensure_experiment, redact_uri, resolve_tracking_uri
 from pipelines.training.config import TrainConfig, apply_override, load_raw
 from pipelines.tuning.report import TrialRow, plot_search, table_markdown
 from pipelines.tuning.space import METRIC, TIME_ATTR, SearchSpace, parse_space
+
+TRIAL_RETRIES = 3
+"""How often Tune restarts a trial whose driver failed (a lost node) before the sweep reports it errored."""
 
 
 class TuneError(RuntimeError):
@@ -368,8 +371,12 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     exp_dir = join(plan.storage, space.name)
     trial_plan = TrialPlan(space_raw=space.to_raw(), space_source=space.source, base_raw=plan.base_raw,
                            workdir=plan.workdir, tracking_uri=plan.tracking_uri, parent_run_id=parent)
-    trainable = tune.with_resources(tune.with_parameters(run_trial, plan=trial_plan), {"CPU": space.trial_cpu})
-    from ray.tune import RunConfig, TuneConfig, Tuner
+    # Each trial's driver (and the Ray Train controller, which attaches to its driver's node) asks for what only
+    # never-preempted nodes offer on a cluster (cluster.yaml's head), so a spot preemption takes only training
+    # workers, which Ray Train restarts from the bucket's checkpoint (failure.max_failures of the recipe).
+    trainable = tune.with_resources(tune.with_parameters(run_trial, plan=trial_plan),
+                                    driver_resources(space.trial_cpu))
+    from ray.tune import FailureConfig, RunConfig, TuneConfig, Tuner
 
     if Tuner.can_restore(exp_dir):
         if not quiet:
@@ -381,7 +388,10 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
             param_space={p.name: p.to_tune() for p in space.params},
             tune_config=TuneConfig(metric=METRIC, mode="min", search_alg=_search_alg(space),
                                    scheduler=_scheduler(space, plan.max_t), num_samples=space.num_samples),
-            run_config=RunConfig(name=space.name, storage_path=plan.storage, verbose=0 if quiet else 1),
+            # A trial whose driver dies anyway (its node lost) is retried: the retry's training resumes from the
+            # run's latest checkpoint, so the trial ends as if undisturbed.
+            run_config=RunConfig(name=space.name, storage_path=plan.storage, verbose=0 if quiet else 1,
+                                 failure_config=FailureConfig(max_failures=TRIAL_RETRIES)),
         )
     if not quiet:
         print(f"[sweep {space.name}] {space.total_trials} trials ({space.algorithm} search, {space.scheduler} "

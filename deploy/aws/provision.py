@@ -1,0 +1,183 @@
+"""Create what cluster.yaml needs in an AWS account and write the filled cluster config that `ray up` starts.
+
+    python deploy/aws/provision.py --region us-west-2 --vpc vpc-0abc --subnets subnet-a,subnet-b \
+        --ssh-cidr 10.0.0.0/16 --bucket your-bucket --prefix adlm \
+        --registry 123456789012.dkr.ecr.us-west-2.amazonaws.com/adlm \
+        --mlflow-uri http://mlflow.internal:5000 --out cluster.local.yaml
+
+What it does (idempotent: a rerun finds what exists and changes nothing there):
+
+1. The security group ``adlm-ray`` in ``--vpc``: all traffic between its members, SSH from ``--ssh-cidr`` only
+   (a VPN or a bastion; 0.0.0.0/0 is refused). Every node type names it (``SecurityGroupIds``), so Ray's
+   bootstrap adds no rule of its own (left to itself it opens SSH to 0.0.0.0/0).
+2. The IAM roles and instance profiles ``adlm-ray-head`` and ``adlm-ray-worker`` with the inline policies of
+   ``deploy/iam/head.json`` and ``deploy/iam/worker.json`` (least privilege: EC2 launch/terminate limited to
+   instances tagged ``ray-cluster-name=<cluster>``, ``iam:PassRole`` on the worker role only, the bucket prefix,
+   the two secrets, read access to the image repository).
+3. The AMI of every node type: the current AWS Deep Learning Base AMI with NVIDIA drivers (Ubuntu 22.04), read
+   from its public SSM parameter (``--gpu-ami`` / ``--cpu-ami`` pin one yourself) and written into the config,
+   so the cluster keeps the AMI it was provisioned with until you provision again.
+4. ``--out``: cluster.yaml with every ``${NAME}`` filled.
+
+It does not create the VPC, the subnets, the bucket, the repository or the two secrets (``adlm/ray-auth-token``:
+the token; ``adlm/mlflow-credentials``: an INI file ``[mlflow]`` with ``mlflow_tracking_username`` and
+``mlflow_tracking_password``); README.md says how. Needs boto3 and credentials allowed to create the above.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+IAM_DIR = ROOT / "deploy" / "iam"
+GROUP_NAME = "adlm-ray"
+ROLES = {"adlm-ray-head": "head.json", "adlm-ray-worker": "worker.json"}
+DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+"""The public SSM parameter naming the current Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04):
+NVIDIA driver, Docker and the NVIDIA container toolkit, which the images' CUDA 13.0 torch needs (driver >= 580)."""
+OPEN = ("0.0.0.0/0", "::/0")
+
+
+class ProvisionError(ValueError):
+    """A setting that cannot give a safe cluster (one line, naming the fix)."""
+
+
+def fill(template: str, values: dict[str, str]) -> str:
+    """``template`` with every ``${NAME}`` of ``values`` replaced; an unfilled one outside comments is an error."""
+    out = re.sub(r"\$\{([A-Z_]+)\}", lambda m: values.get(m.group(1), m.group(0)), template)
+    left = sorted({m for line in out.splitlines() if not line.lstrip().startswith("#")
+                   for m in re.findall(r"\$\{([A-Z_]+)\}", line)})
+    if left:
+        raise ProvisionError(f"no value for {', '.join(left)}")
+    return out
+
+
+def policy(name: str, values: dict[str, str]) -> dict[str, Any]:
+    """The policy document ``deploy/iam/<name>`` for this account, region, bucket prefix and cluster."""
+    return json.loads(fill((IAM_DIR / name).read_text(), values))
+
+
+def ensure_security_group(ec2: Any, vpc: str, ssh_cidr: str, cluster: str) -> str:
+    """The group's id, created with its two rules when missing; a found group open to the internet is refused."""
+    found = ec2.describe_security_groups(Filters=[{"Name": "vpc-id", "Values": [vpc]},
+                                                 {"Name": "group-name", "Values": [GROUP_NAME]}])["SecurityGroups"]
+    if found:
+        sg = found[0]
+        open_rules = [r for r in sg.get("IpPermissions", [])
+                      if any(x.get("CidrIp") in OPEN for x in r.get("IpRanges", []))
+                      or any(x.get("CidrIpv6") in OPEN for x in r.get("Ipv6Ranges", []))]
+        if open_rules:
+            raise ProvisionError(f"security group {sg['GroupId']} ({GROUP_NAME}) accepts traffic from anywhere: "
+                                 "remove its 0.0.0.0/0 rules (ray up would expose the nodes)")
+        return sg["GroupId"]
+    gid = ec2.create_security_group(
+        GroupName=GROUP_NAME, VpcId=vpc, Description="ADLM Ray cluster: members and SSH from one range only",
+        TagSpecifications=[{"ResourceType": "security-group",
+                            "Tags": [{"Key": "ray-cluster-name", "Value": cluster}]}])["GroupId"]
+    ec2.authorize_security_group_ingress(GroupId=gid, IpPermissions=[
+        {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": gid}]},
+        {"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22,
+         "IpRanges": [{"CidrIp": ssh_cidr, "Description": "ray up / ray attach from the VPN or bastion"}]},
+    ])
+    return gid
+
+
+def ensure_roles(iam: Any, values: dict[str, str]) -> dict[str, str]:
+    """Role name -> instance profile ARN; each role gets its inline policy (replaced on every run)."""
+    trust = (IAM_DIR / "trust-ec2.json").read_text()
+    out = {}
+    for role, doc in ROLES.items():
+        try:
+            iam.get_role(RoleName=role)
+        except iam.exceptions.NoSuchEntityException:
+            iam.create_role(RoleName=role, AssumeRolePolicyDocument=trust,
+                            Description="ADLM Ray cluster node role (deploy/iam)")
+        iam.put_role_policy(RoleName=role, PolicyName=role, PolicyDocument=json.dumps(policy(doc, values)))
+        try:
+            profile = iam.get_instance_profile(InstanceProfileName=role)["InstanceProfile"]
+        except iam.exceptions.NoSuchEntityException:
+            profile = iam.create_instance_profile(InstanceProfileName=role)["InstanceProfile"]
+        if not any(r["RoleName"] == role for r in profile.get("Roles", [])):
+            iam.add_role_to_instance_profile(InstanceProfileName=role, RoleName=role)
+        out[role] = profile["Arn"]
+    return out
+
+
+def current_ami(ssm: Any) -> str:
+    return ssm.get_parameter(Name=DLAMI_PARAMETER)["Parameter"]["Value"]
+
+
+def provision(args: argparse.Namespace, session: Any | None = None) -> str:
+    """Create the group, roles and profiles; returns the filled cluster config (YAML text)."""
+    import boto3
+
+    if args.ssh_cidr in OPEN:
+        raise ProvisionError("--ssh-cidr 0.0.0.0/0 opens SSH to the internet: give your VPN's or bastion's range")
+    if "/" not in args.registry:
+        raise ProvisionError("--registry must be <registry host>/<repository>, e.g. "
+                             "123456789012.dkr.ecr.us-west-2.amazonaws.com/adlm")
+    session = session or boto3.session.Session(region_name=args.region)
+    account = session.client("sts").get_caller_identity()["Account"]
+    host, repository = args.registry.split("/", 1)
+    cluster_yaml = Path(args.config).read_text()
+    cluster = re.search(r"^cluster_name:\s*(\S+)", cluster_yaml, re.M).group(1)
+    values = {"ACCOUNT": account, "REGION": args.region, "BUCKET": args.bucket, "PREFIX": args.prefix.strip("/"),
+              "CLUSTER": cluster, "REPOSITORY": repository, "REGISTRY": args.registry, "REGISTRY_HOST": host,
+              "MLFLOW_TRACKING_URI": args.mlflow_uri}
+    ec2 = session.client("ec2")
+    subnets = [s for s in args.subnets.split(",") if s]
+    vpcs = {s["VpcId"] for s in ec2.describe_subnets(SubnetIds=subnets)["Subnets"]}
+    if vpcs != {args.vpc}:
+        raise ProvisionError(f"--subnets are in {sorted(vpcs)}, not in --vpc {args.vpc}")
+    values["SECURITY_GROUP"] = ensure_security_group(ec2, args.vpc, args.ssh_cidr, cluster)
+    ensure_roles(session.client("iam"), values)
+    ami = None if args.gpu_ami and args.cpu_ami else current_ami(session.client("ssm"))
+    for image in {args.gpu_ami or ami, args.cpu_ami or ami}:
+        try:
+            ec2.describe_images(ImageIds=[image])
+        except Exception as e:  # noqa: BLE001 - botocore's ClientError: say which AMI in one line
+            raise ProvisionError(f"AMI {image} is not available in {args.region} ({e}); look up the current one: "
+                                 f"aws ssm get-parameter --name {DLAMI_PARAMETER}") from None
+    values.update(GPU_AMI=args.gpu_ami or ami, CPU_AMI=args.cpu_ami or ami,
+                  SUBNETS='", "'.join(subnets))  # inside the template's ["${SUBNETS}"]
+    return fill(cluster_yaml, values)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python deploy/aws/provision.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--region", required=True)
+    p.add_argument("--vpc", required=True, help="the VPC of the subnets")
+    p.add_argument("--subnets", required=True, help="comma-separated private subnet ids (one per zone)")
+    p.add_argument("--ssh-cidr", required=True, help="the only range SSH is accepted from (VPN or bastion)")
+    p.add_argument("--bucket", required=True, help="the work directory's bucket (ADLM_WORKDIR=s3://bucket/prefix)")
+    p.add_argument("--prefix", default="adlm", help="the work directory's prefix in the bucket (default adlm)")
+    p.add_argument("--registry", required=True, help="<ECR host>/<repository> of the images (tags gpu-0.1.0, cpu-0.1.0)")
+    p.add_argument("--mlflow-uri", required=True, help="the tracking server every node reaches (mlflow/server.sh)")
+    p.add_argument("--gpu-ami", default=None, help=f"pin an AMI (default: the SSM parameter {DLAMI_PARAMETER})")
+    p.add_argument("--cpu-ami", default=None, help="pin the CPU nodes' AMI (default: the same as the GPU nodes')")
+    p.add_argument("--config", default=str(ROOT / "cluster.yaml"), help="the template (default: cluster.yaml)")
+    p.add_argument("--out", required=True, help="where to write the filled cluster config")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        text = provision(args)
+    except ProvisionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    Path(args.out).write_text(text)
+    print(f"wrote {args.out}: ray up {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
