@@ -75,17 +75,21 @@ def test_the_checkpoint_scan_and_export_read_a_run_folder_in_any_store(base: str
         d = st.join(run, checkpoint_name(step))
         st.write_text(st.join(d, "config.json"), f'{{"meta": {{"step": {step}}}}}')
         st.write_text(st.join(d, "model.safetensors"), "w")
+        st.write_text(st.join(d, "ema.safetensors"), "e")
         if complete:
             st.write_text(st.join(d, f"{TRAINER_STATE}.json"), "{}")
     assert [s for s, _ in list_checkpoints(run)] == [10, 20]
     step, loc = latest_checkpoint(run)
     out = fetch_export(loc, tmp_path / "export")
-    assert step == 20 and sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert step == 20 and sorted(p.name for p in out.iterdir()) == ["config.json", "ema.safetensors", "model.safetensors"]
 
     broken = st.join(run, "broken")
     st.write_text(st.join(broken, "config.json"), "{}")
-    with pytest.raises(FileNotFoundError, match="lacks model.safetensors"):
+    with pytest.raises(FileNotFoundError, match="lacks model.safetensors, ema.safetensors"):
         fetch_export(broken, tmp_path / "export2")
+    st.write_text(st.join(broken, "model.safetensors"), "w")  # weights without their EMA: still refused
+    with pytest.raises(FileNotFoundError, match="lacks ema.safetensors"):
+        fetch_export(broken, tmp_path / "export3")
 
 
 def test_a_scheme_no_filesystem_serves_is_one_clear_error() -> None:
