@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-address", default=None, help="Ray address (default $RAY_ADDRESS or a new local Ray)")
     p.add_argument("--progress-interval", type=float, default=d.progress_interval, help="seconds between progress lines")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--testbed", action="append", default=None, metavar="KEY=VALUE",
+                   help="--source testbed only: a field of the synthetic language (adlm_model.testbed.TestbedConfig: "
+                   "seed, length, n_classes, ...) or rows of a split (train_rows, validation_rows, test_rows); "
+                   "repeatable")
     return p
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,6 +95,9 @@ class Manifest:
     """Library versions that produced the shards (ray, tokenizers, pyarrow, ...)."""
     options: dict[str, Any] = field(default_factory=dict)
     """The preparation options (for reproduction)."""
+    truth: dict[str, Any] | None = None
+    """The ``testbed`` source only (``pipelines.data.synthetic``): the language's config, its exact entropy per
+    token with the standard error, the unigram and unigram + position floors and the anchors' value."""
     format: int = MANIFEST_FORMAT
     split_dir: str = field(default="", compare=False)
     """Where the manifest was read from (not stored)."""

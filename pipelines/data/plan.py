@@ -115,6 +115,9 @@ class PrepareConfig:
     """Seconds between progress lines."""
     quiet: bool = False
     """No progress lines (the summary still prints)."""
+    testbed: Any = None
+    """The ``testbed`` source only: ``TestbedConfig`` fields and rows per split (``train_rows``, ...), as a mapping
+    or ``KEY=VALUE`` strings (``pipelines.data.synthetic``)."""
 
 # ----------------------------------------------------------------------------------------------------------
 # Planning (no Ray)

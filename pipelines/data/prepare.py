@@ -433,6 +433,10 @@ def prepare(config: Any = None, *, shutdown_ray: bool = False) -> dict[str, Mani
     ValueError) before Ray starts. Splits already complete with the same options are verified and reused.
     """
     cfg = _coerce(config if config is not None else PrepareConfig())
+    from pipelines.data.synthetic import is_testbed, prepare_testbed
+
+    if is_testbed(cfg):  # generated, not read: no tokenisation, no Ray
+        return prepare_testbed(cfg)
     t0 = time.time()
     plan = make_plan(cfg)
     if cfg.overwrite:

@@ -81,7 +81,8 @@ EMBEDDED = NamedSource("embedded", "", None, {s: s for s in ("train", "validatio
 """The offline demo corpus; its default tokenizer is an 8,192-entry BPE trained on its train split."""
 EMBEDDED_TOKENIZER_VOCAB = 8192
 
-KNOWN_SOURCES = ("embedded", *NAMED_SOURCES)
+KNOWN_SOURCES = ("embedded", *NAMED_SOURCES, "testbed")
+"""``testbed``: the ground-truth synthetic language, generated rather than read (``pipelines.data.synthetic``)."""
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from pipelines.evaluation.jobs import (
 from pipelines.evaluation.metrics import GEN_PPL_DEFINITIONS
 from pipelines.evaluation.plan import Plan, plan_evaluation, ppl_key
 from pipelines.evaluation.report import EvalResult, plots, summary_markdown, version_tags
+from pipelines.evaluation.truth import bound_rows, plan_truth, sample_rows, skips_first, truth_of
 from pipelines.storage import cache_dir, is_uri, join, name_of
 
 
@@ -118,6 +119,11 @@ def run_plan(plan: Plan, executor: Any) -> EvalResult:
                           "details": f"{pooled.n_tokens} tokens, {rows} rows, {cfg.t_draws} t draw(s)/sequence, "
                                      f"seed {cfg.seed}, {'EMA' if cfg.use_ema else 'raw'} weights, {ds.source}"})
             ppl_keys[ds.label] = ppl_key(ds, cfg)
+            truth = truth_of(ds.split_dir)  # a testbed split: the bound against the exact entropy
+            if truth is not None:
+                m, rows_ = bound_rows(prefix, ds.label, pooled.nll, truth, skips_first(plan.model_cfg))
+                metrics.update(m)
+                table.extend(rows_)
 
     # -- samples -----------------------------------------------------------------------------------------
     samples: list[dict[str, Any]] = []
@@ -138,6 +144,11 @@ def run_plan(plan: Plan, executor: Any) -> EvalResult:
         table.append({"quantity": "unigram entropy (nats)", "value": metrics["entropy"], "bound": False,
                       "details": f"mean over {len(samples)} samples of length {plan.length}; sampler {plan.sampler}, "
                                  f"T={plan.steps}, p={cfg.nucleus_p}"})
+        truth = plan_truth(plan)
+        if truth is not None and plan.length == truth["length"]:  # testbed data: the samples under the truth
+            m, rows_ = sample_rows(ids, truth)
+            metrics.update(m)
+            table.extend(rows_)
     if "gen_ppl" in suite:
         r = executor.run(gen_ppl_job, [{"texts": [s["segments"] for s in samples], "settings": settings}],
                          f"gen-PPL ({cfg.eval_lm})", large=is_hub_model(cfg.eval_lm))[0]

@@ -27,11 +27,21 @@ class ArmResult:
     steps_summary: Summary | None
     flops_step: int | None = None
     """The step read at the equal-FLOPs budget."""
+    steps_at: int | None = None
+    """The step read at the equal-steps budget."""
     at_flops: dict[int, float] = field(default_factory=dict)
     flops_summary: Summary | None = None
     gain_steps: Summary | None = None
     """Percent lower than the baseline at equal steps, paired by seed."""
     gain_flops: Summary | None = None
+    entropy: float | None = None
+    """Testbed data: the exact entropy per token on the positions this kind scores (else None)."""
+    floor_excess: float | None = None
+    """Testbed data: the unigram + position floor's excess over that entropy (nats per token)."""
+    excess_curves: dict[int, dict[int, float]] = field(default_factory=dict)
+    """Testbed data: seed -> step -> excess of the bound over the exact entropy (nats per token)."""
+    excess_steps: Summary | None = None
+    excess_flops: Summary | None = None
 
     def as_dict(self) -> dict[str, Any]:
         def s(x: Summary | None) -> dict | None:
@@ -42,7 +52,10 @@ class ArmResult:
                 "curves": {str(k): {str(st): v for st, v in c.items()} for k, c in self.curves.items()},
                 "at_steps": self.at_steps, "steps_summary": s(self.steps_summary), "flops_step": self.flops_step,
                 "at_flops": self.at_flops, "flops_summary": s(self.flops_summary),
-                "gain_steps_pct": s(self.gain_steps), "gain_flops_pct": s(self.gain_flops)}
+                "gain_steps_pct": s(self.gain_steps), "gain_flops_pct": s(self.gain_flops),
+                "entropy": self.entropy, "floor_excess": self.floor_excess,
+                "excess_curves": {str(k): {str(st): v for st, v in c.items()} for k, c in self.excess_curves.items()},
+                "excess_steps": s(self.excess_steps), "excess_flops": s(self.excess_flops)}
 
 
 def _gain(g: Summary | None) -> str:
@@ -90,18 +103,25 @@ def results_csv(arms: list[ArmResult]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["arm", "kind", "seed", "params", "flops_per_step", "bound_equal_steps", "flops_step",
-                "bound_equal_flops"])
+                "bound_equal_flops", "excess_equal_steps", "excess_equal_flops"])
+
+    def excess(a: ArmResult, seed: int, step: int | None) -> Any:
+        return a.excess_curves.get(seed, {}).get(step, "") if step is not None else ""
+
     for a in arms:
         for seed in sorted(a.curves):
             w.writerow([a.name, a.kind, seed, a.params, a.flops_per_step, a.at_steps.get(seed, ""),
-                        a.flops_step or "", a.at_flops.get(seed, "")])
+                        a.flops_step or "", a.at_flops.get(seed, ""), excess(a, seed, a.steps_at),
+                        excess(a, seed, a.flops_step)])
     return buf.getvalue()
 
 
-def _mean_curve(a: ArmResult) -> tuple[list[int], list[float], list[float], list[float]]:
-    """Steps every seed has, with the mean, min and max bound there."""
-    common = sorted(set.intersection(*(set(c) for c in a.curves.values()))) if a.curves else []
-    vals = [[a.curves[s][st] for s in a.curves] for st in common]
+def _mean_curve(a: ArmResult, curves: dict[int, dict[int, float]] | None = None
+                ) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps every seed has, with the mean, min and max bound (or of ``curves``) there."""
+    curves = a.curves if curves is None else curves
+    common = sorted(set.intersection(*(set(c) for c in curves.values()))) if curves else []
+    vals = [[curves[s][st] for s in curves] for st in common]
     ok = [(st, v) for st, v in zip(common, vals, strict=True) if all(math.isfinite(x) for x in v)]
     return ([st for st, _ in ok], [sum(v) / len(v) for _, v in ok], [min(v) for _, v in ok],
             [max(v) for _, v in ok])
@@ -117,27 +137,40 @@ def plot_curves(spec: Any, arms: list[ArmResult], out: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12.5, 4.8))
-    for a in arms:
-        steps, mean, lo, hi = _mean_curve(a)
-        if not steps:
-            continue
-        style = "-" if a.equal_flops else ":"
-        (line,) = ax1.plot(steps, mean, style, label=f"{a.name} ({len(a.curves)} seeds)")
-        ax1.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
-        if a.equal_flops:
-            f = [s * a.flops_per_step / 1e12 for s in steps]
-            ax2.plot(f, mean, style, color=line.get_color(), label=a.name)
-            ax2.fill_between(f, lo, hi, color=line.get_color(), alpha=0.15)
-    ax1.axvline(spec.steps, color="grey", ls="--", lw=1)
+    truth = any(a.excess_curves for a in arms)
+    fig, axes = plt.subplots(2 if truth else 1, 2, figsize=(12.5, 9.2 if truth else 4.8), squeeze=False)
+    (ax1, ax2) = axes[0]
     budget = next((a.flops_per_step * spec.steps for a in arms if a.name == spec.flops_reference), None)
-    if budget:
-        ax2.axvline(budget / 1e12, color="grey", ls="--", lw=1)
-    for ax, xl in ((ax1, "optimiser steps"), (ax2, "training FLOPs (TFLOP)")):
-        ax.set_yscale("log")
-        ax.set_xlabel(xl)
-        ax.set_ylabel("validation bound (PPL)")
-        ax.grid(alpha=0.3, which="both")
+    rows = [(axes[0], None, "validation bound (PPL)")]
+    if truth:  # testbed data: the excess over the exact entropy, the floor's own excess dotted
+        rows.append((axes[1], "excess", "excess over the exact entropy (nats/token)"))
+    for (left, right), which, ylabel in rows:
+        for a in arms:
+            steps, mean, lo, hi = _mean_curve(a, a.excess_curves if which else None)
+            if not steps:
+                continue
+            style = "-" if a.equal_flops else ":"
+            (line,) = left.plot(steps, mean, style, label=f"{a.name} ({len(a.curves)} seeds)")
+            left.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
+            if a.equal_flops:
+                f = [s * a.flops_per_step / 1e12 for s in steps]
+                right.plot(f, mean, style, color=line.get_color(), label=a.name)
+                right.fill_between(f, lo, hi, color=line.get_color(), alpha=0.15)
+        left.axvline(spec.steps, color="grey", ls="--", lw=1)
+        if budget:
+            right.axvline(budget / 1e12, color="grey", ls="--", lw=1)
+        floor = next((a.floor_excess for a in arms if a.floor_excess is not None and a.kind in ("mdlm", "adlm")), None)
+        if which and floor:
+            for ax in (left, right):
+                ax.axhline(floor, color="black", ls=":", lw=1)
+        for ax, xl in ((left, "optimiser steps"), (right, "training FLOPs (TFLOP)")):
+            ax.set_yscale("linear" if which else "log")  # an excess can dip below 0 on one noise draw
+            ax.set_xlabel(xl)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3, which="both")
+        if which:
+            left.set_title("excess over the exact entropy (dotted: the unigram + position floor's)")
+            left.legend(fontsize=7, loc="upper right")
     ax1.set_title(f"{spec.name}: equal steps (dashed: {spec.steps})")
     ax2.set_title("equal FLOPs (dashed: the budget)")
     ax1.legend(fontsize=7, loc="upper right")

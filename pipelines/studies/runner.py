@@ -35,6 +35,7 @@ from adlm_model.config import ConfigError
 from adlm_model.flops import training_flops_per_row
 from adlm_model.kinds import parameter_count
 from pipelines.storage import join, resolve_workdir, write_text
+from pipelines.studies.comparisons import compare, comparisons_markdown, excess_curves, truth_markdown
 from pipelines.studies.report import ArmResult, plot_curves, results_csv, table_markdown
 from pipelines.studies.spec import StudySpec, validate_arms
 from pipelines.studies.stats import relative_gain, summarise
@@ -262,9 +263,32 @@ def _fit(plan: StudyPlan, todo: list[RunPlan], arm_runs: dict[str, str | None]) 
                            f"{str(failed[0].error).splitlines()[0][:300]}; rerun the same command to resume them")
 
 
+def _truth(plan: StudyPlan) -> dict[str, Any] | None:
+    """The validation data's ``manifest.truth`` when the study runs on the testbed, else None."""
+    from pipelines.evaluation.truth import truth_of
+
+    cfg = plan.configs[plan.spec.arms[0].name]
+    return truth_of(cfg.resolve_path(cfg.data.validation, plan.workdir))
+
+
+def _read_truth(plan: StudyPlan, a: ArmResult, truth: dict[str, Any]) -> None:
+    """The arm's bounds as excess over the exact entropy on the positions its kind scores."""
+    from pipelines.evaluation.truth import exact_entropy, skips_first
+
+    skip = skips_first(plan.configs[a.name].model)
+    a.entropy = exact_entropy(truth, skip)[0]
+    a.floor_excess = float(truth["floors_skip_first" if skip else "floors"]["unigram_position"]) - a.entropy
+    a.excess_curves = excess_curves(a.curves, a.entropy)
+    ex_steps = [math.log(v) - a.entropy for v in a.at_steps.values()]
+    ex_flops = [math.log(v) - a.entropy for v in a.at_flops.values()]
+    a.excess_steps = summarise(ex_steps) if ex_steps else None
+    a.excess_flops = summarise(ex_flops) if ex_flops else None
+
+
 def _tabulate(plan: StudyPlan, parent: str | None, seconds: float) -> StudyResult:
     spec = plan.spec
     arms: list[ArmResult] = []
+    truth = _truth(plan)
     for arm in spec.arms:
         curves = {rp.seed: _history(plan, rp) for rp in plan.runs if rp.arm == arm.name}
         at_steps = {s: h[spec.steps] for s, h in curves.items() if spec.steps in h}
@@ -274,8 +298,10 @@ def _tabulate(plan: StudyPlan, parent: str | None, seconds: float) -> StudyResul
             name=arm.name, kind=plan.configs[arm.name].model.kind, sets=arm.sets, params=plan.params[arm.name],
             flops_per_step=plan.flops_per_step[arm.name], equal_flops=arm.equal_flops, curves=curves,
             at_steps=at_steps, steps_summary=summarise(list(at_steps.values())) if at_steps else None,
-            flops_step=fs, at_flops=at_flops,
+            flops_step=fs, at_flops=at_flops, steps_at=spec.steps,
             flops_summary=summarise(list(at_flops.values())) if at_flops else None))
+        if truth is not None:
+            _read_truth(plan, arms[-1], truth)
     base = next((a for a in arms if a.name == spec.baseline), None)
     if base is not None:
         for a in arms:
@@ -283,13 +309,23 @@ def _tabulate(plan: StudyPlan, parent: str | None, seconds: float) -> StudyResul
             a.gain_flops = relative_gain(a.at_flops, base.at_flops) if a is not base and a.equal_flops else None
     out = join(plan.workdir, "studies", spec.name)
     md = table_markdown(spec, arms, plan.budget_flops, seconds)
+    readings = {"steps": {a.name: a.at_steps for a in arms}, "flops": {a.name: a.at_flops for a in arms}}
+    entropy = {a.name: a.entropy for a in arms} if truth is not None else None
+    compared = [compare(c, readings, entropy) for c in spec.comparisons]
+    extra = [] if truth is None else truth_markdown(
+        truth, [(a.name, a.excess_steps, a.excess_flops, a.entropy, a.floor_excess) for a in arms])
+    extra += comparisons_markdown(compared, spec.hypothesis)
+    if extra:
+        md += "\n".join(extra) + "\n"
     artifacts = {"table.md": join(out, "table.md"), "results.csv": join(out, "results.csv"),
                  "results.json": join(out, "results.json")}
     write_text(artifacts["table.md"], md)
     write_text(artifacts["results.csv"], results_csv(arms))
     write_text(artifacts["results.json"], json.dumps({"study": spec.name, "steps": spec.steps,
                                                       "budget_flops": plan.budget_flops, "seconds": seconds,
-                                                      "arms": [a.as_dict() for a in arms]}, indent=2))
+                                                      "arms": [a.as_dict() for a in arms], "truth": truth,
+                                                      "hypothesis": spec.hypothesis,
+                                                      "comparisons": [r.as_dict() for r in compared]}, indent=2))
     from pipelines.storage import is_uri, temp_dir, write_bytes_atomic
 
     local_out = Path(temp_dir("study-plot")) if is_uri(out) else Path(out)

@@ -20,6 +20,10 @@ Schema (every key but ``name``, ``config``, ``steps`` and ``arms`` has a default
       name: adlm-g{model.gamma}-t{model.tau}
       seeds: [0]
       params: {model.gamma: [3.0e-4, 3.0e-2], model.tau: [2, 10]}
+    hypothesis: |                     # optional: the pre-registered hypothesis and analysis, in words
+      ...
+    comparisons:                      # optional: pre-registered contrasts (pipelines/studies/comparisons.py)
+      - {arm: adlm, against: adlm-gamma0, budget: steps, primary: true}
 """
 
 from __future__ import annotations
@@ -33,14 +37,15 @@ from typing import Any
 
 from adlm_model.config import ConfigError
 from pipelines.overrides import read_yaml_file
+from pipelines.studies.comparisons import Comparison, parse_comparisons
 from pipelines.training.config import TOP_KEYS, TrainConfig, apply_override, load_raw
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 TOP = ("name", "config", "data", "seeds", "steps", "flops_reference", "baseline", "max_concurrent", "trial_cpu",
-       "overrides", "arms", "grid")
+       "overrides", "arms", "grid", "hypothesis", "comparisons")
 ARM_KEYS = ("name", "set", "seeds", "equal_flops")
 GRID_KEYS = ("name", "set", "seeds", "params")
-DATA_KEYS = ("source", "out", "train_tokenizer", "length")
+DATA_KEYS = ("source", "out", "train_tokenizer", "length", "testbed")
 
 
 @dataclass
@@ -69,6 +74,10 @@ class StudySpec:
     trial_cpu: float = 0.75
     overrides: dict[str, Any] = field(default_factory=dict)
     source: str = "<study>"
+    hypothesis: str | None = None
+    """The pre-registered hypothesis and analysis plan, in words (printed above the comparisons' table)."""
+    comparisons: list[Comparison] = field(default_factory=list)
+    """Pre-registered contrasts (``pipelines.studies.comparisons``)."""
 
     def arm(self, name: str) -> Arm:
         return next(a for a in self.arms if a.name == name)
@@ -177,6 +186,12 @@ def parse_study(raw: Any, source: str = "<study>") -> StudySpec:
         _fail(source, f"max_concurrent must be a positive integer, got {spec.max_concurrent!r}")
     if not isinstance(spec.trial_cpu, (int, float)) or spec.trial_cpu <= 0:
         _fail(source, f"trial_cpu must be > 0, got {spec.trial_cpu!r}")
+    hyp = raw.get("hypothesis")
+    if hyp is not None and not isinstance(hyp, str):
+        _fail(source, f"hypothesis must be text, got {type(hyp).__name__}")
+    spec.hypothesis = hyp
+    spec.comparisons = parse_comparisons(raw.get("comparisons"), {a.name: a.equal_flops for a in arms},
+                                         lambda msg: _fail(source, msg))
     if spec.data is not None:
         if not isinstance(spec.data, dict) or "out" not in spec.data:
             _fail(source, "data must be a mapping with at least out (and source, train_tokenizer, length)")
