@@ -61,7 +61,7 @@ def plan_infill(cfg: ModelConfig, sampler: str, prompt_len: int, new_tokens: int
     """The row's layout, or SamplerError (one line, naming the fix) before any network runs: unknown
     sampler or option, a sampler that does not fit the model kind, a suffix for AR, a row beyond the
     training length without a sampler that generates any length."""
-    s = check_sampler_options(sampler, dict(options or {}))
+    s = check_sampler_options(sampler, dict(options or {}), length=new_tokens)
     kind = model_kind(cfg.kind)
     if s.diffusion != kind.diffusion:
         raise SamplerError(f"sampler {sampler!r} does not run on a {cfg.kind} model; use {kind.default_sampler!r} "
@@ -86,12 +86,13 @@ def plan_infill(cfg: ModelConfig, sampler: str, prompt_len: int, new_tokens: int
 def infill(model: nn.Module, cfg: ModelConfig, prompt_ids: Sequence[int], suffix_ids: Sequence[int] = (), *,
            new_tokens: int, steps: int, sampler: str | None = None, nucleus_p: float = 1.0,
            generator: torch.Generator, num_samples: int = 1, bos_id: int | None = None,
-           progress: Progress | None = None, **options) -> torch.Tensor:
+           progress: Progress | None = None, stats: dict | None = None, **options) -> torch.Tensor:
     """The ``new_tokens`` ids between ``prompt_ids`` and ``suffix_ids``: LongTensor ``(num_samples, new_tokens)``.
 
     ``sampler``: a name of ``kinds.SAMPLERS`` (default: the model kind's ``default_sampler``); ``steps``,
     ``nucleus_p``, ``generator``, ``progress`` and ``options`` as in ``kinds.sample``. ``bos_id``: the
-    tokenizer's BOS, put first as in training (None: no BOS). The same generator state gives the same ids.
+    tokenizer's BOS, put first as in training (None: no BOS). ``stats`` (a dict) receives the sampler's counters
+    (``network_calls``). The same generator state gives the same ids.
     """
     name = sampler or model_kind(cfg.kind).default_sampler
     prompt, suffix = [int(i) for i in prompt_ids], [int(i) for i in suffix_ids]
@@ -107,7 +108,7 @@ def infill(model: nn.Module, cfg: ModelConfig, prompt_ids: Sequence[int], suffix
     device = next(model.parameters()).device
     out = sample(model, cfg, batch_size=num_samples, length=layout.total, steps=steps, sampler=name,
                  nucleus_p=nucleus_p, generator=generator, prefix=(tokens.to(device), keep.to(device)),
-                 progress=progress, **options)
+                 progress=progress, stats=stats, **options)
     return out[:, layout.start:layout.start + layout.new]
 
 

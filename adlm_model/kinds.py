@@ -17,6 +17,9 @@ import torch
 import torch.nn as nn
 
 from .bd3lm import bd3lm_objective, sample_blocks
+from .confidence import OPTIONS as CONFIDENCE_OPTIONS
+from .confidence import check_options as check_confidence_options
+from .confidence import confidence_sample
 from .config import MODEL_KINDS, ModelConfig
 from .losses import LossOutput, adlm_objective, ar_objective, mdlm_objective
 from .models import ADLM, AR, MDLM
@@ -159,6 +162,11 @@ def _mdlm_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep
     return diffusion_sample(model, cfg, tokens, keep, sampler="mdlm", stats=stats, **kw)
 
 
+def _confidence_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor,
+                        **kw: Any) -> torch.Tensor:
+    return confidence_sample(model, cfg, tokens, keep, **kw)
+
+
 def _ar_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *,
                 stats: dict | None = None, steps: int = 0, bos_id: int | None = None, **kw: Any) -> torch.Tensor:
     return ar_sample(model, cfg, tokens, keep, bos_id=bos_id, **kw)
@@ -172,6 +180,8 @@ def _bd3lm_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, kee
 SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     Sampler("mdlm", _mdlm_sampler),
     Sampler("remdm-loop", _remdm, ("eta", "t_on", "t_off", "alpha_on")),
+    # Confidence-threshold parallel decoding with the approximate KV cache (confidence.py, block_cache.py).
+    Sampler("confidence", _confidence_sampler, CONFIDENCE_OPTIONS),
     Sampler("ar", _ar_sampler, ("bos_id",), diffusion=False),
     Sampler("bd3lm", _bd3lm_sampler, ("block_size", "kv_cache", "context", "eos_id", "entropy_threshold",
                                       "entropy_window", "pad_id", "bos_id"), any_length=True),
@@ -184,12 +194,15 @@ def get_sampler(name: str) -> Sampler:
     return SAMPLERS[name]
 
 
-def check_sampler_options(name: str, options: dict) -> Sampler:
-    """The sampler, or SamplerError (one line) for an unknown sampler or option, or invalid ReMDM-loop settings."""
+def check_sampler_options(name: str, options: dict, length: int | None = None) -> Sampler:
+    """The sampler, or SamplerError (one line) for an unknown sampler or option, or invalid ReMDM-loop or
+    confidence settings (``length``: the generated tokens, which a confidence ``block`` must divide)."""
     s = get_sampler(name)
     reject_unknown(options, set(s.options), name)
     if name == "remdm-loop":
         ReMDMLoop(**options).validate()
+    if name == "confidence":
+        check_confidence_options(**options, span=length)
     return s
 
 
@@ -199,7 +212,8 @@ def sample(model: nn.Module, cfg: ModelConfig, *, batch_size: int, length: int, 
            progress: Progress | None = None, cache: bool = True, **sampler_kwargs) -> torch.Tensor:
     """Generate token ids ``(batch_size, length)`` (METHOD.md section 4).
 
-    - ``sampler``: ``mdlm`` (ancestral), ``remdm-loop``, ``ar``, ``bd3lm`` (block by block). An
+    - ``sampler``: ``mdlm`` (ancestral), ``remdm-loop``, ``confidence`` (threshold parallel decoding, blocks
+      and the approximate KV cache: ``confidence.py``), ``ar``, ``bd3lm`` (block by block). An
       ADLM model runs the diffusion samplers on its composed network (fused projection).
     - ``steps``: ``T`` of the diffusion grid (per block for ``bd3lm``; ignored by ``ar``, which
       takes one step per token).

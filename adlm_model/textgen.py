@@ -9,8 +9,14 @@ methods, so the same request and seed give the same text from either.
 Decoding: the new tokens are decoded in context (prompt + new + suffix ids together, then the decoded
 prompt and suffix cut off), and the text is ``prompt + completion + suffix`` with the caller's own strings,
 so it always starts with the prompt and ends with the suffix. For a byte-level BPE (GPT-2's, the demo's)
-this is exactly the decoding of the whole row. Special tokens the model generates (EOS between documents)
-stay visible in the completion; mask and pad ids are dropped.
+this is exactly the decoding of the whole row. The completion stops at the first EOS the model generated
+(``stop_at_eos``, default on; off: the tokens after it are kept) and never shows a special token (BOS, EOS,
+pad, mask, or any token the tokenizer marks special).
+
+Sampler settings (``sampler``, ``threshold``, ``block``, ``refresh``, ``kv_cache``: ``confidence.py``) are
+request fields like the others, validated by ``check``; every ``Generation`` reports the settings it used
+(``settings``) and its network calls. ``cost`` bounds what a request may cost before it runs
+(``limits.RequestLimits``: what the served model enforces).
 
 The only dependencies are ``torch``, ``safetensors`` and ``tokenizers`` (imported lazily): the served model
 ships this package and nothing of ``pipelines``.
@@ -34,9 +40,11 @@ import torch
 import torch.nn as nn
 
 from .checkpoint import CheckpointError, load_checkpoint
+from .confidence import OPTIONS as CONFIDENCE_OPTIONS
+from .confidence import check_options
 from .config import ConfigError, ModelConfig
 from .infill import infill, plan_infill
-from .kinds import get_sampler, model_kind
+from .kinds import count_parameters, get_sampler, model_kind
 from .samplers import Progress, SamplerError, check_sample_args
 
 SPECIAL_TOKENS_FILE = "special_tokens.json"
@@ -100,6 +108,17 @@ class GenerationRequest:
     """Seed of the sampling generator; None: a fresh random one (reported in the result)."""
     num_samples: int = 1
     """Samples drawn together (one batch, one generator)."""
+    threshold: float | None = None
+    """``confidence`` sampler: unmask every position whose top probability exceeds it (default 0.9)."""
+    block: int | None = None
+    """``confidence`` sampler: semi-autoregressive block size, dividing ``length`` (default: one block)."""
+    refresh: int | None = None
+    """``confidence`` sampler: steps between full passes of the approximate KV cache (1 = exact; default: the
+    cache is off, or refreshed only when the block changes if ``kv_cache`` is set)."""
+    kv_cache: str | None = None
+    """``confidence`` sampler: ``off``, ``prefix`` or ``dual`` (default: ``dual`` when ``refresh`` is set)."""
+    stop_at_eos: bool = True
+    """Cut the completion at the first EOS the model generated (False: keep going; EOS never shows)."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +136,10 @@ class Generation:
     seed: int
     sampler: str
     steps: int
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Every setting the sample was drawn with (sampler and its options, steps, nucleus, length, seed, EOS rule)."""
+    network_calls: int = 0
+    """Forward passes of the batch that produced it."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +149,8 @@ class _Checked:
     seed: int
     prompt_ids: list[int]
     suffix_ids: list[int]
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The sampler's options (the confidence settings, resolved)."""
 
 
 def _number(name: str, value: Any) -> float | int:
@@ -162,6 +187,11 @@ class TextGenerator:
         self.model, self.cfg, self.tokenizer, self.specials = model.eval(), cfg, tokenizer, specials
         self.device = next(model.parameters()).device
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.parameters = count_parameters(model)
+        added = getattr(tokenizer, "get_added_tokens_decoder", lambda: {})()
+        self.special_ids = {i for i, t in added.items() if getattr(t, "special", False)} | {
+            i for i in (specials.bos_id, specials.eos_id, specials.pad_id, specials.mask_id, cfg.mask_id)
+            if i is not None}
 
     @classmethod
     def from_dir(cls, directory: str | os.PathLike, *, specials: SpecialTokens | None = None,
@@ -182,34 +212,33 @@ class TextGenerator:
         return cls(model, cfg, _load_tokenizer(d / "tokenizer.json"), specials)
 
     # -- requests -------------------------------------------------------------------------------------
-    def request(self, **fields: Any) -> GenerationRequest:
-        """A request from loose fields (a served row: missing or None fields take their defaults)."""
-        known = [f.name for f in dataclasses.fields(GenerationRequest)]
-        unknown = sorted(set(fields) - set(known))
-        if unknown:
-            raise GenerationError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(known)}")
-        given = {k: v for k, v in fields.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
-        for k in ("length", "steps", "seed", "num_samples"):
-            if k in given:
-                given[k] = _as_int(k, given[k])
-        for k in ("prompt", "suffix", "sampler"):
-            if k in given and not isinstance(given[k], str):
-                raise GenerationError(f"{k} must be a string, got {type(given[k]).__name__}")
-        if "nucleus_p" in given:
-            given["nucleus_p"] = float(_number("nucleus_p", given["nucleus_p"]))
-        return GenerationRequest(**given)
+    def request(self, *, exclude: tuple[str, ...] = (), **fields: Any) -> GenerationRequest:
+        """A request from loose fields (a served row: missing or None fields take their defaults); a field
+        ``GenerationRequest`` does not have (or one of ``exclude``) is refused with the known ones listed."""
+        return parse_request(fields, exclude)
 
     def check(self, req: GenerationRequest) -> _Checked:
         """Validate and encode ``req`` (no network call); GenerationError names the problem and the fix."""
         validate_request(req)
         sampler = req.sampler or model_kind(self.cfg.kind).default_sampler
+        options = sampler_settings(req, sampler)
         prompt_ids, suffix_ids = self._encode(req.prompt, "prompt"), self._encode(req.suffix, "suffix")
         try:
-            plan_infill(self.cfg, sampler, len(prompt_ids), req.length, len(suffix_ids), self.specials.bos_id)
+            plan_infill(self.cfg, sampler, len(prompt_ids), req.length, len(suffix_ids), self.specials.bos_id,
+                        options)
         except (SamplerError, ConfigError) as e:
             raise GenerationError(str(e)) from e
         seed = req.seed if req.seed is not None else secrets.randbits(53)
-        return _Checked(req, sampler, seed, prompt_ids, suffix_ids)
+        return _Checked(req, sampler, seed, prompt_ids, suffix_ids, options)
+
+    def cost(self, checked: _Checked) -> tuple[int, float]:
+        """``(network calls, FLOPs)`` a checked request may cost at most: calls bound the sampler's forward
+        passes (diffusion ``T + 1``, confidence one per new token, AR one per token), FLOPs are
+        ``2 x parameters x rows x row length x calls`` (a KV cache only makes it cheaper)."""
+        r = checked.request
+        row = int(self.specials.bos_id is not None) + len(checked.prompt_ids) + r.length + len(checked.suffix_ids)
+        calls = {"confidence": r.length, "ar": 1}.get(checked.sampler, r.steps + 1)
+        return (r.length if checked.sampler == "ar" else calls), 2.0 * self.parameters * r.num_samples * row * calls
 
     def _encode(self, text: str, what: str) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
@@ -224,28 +253,77 @@ class TextGenerator:
         c = req if isinstance(req, _Checked) else self.check(req)
         r = c.request
         g = torch.Generator(device=self.device).manual_seed(c.seed)
+        stats: dict[str, Any] = {}
         ids = infill(self.model, self.cfg, c.prompt_ids, c.suffix_ids, new_tokens=r.length, steps=r.steps,
                      sampler=c.sampler, nucleus_p=r.nucleus_p, generator=g, num_samples=r.num_samples,
-                     bos_id=self.specials.bos_id, progress=progress)
-        completions = [self.decode_between(c.prompt_ids, row, c.suffix_ids) for row in ids.cpu().tolist()]
+                     bos_id=self.specials.bos_id, progress=progress, stats=stats, **c.options)
+        completions = [self.decode_between(c.prompt_ids, self.until_eos(row, r.stop_at_eos), c.suffix_ids)
+                       for row in ids.cpu().tolist()]
         seconds = time.perf_counter() - t0
+        settings = {"sampler": c.sampler, "steps": r.steps, "nucleus_p": r.nucleus_p, "length": r.length,
+                    "seed": c.seed, "stop_at_eos": r.stop_at_eos, **c.options}
         return [Generation(text=r.prompt + comp + r.suffix, completion=comp, new_tokens=r.length, seconds=seconds,
-                           seed=c.seed, sampler=c.sampler, steps=r.steps) for comp in completions]
+                           seed=c.seed, sampler=c.sampler, steps=r.steps, settings=settings,
+                           network_calls=int(stats.get("network_calls", 0))) for comp in completions]
+
+    def until_eos(self, new_ids: list[int], stop: bool = True) -> list[int]:
+        """``new_ids`` up to (without) the first EOS when ``stop``; all of them otherwise."""
+        eos = self.specials.eos_id
+        if stop and eos is not None and eos in new_ids:
+            return new_ids[:new_ids.index(eos)]
+        return new_ids
 
     def decode_between(self, prompt_ids: list[int], new_ids: list[int], suffix_ids: list[int]) -> str:
-        """Text of ``new_ids`` as it reads between the prompt and the suffix (module docstring)."""
-        drop = {self.cfg.mask_id, self.specials.mask_id}
-        if self.specials.pad_id is not None and self.specials.pad_id != self.specials.eos_id:
-            drop.add(self.specials.pad_id)
-        new = [i for i in new_ids if i not in drop and 0 <= i < self.vocab_size]
+        """Text of ``new_ids`` as it reads between the prompt and the suffix, special tokens left out (module
+        docstring)."""
+        new = [i for i in new_ids if i not in self.special_ids and 0 <= i < self.vocab_size]
 
         def dec(ids: list[int]) -> str:
-            return self.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
+            return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
 
         whole, head, tail = dec(prompt_ids + new + suffix_ids), dec(prompt_ids), dec(suffix_ids)
         if whole.startswith(head) and whole.endswith(tail) and len(whole) >= len(head) + len(tail):
             return whole[len(head):len(whole) - len(tail)]
         return dec(new)  # a decoder that merges across the boundaries: the new tokens alone
+
+
+def parse_request(fields: dict[str, Any], exclude: tuple[str, ...] = ()) -> GenerationRequest:
+    """``GenerationRequest`` from loose fields (``TextGenerator.request``): types checked, NaN/None = default."""
+    known = [f.name for f in dataclasses.fields(GenerationRequest) if f.name not in exclude]
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise GenerationError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    given = {k: v for k, v in fields.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+    for k in ("length", "steps", "seed", "num_samples", "block", "refresh"):
+        if k in given:
+            given[k] = _as_int(k, given[k])
+    for k in ("prompt", "suffix", "sampler", "kv_cache"):
+        if k in given and not isinstance(given[k], str):
+            raise GenerationError(f"{k} must be a string, got {type(given[k]).__name__}")
+    for k in ("nucleus_p", "threshold"):
+        if k in given:
+            given[k] = float(_number(k, given[k]))
+    if "stop_at_eos" in given:
+        v = given["stop_at_eos"]
+        if not isinstance(v, bool | int) or v not in (0, 1):  # numpy bools from a DataFrame compare equal too
+            raise GenerationError(f"stop_at_eos must be true or false, got {v!r}")
+        given["stop_at_eos"] = bool(v)
+    return GenerationRequest(**given)
+
+
+def sampler_settings(req: GenerationRequest, sampler: str) -> dict[str, Any]:
+    """The sampler options a request sets (the confidence settings, resolved), or GenerationError when it sets
+    them for a sampler that does not take them."""
+    given = {k: getattr(req, k) for k in CONFIDENCE_OPTIONS if getattr(req, k) is not None}
+    if sampler != "confidence":
+        if given:
+            raise GenerationError(f"{', '.join(given)} {'is a setting' if len(given) == 1 else 'are settings'} "
+                                  f"of the confidence sampler, not of {sampler!r}: add sampler='confidence'")
+        return {}
+    try:
+        return check_options(**given, span=req.length)
+    except SamplerError as e:
+        raise GenerationError(str(e)) from e
 
 
 def validate_request(req: GenerationRequest) -> GenerationRequest:
@@ -260,6 +338,8 @@ def validate_request(req: GenerationRequest) -> GenerationRequest:
             get_sampler(req.sampler)
     except SamplerError as e:
         raise GenerationError(str(e)) from e
+    if req.sampler is not None:
+        sampler_settings(req, req.sampler)
     return req
 
 
@@ -295,4 +375,4 @@ def load_generator(directory: str | os.PathLike, device: str = "auto") -> TextGe
 
 __all__ = ["DEFAULT_LENGTH", "DEFAULT_NUCLEUS_P", "DEFAULT_STEPS", "MAX_SEED", "SPECIAL_TOKENS_FILE", "Generation",
            "GenerationError", "GenerationRequest", "SpecialTokens", "TextGenerator", "load_generator",
-           "read_special_tokens", "resolve_device", "validate_request"]
+           "parse_request", "read_special_tokens", "resolve_device", "sampler_settings", "validate_request"]

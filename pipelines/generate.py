@@ -4,6 +4,15 @@
     python -m pipelines.generate --model models:/adlm@champion --prompt "In the beginning" \\
         --suffix " and the earth." --length 24 --steps 256 --seed 7 --num-samples 2 --json
 
+Fast sampling (README "Fast sampling"): ``--sampler confidence`` unmasks every position whose top probability
+exceeds ``--threshold`` at each step (at least one), in ``--block``-token blocks, with the approximate KV
+cache refreshed every ``--refresh`` steps (``--kv-cache prefix|dual``; refresh 1 is exact):
+
+    python -m pipelines.generate --model models:/adlm@champion --prompt "In the beginning" --length 64 \\
+        --sampler confidence --threshold 0.9 --block 16 --refresh 4
+
+The text stops at the first EOS the model generated (``--keep-going``: it does not) and shows no special token.
+
 Infilling (``--suffix``) works with the diffusion kinds (MDLM, ADLM: both sides seen at every step) and
 block-wise with BD3-LM (which also generates beyond the training length); an AR model continues a prompt.
 The machinery is ``pipelines/serving/generate.py``; generation itself is ``adlm_model.textgen``, the code
@@ -38,8 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                    help=f"diffusion steps T (per block for bd3lm; ignored by ar; default {DEFAULT_STEPS})")
     p.add_argument("--sampler", default=None,
-                   help="mdlm, remdm-loop, ar or bd3lm (default: the model kind's own: remdm-loop for MDLM/ADLM, "
-                        "ar, bd3lm)")
+                   help="mdlm, remdm-loop, confidence, ar or bd3lm (default: the model kind's own: remdm-loop for "
+                        "MDLM/ADLM, ar, bd3lm)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="confidence sampler: unmask every position whose top probability exceeds it, at least one "
+                        "a step; in [0, 1] (default 0.9; 1 = one token a step, 0 = all at once)")
+    p.add_argument("--block", type=int, default=None,
+                   help="confidence sampler: semi-autoregressive block size, dividing --length (default: one block)")
+    p.add_argument("--refresh", type=int, default=None,
+                   help="confidence sampler: approximate KV cache, a full pass every N steps and at each new block "
+                        "(1 = exact; default: no cache)")
+    p.add_argument("--kv-cache", choices=("off", "prefix", "dual"), default=None,
+                   help="confidence sampler: which keys/values are reused: prefix (before the block) or dual (both "
+                        "sides; default with --refresh)")
+    p.add_argument("--keep-going", action="store_true",
+                   help="keep the tokens after the first EOS the model generated (default: the text stops there)")
     p.add_argument("--nucleus-p", type=float, default=DEFAULT_NUCLEUS_P,
                    help=f"top-p at every draw, 1 = off (default {DEFAULT_NUCLEUS_P})")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random, reported with --json)")
@@ -65,7 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_environment()
     request = GenerationRequest(prompt=args.prompt, suffix=args.suffix, length=args.length, steps=args.steps,
                                 sampler=args.sampler, nucleus_p=args.nucleus_p, seed=args.seed,
-                                num_samples=args.num_samples)
+                                num_samples=args.num_samples, threshold=args.threshold, block=args.block,
+                                refresh=args.refresh, kv_cache=args.kv_cache, stop_at_eos=not args.keep_going)
     try:
         validate_request(request)  # what needs no model fails before one is downloaded or loaded
         loaded = open_generator(args.model, tracking_uri=args.tracking_uri, workdir=args.workdir, device=args.device)

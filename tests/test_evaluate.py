@@ -164,6 +164,8 @@ def test_bad_input_fails_in_one_line_before_any_work(art, workdir, capsys, tmp_p
     assert "zero_shot=NAME=DIR" in _fails(capsys, "--model", ck, "--suite", "zero_shot", "--in-process")
     assert "known: alpha_on, eta, t_off, t_on" in _fails(capsys, "--model", ck, "--suite", "generate", "--set",
                                                            "sampler=remdm-loop", "--set", "sampler.etta=0.1")
+    assert "block 5 does not divide the length 32" in _fails(capsys, "--model", ck, "--suite", "generate", "--set",
+                                                            "sampler=confidence", "--set", "sampler.block=5")
     # Nothing was logged.
     client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
     exp = client.get_experiment_by_name("adlm-eval")

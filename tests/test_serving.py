@@ -7,6 +7,7 @@ BPE, a sqlite registry, the evaluation suite tagging a version, and (slow) a ``m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -146,6 +147,12 @@ def test_text_starts_with_the_prompt_and_ends_with_the_suffix(art, kind) -> None
     ("mdlm", {"seed": -1}, "seed must lie in"),
     ("mdlm", {"prompt": "a <|mask|> b"}, "the prompt contains the mask token '<|mask|>'"),
     ("mdlm", {"temperature": 1.0}, "unknown field"),
+    ("mdlm", {"threshold": 0.9}, "threshold is a setting of the confidence sampler, not of 'remdm-loop'"),
+    ("mdlm", {"sampler": "confidence", "threshold": 1.5}, "threshold must be a number in [0, 1], got 1.5"),
+    ("adlm", {"sampler": "confidence", "block": 3}, "block 3 does not divide the length 8"),
+    ("adlm", {"sampler": "confidence", "refresh": 0}, "refresh must be >= 1"),
+    ("mdlm", {"sampler": "confidence", "kv_cache": "all"}, "kv_cache must be one of off, prefix, dual"),
+    ("mdlm", {"stop_at_eos": "yes"}, "stop_at_eos must be true or false"),
     ("ar", {"suffix": " the end"}, "cannot infill: drop the suffix"),
 ])
 def test_bad_requests_fail_in_one_line_before_the_network_runs(art, kind, fields, message) -> None:
@@ -158,6 +165,36 @@ def test_bad_requests_fail_in_one_line_before_the_network_runs(art, kind, fields
     finally:
         handle.remove()
     assert message in str(e.value) and "\n" not in str(e.value) and not calls
+
+
+@pytest.mark.parametrize("kind", ["mdlm", "adlm"])
+def test_confidence_settings_reach_the_sampler_and_come_back_with_the_text(art, kind) -> None:
+    gen = _generator(art, kind)
+    req = gen.request(prompt=PROMPT, suffix=SUFFIX, length=8, sampler="confidence", threshold=1.0, block=4,
+                      refresh=1, seed=3)
+    out = gen.generate(req)[0]
+    assert out.settings == {"sampler": "confidence", "steps": req.steps, "nucleus_p": req.nucleus_p, "length": 8,
+                            "seed": 3, "stop_at_eos": True, "threshold": 1.0, "block": 4, "refresh": 1,
+                            "kv_cache": "dual"}
+    assert out.network_calls == 8  # threshold 1: one token a step; refresh 1: the uncached sampler's text
+    exact = gen.generate(dataclasses.replace(req, refresh=None))[0]
+    assert exact.text == out.text and exact.settings["kv_cache"] == "off"
+    assert gen.generate(gen.request(prompt=PROMPT, length=8, sampler="confidence", threshold=0.0,
+                                    seed=3))[0].network_calls == 1
+
+
+def test_text_stops_at_the_first_eos_and_shows_no_special_token(art) -> None:
+    gen, tok = _generator(art, "mdlm"), art["tok"]
+    words = gen.tokenizer.encode(" the earth", add_special_tokens=False).ids
+    more = gen.tokenizer.encode(" and God", add_special_tokens=False).ids
+    row = [*words, tok.eos_id, *more, tok.bos_id, tok.mask_id]
+    assert gen.decode_between([], gen.until_eos(row), []) == " the earth"  # keeps going; EOS, BOS, mask not shown:
+    assert gen.decode_between([], gen.until_eos(row, stop=False), []) == " the earth and God"
+    specials = [gen.tokenizer.id_to_token(i) for i in (tok.eos_id, tok.bos_id, tok.mask_id) if i is not None]
+    for stop in (True, False):
+        for o in gen.generate(gen.request(prompt=PROMPT, length=20, steps=8, seed=9, num_samples=4,
+                                          stop_at_eos=stop)):
+            assert o.text.startswith(PROMPT) and not any(s in o.completion for s in specials)
 
 
 def test_infill_rejects_a_suffix_for_ar_at_the_token_level(art) -> None:
@@ -186,9 +223,12 @@ def test_a_registered_version_is_an_mlflow_model(registry) -> None:
     assert pyfunc["loader_module"] == "mlflow.pyfunc.loaders.code_model"  # models-from-code, not a pickle
     assert not list(root.rglob("*.pkl")) and not list(root.rglob("*.pickle"))
     assert (root / "code" / "adlm_model" / "textgen.py").is_file() and not (root / "code" / "pipelines").exists()
-    inputs = {c["name"]: c["required"] for c in json.loads(spec["signature"]["inputs"])}
-    assert inputs == {"prompt": True, "suffix": False, "length": False, "steps": False, "sampler": False,
-                      "nucleus_p": False, "seed": False}
+    # No enforced input schema (MLflow's drops unknown columns silently); the typed request fields are metadata.
+    assert not spec["signature"].get("inputs")
+    fields = spec["metadata"]["request_fields"]
+    assert fields["length"] == fields["steps"] == fields["seed"] == fields["block"] == "integer"
+    assert set(fields) == {"prompt", "suffix", "length", "steps", "sampler", "nucleus_p", "seed", "threshold", "block",
+                           "refresh", "kv_cache", "stop_at_eos"}
     assert {c["name"] for c in json.loads(spec["signature"]["outputs"])} >= {"text", "new_tokens", "seconds"}
     reqs = (root / "requirements.txt").read_text().split()
     assert set(pip_requirements()) <= set(reqs) and any(r.startswith("torch==") for r in reqs)
@@ -239,7 +279,7 @@ def test_an_old_bare_folder_version_still_resolves(registry) -> None:
     assert (local / "config.json").is_file() and load_checkpoint(local)[1].kind == "mdlm"
 
 
-def test_pyfunc_predict_equals_pipelines_generate(registry, capsys) -> None:
+def test_pyfunc_predict_equals_pipelines_generate(registry, capsys, monkeypatch) -> None:
     import mlflow
     import pandas as pd
 
@@ -265,6 +305,23 @@ def test_pyfunc_predict_equals_pipelines_generate(registry, capsys) -> None:
     with pytest.raises(mlflow.exceptions.MlflowException) as e:
         model.predict(pd.DataFrame([rows[0], {"prompt": "x", "steps": -1}]))
     assert e.value.error_code == "INVALID_PARAMETER_VALUE" and "request row 1: steps must be >= 1" in e.value.message
+    # The settings used come back with every row; a misspelt field is refused with the known ones listed.
+    assert json.loads(batch["settings"][1])["sampler"] == "mdlm" and json.loads(batch["settings"][0])["steps"] == 8
+    fast = model.predict(pd.DataFrame([{"prompt": PROMPT, "length": 8, "sampler": "confidence", "threshold": 0.5,
+                                        "block": 4, "refresh": 2, "seed": 1}]))
+    assert json.loads(fast["settings"][0]) == {"sampler": "confidence", "steps": 128, "nucleus_p": 0.9, "length": 8,
+                                               "seed": 1, "stop_at_eos": True, "threshold": 0.5, "block": 4,
+                                               "refresh": 2, "kv_cache": "dual"}
+    for bad, reason in (({"prompt": "x", "lenght": 8}, "unknown field(s) lenght; known: prompt, suffix, length"),
+                        ({"prompt": "x", "num_samples": 3}, "unknown field(s) num_samples"),
+                        ({"prompt": "x", "length": 8, "steps": 100_000_000}, "steps 100000000 exceeds the limit max_steps=4096"),
+                        ({"prompt": "x", "steps": 4000, "length": 30}, "exceeds the limit max_work=1e+09 (ADLM_MAX_WORK)")):
+        monkeypatch.setenv("ADLM_MAX_WORK", "1e9")  # the served model's setting, read at each request
+        with pytest.raises(mlflow.exceptions.MlflowException) as e:
+            model.predict(pd.DataFrame([bad]))
+        assert e.value.error_code == "INVALID_PARAMETER_VALUE" and reason in e.value.message, e.value.message
+    with pytest.raises(mlflow.exceptions.MlflowException, match="17 rows exceed the limit max_rows=16"):
+        model.predict(pd.DataFrame([{"prompt": "x", "length": 8}] * 17))
 
 
 def test_the_served_model_loads_its_weights_on_the_first_request_and_keeps_them(registry, monkeypatch,

@@ -293,12 +293,12 @@ def _plan_generate(plan: Any) -> None:
     cfg, model_cfg = plan.cfg, plan.model_cfg
     plan.tokenizer = checkpoint_tokenizer(plan.ref.local_dir, plan.meta)
     plan.sampler = resolve_sampler(cfg.sampler, model_cfg.kind)
-    try:
-        sampler = check_sampler_options(plan.sampler, cfg.sampler_kwargs)
+    plan.length = cfg.sample_length or model_cfg.seq_len
+    try:  # the confidence sampler's block must divide the length
+        sampler = check_sampler_options(plan.sampler, cfg.sampler_kwargs, length=plan.length)
     except SamplerError as e:
         raise EvalError(f"{e} (sampler=auto picks the model kind's default)") from e
     plan.sampler_kwargs = sampler_options(plan.sampler, cfg.sampler_kwargs, plan.tokenizer)
-    plan.length = cfg.sample_length or model_cfg.seq_len
     plan.steps = int(cfg.steps_by_kind.get(model_cfg.kind, cfg.steps))
     if not sampler.any_length and plan.length > model_cfg.seq_len:
         raise EvalError(f"sample_length {plan.length} exceeds the model's seq_len {model_cfg.seq_len}; only the "

@@ -47,24 +47,26 @@ class ModelPackagingError(ValueError):
     """A checkpoint that cannot become a registered model (a missing file, no tokenizer)."""
 
 
+REQUEST_FIELDS = {"prompt": "string", "suffix": "string", "length": "integer", "steps": "integer",
+                  "sampler": "string", "nucleus_p": "double", "seed": "integer", "threshold": "double",
+                  "block": "integer", "refresh": "integer", "kv_cache": "string", "stop_at_eos": "boolean"}
+"""The request fields of the served model and their types (``adlm_model.textgen.GenerationRequest`` without
+``num_samples``), recorded in the MLmodel's ``metadata.request_fields``; ``prompt`` is the only required one."""
+
+
 def signature() -> Any:
-    """Input: ``prompt`` (required), ``suffix``, ``length``, ``steps``, ``sampler``, ``nucleus_p``, ``seed``
-    (optional). Output: ``text``, ``completion``, ``new_tokens``, ``seconds``, ``seed``, ``sampler``, ``steps``."""
+    """Output: ``text``, ``completion``, ``new_tokens``, ``seconds``, ``seed``, ``sampler``, ``steps``,
+    ``settings``, ``network_calls``. No input schema on purpose: MLflow enforces one by dropping the columns it
+    does not name before the model sees them, so a misspelt field (``lenght``) would be answered with the
+    default instead of refused. The request fields and their types are ``REQUEST_FIELDS`` (the MLmodel's
+    metadata), checked by ``adlm_model.textgen`` (integers, ranges, unknown fields) and ``adlm_model.limits``."""
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, Schema
-    from mlflow.types.schema import AnyType
 
-    # The numeric inputs are typed "any" and checked by adlm_model.textgen (integers, nucleus_p in (0, 1]):
-    # a batch whose rows leave a field out reaches the model as floats with NaN, which a long column refuses,
-    # and MLflow refuses an integer (8) in a double column; neither is a bad request.
-    inputs = Schema([ColSpec("string", "prompt"), ColSpec("string", "suffix", required=False),
-                     ColSpec(AnyType(), "length", required=False), ColSpec(AnyType(), "steps", required=False),
-                     ColSpec("string", "sampler", required=False), ColSpec(AnyType(), "nucleus_p", required=False),
-                     ColSpec(AnyType(), "seed", required=False)])
     outputs = Schema([ColSpec("string", "text"), ColSpec("string", "completion"), ColSpec("long", "new_tokens"),
                       ColSpec("double", "seconds"), ColSpec("long", "seed"), ColSpec("string", "sampler"),
-                      ColSpec("long", "steps")])
-    return ModelSignature(inputs=inputs, outputs=outputs)
+                      ColSpec("long", "steps"), ColSpec("string", "settings"), ColSpec("long", "network_calls")])
+    return ModelSignature(outputs=outputs)
 
 
 def pip_requirements() -> list[str]:
@@ -153,7 +155,7 @@ def log_text_model(run_id: str, checkpoint_dir: Path, tracking_uri: str, tmp: Pa
         return Model.log(artifact_path=None, name=MODEL_NAME, flavor=mlflow.pyfunc, run_id=run_id,
                          model_id=logged.model_id, python_model=str(CODE_FILE), artifacts={CHECKPOINT_KEY: str(staged)},
                          code_paths=[str(Path(adlm_model.__file__).parent)], signature=signature(),
-                         pip_requirements=pip_requirements())
+                         pip_requirements=pip_requirements(), metadata={"request_fields": REQUEST_FIELDS})
 
 
 def checkpoint_in_model(model_dir: Path) -> Path | None:

@@ -1,0 +1,79 @@
+"""What one request to the served model may cost, checked before any network runs.
+
+A request whose cost has no bound ties up a worker: ``steps: 100000000`` kept a served worker at a full core
+and 4.3 GB for minutes after the HTTP layer had given up (504 after 60 s). ``RequestLimits`` bounds
+
+- ``max_steps``: diffusion steps ``T`` of a row;
+- ``max_length``: tokens generated in a row (default: the model's context; 4x for ``bd3lm``, which generates
+  beyond it);
+- ``max_rows``: rows of one request;
+- ``max_work``: the FLOPs of the whole request, estimated by ``TextGenerator.cost`` as
+  ``2 x parameters x rows x row length x network calls`` (default ``1e12``: seconds to tens of seconds of one
+  CPU core, well inside the scoring server's 60 s timeout).
+
+They are settings of the served model, read from the environment of ``mlflow models serve``
+(``ADLM_MAX_STEPS``, ``ADLM_MAX_LENGTH``, ``ADLM_MAX_ROWS``, ``ADLM_MAX_WORK``); a request over one is refused
+with the limit named, the value asked and the setting that raises it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_MAX_STEPS = 4096
+"""The paper profile's T (METHOD.md section 4): nothing the references run is refused by it."""
+DEFAULT_MAX_ROWS = 16
+DEFAULT_MAX_WORK = 1e12
+ENV = {"max_steps": "ADLM_MAX_STEPS", "max_length": "ADLM_MAX_LENGTH", "max_rows": "ADLM_MAX_ROWS",
+       "max_work": "ADLM_MAX_WORK"}
+
+
+class LimitError(ValueError):
+    """A request over a limit; the message names the limit, the value and the setting."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_steps: int = DEFAULT_MAX_STEPS
+    max_length: int = 1024
+    max_rows: int = DEFAULT_MAX_ROWS
+    max_work: float = DEFAULT_MAX_WORK
+
+    @classmethod
+    def for_model(cls, seq_len: int, any_length: bool = False,
+                  environ: Mapping[str, str] | None = None) -> RequestLimits:
+        """The defaults for a model of context ``seq_len``, overridden by ``ADLM_MAX_*`` (module docstring)."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {"max_steps": DEFAULT_MAX_STEPS, "max_length": seq_len * (4 if any_length else 1),
+                                  "max_rows": DEFAULT_MAX_ROWS, "max_work": DEFAULT_MAX_WORK}
+        for field, var in ENV.items():
+            if env.get(var):
+                try:
+                    values[field] = float(env[var]) if field == "max_work" else int(env[var])
+                except ValueError:
+                    raise LimitError(f"{var}={env[var]!r} is not a number") from None
+                if values[field] <= 0:
+                    raise LimitError(f"{var} must be > 0, got {env[var]}")
+        return cls(**values)
+
+    def check_row(self, i: int, steps: int, length: int) -> None:
+        if steps > self.max_steps:
+            raise LimitError(f"request row {i}: steps {steps} exceeds the limit max_steps={self.max_steps} "
+                             f"({ENV['max_steps']}): ask for fewer steps")
+        if length > self.max_length:
+            raise LimitError(f"request row {i}: length {length} exceeds the limit max_length={self.max_length} "
+                             f"({ENV['max_length']}): ask for fewer tokens")
+
+    def check_request(self, rows: int, work: float) -> None:
+        if rows > self.max_rows:
+            raise LimitError(f"{rows} rows exceed the limit max_rows={self.max_rows} ({ENV['max_rows']}): "
+                             "split the request")
+        if work > self.max_work:
+            raise LimitError(f"the request's work {work:.3g} FLOPs exceeds the limit max_work={self.max_work:.3g} "
+                             f"({ENV['max_work']}): ask for fewer steps, tokens or rows")
+
+
+__all__ = ["ENV", "LimitError", "RequestLimits"]
