@@ -47,21 +47,24 @@ def _shards(s3, prefix: str) -> dict[str, bytes]:
 
 
 def _kill_a_tokenizer_node(rc, s3, prefix: str, deadline: float) -> bool:
-    """Once the run has written its first unit, kill the node of a live tokenizer actor; whether the run was
-    still going (no manifest yet) when the node died."""
+    """Kill the node of a live tokenizer actor as soon as the run has written its first unit (or half a second
+    after the actor is up: units here take milliseconds); whether the run was still going (no manifest yet)
+    when the node died."""
     from ray.util.state import list_actors
 
-    while time.time() < deadline:
-        if s3.keys(f"{prefix}/_units/"):
-            alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-                     if "MapWorker" in (a.class_name or "")]
-            node = next((n for a in alive for n in rc.workers if n.node_id == a.node_id), None)
-            if node is not None:
-                running = not s3.keys(f"{prefix}/manifest.json")
-                rc.remove(node)
-                return running
-        time.sleep(0.2)
-    raise AssertionError("no tokenizer actor showed up")
+    node = None
+    while node is None and time.time() < deadline:
+        alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+                 if "MapWorker" in (a.class_name or "")]
+        node = next((n for a in alive for n in rc.workers if n.node_id == a.node_id), None)
+        time.sleep(0.05)
+    assert node is not None, "no tokenizer actor showed up"
+    wait = time.time() + 0.5
+    while not s3.keys(f"{prefix}/_units/") and time.time() < wait:
+        time.sleep(0.02)
+    running = not s3.keys(f"{prefix}/manifest.json")
+    rc.remove(node)
+    return running
 
 
 def test_a_hub_dataset_prepared_into_s3_on_a_cluster_survives_a_node_loss(tmp_path: Path, own_ray,

@@ -232,7 +232,7 @@ def test_splits_trained_tokenizer_and_uri_output(ray_session, tmp_path: Path, do
     body = _rows(tmp_path / "out" / "train")[0][:, 1:-1].reshape(-1).tolist()
     text = tok.decode(body, skip_special_tokens=False)
     lines = [x for x in "\n".join(docs[:30]).splitlines() if x.strip()]  # .txt: one document a line
-    assert text.startswith("<|endoftext|>".join(lines))
+    assert text.startswith("<|endoftext|>".join(lines[:10]))  # the first unit's rows (16 KB of text: 13 lines)
     assert read_manifest(f"{out_uri}/validation").shard_uris()[0].startswith("file://")
 
 
