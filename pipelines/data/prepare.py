@@ -56,7 +56,6 @@ import json
 import os
 import sys
 import time
-import warnings
 from typing import Any
 
 import numpy as np
@@ -89,12 +88,6 @@ from pipelines.data.worker import PrepareUnits
 from pipelines.faults import fault
 from pipelines.runtime import init_ray
 from pipelines.storage import exists, get_fs, join, read_bytes, warn_if_node_local, write_bytes_atomic
-
-ACTOR_RESTARTS = -1
-"""A tokenizer actor whose node died is started again, as often as nodes die (spot nodes: issue 24)."""
-UNIT_RETRIES = 5
-"""Tries of one unit after its actor died or its read failed with an I/O error; a permanent error (a file that
-is gone) still ends the run after these."""
 
 # ----------------------------------------------------------------------------------------------------------
 # The tokenizer (trained or loaded) and the pad-mode length check
@@ -290,14 +283,10 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
     received = 0
     if items:
         ctx = rdata.DataContext.get_current()
-        saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start,
-                 ctx.actor_task_retry_on_errors)
+        saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start)
         ctx.execution_options.preserve_order = False  # the records are ordered by unit index at the end
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
-        # A unit whose read failed on a transient I/O error (the hub, the store) is tried again; its files are
-        # written whole or not at all, so a retry cannot leave half a shard.
-        ctx.actor_task_retry_on_errors = [OSError]
         low, high = actor_pool_bounds(cfg, len(items))
         per_split = {s: {"text_field": r.sp.text_field, "detokenizer": r.sp.detokenizer, "hf_dataset": r.sp.hf_dataset,
                          "keep_empty": r.sp.keep_empty, "split_dir": r.split_dir, "fingerprint": r.fingerprint}
@@ -306,17 +295,18 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
                  "width": tok.width}
         try:
             ds = rdata.from_items(items, override_num_blocks=len(items))
-            with warnings.catch_warnings():
-                # Spot nodes go away (issue 24): an actor whose node died is restarted elsewhere (max_restarts) and
-                # its unit is done again there (max_task_retries: each retry rewrites the same bytes). Ray 2.60 has
-                # no named parameter for them yet and warns about the remote-args route.
-                warnings.filterwarnings("ignore", message=".*ray_remote_args.*")
-                ds = ds.map_batches(
-                    PrepareUnits, batch_size=1, batch_format="pyarrow",
-                    fn_constructor_kwargs=dict(tokenizer_json=tok.tokenizer_json, splits=per_split,
-                                               text_unit=cfg.text_unit, frame=frame, engine=engine),
-                    compute=rdata.ActorPoolStrategy(min_size=low, max_size=high), num_cpus=cfg.actor_cpus,
-                    max_restarts=ACTOR_RESTARTS, max_task_retries=UNIT_RETRIES)
+            # Spot nodes go away (issue 24): Ray Data's actor pool defaults are kept on purpose, max_restarts=-1 (an
+            # actor whose node died is started again elsewhere) and max_task_retries=-1 (its units are submitted
+            # again until it is back: a bounded count runs out within seconds while the cluster has not yet
+            # declared the node dead, each try failing "actor temporarily unavailable"). A unit done twice writes
+            # the same bytes. The restarted actor's constructor arguments (the tokenizer) are owned by this driver,
+            # on the head node, which outlives worker nodes. Transient I/O errors are retried inside the actor
+            # (data.worker), a bounded number of times, so a permanent one cannot loop forever.
+            ds = ds.map_batches(
+                PrepareUnits, batch_size=1, batch_format="pyarrow",
+                fn_constructor_kwargs=dict(tokenizer_json=tok.tokenizer_json, splits=per_split,
+                                           text_unit=cfg.text_unit, frame=frame, engine=engine),
+                compute=rdata.ActorPoolStrategy(min_size=low, max_size=high), num_cpus=cfg.actor_cpus)
             last_print = time.time()
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
                 for s, rec in zip(batch.column("split").to_pylist(), batch.column("record").to_pylist(), strict=True):
@@ -329,8 +319,7 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
                     log(cfg, "; ".join(r.progress_line() for r in runs.values()))
                     last_print = time.time()
         finally:
-            (ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start,
-             ctx.actor_task_retry_on_errors) = saved
+            ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start = saved
     return {s: run.finish() for s, run in runs.items()}
 
 # ----------------------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+import time
 from typing import Any
 
 from pipelines.data.detokenizers import get_detokenizer
@@ -22,6 +24,9 @@ from pipelines.data.encoder import DocEncoder
 from pipelines.data.shards import pack_unit, shard_bytes, shard_name, sparse_counts, token_counts, unit_record_path
 from pipelines.data.sources import read_unit
 from pipelines.storage import join, write_bytes_atomic
+
+IO_TRIES = 4
+"""Tries of a unit whose read or write failed with an I/O error (waits of 1, 2, 4 s between them)."""
 
 
 class PrepareUnits:
@@ -53,6 +58,23 @@ class PrepareUnits:
                          "record": pa.array(out["record"], pa.large_string())})
 
     def unit(self, u: dict[str, Any]) -> dict[str, Any]:
+        """The unit done, tried again after a transient I/O error (the hub, the object store): its files are
+        written whole or not at all, so a retry never leaves half a shard. A missing file or a refused
+        permission is not retried."""
+        for attempt in range(IO_TRIES):
+            try:
+                return self._unit(u)
+            except (FileNotFoundError, PermissionError):
+                raise
+            except OSError as e:
+                if attempt == IO_TRIES - 1:
+                    raise
+                print(f"[prepare_data] unit {u['index']} of {u['split']}: {type(e).__name__}: {e}; trying again",
+                      file=sys.stderr, flush=True)
+                time.sleep(2 ** attempt)
+        raise AssertionError("unreachable")
+
+    def _unit(self, u: dict[str, Any]) -> dict[str, Any]:
         conf, f = self.splits[u["split"]], self.frame
         ut = read_unit(u, conf["text_field"], self.text_unit, conf["hf_dataset"])
         detok = self.detok[u["split"]]
