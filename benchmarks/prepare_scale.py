@@ -8,14 +8,15 @@ tokenizer, ``wrap`` rows of ``--length``. The stand-in holds the same lines as P
 ``--file-mb`` each (row groups of 2,000 rows), so the 4x corpus has four times as many files, as a larger hub
 dataset has. Each measurement is its own driver process: it starts a local Ray (2 CPUs) first, then times
 ``prepare()`` alone (actor start-up included, Ray start-up not) and reports its own peak RSS
-(``ru_maxrss``: the whole process, Ray's client and the imports included, as the head node would see it).
+(``ru_maxrss``: the whole process, Ray's client and the imports included, as the head node would see it) and,
+sampled every 20 ms, its RSS before ``prepare()`` and at most during it.
 
 Prints ``RESULT prep_driver_memory_growth_4x=<peak at 4x / peak at 1x>`` (goal <= 1.2; the larger of the two
 inputs' ratios), ``RESULT prep_time_growth_4x=<time at 4x / time at 1x>`` (goal <= 4.4; the larger of the
 two), and for information the throughput with 1 and 2 actors and their ratio.
 
-    python benchmarks/prepare_scale.py                  # 8 MB and 32 MB
-    python benchmarks/prepare_scale.py --size-mb 25     # 25 MB and 100 MB
+    python benchmarks/prepare_scale.py                  # 25 MB and 100 MB
+    python benchmarks/prepare_scale.py --size-mb 8      # 8 MB and 32 MB: a quicker try
 """
 
 from __future__ import annotations
@@ -34,20 +35,35 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 DRIVER = r'''
-import json, resource, sys, time
+import json, resource, sys, threading, time
 args = json.loads(sys.argv[1])
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1024
+
+peak = {"mb": 0.0}
+done = threading.Event()
+def sample():
+    while not done.is_set():
+        peak["mb"] = max(peak["mb"], rss_mb())
+        time.sleep(0.02)
 from pipelines.runtime import init_ray
 from pipelines.data.prepare import prepare
 from pipelines.data.sources import NAMED_SOURCES
 from tests.support_hub import stand_in_source
 NAMED_SOURCES["standin"] = stand_in_source()
 init_ray(num_cpus=2)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = rss_mb()
+sampler = threading.Thread(target=sample, daemon=True)
+sampler.start()
 t = time.perf_counter()
 m = prepare(args["opts"])["train"]
 dt = time.perf_counter() - t
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"seconds": dt, "peak_mb": peak / 1024, "before_mb": before / 1024, "rows": m.rows,
+done.set()
+sampler.join()
+print(json.dumps({"seconds": dt, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "before_mb": before, "during_mb": peak["mb"], "rows": m.rows,
                   "stream_tokens": m.rows * (m.length - 2) + m.dropped_tail_tokens, "shards": len(m.shards)}))
 '''
 
@@ -110,7 +126,7 @@ def measure(opts: dict, env: dict[str, str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-mb", type=float, default=8.0, help="the 1x corpus in MB (4x is measured too)")
+    ap.add_argument("--size-mb", type=float, default=25.0, help="the 1x corpus in MB (4x is measured too)")
     ap.add_argument("--file-mb", type=float, default=2.0, help="MB of text a Parquet file of the stand-in")
     ap.add_argument("--length", type=int, default=1024, help="row length L")
     ap.add_argument("--workdir", default=None, help="where corpora and outputs go (default: a temp folder)")
@@ -137,7 +153,8 @@ def main() -> None:
             runs[(kind, k)] = r
             print(f"{kind:>24} {k}x ({text.stat().st_size / 1e6:5.1f} MB{f', {files} files' if 'hub' in kind else ''}): "
                   f"{r['seconds']:6.1f} s, {r['stream_tokens'] / r['seconds']:10,.0f} tokens/s, driver peak "
-                  f"{r['peak_mb']:6.0f} MB (after Ray start {r['before_mb']:.0f} MB), {r['shards']} shards")
+                  f"{r['peak_mb']:4.0f} MB (RSS {r['before_mb']:.0f} MB before prepare(), at most {r['during_mb']:.0f} MB "
+                  f"during it), {r['shards']} shards")
         if k == 4:
             one = measure({**base, "source": [f"train={text}"], "actors": 1, "min_actors": 1, "out": str(d / "out1")},
                           env)
@@ -147,6 +164,9 @@ def main() -> None:
                   f"({tps2 / tps1:.2f}x)")
     mem = max(runs[(kind, 4)]["peak_mb"] / runs[(kind, 1)]["peak_mb"] for kind in ("local files", "hub stand-in (Parquet)"))
     tim = max(runs[(kind, 4)]["seconds"] / runs[(kind, 1)]["seconds"] for kind in ("local files", "hub stand-in (Parquet)"))
+    during = max(runs[(kind, 4)]["during_mb"] / runs[(kind, 1)]["during_mb"]
+                 for kind in ("local files", "hub stand-in (Parquet)"))
+    print(f"(the same ratio for the RSS sampled during prepare() alone: {during:.3f})")
     print(f"RESULT prep_driver_memory_growth_4x={mem:.3f}")
     print(f"RESULT prep_time_growth_4x={tim:.3f}")
     print(f"RESULT prep_actors_2_over_1={tps2 / tps1:.3f}")

@@ -75,10 +75,12 @@ from pipelines.data.plan import (
 )
 from pipelines.data.shards import (
     Progress,
+    add_counts,
     load_progress,
     pack_unit,
     shard_bytes,
     shard_name,
+    text_array,
     token_counts,
     write_progress,
 )
@@ -202,9 +204,8 @@ class SplitRun:
         """A unit's record, as its actor returned it."""
         if self.t0 is None:
             self.t0 = time.time()
-        ids, cnt = rec.pop("freq")
-        np.add.at(self.counts, np.asarray(ids, np.int64), np.asarray(cnt, np.int64))
-        rec["remainder"] = np.asarray(rec["remainder"], np.int32)
+        add_counts(self.counts, rec.pop("freq"))
+        rec["remainder"] = text_array(rec["remainder"], "int32")
         self.records[int(rec["unit"])] = rec
         self.units_done += 1
         self.new_rows += rec["rows"]

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 from collections.abc import Callable
@@ -124,10 +125,25 @@ def token_counts(ids: np.ndarray, mask: np.ndarray | None, width: int) -> np.nda
     return np.bincount(flat, minlength=width)[:width].astype(np.int64)
 
 
-def sparse_counts(counts: np.ndarray) -> list[list[int]]:
-    """``[[ids], [counts]]`` of the ids that occur (a unit's record)."""
+def array_text(a: np.ndarray) -> str:
+    """A little-endian integer array as base64 text for a unit's record: the driver decodes thousands of records,
+    and parsing JSON lists of a GPT-2 unit's 30,000 counts costs it about 20 ms each, base64 about 1 ms."""
+    return base64.b64encode(np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes()).decode("ascii")
+
+
+def text_array(text: str, dtype: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype)
+
+
+def sparse_counts(counts: np.ndarray) -> dict[str, str]:
+    """The ids that occur and their counts (a unit's record; ``add_counts`` reads it back)."""
     nz = np.flatnonzero(counts)
-    return [nz.tolist(), counts[nz].tolist()]
+    return {"ids": array_text(nz.astype(np.int32)), "counts": array_text(counts[nz].astype(np.int32))}  # < 2**31 a unit
+
+
+def add_counts(total: np.ndarray, freq: dict[str, str]) -> None:
+    """``total += `` a record's counts (its ids are distinct)."""
+    total[text_array(freq["ids"], "int32")] += text_array(freq["counts"], "int32")
 
 # ----------------------------------------------------------------------------------------------------------
 # Resumption: a record a unit, written by the actor after its shard
@@ -218,9 +234,8 @@ def load_progress(split_dir: str, fingerprint: str, width: int, log: Callable[[s
                 log(f"{rec['name']} is missing or does not match its sha256: its unit is done again")
                 fs.delete_file(e.path)
                 continue
-        ids, cnt = rec.pop("freq")
-        np.add.at(counts, np.asarray(ids, np.int64), np.asarray(cnt, np.int64))
-        rec["remainder"] = np.asarray(rec["remainder"], np.int32)
+        add_counts(counts, rec.pop("freq"))
+        rec["remainder"] = text_array(rec["remainder"], "int32")
         records[int(rec["unit"])] = rec
     keep = {r["name"] for r in records.values() if r["name"]} | {PROGRESS_NAME, UNITS_DIR}
     for e in entries:

@@ -19,9 +19,19 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+
 from pipelines.data.detokenizers import get_detokenizer
 from pipelines.data.encoder import DocEncoder
-from pipelines.data.shards import pack_unit, shard_bytes, shard_name, sparse_counts, token_counts, unit_record_path
+from pipelines.data.shards import (
+    array_text,
+    pack_unit,
+    shard_bytes,
+    shard_name,
+    sparse_counts,
+    token_counts,
+    unit_record_path,
+)
 from pipelines.data.sources import read_unit
 from pipelines.storage import join, write_bytes_atomic
 
@@ -94,7 +104,7 @@ class PrepareUnits:
                  "tokens": int(len(flat)) + (0 if wrap else 2 * int(len(lengths))),
                  "rows_read": int(ut.extra.get("rows_read", len(ut.docs)))}
         rec = {"fingerprint": conf["fingerprint"], "unit": u["index"], "name": name, "rows": int(len(ids)),
-               "sha256": sha, "bytes": size, "stats": stats, "remainder": remainder.tolist(),
+               "sha256": sha, "bytes": size, "stats": stats, "remainder": array_text(remainder.astype(np.int32)),
                "freq": sparse_counts(token_counts(ids, mask, f["width"]))}
         write_bytes_atomic(unit_record_path(conf["split_dir"], u["index"]), json.dumps(rec).encode())
         return rec
