@@ -54,10 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "(the zero-shot sets keep them, as the reference's loader appends EOS to every row)")
     p.add_argument("--detokenizer", default=None, choices=["none", *sorted(DETOKENIZERS)],
                    help="detokenizer applied first (default: the named source's; local: none)")
-    p.add_argument("--shard-rows", type=int, default=d.shard_rows,
-                   help="rows per shard, at least (shards end at input unit boundaries)")
-    p.add_argument("--unit-mb", type=float, default=d.unit_mb, help="largest unit of work (MB of input text)")
-    p.add_argument("--unit-docs", type=int, default=d.unit_docs, help="documents per unit (Hugging Face sources)")
+    p.add_argument("--unit-mb", type=float, default=d.unit_mb, help="largest unit of work (MB of input text); each "
+                   "unit becomes one shard, written by the actor that tokenised it")
+    p.add_argument("--unit-docs", type=int, default=d.unit_docs,
+                   help="documents per unit (Hugging Face datasets loaded with datasets: a local --out)")
+    p.add_argument("--hub-mirror", default=None, metavar="DIR|URI",
+                   help="named sources: read the dataset's Parquet files from this folder or object-store prefix "
+                   "laid out as the hub (<mirror>/<dataset id>/<path>) instead of hf:// (default $ADLM_HUB_MIRROR; "
+                   "an object-store --out reads the hub's Parquet files on the workers either way)")
     p.add_argument("--actors", type=int, default=None,
                    help="most tokenizer actors of the autoscaling pool (default: one a unit of work, at most 64)")
     p.add_argument("--min-actors", type=int, default=d.min_actors, help="tokenizer actors the pool starts with")

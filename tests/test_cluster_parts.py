@@ -1,6 +1,6 @@
 """The pieces of the cluster story that need no cluster: secrets never shown, what drivers forward to
-workers, the tokenizer actor pool's bounds, Hugging Face splits staged to the object store (a real S3
-server on loopback), evaluation tasks asking for a GPU, and the node-local path warning on a one-node Ray."""
+workers, the tokenizer actor pool's bounds, evaluation tasks asking for a GPU, and the node-local path warning
+on a one-node Ray. (Hugging Face splits on a cluster are read as the hub's Parquet files: tests/test_prepare_hub.py.)"""
 
 from __future__ import annotations
 
@@ -50,35 +50,6 @@ def test_the_tokenizer_actor_pool_grows_and_shrinks_within_its_bounds() -> None:
     assert actor_pool_bounds(PrepareConfig(), 3) == (1, 3)
     assert actor_pool_bounds(PrepareConfig(actors=8, min_actors=2), 1000) == (2, 8)
     assert actor_pool_bounds(PrepareConfig(actors=8, min_actors=4), 2) == (2, 2)
-
-
-def test_a_hugging_face_split_is_staged_to_the_store_once() -> None:
-    """On a cluster, tokenizer actors on other nodes cannot read the driver's Hugging Face cache: the split's
-    rows go to the object store as Parquet (row groups = units of work), named by the split's identity."""
-    import boto3
-    import datasets
-    import pyarrow.parquet as pq
-
-    from pipelines.data.plan import stage_hf_split
-    from pipelines.storage import get_fs
-
-    ds = datasets.Dataset.from_dict({"text": [f"document {i}" for i in range(10)], "other": list(range(10))})
-    ident = {"hf": "local", "split": "train", "start": 2, "rows": 5}
-    with s3_server() as s3:
-        out = f"s3://{s3.bucket}/data/local"
-        dest = stage_hf_split(ds, 2, 5, "text", out, rows_per_group=2, ident=ident)
-        assert dest.startswith(f"{out}/_inputs/hf-") and dest.endswith(".parquet")
-        fs, inner = get_fs(dest)
-        with fs.open_input_file(inner) as f:
-            pf = pq.ParquetFile(f)
-            assert pf.read().column("text").to_pylist() == [f"document {i}" for i in range(2, 7)]
-            assert pf.schema_arrow.names == ["text"] and pf.num_row_groups == 3
-        key = dest.split(f"s3://{s3.bucket}/", 1)[1]
-        etag = boto3.client("s3", endpoint_url=s3.endpoint).head_object(Bucket=s3.bucket, Key=key)["ETag"]
-        other = datasets.Dataset.from_dict({"text": ["something else"] * 10})
-        assert stage_hf_split(other, 2, 5, "text", out, rows_per_group=2, ident=ident) == dest  # written once
-        assert boto3.client("s3", endpoint_url=s3.endpoint).head_object(Bucket=s3.bucket, Key=key)["ETag"] == etag
-        assert not [k for k in s3.keys() if k.endswith(".tmp")]
 
 
 def test_evaluation_asks_for_a_gpu_for_large_work_even_before_one_is_up(ray_session) -> None:

@@ -49,9 +49,32 @@ def _shas(out: Path, split: str = "train") -> list[str]:
     return [s.sha256 for s in read_manifest(out / split).shards]
 
 
+def _expected_wrap(opts: dict, length: int, keep_empty: bool = False) -> tuple[np.ndarray, int, int]:
+    """(row bodies, dropped tail tokens, units) that wrap packing must give, computed here from the plan's units:
+    each unit's stream (documents + EOS) cut into rows of L - 2, then the units' remainders in unit order."""
+    from pipelines.data.plan import PrepareConfig, make_plan
+    from pipelines.data.sources import read_unit
+
+    sp = make_plan(PrepareConfig(**opts)).splits["train"]
+    tok = load_tokenizer("gpt2")
+    w = length - 2
+    bodies, rest = [], []
+    for u in sp.units:
+        docs = [d for d in read_unit(u.to_dict(), "text").docs if keep_empty or d.strip()]
+        stream = np.concatenate([np.array(x + [50256], np.int32) for x in tok.encode(docs)])
+        k = len(stream) // w
+        bodies.append(stream[: k * w].reshape(k, w))
+        rest.append(stream[k * w:])
+    r = np.concatenate(rest)
+    k = len(r) // w
+    bodies.append(r[: k * w].reshape(k, w))
+    return np.concatenate(bodies), len(r) - k * w, len(sp.units)
+
+
 def test_wrap_rows_decode_to_the_documents(ray_session, tmp_path: Path, corpus: Path, docs: list[str]) -> None:
     out = tmp_path / "wrap"
-    ms = prepare(dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=64, shard_rows=40, quiet=True))
+    opts = dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=64, quiet=True)
+    ms = prepare(opts)
     m = ms["train"]
     tok = load_tokenizer("gpt2")
     ids, mask, tabs = _rows(out / "train")
@@ -60,15 +83,17 @@ def test_wrap_rows_decode_to_the_documents(ray_session, tmp_path: Path, corpus: 
     assert len(m.shards) >= 3 and m.rows == len(ids) == sum(s.rows for s in m.shards)
     # Framing: BOS ... EOS, both 50256 for GPT-2.
     assert (ids[:, 0] == 50256).all() and (ids[:, -1] == 50256).all()
-    # The body of the rows is exactly the stream of documents + EOS, minus the dropped tail.
+    # The bodies of the rows are each unit's stream of documents + EOS cut into rows, then the units' remainders
+    # in unit order (packed on the actors, the tail on the driver); one shard a unit plus the tail shard.
+    expect, dropped, units = _expected_wrap(opts, 64)
+    assert units >= 3 and len(m.shards) == units + 1
+    np.testing.assert_array_equal(ids[:, 1:-1], expect)
+    # As many rows and as few dropped tokens as one stream over the whole split gives.
     kept = [d for d in docs if d.strip()]
     stream = np.concatenate([np.array(x + [50256], np.int32) for x in tok.encode(kept)])
     body = ids[:, 1:-1].reshape(-1)
-    assert len(stream) - len(body) == m.dropped_tail_tokens < 62
-    np.testing.assert_array_equal(body, stream[: len(body)])
-    text = tok.decode(body.tolist())
-    full = "".join(d + "<|endoftext|>" for d in kept)
-    assert full.startswith(text) and len(full) - len(text) < 62 * 20
+    assert len(stream) - len(body) == m.dropped_tail_tokens == dropped < 62
+    assert len(ids) == len(stream) // 62
     # Manifest: counts and ids.
     assert (m.vocab_size, m.mask_id, m.bos_id, m.eos_id, m.length, m.mode) == (50257, 50257, 50256, 50256, 64, "wrap")
     assert m.documents == 60 and m.documents_used == 58 and m.skipped == {"empty": 2}
@@ -89,15 +114,15 @@ def test_keep_empty_gives_every_empty_document_its_eos(ray_session, tmp_path: Pa
     """The zero-shot convention of the references (their loader appends EOS to every row, empty rows
     included): with keep_empty the two empty documents become two extra EOS tokens in the stream."""
     out = tmp_path / "keep"
-    m = prepare(dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=64, keep_empty=True,
-                     quiet=True))["train"]
+    opts = dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=64, keep_empty=True, quiet=True)
+    m = prepare(opts)["train"]
     tok = load_tokenizer("gpt2")
     ids, _, _ = _rows(out / "train")
     stream = np.concatenate([np.array(x + [50256], np.int32) for x in tok.encode(docs)])  # every document
     empty, blank = tok.encode([docs[5], docs[17]])
     assert empty == [] and len(blank) >= 1  # "" is no token; "   " is some
-    body = ids[:, 1:-1].reshape(-1)
-    np.testing.assert_array_equal(body, stream[: len(body)])
+    np.testing.assert_array_equal(ids[:, 1:-1], _expected_wrap(opts, 64, keep_empty=True)[0])
+    assert len(ids) * 62 + m.dropped_tail_tokens == len(stream)
     assert m.documents == m.documents_used == 60 and not m.skipped and m.options["keep_empty"] is True
     # The default drops them (test_wrap_rows_decode_to_the_documents): two EOS fewer in the same text.
     dropped = np.concatenate([np.array(x + [50256], np.int32) for x in tok.encode([d for d in docs if d.strip()])])
@@ -110,7 +135,7 @@ def test_row_indices_read_the_same_rows_as_a_range(ray_session, tmp_path: Path, 
     from pipelines.data.reader import read_row_indices, read_rows
 
     out = tmp_path / "rows"
-    prepare(dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=32, shard_rows=16, quiet=True))
+    prepare(dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=32, quiet=True))
     every, _ = read_rows(str(out / "train"))
     assert len(read_manifest(out / "train").shards) >= 3
     idx = np.linspace(0, len(every) - 1, 9).round().astype(np.int64)
@@ -124,7 +149,7 @@ def test_row_indices_read_the_same_rows_as_a_range(ray_session, tmp_path: Path, 
 def test_pad_rows_are_exact(ray_session, tmp_path: Path, corpus: Path, docs: list[str]) -> None:
     out = tmp_path / "pad"
     ms = prepare(dict(source=[str(corpus)], out=str(out), tokenizer="bert-base-uncased", mode="pad", length=48,
-                      max_truncated=1.0, shard_rows=25, quiet=True))
+                      max_truncated=1.0, quiet=True))
     m = ms["train"]
     tok = load_tokenizer("bert-base-uncased")
     ids, mask, tabs = _rows(out / "train")
@@ -151,26 +176,33 @@ def test_pad_length_too_short_fails_before_any_work(tmp_path: Path, corpus: Path
 
 def test_killed_run_resumes_to_identical_shards(ray_session, tmp_path: Path, corpus: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    opts = dict(source=[str(corpus)], tokenizer="gpt2", length=32, shard_rows=30, quiet=True)
+    """A run that dies before its manifest resumes at unit granularity: the units whose shard matches its record
+    are kept (not even rewritten), a lost shard's unit is done again, and every shard equals an undisturbed run's
+    byte for byte."""
+    opts = dict(source=[str(corpus)], tokenizer="gpt2", length=32, quiet=True)
     ref = prepare({**opts, "out": str(tmp_path / "ref")})["train"]
     assert len(ref.shards) >= 4
     out = tmp_path / "killed"
-    monkeypatch.setenv(FAULT_ENV, "prepare.fail_after_shards=3")
+    monkeypatch.setenv(FAULT_ENV, "prepare.fail_after_shards=2")
     with pytest.raises(RuntimeError, match="simulated crash"):
         # On the other engine: the shards are the same, so the rerun below (auto: tiktoken) continues them.
         prepare({**opts, "out": str(out), "engine": "tokenizers"})
     monkeypatch.delenv(FAULT_ENV)
-    names = sorted(p.name for p in (out / "train").glob("part-*"))
-    assert names == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
-    assert not (out / "train" / "manifest.json").exists()
-    # Damage it further: a lost shard and a stale temporary file. The rerun keeps the intact prefix.
-    (out / "train" / "part-00001.parquet").unlink()
-    (out / "train" / "part-00002.parquet.tmp").write_bytes(b"half")
+    split = out / "train"
+    assert not (split / "manifest.json").exists()
+    done = sorted(split.glob("part-*.parquet"))
+    assert len(done) >= 2 and len(list((split / "_units").glob("*.json"))) >= 2
+    # Damage it further: a lost shard (its record stays) and a stale temporary file.
+    done[0].unlink()
+    (split / "part-00099.parquet.tmp").write_bytes(b"half")
+    kept = {p.name: p.stat().st_mtime_ns for p in done[1:]}
     resumed = prepare({**opts, "out": str(out)})["train"]
     assert _shas(out) == _shas(tmp_path / "ref") and resumed.content_hash() == ref.content_hash()
-    assert not list((out / "train").glob("*.tmp"))
+    assert resumed.token_frequency == ref.token_frequency and resumed.tokens == ref.tokens
+    assert not list(split.glob("*.tmp"))
     for s in ref.shards:
-        assert (out / "train" / s.name).read_bytes() == (tmp_path / "ref" / "train" / s.name).read_bytes()
+        assert (split / s.name).read_bytes() == (tmp_path / "ref" / "train" / s.name).read_bytes()
+    assert {n: (split / n).stat().st_mtime_ns for n in kept} == kept  # kept units were not done again
     # Complete: a rerun only verifies; other options on the same output are refused before any work.
     assert prepare({**opts, "out": str(out)})["train"].content_hash() == ref.content_hash()
     with pytest.raises(PrepareError, match="--overwrite"):
@@ -185,7 +217,7 @@ def test_splits_trained_tokenizer_and_uri_output(ray_session, tmp_path: Path, do
     (tmp_path / "val.txt").write_text("\n".join(docs[50:]), encoding="utf-8")
     out_uri = (tmp_path / "out").as_uri()  # file:// goes through the pyarrow filesystem path, as s3:// does
     ms = prepare(dict(source=[f"train={src}", f"validation={tmp_path / 'val.txt'}"], out=out_uri,
-                      train_tokenizer=400, text_field="body", length=40, shard_rows=50, quiet=True))
+                      train_tokenizer=400, text_field="body", length=40, quiet=True))
     tok_file = tmp_path / "out" / "tokenizer.json"
     assert tok_file.is_file()
     tok = load_tokenizer(str(tok_file))
@@ -200,7 +232,7 @@ def test_splits_trained_tokenizer_and_uri_output(ray_session, tmp_path: Path, do
     body = _rows(tmp_path / "out" / "train")[0][:, 1:-1].reshape(-1).tolist()
     text = tok.decode(body, skip_special_tokens=False)
     lines = [x for x in "\n".join(docs[:30]).splitlines() if x.strip()]  # .txt: one document a line
-    assert text.startswith("<|endoftext|>".join(lines))
+    assert text.startswith("<|endoftext|>".join(lines[:10]))  # the first unit's rows (16 KB of text: 13 lines)
     assert read_manifest(f"{out_uri}/validation").shard_uris()[0].startswith("file://")
 
 
@@ -240,7 +272,8 @@ def test_cli_help_and_error_line(capsys: pytest.CaptureFixture[str], tmp_path: P
         main(["--help"])
     help_text = capsys.readouterr().out
     for flag in ("--source", "--out", "--tokenizer", "--train-tokenizer", "--length", "--mode", "--text-field",
-                 "--shard-rows", "--actors", "--actor-cpus", "--overwrite", "--max-truncated", "--engine"):
+                 "--unit-mb", "--hub-mirror", "--actors", "--actor-cpus", "--overwrite", "--max-truncated",
+                 "--engine"):
         assert flag in help_text
     assert main(["--source", "nosuchset", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -2,9 +2,11 @@
 
 ``make_plan(PrepareConfig)`` validates the options, resolves a named source (its reference splits, text
 field, detokenizer, tokenizer, mode and length) or local/object-store files, and cuts every split's input
-into *units* with stable indices (byte ranges of text/JSONL files cut at newlines, row-group ranges of
-Parquet files, row ranges of a Hugging Face dataset). Unit sizes depend on the input only, never on the
-cluster, so the shard layout is the same everywhere. Every error here is one line, before Ray starts.
+into *units* with stable indices (byte ranges of text/JSONL files cut at newlines, row ranges of Parquet
+files made of whole row groups of one file, row ranges of a Hugging Face dataset loaded with ``datasets``).
+Unit sizes depend on the input only, never on the cluster, so the shard layout is the same everywhere. A named
+source on a cluster (or with a hub mirror) is its Parquet files on the hub (``data.hub``): the driver reads
+their footers, never their rows. Every error here is one line, before Ray starts.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 from pipelines.data.detokenizers import DETOKENIZERS, get_detokenizer
 from pipelines.data.embedded import embedded_corpus
 from pipelines.data.encoder import ENGINES
+from pipelines.data.hub import hub_files, hub_pattern, resolve_mirror, split_window, stage_url
 from pipelines.data.sources import (
     EMBEDDED,
     EMBEDDED_TOKENIZER_VOCAB,
@@ -35,6 +38,7 @@ from pipelines.data.sources import (
     plan_hf_units,
     plan_units,
     read_unit,
+    source_fs,
 )
 from pipelines.data.tokenizer import TokenizerInfo
 from pipelines.storage import (
@@ -49,10 +53,10 @@ from pipelines.storage import (
     sha256_file,
 )
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Part of every split's fingerprint: bump it when the shard format changes (2: one shard a unit of work)."""
 MAX_ACTORS = 64
 """Default upper bound of the tokenizer actor pool."""
-"""Part of every split's fingerprint: bump it when the shard format changes."""
 
 
 class PrepareError(ValueError):
@@ -90,12 +94,14 @@ class PrepareConfig:
     """Plain-text files: ``line`` (one document a line) or ``file`` (one document a file)."""
     detokenizer: str | None = None
     """Detokenizer before tokenisation (default: the named source's; ``none`` to switch it off)."""
-    shard_rows: int = 4096
-    """Rows per shard, at least (shards end at unit boundaries, so that a rerun can resume there)."""
     unit_mb: float = 16.0
-    """Largest unit of work in MB of input text (smaller for small corpora: total / 32, at least 16 KB)."""
+    """Largest unit of work in MB of input text (smaller for small corpora: total / 32, at least 16 KB). Each
+    unit becomes one shard, written by the actor that tokenised it."""
     unit_docs: int = 20000
-    """Documents per unit for Hugging Face datasets."""
+    """Documents per unit for Hugging Face datasets loaded with ``datasets`` (a local output)."""
+    hub_mirror: str | None = None
+    """Named sources: read the dataset's Parquet files from this folder or object-store prefix, laid out as the
+    hub (``<mirror>/<dataset id>/<path>``), instead of the hub (``data.hub``; default ``$ADLM_HUB_MIRROR``)."""
     actors: int | None = None
     """Most tokenizer actors of the autoscaling pool (default: one a unit of work, at most 64)."""
     min_actors: int = 1
@@ -161,7 +167,7 @@ def _local_plan(files: list[str], cfg: PrepareConfig) -> tuple[list[Unit], dict[
     """Units of files (local or in an object store) cut by size only, and the files' identity."""
     sizes = []
     for f in files:
-        fs, inner = get_fs(f)
+        fs, inner = source_fs(f)
         sizes.append(fs.get_file_info(inner).size or 0)
     units = plan_units(files, _unit_bytes(sum(sizes), cfg.unit_mb))
     ident = {"files": [[f, s] for f, s in zip(files, sizes, strict=True)], "text_unit": cfg.text_unit}
@@ -198,23 +204,25 @@ def stage_inputs(files: list[str], out: str) -> list[str]:
     return staged
 
 
-def stage_hf_split(ds: Any, start: int, n: int, text_field: str, out: str, rows_per_group: int,
-                   ident: dict[str, Any]) -> str:
-    """Rows ``[start, start + n)`` of a Hugging Face dataset as one Parquet file in the object store (row
-    groups of ``rows_per_group``: one unit of work each), named by the split's identity; written once."""
-    import pyarrow.parquet as pq
-
-    key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    dest = join(out, "_inputs", f"hf-{key}.parquet")
-    if exists(dest):
-        return dest
-    table = ds.select_columns([text_field]).select(range(start, start + n)).data.table
-    fs, inner = get_fs(dest)
-    fs.create_dir(inner.rsplit("/", 1)[0], recursive=True)
-    with fs.open_output_stream(inner + ".tmp") as f:
-        pq.write_table(table.combine_chunks(), f, row_group_size=max(1, rows_per_group), compression="zstd")
-    fs.move(inner + ".tmp", inner)
-    return dest
+def _hub_split(named: NamedSource, split: str, mirror: str | None, out: str, text_field: str,
+               detok: str | None, cfg: PrepareConfig) -> SplitPlan:
+    """A named source's split as the hub serves it (``data.hub``): its Parquet files cut into units (rows of
+    one file each), restricted to the split's rows (OpenWebText's held-out tail)."""
+    if named.data_files:  # one JSONL file at a URL (LAMBADA): every row is the split
+        files = [stage_url(named.data_files, out, mirror)]
+        units, ident = _local_plan(files, cfg)
+        ident = {"url": named.data_files, "bytes": ident["files"][0][1]}
+        return SplitPlan(split, named.name, units, text_field, detok, ident)
+    files = hub_files(named, split, mirror)
+    check_text_field(files[0], text_field)
+    window = split_window(named, split, files)
+    sizes = [source_fs(f)[0].get_file_info(source_fs(f)[1]).size or 0 for f in files]
+    units = plan_units(files, _unit_bytes(sum(sizes), cfg.unit_mb), rows=window)
+    # The files' names and sizes, not where they were read: the hub and a mirror of it give the same shards.
+    depth = len(hub_pattern(named, split)[1].split("/"))
+    ident = {"hub": named.hf_path, "name": named.hf_name, "split": named.splits[split], "rows": window,
+             "files": [["/".join(f.split("/")[-depth:]), n] for f, n in zip(files, sizes, strict=True)]}
+    return SplitPlan(split, named.name, units, text_field, detok, ident)
 
 
 def make_plan(cfg: PrepareConfig) -> Plan:
@@ -227,8 +235,6 @@ def make_plan(cfg: PrepareConfig) -> Plan:
         raise PrepareError(f"--engine {cfg.engine!r}: use one of {', '.join(ENGINES)}")
     if cfg.length is not None and cfg.length < 4:
         raise PrepareError(f"--length {cfg.length} is below 4: a row needs BOS, EOS and at least two tokens")
-    if cfg.shard_rows < 1:
-        raise PrepareError(f"--shard-rows {cfg.shard_rows}: must be at least 1")
     if cfg.actors is not None and cfg.actors < 1:
         raise PrepareError(f"--actors {cfg.actors}: must be at least 1")
     if cfg.min_actors < 1 or (cfg.actors is not None and cfg.min_actors > cfg.actors):
@@ -244,7 +250,7 @@ def make_plan(cfg: PrepareConfig) -> Plan:
     if cfg.tokenizer and cfg.train_tokenizer:
         raise PrepareError("--tokenizer and --train-tokenizer exclude each other; pass one")
 
-    named_specs = [s for s in cfg.source if "=" not in s and s.lower() in KNOWN_SOURCES]
+    named_specs = [s for s in cfg.source if "=" not in s and (s.lower() == "embedded" or s.lower() in NAMED_SOURCES)]
     local_specs = [s for s in cfg.source if s not in named_specs]
     named: NamedSource | None = None
     splits: dict[str, SplitPlan] = {}
@@ -271,16 +277,18 @@ def make_plan(cfg: PrepareConfig) -> Plan:
                 ident = {"embedded": "embedded-v1", "split": s, "bytes": ident["files"][0][1]}
                 splits[s] = SplitPlan(s, "embedded", units, "text", detok, ident)
         else:
+            mirror = resolve_mirror(cfg.hub_mirror)
             for s in wanted:
+                if is_uri(out) or mirror:
+                    # A cluster (actors on other nodes cannot read this node's Hugging Face cache), or a mirror:
+                    # the hub's Parquet files, read by the actors (data.hub); the driver reads footers only.
+                    splits[s] = _hub_split(named, s, mirror, out, text_field, detok, cfg)
+                    continue
                 ds, start, n = load_hf_split(named, s)
                 ident = {"hf": named.hf_path, "name": named.hf_name, "split": named.splits[s], "start": start,
                          "rows": n, "fingerprint": getattr(ds, "_fingerprint", None)}
-                if is_uri(out):  # a cluster: actors on other nodes cannot read this node's Hugging Face cache
-                    staged = stage_hf_split(ds, start, n, text_field, out, cfg.unit_docs, ident)
-                    splits[s] = SplitPlan(s, named.name, plan_units([staged], 1), text_field, detok, ident)
-                else:
-                    units = plan_hf_units(n, cfg.unit_docs, offset=start)
-                    splits[s] = SplitPlan(s, named.name, units, text_field, detok, ident, hf_dataset=ds)
+                units = plan_hf_units(n, cfg.unit_docs, offset=start)
+                splits[s] = SplitPlan(s, named.name, units, text_field, detok, ident, hf_dataset=ds)
     else:
         bare = [s for s in local_specs if "=" not in s or "://" in s.split("=", 1)[0]]
         if any(s.lower() == s and "/" not in s and "." not in s and not os.path.exists(s) for s in bare):
@@ -352,7 +360,7 @@ def fingerprint(plan: Plan, sp: SplitPlan, tok: TokenizerInfo) -> str:
     payload = {
         "format": FORMAT_VERSION, "identity": sp.identity, "split": sp.split, "text_field": sp.text_field,
         "detokenizer": sp.detokenizer, "tokenizer": tok.content_hash, "length": plan.length, "mode": plan.mode,
-        "shard_rows": plan.cfg.shard_rows, "units": [u.to_dict() for u in sp.units],
+        "units": [u.to_dict() for u in sp.units],
         **({"keep_empty": True} if sp.keep_empty else {}),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

@@ -11,9 +11,15 @@ Output per split: ``OUT/<split>/part-00000.parquet ...`` (``input_ids``: fixed_s
 
 Modes (the reference's semantics):
 
-- ``wrap``: EOS appended to every document; the documents of the split, in order, form one token
-  stream; it is cut into rows of ``L - 2`` tokens, each framed ``BOS ... EOS``; the incomplete tail of
-  the stream is dropped (and counted).
+- ``wrap``: EOS appended to every document; the documents, in order, form a token stream cut into rows of
+  ``L - 2`` tokens, each framed ``BOS ... EOS``. The stream is packed a unit of work at a time, on the actor
+  that tokenised it; each unit's remainder (fewer than ``L - 2`` tokens) goes back to the driver, which packs
+  the remainders in unit order into the split's last shard and drops what is left of them (counted as
+  ``dropped_tail_tokens``). The cost against one stream over the whole split: none in tokens (the same rows,
+  the same fewer than ``L - 2`` dropped tokens; sum of floors plus the floor of the remainders' sum is the floor
+  of the sum), only the rows' boundaries differ: a unit's last document continues in a tail row instead of
+  the next row. (The reference wraps each batch of 1,000 documents and drops each batch's remainder: up to
+  ``L - 3`` tokens lost a batch; this keeps them.)
 - ``pad``: one document (sentence) a row, ``BOS ... EOS PAD ...`` with an attention mask; documents
   longer than ``L - 2`` tokens are truncated and counted. Tolerance: before any Ray work the first
   2,000 documents are tokenised; if more than ``--max-truncated`` of them (default 1%) would be cut,
@@ -21,26 +27,25 @@ Modes (the reference's semantics):
 
 How the work is split, and why the output is deterministic and resumable:
 
-1. Before Ray starts, the input is cut into *units* with stable indices (byte ranges of text/JSONL
-   files cut at newlines, row-group ranges of Parquet files, row ranges of a Hugging Face dataset).
-   Their size depends on the input only, never on the cluster.
-2. Ray Data runs the units through a class-based ``map_batches`` on an actor pool
-   (``ActorPoolStrategy``; fractional CPUs so that 2-core machines do not starve): each actor loads
-   the tokenizer once, reads its unit (any pyarrow filesystem: local, S3, GCS), detokenises, drops
-   empty documents, replaces invalid UTF-8, and returns the unit's tokens as pyarrow ``list<int32>``
-   columns. ``preserve_order`` keeps the units in index order. The tokens come from
-   ``pipelines.data.encoder``: tiktoken's BPE core for GPT-2 (same ids, several times faster), else the
-   tokenizer's own ``tokenizers`` backend (``--engine``).
-3. The driver packs the ordered stream (cheap numpy work: framing is a reshape) and writes a shard
-   whenever at least ``--shard-rows`` rows are pending at a unit boundary: written to
-   ``part-NNNNN.parquet.tmp``, then renamed. After each shard ``_progress.json`` records its sha256
-   and the packer state (next unit, carried tokens, counters).
-4. A rerun with the same options verifies the recorded shards' sha256, keeps the longest intact
-   prefix, and restarts from the recorded state: units already packed are not even read again. The
-   same input gives byte-identical shards; ``--overwrite`` starts again.
+1. Before Ray starts, the input is cut into *units* with stable indices (byte ranges of text/JSONL files cut
+   at newlines, row ranges of one Parquet file each, row ranges of a Hugging Face dataset; a named source on a
+   cluster is its Parquet files on the hub, ``data.hub``, of which the driver reads the footers only). Their
+   size depends on the input only, never on the cluster.
+2. Ray Data runs the units through a class-based ``map_batches`` on an autoscaling actor pool
+   (``ActorPoolStrategy``; fractional CPUs so that 2-core machines do not starve). Each actor
+   (``data.worker``) loads the tokenizer once and, per unit, reads it where it runs (local, S3, GCS,
+   ``hf://``), tokenises it (tiktoken's BPE core for GPT-2, else ``tokenizers``: ``pipelines.data.encoder``),
+   packs it and writes ``part-<unit>.parquet`` (``.tmp`` then rename), then the unit's record
+   ``_units/<unit>.json`` (rows, sha256, counters, the count of every token id, the remainder). Actors
+   whose node dies are restarted and their units done again (same bytes); a transient I/O error is retried.
+3. The driver receives only the records, in completion order, sums the token counts, and at the end orders
+   the records by unit, writes the tail shard (``wrap``) and ``manifest.json``. Its memory does not grow with
+   the corpus beyond a record a unit; nothing re-reads the shards to count tokens.
+4. A rerun with the same options keeps every unit whose shard matches its record and does only the others;
+   the same input gives byte-identical shards; ``--overwrite`` starts again.
 
-Ray Data's own ``write_parquet`` is not used for the shards: it names files by task and writes them
-in completion order, which gives neither byte-identical shards nor a resumable prefix.
+Ray Data's own ``write_parquet`` is not used for the shards: it names files by task and block, which gives
+neither deterministic names and bytes nor resumption by unit.
 """
 from __future__ import annotations
 
@@ -51,13 +56,11 @@ import json
 import os
 import sys
 import time
-import warnings
 from typing import Any
 
 import numpy as np
 
-from pipelines.data.detokenizers import get_detokenizer
-from pipelines.data.encoder import DocEncoder, EncoderError, resolve_engine
+from pipelines.data.encoder import EncoderError, resolve_engine
 from pipelines.data.manifest import Manifest, ShardInfo, read_manifest
 from pipelines.data.plan import (
     MAX_ACTORS,
@@ -71,16 +74,19 @@ from pipelines.data.plan import (
     split_docs,
 )
 from pipelines.data.shards import (
-    Packer,
-    State,
+    Progress,
+    add_counts,
     load_progress,
+    pack_unit,
     shard_bytes,
     shard_name,
-    token_frequency,
+    text_array,
+    token_counts,
     write_progress,
 )
-from pipelines.data.sources import read_unit
+from pipelines.data.sources import Unit
 from pipelines.data.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
+from pipelines.data.worker import PrepareUnits
 from pipelines.faults import fault
 from pipelines.runtime import init_ray
 from pipelines.storage import exists, get_fs, join, read_bytes, warn_if_node_local, write_bytes_atomic
@@ -145,65 +151,7 @@ def check_pad_length(plan: Plan, sp: SplitPlan, tok: TokenizerInfo, sample: int 
             f"{need} (fits 99%), --mode wrap, or raise --max-truncated")
 
 # ----------------------------------------------------------------------------------------------------------
-# The Ray Data stage: read + detokenise + tokenise one unit per call, in a reused actor.
-
-
-COUNT_KEYS = ("docs", "empty", "invalid_utf8", "missing_field")
-
-
-class TokenizeUnits:
-    """Ray Data callable class: loads the tokenizer once per actor, turns units into token lists.
-
-    ``splits``: per split, its text field, detokenizer name and (Hugging Face sources) the dataset.
-    Returns one row per unit: ``tokens`` (large_list<int32>: the unit's documents back to back, EOS after
-    each in ``wrap`` mode), ``lengths`` (large_list<int32>: tokens per document) and counters.
-    """
-
-    def __init__(self, tokenizer_json: str, splits: dict[str, dict[str, Any]], text_unit: str,
-                 append_eos: int | None, engine: str = "auto") -> None:
-        self.encode = DocEncoder(tokenizer_json, engine)
-        self.splits = splits
-        self.detok = {s: get_detokenizer(v["detokenizer"]) for s, v in splits.items()}
-        self.text_unit = text_unit
-        self.append_eos = append_eos
-
-    def __call__(self, batch: Any) -> Any:
-        import pyarrow as pa
-
-        out: dict[str, list[Any]] = {k: [] for k in ("seq", "unit", *COUNT_KEYS)}
-        split_names: list[str] = []
-        token_arrays, length_arrays = [], []
-        for u in batch.to_pylist():
-            conf = self.splits[u["split"]]
-            ut = read_unit(u, conf["text_field"], self.text_unit, conf["hf_dataset"])
-            detok = self.detok[u["split"]]
-            docs = ut.docs if detok is None else [detok(d) for d in ut.docs]
-            keep = docs if conf["keep_empty"] else [d for d in docs if d.strip()]
-            flat, lengths = self.encode(keep, self.append_eos)
-            token_arrays.append(flat)
-            length_arrays.append(lengths)
-            split_names.append(u["split"])
-            out["seq"].append(u["seq"])
-            out["unit"].append(u["index"])
-            out["docs"].append(len(docs))
-            out["empty"].append(len(docs) - len(keep) - ut.missing_field)
-            out["invalid_utf8"].append(ut.invalid_utf8)
-            out["missing_field"].append(ut.missing_field)
-
-        def lists(arrs: list[np.ndarray]) -> pa.Array:
-            offsets = np.zeros(len(arrs) + 1, dtype=np.int64)
-            offsets[1:] = np.cumsum([len(a) for a in arrs])
-            values = np.concatenate(arrs) if arrs else np.zeros(0, np.int32)
-            return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int32()))
-
-        cols = {k: pa.array(v, pa.int64()) for k, v in out.items()}
-        cols["split"] = pa.array(split_names, pa.string())
-        cols["tokens"] = lists(token_arrays)
-        cols["lengths"] = lists(length_arrays)
-        return pa.table(cols)
-
-# ----------------------------------------------------------------------------------------------------------
-# One split end to end
+# One split: the units' records in, the tail rows and the manifest out
 
 
 def _versions() -> dict[str, str]:
@@ -229,95 +177,93 @@ def _project_version() -> str:
         return __version__
 
 
-class SplitRun:
-    """Packing state of one split while the ordered stream flows through the driver."""
+STAT_KEYS = ("docs", "used", "empty", "invalid_utf8", "missing_field", "truncated", "tokens")
 
-    def __init__(self, plan: Plan, sp: SplitPlan, tok: TokenizerInfo, fingerprint: str, state: State,
+
+class SplitRun:
+    """One split on the driver: the units' records (small: counters and a remainder each; token counts are summed
+    as they arrive), then the tail rows and the manifest. Holds no text and no row."""
+
+    def __init__(self, plan: Plan, sp: SplitPlan, tok: TokenizerInfo, fingerprint: str, progress: Progress,
                  engine: str) -> None:
-        self.plan, self.sp, self.tok, self.fingerprint, self.state = plan, sp, tok, fingerprint, state
-        self.engine = engine
+        self.plan, self.sp, self.tok, self.fingerprint, self.engine = plan, sp, tok, fingerprint, engine
         self.split_dir = join(plan.out, sp.split)
         fs, inner = get_fs(self.split_dir)
         fs.create_dir(inner, recursive=True)
-        self.packer = Packer(plan.mode, plan.length, tok.bos_id, tok.eos_id, tok.pad_id,
-                             carry=np.array(state.carry, np.int32))
-        self.stats = dict(state.stats)
-        self.new_rows = self.new_tokens = 0
+        write_progress(self.split_dir, fingerprint, complete=False)
+        self.records = progress.records
+        self.counts = progress.counts if progress.counts is not None else np.zeros(tok.width, np.int64)
+        self.units_total = len(sp.units) - len(self.records)
+        self.units_done = self.new_rows = self.new_tokens = 0
         self.t0: float | None = None
-        self.units_total = sum(1 for u in sp.units if u.index >= state.next_unit)
-        self.units_done = 0
 
-    def add(self, unit: int, flat: np.ndarray, lengths: np.ndarray, counts: dict[str, int]) -> int:
-        """Pack one unit's tokens; commit a shard when enough rows are pending. Returns shards committed."""
+    def todo(self) -> list[Unit]:
+        return [u for u in self.sp.units if u.index not in self.records]
+
+    def add(self, rec: dict[str, Any]) -> None:
+        """A unit's record, as its actor returned it."""
         if self.t0 is None:
             self.t0 = time.time()
-        before = self.packer.pending
-        self.packer.add(flat, lengths)
-        self.new_rows += self.packer.pending - before
-        self.new_tokens += int(len(flat)) + (2 * len(lengths) if self.plan.mode == "pad" else 0)
-        for k, v in counts.items():
-            self.stats[k] += v
-        self.stats["used"] += int(len(lengths))
+        add_counts(self.counts, rec.pop("freq"))
+        rec["remainder"] = text_array(rec["remainder"], "int32")
+        self.records[int(rec["unit"])] = rec
         self.units_done += 1
-        if self.packer.pending >= self.plan.cfg.shard_rows:
-            self._commit(unit + 1)
-            return 1
-        return 0
-
-    def _commit(self, next_unit: int) -> None:
-        self.stats["truncated"] += self.packer.truncated
-        self.packer.truncated = 0
-        ids, mask = self.packer.take()
-        data = shard_bytes(ids, mask)
-        name = shard_name(len(self.state.shards))
-        write_bytes_atomic(join(self.split_dir, name), data)
-        self.state.shards.append({"name": name, "rows": int(len(ids)), "sha256": hashlib.sha256(data).hexdigest(),
-                                  "bytes": len(data), "next_unit": next_unit, "carry": self.packer.carry.tolist(),
-                                  "stats": dict(self.stats)})
-        self.state.next_unit = next_unit
-        write_progress(self.split_dir, self.fingerprint, self.state, complete=False)
+        self.new_rows += rec["rows"]
+        self.new_tokens += rec["stats"]["tokens"]
 
     def progress_line(self) -> str:
         dt = max(time.time() - (self.t0 or time.time()), 1e-9)
         return (f"{self.sp.split}: units {self.units_done}/{self.units_total}, rows {self.new_rows:,} "
-                f"({self.new_rows / dt:,.0f} rows/s), tokens {self.new_tokens:,} ({self.new_tokens / dt:,.0f} tokens/s), "
-                f"shards {len(self.state.shards)}")
+                f"({self.new_rows / dt:,.0f} rows/s), tokens {self.new_tokens:,} ({self.new_tokens / dt:,.0f} tokens/s)")
 
     def finish(self) -> Manifest:
-        """Commit the last rows, drop the tail, write the manifest."""
+        """The tail rows (``wrap``: the units' remainders in unit order, packed), the manifest."""
         plan, sp, tok, cfg = self.plan, self.sp, self.tok, self.plan.cfg
-        if self.packer.pending:
-            self._commit(sp.units[-1].index + 1)
-        self.stats["truncated"] += self.packer.truncated
-        self.packer.truncated = 0
-        dropped = int(len(self.packer.carry))
-        if not self.state.shards:
-            raise PrepareError(f"{sp.split}: the data gave no rows ({self.stats['used']} documents, {dropped} tokens "
+        missing = [u.index for u in sp.units if u.index not in self.records]
+        if missing:
+            raise RuntimeError(f"{sp.split}: units {missing[:5]} never came back from the tokenizer actors; rerun "
+                               "(it resumes)")
+        ordered = [self.records[u.index] for u in sp.units]
+        shards = [ShardInfo(r["name"], r["rows"], r["sha256"], r["bytes"]) for r in ordered if r["name"]]
+        dropped = 0
+        if plan.mode == "wrap":
+            # Each unit packed its own stream; what did not fill a row (fewer than L - 2 tokens a unit) is packed
+            # here, in unit order, into the last shard. Rows and dropped tokens are exactly those of packing the
+            # whole split as one stream: only the rows' boundaries differ (module docstring).
+            rest = [r["remainder"] for r in ordered]
+            ids, _, tail, _ = pack_unit("wrap", plan.length, tok.bos_id, tok.eos_id, tok.pad_id,
+                                        np.concatenate(rest) if rest else np.zeros(0, np.int32), np.zeros(0, np.int64))
+            dropped = int(len(tail))
+            if len(ids):
+                data = shard_bytes(ids, None)
+                name = shard_name(len(sp.units))
+                write_bytes_atomic(join(self.split_dir, name), data)
+                shards.append(ShardInfo(name, int(len(ids)), hashlib.sha256(data).hexdigest(), len(data)))
+                self.counts += token_counts(ids, None, tok.width)
+        stats = {k: sum(int(r["stats"][k]) for r in ordered) for k in STAT_KEYS}
+        if not shards:
+            raise PrepareError(f"{sp.split}: the data gave no rows ({stats['used']} documents, {dropped} tokens "
                                f"for rows of {plan.length - 2}): use a shorter --length or more data")
-        write_progress(self.split_dir, self.fingerprint, self.state, complete=True)
-        counts, real_tokens = token_frequency(self.split_dir, self.state.shards, tok.width, plan.mode)
-        stats = self.stats
         skipped = {k: stats[k] for k in ("empty", "missing_field") if stats[k]}
-        project_version = _project_version()
-
+        counts = self.counts
         m = Manifest(
             source=sp.source_label, split=sp.split, tokenizer=tok.to_dict(), vocab_size=tok.vocab_size,
             mask_id=tok.mask_id, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id, length=plan.length,
-            mode=plan.mode, rows=sum(s["rows"] for s in self.state.shards), tokens=real_tokens,
-            shards=[ShardInfo(s["name"], s["rows"], s["sha256"], s["bytes"]) for s in self.state.shards],
+            mode=plan.mode, rows=sum(s.rows for s in shards), tokens=int(counts.sum()), shards=shards,
             documents=stats["docs"], documents_used=stats["used"], skipped=skipped,
-            invalid_utf8_replaced=stats["invalid_utf8"], truncated=stats["truncated"],
-            dropped_tail_tokens=dropped if plan.mode == "wrap" else 0,
+            invalid_utf8_replaced=stats["invalid_utf8"], truncated=stats["truncated"], dropped_tail_tokens=dropped,
             detokenizer=sp.detokenizer, text_field=sp.text_field,
-            token_frequency={str(i): int(c) for i, c in enumerate(counts) if c},
-            project_version=project_version, created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            token_frequency={str(i): int(counts[i]) for i in np.flatnonzero(counts)},
+            project_version=_project_version(), created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             versions=_versions(),
             options={"source": cfg.source, "tokenizer": plan.tokenizer_spec, "train_tokenizer": plan.train_vocab,
-                     "length": plan.length, "mode": plan.mode, "shard_rows": cfg.shard_rows,
-                     "text_unit": cfg.text_unit, "units": len(sp.units), "fingerprint": self.fingerprint,
-                     "engine": self.engine, "keep_empty": sp.keep_empty},
+                     "length": plan.length, "mode": plan.mode, "text_unit": cfg.text_unit, "units": len(sp.units),
+                     "packing": "per unit, remainders in unit order into the last shard" if plan.mode == "wrap"
+                     else "one document a row", "fingerprint": self.fingerprint, "engine": self.engine,
+                     "keep_empty": sp.keep_empty},
         )
         m.write(self.split_dir)
+        write_progress(self.split_dir, self.fingerprint, complete=True)
         dt = time.time() - (self.t0 or time.time())
         log(cfg, f"{sp.split}: {m.rows:,} rows x {m.length} in {len(m.shards)} shards, {m.tokens:,} tokens, "
                   f"{m.documents_used:,}/{m.documents:,} documents used, skipped {m.skipped or 'none'}, invalid "
@@ -326,75 +272,64 @@ class SplitRun:
                   f"-> {self.split_dir}", force=True)
         return m
 
+
 def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine: str) -> dict[str, Manifest]:
-    """One Ray Data pipeline over the remaining units of every split (one actor pool for all of them)."""
+    """One Ray Data pipeline over the remaining units of every split (one actor pool for all of them); the
+    driver receives the units' records only, in whatever order they complete."""
     import ray.data as rdata
 
     cfg = plan.cfg
-    items = []
-    for s, run in runs.items():
-        sp = run.sp
-        for u in sp.units:
-            if u.index >= run.state.next_unit:
-                items.append({**u.to_dict(), "split": s, "seq": len(items)})
-    results: dict[str, Manifest] = {}
+    items = [{**u.to_dict(), "split": s} for s, run in runs.items() for u in run.todo()]
     fail_after = fault("prepare.fail_after_shards") or 0
-    committed = 0
-    order = list(runs)
+    received = 0
     if items:
         ctx = rdata.DataContext.get_current()
-        ctx.execution_options.preserve_order = True  # the stream order is the packing order
+        saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start)
+        ctx.execution_options.preserve_order = False  # the records are ordered by unit index at the end
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
         low, high = actor_pool_bounds(cfg, len(items))
-        per_split = {s: {"text_field": r.sp.text_field, "detokenizer": r.sp.detokenizer,
-                         "hf_dataset": r.sp.hf_dataset, "keep_empty": r.sp.keep_empty} for s, r in runs.items()}
-        ds = rdata.from_items(items, override_num_blocks=len(items))
-        with warnings.catch_warnings():
-            # max_restarts has no named parameter yet (Ray 2.60 deprecates the remote-args route): without it Ray
-            # logs an error that an actor whose constructor arguments (the tokenizer) live in the object store
-            # may fail to restart. A failed actor fails the run instead; a rerun resumes.
-            warnings.filterwarnings("ignore", message=".*ray_remote_args.*")
+        per_split = {s: {"text_field": r.sp.text_field, "detokenizer": r.sp.detokenizer, "hf_dataset": r.sp.hf_dataset,
+                         "keep_empty": r.sp.keep_empty, "split_dir": r.split_dir, "fingerprint": r.fingerprint}
+                     for s, r in runs.items()}
+        frame = {"mode": plan.mode, "length": plan.length, "bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id,
+                 "width": tok.width}
+        try:
+            ds = rdata.from_items(items, override_num_blocks=len(items))
+            # Spot nodes go away (issue 24): Ray Data's actor pool defaults are kept on purpose, max_restarts=-1 (an
+            # actor whose node died is started again elsewhere) and max_task_retries=-1 (its units are submitted
+            # again until it is back: a bounded count runs out within seconds while the cluster has not yet
+            # declared the node dead, each try failing "actor temporarily unavailable"). A unit done twice writes
+            # the same bytes. The restarted actor's constructor arguments (the tokenizer) are owned by this driver,
+            # on the head node, which outlives worker nodes. Transient I/O errors are retried inside the actor
+            # (data.worker), a bounded number of times, so a permanent one cannot loop forever.
             ds = ds.map_batches(
-                TokenizeUnits, batch_size=1, batch_format="pyarrow",
+                PrepareUnits, batch_size=1, batch_format="pyarrow",
                 fn_constructor_kwargs=dict(tokenizer_json=tok.tokenizer_json, splits=per_split,
-                                           text_unit=cfg.text_unit,
-                                           append_eos=tok.eos_id if plan.mode == "wrap" else None,
-                                           engine=engine),
-                compute=rdata.ActorPoolStrategy(min_size=low, max_size=high), num_cpus=cfg.actor_cpus, max_restarts=0)
-        expect = 0
-        last_print = time.time()
-        current: str | None = None
-        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
-            tokens_col = batch.column("tokens").combine_chunks()
-            lengths_col = batch.column("lengths").combine_chunks()
-            meta = batch.select(["seq", "unit", "split", *COUNT_KEYS]).to_pylist()
-            for r, row in enumerate(meta):
-                if row["seq"] != expect:
-                    raise RuntimeError(f"units arrived out of order ({row['seq']} after {expect - 1}); Ray Data must "
-                                       "preserve order for deterministic packing")
-                expect += 1
-                s = row["split"]
-                if s != current:
-                    # Splits arrive one after the other: finish the ones before this one.
-                    while order and order[0] != s:
-                        done = order.pop(0)
-                        results[done] = runs[done].finish()
-                    current = s
-                flat = tokens_col[r].values.to_numpy(zero_copy_only=False)
-                lengths = lengths_col[r].values.to_numpy(zero_copy_only=False)
-                committed += runs[s].add(row["unit"], flat, lengths, {k: int(row[k]) for k in COUNT_KEYS})
-                if fail_after and committed >= fail_after:
-                    raise RuntimeError(f"fault prepare.fail_after_shards={fail_after}: simulated crash after {committed} shards")
-            if time.time() - last_print >= cfg.progress_interval and current is not None:
-                log(cfg, runs[current].progress_line())
-                last_print = time.time()
-    for s in order:
-        results[s] = runs[s].finish()
-    return results
+                                           text_unit=cfg.text_unit, frame=frame, engine=engine),
+                compute=rdata.ActorPoolStrategy(min_size=low, max_size=high), num_cpus=cfg.actor_cpus)
+            last_print = time.time()
+            for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
+                for s, rec in zip(batch.column("split").to_pylist(), batch.column("record").to_pylist(), strict=True):
+                    runs[s].add(json.loads(rec))
+                    received += 1
+                    if fail_after and received >= fail_after:
+                        raise RuntimeError(f"fault prepare.fail_after_shards={fail_after}: simulated crash after "
+                                           f"{received} units")
+                if time.time() - last_print >= cfg.progress_interval:
+                    log(cfg, "; ".join(r.progress_line() for r in runs.values()))
+                    last_print = time.time()
+        finally:
+            ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start = saved
+    return {s: run.finish() for s, run in runs.items()}
 
 # ----------------------------------------------------------------------------------------------------------
 # Entry point
+
+
+RETIRED = ("shard_rows",)
+"""Options of format 1 that no longer mean anything and are ignored (a shard is now one unit of work's rows:
+size shards with ``unit_mb``), so that older recipes and scripts keep running."""
 
 
 def _coerce(cfg: Any) -> PrepareConfig:
@@ -405,6 +340,7 @@ def _coerce(cfg: Any) -> PrepareConfig:
         cfg = vars(cfg)
     if isinstance(cfg, dict):
         known = {f.name for f in dataclasses.fields(PrepareConfig)}
+        cfg = {k: v for k, v in cfg.items() if k not in RETIRED}
         bad = set(cfg) - known
         if bad:
             raise PrepareError(f"unknown prepare option(s) {', '.join(sorted(bad))}; known: {', '.join(sorted(known))}")
@@ -454,19 +390,18 @@ def prepare(config: Any = None, *, shutdown_ray: bool = False) -> dict[str, Mani
     if plan.mode == "pad":
         for sp in plan.splits.values():
             check_pad_length(plan, sp, tok)
-    todo: dict[str, tuple[SplitPlan, str, State]] = {}
+    todo: dict[str, tuple[SplitPlan, str, Progress]] = {}
     results: dict[str, Manifest] = {}
     for s, sp in plan.splits.items():
         fp = fingerprint(plan, sp, tok)
-        st, complete = load_progress(join(plan.out, s), fp, lambda m: log(cfg, m))
-        if complete:
+        pr = load_progress(join(plan.out, s), fp, tok.width, lambda m: log(cfg, m))
+        if pr.complete:
             results[s] = read_manifest(join(plan.out, s))
-            log(cfg, f"{s}: up to date ({len(st.shards)} shards verified) -> {join(plan.out, s)}", force=True)
+            log(cfg, f"{s}: up to date ({len(results[s].shards)} shards verified) -> {join(plan.out, s)}", force=True)
         else:
-            if st.shards:
-                log(cfg, f"{s}: resuming after {len(st.shards)} verified shards (unit {st.next_unit}/"
-                          f"{len(sp.units)})", force=True)
-            todo[s] = (sp, fp, st)
+            if pr.records:
+                log(cfg, f"{s}: resuming: {len(pr.records)} of {len(sp.units)} units already done", force=True)
+            todo[s] = (sp, fp, pr)
     if todo:
         log(cfg, f"tokenizer {tok.name} (vocab {tok.vocab_size}, bos {tok.bos_id}, eos {tok.eos_id}, pad "
                   f"{tok.pad_id}, mask {tok.mask_id}; engine {engine}); mode {plan.mode}, length {plan.length}; "
@@ -475,12 +410,12 @@ def prepare(config: Any = None, *, shutdown_ray: bool = False) -> dict[str, Mani
         try:
             if warn_if_node_local([plan.out], "prepare_data's output") and any(
                     sp.hf_dataset is not None for sp, _, _ in todo.values()):
-                # Staged to the store only for a remote output (data.plan.make_plan); here the tokenizer actors
-                # would read this node's Hugging Face cache.
+                # Read from the hub's files only for a remote output or a mirror (data.plan.make_plan); here the
+                # tokenizer actors would read this node's Hugging Face cache.
                 raise PrepareError(f"--out {plan.out} is on this node's disk, and Ray's tokenizer actors run on other "
                                    "nodes that cannot read its Hugging Face cache: write to an object store (--out "
                                    "s3://... or ADLM_WORKDIR=s3://...)")
-            runs = {s: SplitRun(plan, sp, tok, fp, st, engine) for s, (sp, fp, st) in todo.items()}
+            runs = {s: SplitRun(plan, sp, tok, fp, pr, engine) for s, (sp, fp, pr) in todo.items()}
             results.update(run_splits(plan, tok, runs, engine))
         finally:
             if started and shutdown_ray:

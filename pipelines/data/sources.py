@@ -16,6 +16,10 @@ from typing import Any
 
 from pipelines.storage import get_fs
 
+READS = {"units": 0, "max_rows": 0}
+"""Parquet units this process read through ``read_unit`` and the most rows it held from one read (a probe:
+the driver reads none on the hub path, a worker at most one file's rows)."""
+
 
 class SourceError(ValueError):
     """A source that cannot be read (unknown name, missing files, missing text field); says the fix."""
@@ -44,6 +48,10 @@ class NamedSource:
     """Keep empty documents (a lone EOS each in ``wrap`` mode): the reference's loader of the zero-shot sets
     appends EOS to every row, empty rows (WikiText's blank lines) included."""
     note: str = ""
+    hub_files: dict[str, str] = field(default_factory=dict)
+    """Hugging Face split -> glob of its Parquet files in the dataset repository's main branch, for datasets
+    too large for the hub's own Parquet conversion (``refs/convert/parquet`` holds only the first 5 GB of
+    those); without an entry the conversion's ``<config>/<split>/*.parquet`` is read (``data.hub``)."""
 
 
 LAMBADA_URL = "https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl"
@@ -51,7 +59,8 @@ LAMBADA_URL = "https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_tes
 NAMED_SOURCES: dict[str, NamedSource] = {s.name: s for s in [
     NamedSource("openwebtext", "Skylion007/openwebtext", None, {"train": "train", "validation": "train"}, "text",
                 None, "gpt2", "wrap", 1024, ("train", "validation"), holdout_last=100_000,
-                note="no official split: validation = the last 100,000 documents of train"),
+                note="no official split: validation = the last 100,000 documents of train",
+                hub_files={"train": "plain_text/train-*.parquet"}),
     NamedSource("lm1b", "dvruette/lm1b", None, {"train": "train", "test": "test"}, "text", "lm1b",
                 "bert-base-uncased", "pad", 128, ("train", "test"),
                 note="one sentence a row, padded (use --mode wrap for the packed BD3-LM variant)"),
@@ -89,6 +98,17 @@ KNOWN_SOURCES = ("embedded", *NAMED_SOURCES, "testbed")
 # Local files and units of work
 
 
+def source_fs(path: str) -> tuple[Any, str]:
+    """(pyarrow filesystem, inner path) of an input: ``pipelines.storage.get_fs`` plus ``hf://`` (the Hugging
+    Face Hub's files through ``huggingface_hub.HfFileSystem``, read where the caller runs: on the workers)."""
+    if path.startswith("hf://"):
+        import pyarrow.fs as pafs
+        from huggingface_hub import HfFileSystem
+
+        return pafs.PyFileSystem(pafs.FSSpecHandler(HfFileSystem())), path[len("hf://"):]
+    return get_fs(path)
+
+
 TEXT_EXTS = (".txt", ".text", ".md")
 JSONL_EXTS = (".jsonl", ".json", ".ndjson")
 PARQUET_EXTS = (".parquet", ".pq")
@@ -111,7 +131,7 @@ def expand_local(spec: str) -> list[str]:
     import pyarrow.fs as pafs
 
     if "://" in spec and not spec.startswith("file://"):
-        fs, inner = get_fs(spec)
+        fs, inner = source_fs(spec)
         scheme = spec.split("://", 1)[0]
         if any(ch in inner for ch in "*?["):
             base = inner.split("*", 1)[0].rsplit("/", 1)[0]
@@ -156,7 +176,7 @@ class Unit:
     path: str = ""
     start: int = 0
     stop: int = 0
-    """Byte range (text, jsonl), row-group range (parquet) or row range (hf)."""
+    """Byte range (text, jsonl), row range within the file (parquet) or row range (hf)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "kind": self.kind, "path": self.path, "start": self.start, "stop": self.stop}
@@ -167,7 +187,7 @@ def _newline_aligned_cuts(path: str, size: int, target: int) -> list[int]:
     cuts = [0]
     if size <= target:
         return [0, size]
-    fs, inner = get_fs(path)
+    fs, inner = source_fs(path)
     with fs.open_input_file(inner) as f:
         pos = target
         while pos < size:
@@ -190,26 +210,38 @@ def _newline_aligned_cuts(path: str, size: int, target: int) -> list[int]:
     return cuts
 
 
-def plan_units(files: list[str], unit_bytes: int, start_index: int = 0) -> list[Unit]:
-    """Deterministic units of local files: text/JSONL cut at newlines every ``unit_bytes``, Parquet by row groups
-    (grouped to about ``unit_bytes`` of uncompressed data)."""
+def plan_units(files: list[str], unit_bytes: int, start_index: int = 0,
+               rows: tuple[int, int | None] | None = None) -> list[Unit]:
+    """Deterministic units of files: text/JSONL cut at newlines every ``unit_bytes``, Parquet by row groups
+    (grouped to about ``unit_bytes`` of uncompressed data) as row ranges within one file, so that a unit never
+    spans two files. ``rows``: only rows ``[lo, hi)`` of the files' concatenation (Parquet only: OpenWebText's
+    held-out tail); a unit that straddles a bound is cut there."""
     import pyarrow.parquet as pq
 
+    lo, hi = rows if rows is not None else (0, None)
     units: list[Unit] = []
     i = start_index
+    offset = 0  # rows of the files before this one
     for path in files:
         kind = file_kind(path)
-        fs, inner = get_fs(path)
+        fs, inner = source_fs(path)
         if kind == "parquet":
-            md = pq.ParquetFile(fs.open_input_file(inner)).metadata
-            g0, acc = 0, 0
+            with fs.open_input_file(inner) as fh:
+                md = pq.ParquetFile(fh).metadata  # the footer only
+            r0 = r = acc = 0
             for g in range(md.num_row_groups):
                 acc += md.row_group(g).total_byte_size
+                r += md.row_group(g).num_rows
                 if acc >= unit_bytes or g == md.num_row_groups - 1:
-                    units.append(Unit(i, kind, path, g0, g + 1))
-                    i += 1
-                    g0, acc = g + 1, 0
+                    a, b = max(r0, lo - offset), r if hi is None else min(r, hi - offset)
+                    if b > a:
+                        units.append(Unit(i, kind, path, a, b))
+                        i += 1
+                    r0, acc = r, 0
+            offset += md.num_rows
         else:
+            if rows is not None:
+                raise SourceError(f"{path}: a row window applies to Parquet input only")
             size = fs.get_file_info(inner).size
             cuts = _newline_aligned_cuts(path, size, unit_bytes)
             for a, b in zip(cuts[:-1], cuts[1:], strict=True):
@@ -217,6 +249,18 @@ def plan_units(files: list[str], unit_bytes: int, start_index: int = 0) -> list[
                     units.append(Unit(i, kind, path, a, b))
                     i += 1
     return units
+
+
+def parquet_rows(files: list[str]) -> int:
+    """Rows of Parquet files, from their footers."""
+    import pyarrow.parquet as pq
+
+    n = 0
+    for path in files:
+        fs, inner = source_fs(path)
+        with fs.open_input_file(inner) as fh:
+            n += pq.ParquetFile(fh).metadata.num_rows
+    return n
 
 
 def plan_hf_units(n_rows: int, unit_docs: int, offset: int = 0) -> list[Unit]:
@@ -266,11 +310,21 @@ def read_unit(unit: dict[str, Any], text_field: str, text_unit: str = "line", hf
         col = hf_dataset[unit["start"]:unit["stop"]][text_field]
         return UnitText([c if isinstance(c, str) else "" for c in col],
                         missing_field=sum(1 for c in col if not isinstance(c, str)))
-    fs, inner = get_fs(unit["path"])
+    fs, inner = source_fs(unit["path"])
     if kind == "parquet":
         pf = pq.ParquetFile(fs.open_input_file(inner))
-        tab = pf.read_row_groups(list(range(unit["start"], unit["stop"])), columns=[text_field])
-        col = tab.column(0)
+        start, stop = unit["start"], unit["stop"]
+        groups, first, at = [], 0, 0
+        for g in range(pf.metadata.num_row_groups):  # the row groups that hold rows [start, stop)
+            n = pf.metadata.row_group(g).num_rows
+            if at + n > start and at < stop:
+                first = at if not groups else first
+                groups.append(g)
+            at += n
+        tab = pf.read_row_groups(groups, columns=[text_field])
+        READS["units"] += 1
+        READS["max_rows"] = max(READS["max_rows"], tab.num_rows)
+        col = tab.column(0).slice(start - first, stop - start)
         docs: list[str] = []
         bad = 0
         for v in col.to_pylist():
@@ -281,7 +335,7 @@ def read_unit(unit: dict[str, Any], text_field: str, text_unit: str = "line", hf
                     v = v.decode("utf-8", errors="replace")
                     bad += 1
             docs.append(v if isinstance(v, str) else "")
-        return UnitText(docs, invalid_utf8=bad, missing_field=sum(1 for v in col.to_pylist() if v is None))
+        return UnitText(docs, invalid_utf8=bad, missing_field=col.null_count, extra={"rows_read": tab.num_rows})
     with fs.open_input_file(inner) as f:
         f.seek(unit["start"])
         data = f.read(unit["stop"] - unit["start"])
@@ -319,7 +373,7 @@ def check_text_field(path: str, text_field: str) -> None:
     import pyarrow.parquet as pq
 
     kind = file_kind(path)
-    fs, inner = get_fs(path)
+    fs, inner = source_fs(path)
     if kind == "parquet":
         names = pq.ParquetFile(fs.open_input_file(inner)).schema_arrow.names
         if text_field not in names:

@@ -33,8 +33,9 @@ from pipelines.storage import exists, get_fs, join, resolve_workdir, write_bytes
 SOURCE = "testbed"
 SPLITS = {"train": 1, "validation": 2, "test": 3}
 """The testbed's splits and the code each one's row seeds derive from (independent streams)."""
-ROW_OPTIONS = {"train_rows": 200_000, "validation_rows": 2048, "test_rows": 2048}
-"""Rows per split (``--testbed train_rows=N``); the rest of ``--testbed`` are ``TestbedConfig`` fields."""
+ROW_OPTIONS = {"train_rows": 200_000, "validation_rows": 2048, "test_rows": 2048, "shard_rows": 4096}
+"""Rows per split (``--testbed train_rows=N``) and per shard (``shard_rows``); the rest of ``--testbed`` are
+``TestbedConfig`` fields."""
 FORMAT = 1
 
 
@@ -122,7 +123,7 @@ def prepare_testbed(cfg: PrepareConfig) -> dict[str, Manifest]:
     truth: dict[str, Any] | None = None
     for split in splits:
         options = {"source": SOURCE, "testbed": tcfg.to_dict(), "rows": rows[f"{split}_rows"],
-                   "shard_rows": cfg.shard_rows, "format": FORMAT}
+                   "shard_rows": rows["shard_rows"], "format": FORMAT}
         fingerprint = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()
         split_dir = join(out, split)
         done = _existing(split_dir, fingerprint, info, cfg)
@@ -177,7 +178,7 @@ def _write_split(tb: Any, split: str, n_rows: int, split_dir: str, info: Tokeniz
     seed = tb.config.seed
     shards: list[ShardInfo] = []
     counts = np.zeros(tb.vocab_size, np.int64)
-    per = max(1, cfg.shard_rows)
+    per = max(1, int(options["shard_rows"]))
     for k, start in enumerate(range(0, n_rows, per)):
         ids = tb.sample(min(per, n_rows - start), derive_seed(seed, SPLITS[split], k)).numpy().astype(np.int32)
         counts += np.bincount(ids.reshape(-1), minlength=tb.vocab_size)

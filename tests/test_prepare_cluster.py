@@ -1,0 +1,120 @@
+"""Data preparation where it runs at scale (issues 28 and 24): a stand-in for a hub dataset in Parquet files,
+prepared into s3:// (moto) on a Ray cluster of a 0-CPU head and two worker nodes (tests/support_cluster.py).
+
+- The driver reads no row (a row-count probe in this process, which is the driver) and each tokenizer actor
+  reads one unit's row groups of one file at a time (each unit's record says how many rows it read); the
+  shards equal those of the local path over the same files with the same settings, byte for byte.
+- A node that hosts a tokenizer actor dies mid-prepare: the actor is restarted on the other node, its units are
+  done again, and the command completes without a rerun with the same shards as the undisturbed run.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelines.data.embedded import bible_documents
+from pipelines.data.sources import NAMED_SOURCES, READS
+from tests.support_cluster import ray_cluster, s3_server
+from tests.support_hub import REPO, stand_in_source, write_stand_in
+
+pytestmark = pytest.mark.slow
+
+FILES = 4
+
+
+@pytest.fixture()
+def own_ray():
+    """A cluster of its own: leave the session's local Ray for this test and bring it back afterwards."""
+    import ray
+
+    from pipelines.runtime import init_ray
+
+    was = ray.is_initialized()
+    ray.shutdown()
+    yield
+    ray.shutdown()
+    if was:
+        init_ray(num_cpus=2)
+
+
+def _shards(s3, prefix: str) -> dict[str, bytes]:
+    return {k.rsplit("/", 1)[1]: s3.read(k) for k in s3.keys(prefix) if k.rsplit("/", 1)[1].startswith("part-")}
+
+
+def _kill_a_tokenizer_node(rc, s3, prefix: str, deadline: float) -> bool:
+    """Kill the node of a live tokenizer actor as soon as the run has written its first unit (or half a second
+    after the actor is up: units here take milliseconds); whether the run was still going (no manifest yet)
+    when the node died."""
+    from ray.util.state import list_actors
+
+    node = None
+    while node is None and time.time() < deadline:
+        alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+                 if "MapWorker" in (a.class_name or "")]
+        node = next((n for a in alive for n in rc.workers if n.node_id == a.node_id), None)
+        time.sleep(0.05)
+    assert node is not None, "no tokenizer actor showed up"
+    wait = time.time() + 0.5
+    while not [k for k in s3.keys(f"{prefix}/_units/") if k.endswith(".json")] and time.time() < wait:
+        time.sleep(0.02)
+    running = not s3.keys(f"{prefix}/manifest.json")
+    rc.remove(node)
+    return running
+
+
+def test_a_hub_dataset_prepared_into_s3_on_a_cluster_survives_a_node_loss(tmp_path: Path, own_ray,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    from pipelines.data.prepare import prepare
+
+    docs = [c[:1200] for c in bible_documents()[:1000]]
+    write_stand_in(tmp_path / "local", docs, files=FILES, row_group=5)
+    per_file = -(-len(docs) // FILES)
+    monkeypatch.setitem(NAMED_SOURCES, "standin", stand_in_source())
+    with s3_server() as s3, ray_cluster(nodes=2) as rc:
+        mirror = f"s3://{s3.bucket}/hub"
+        write_stand_in(mirror, docs, files=FILES, row_group=5)
+        opts = dict(source=["standin"], hub_mirror=mirror, ray_address=rc.address, quiet=True)
+        try:
+            READS.update(units=0, max_rows=0)
+            m = prepare({**opts, "out": f"s3://{s3.bucket}/out"})["train"]
+            assert READS == {"units": 0, "max_rows": 0}  # the driver read footers, never rows
+            records = [json.loads(s3.read(k)) for k in s3.keys("out/train/_units/") if k.endswith(".json")]
+            assert len(records) == m.options["units"] >= 16
+            # Each unit read its own row groups of one file: every row once, never more than a file's rows at a time.
+            assert max(r["stats"]["rows_read"] for r in records) < per_file
+            assert sum(r["stats"]["rows_read"] for r in records) == len(docs)
+            hub = _shards(s3, "out/train/")
+            assert sorted(hub) == sorted(s.name for s in m.shards) and m.documents == len(docs)
+
+            # The local path over the same files with the same settings: the same shards, byte for byte.
+            local = prepare(dict(source=[f"train={tmp_path / 'local' / REPO / 'plain_text'}"], tokenizer="gpt2",
+                                 length=64, out=str(tmp_path / "local_out"), ray_address=rc.address, quiet=True))["train"]
+            assert local.content_hash() == m.content_hash() and local.token_frequency == m.token_frequency
+            assert {s.name: (tmp_path / "local_out" / "train" / s.name).read_bytes() for s in local.shards} == hub
+
+            # A tokenizer actor's node dies mid-prepare: the same command completes, with the same shards.
+            result: dict = {}
+
+            def run() -> None:
+                try:
+                    result["m"] = prepare({**opts, "out": f"s3://{s3.bucket}/out2"})["train"]
+                except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+                    result["error"] = e
+
+            t = threading.Thread(target=run)
+            t.start()
+            assert _kill_a_tokenizer_node(rc, s3, "out2/train", time.time() + 300), "the run ended before the node died"
+            t.join(timeout=600)
+            assert not t.is_alive() and "error" not in result, result.get("error")
+            assert result["m"].content_hash() == m.content_hash()
+            assert _shards(s3, "out2/train/") == hub
+            assert len(rc.workers) == 1
+        finally:
+            ray.shutdown()  # the driver leaves the cluster before it is taken down
