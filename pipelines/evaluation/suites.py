@@ -452,7 +452,7 @@ def _run_truth(state: RunState) -> None:
 
 register_suite(Suite(
     "truth", "on testbed data: the bound's excess over the exact entropy, the samples' true NLL (joins on its own)",
-    _run_truth, plan=_plan_truth, headline=("val_excess_nats", "true_nll"), auto=_auto_truth))
+    _run_truth, plan=_plan_truth, headline=("val_excess_nats", "true_nll"), auto=_auto_truth, in_stage2=False))
 
 
 def _lm_eval(fn: str) -> Callable[..., Any]:
