@@ -110,6 +110,12 @@ def _requests(n: int, bad_share: float, seed: int) -> list[tuple[str, dict]]:
     return out
 
 
+def _reason(message: str) -> str:
+    """The model's one-line reason: the scoring server prefixes it with the request's data
+    ("Failed to predict data '...'. Error: <reason>")."""
+    return message.rsplit("Error: ", 1)[-1].strip()
+
+
 def run_load(model: str, *, requests: int = 300, concurrency: int = 4, bad_share: float = 0.3,
              memory_slack: float = 64.0, seed: int = 0, env: dict | None = None,
              max_work: str = "1e9") -> dict:
@@ -169,7 +175,7 @@ def run_load(model: str, *, requests: int = 300, concurrency: int = 4, bad_share
             "memory_before_mib": mem_before, "memory_after_mib": mem_after,
             "memory_back": mem_after <= mem_before + memory_slack, "server_up": up,
             "bad_kinds": sorted({a[0] for a in bad}),
-            "refusals": sorted({(a[0], a[3].get("message", "")[:90]) for a in bad if a[1] == 400})}
+            "refusals": sorted({(a[0], _reason(a[3].get("message", ""))[:90]) for a in bad if a[1] == 400})}
 
 
 def main(argv: list[str] | None = None) -> int:
