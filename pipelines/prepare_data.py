@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", action="append", default=None,
                    help="split(s) to prepare (named sources: their reference splits; a bare local path: train); "
                    "repeatable")
-    p.add_argument("--out", default=None, help="output directory or URI (s3://, gs://); default "
+    p.add_argument("--out", default=None, help="output directory or URI (s3://...; file://); default "
                    "<workdir>/data/<source> for named sources")
     p.add_argument("--workdir", default=None, help="work directory (> $ADLM_WORKDIR > ./work)")
     p.add_argument("--tokenizer", default=None, help="gpt2, bert-base-uncased, a tokenizer.json or directory, or a hub "

@@ -117,7 +117,7 @@ def _cfg(tiny_data: Path, name: str, steps: int, micro: int = 8):
     return load_config(root / "configs" / "demo.yaml", [
         *data_overrides(tiny_data), *TINY_MODEL, f"run.name={name}", f"run.max_steps={steps}", "run.log_every=20",
         "run.val_every=1000", "run.ckpt_every=2000", "run.val_batches=1", f"batch.global_batch={micro}",
-        f"batch.micro_batch={micro}", "scaling.num_workers=1", "scaling.cpus_per_worker=0.5", "optim.warmup_steps=2",
+        f"batch.micro_batch={micro}", "scaling.num_workers=0", "optim.warmup_steps=2",
         "mlflow.experiment=outage", "mlflow.drain_timeout_s=30"])
 
 
