@@ -63,6 +63,10 @@ def _optional_inner(ann: Any) -> Any:
     return ann
 
 
+def _takes_none(ann: Any) -> bool:
+    return ann is Any or (_is_union(ann) and type(None) in typing.get_args(ann))
+
+
 def _type_name(ann: Any) -> str:
     if typing.get_origin(ann) in (tuple, list):
         return "comma list"
@@ -101,21 +105,30 @@ def adapter(ann: Any) -> TypeAdapter:
 # Checking and coercion.
 
 
-def check_tree(ann: Any, data: Any, where: str) -> None:
+def _join(where: str, path: str) -> str:
+    """``optim`` + ``lr`` -> ``optim.lr``; a file label (``search space x.yaml``) + ``params.gamma`` ->
+    ``search space x.yaml: params.gamma``."""
+    if not path:
+        return where
+    return f"{where}: {path}" if " " in where else f"{where}.{path}"
+
+
+def check_tree(ann: Any, data: Any, where: str, _path: str = "") -> None:
     """Refuse unknown keys at every level of ``data`` that the type ``ann`` describes as a dataclass."""
     ann = _optional_inner(ann)
     origin, args = typing.get_origin(ann), typing.get_args(ann)
+    dot = f"{_path}." if _path else ""
     if dataclasses.is_dataclass(ann) and isinstance(data, dict):
         hints = _hints(ann)
-        refuse_unknown(data, [f.name for f in dataclasses.fields(ann)], where)
+        refuse_unknown(data, [f.name for f in dataclasses.fields(ann)], _join(where, _path))
         for k, v in data.items():
-            check_tree(hints[k], v, f"{where}.{k}")
+            check_tree(hints[k], v, where, f"{dot}{k}")
     elif origin is dict and len(args) == 2 and isinstance(data, dict):
         for k, v in data.items():
-            check_tree(args[1], v, f"{where}.{k}")
+            check_tree(args[1], v, where, f"{dot}{k}")
     elif origin in (list, tuple) and args and isinstance(data, list):
         for i, v in enumerate(data):
-            check_tree(args[0], v, f"{where}[{i}]")
+            check_tree(args[0], v, where, f"{_path}[{i}]")
 
 
 def _prepare(ann: Any, value: Any) -> Any:
@@ -132,7 +145,11 @@ def _prepare(ann: Any, value: Any) -> Any:
         value = [v.strip() for v in value.split(",") if v.strip()]
     if dataclasses.is_dataclass(ann) and isinstance(value, dict):
         hints = _hints(ann)
-        return {k: _prepare(hints[k], v) if k in hints else v for k, v in value.items()}
+        defaulted = {f.name for f in dataclasses.fields(ann)
+                     if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+        # An empty YAML key (``overrides:`` with every line commented out) of a field that takes no None: its default.
+        return {k: _prepare(hints[k], v) if k in hints else v for k, v in value.items()
+                if not (v is None and k in defaulted and not _takes_none(hints[k]))}
     if origin is dict and len(args) == 2 and isinstance(value, dict):
         return {k: _prepare(args[1], v) for k, v in value.items()}
     if origin in (list, tuple) and args and isinstance(value, (list, tuple)):
@@ -156,7 +173,7 @@ def _one_line(err: ValidationError, ann: Any, where: str) -> str:
         if isinstance(part, str) and dataclasses.is_dataclass(inner) and part in _hints(inner):
             ann = _hints(inner)[part]
             path.append(f".{part}")
-        elif origin is dict and len(args) == 2:
+        elif origin is dict and len(args) == 2 and isinstance(part, str):
             ann = args[1]
             path.append(f".{part}")
         elif isinstance(part, int) and origin in (list, tuple) and args:
@@ -164,9 +181,10 @@ def _one_line(err: ValidationError, ann: Any, where: str) -> str:
             path.append(f"[{part}]")
         else:  # a pydantic-internal step (a union member's tag): the annotation reached so far names the type
             break
-    key = where + "".join(path)
+    dotted = "".join(path).lstrip(".")
+    key = _join(where, dotted)
     if e["type"] == "missing":
-        return f"{where}: missing required key {''.join(path).lstrip('.')!r}"
+        return f"{where}: missing required key {dotted!r}"
     if e["type"] in ("dict_type", "model_type", "dataclass_type", "dataclass_args_type") and dataclasses.is_dataclass(
             _optional_inner(ann)):
         return f"{key} must be a mapping of keys to values, got {_short(e['input'])}"

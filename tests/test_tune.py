@@ -53,7 +53,7 @@ def _space(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"serch": {"algorithm": "random"}}, r"unknown key\(s\) serch; known: .*search"),
+    ({"serch": {"algorithm": "random"}}, r"unknown key\(s\) serch \(did you mean 'search'\?\); known: .*search"),
     ({"params__gamma": {"distribution": "lognormal", "low": 1e-3, "high": 1e-2}}, "unknown distribution 'lognormal'"),
     ({"params__gamma": {"distribution": "loguniform", "low": 1e-2, "high": 1e-3}}, r"low \(0.01\) must be below high"),
     ({"params__gamma": {"distribution": "loguniform", "low": 0, "high": 1e-3}}, "loguniform needs low > 0"),
