@@ -105,30 +105,28 @@ def adapter(ann: Any) -> TypeAdapter:
 # Checking and coercion.
 
 
-def _join(where: str, path: str) -> str:
-    """``optim`` + ``lr`` -> ``optim.lr``; a file label (``search space x.yaml``) + ``params.gamma`` ->
+def _join(where: str, path: str, sep: str) -> str:
+    """``optim`` + ``lr`` -> ``optim.lr`` (``sep`` "."); a file's label + a key in it (``sep`` ": ") ->
     ``search space x.yaml: params.gamma``."""
-    if not path:
-        return where
-    return f"{where}: {path}" if " " in where else f"{where}.{path}"
+    return f"{where}{sep}{path}" if path else where
 
 
-def check_tree(ann: Any, data: Any, where: str, _path: str = "") -> None:
+def check_tree(ann: Any, data: Any, where: str, sep: str = ".", _path: str = "") -> None:
     """Refuse unknown keys at every level of ``data`` that the type ``ann`` describes as a dataclass."""
     ann = _optional_inner(ann)
     origin, args = typing.get_origin(ann), typing.get_args(ann)
     dot = f"{_path}." if _path else ""
     if dataclasses.is_dataclass(ann) and isinstance(data, dict):
         hints = _hints(ann)
-        refuse_unknown(data, [f.name for f in dataclasses.fields(ann)], _join(where, _path))
+        refuse_unknown(data, [f.name for f in dataclasses.fields(ann)], _join(where, _path, sep))
         for k, v in data.items():
-            check_tree(hints[k], v, where, f"{dot}{k}")
+            check_tree(hints[k], v, where, sep, f"{dot}{k}")
     elif origin is dict and len(args) == 2 and isinstance(data, dict):
         for k, v in data.items():
-            check_tree(args[1], v, where, f"{dot}{k}")
+            check_tree(args[1], v, where, sep, f"{dot}{k}")
     elif origin in (list, tuple) and args and isinstance(data, list):
         for i, v in enumerate(data):
-            check_tree(args[0], v, where, f"{_path}[{i}]")
+            check_tree(args[0], v, where, sep, f"{_path}[{i}]")
 
 
 def _prepare(ann: Any, value: Any) -> Any:
@@ -163,7 +161,7 @@ def _short(x: Any) -> str:
     return r if len(r) <= 80 else r[:77] + "..."
 
 
-def _one_line(err: ValidationError, ann: Any, where: str) -> str:
+def _one_line(err: ValidationError, ann: Any, where: str, sep: str) -> str:
     """The first error of a pydantic validation as one line: the dotted key, the value, what it expects."""
     e = err.errors(include_url=False)[0]
     path: list[str] = []
@@ -182,7 +180,7 @@ def _one_line(err: ValidationError, ann: Any, where: str) -> str:
         else:  # a pydantic-internal step (a union member's tag): the annotation reached so far names the type
             break
     dotted = "".join(path).lstrip(".")
-    key = _join(where, dotted)
+    key = _join(where, dotted, sep)
     if e["type"] == "missing":
         return f"{where}: missing required key {dotted!r}"
     if e["type"] in ("dict_type", "model_type", "dataclass_type", "dataclass_args_type") and dataclasses.is_dataclass(
@@ -191,14 +189,17 @@ def _one_line(err: ValidationError, ann: Any, where: str) -> str:
     return f"{key}={_short(e['input'])}: expected {_type_name(ann)}"
 
 
-def validate(ann: Any, data: Any, where: str) -> Any:
+def validate(ann: Any, data: Any, where: str, sep: str = ".") -> Any:
     """``data`` (from YAML or the command line) as the type ``ann`` (a config dataclass, or any type); a
-    one-line ConfigError naming the key otherwise. Unknown keys are refused before any value is read."""
-    check_tree(ann, data, where)
+    one-line ConfigError naming the key otherwise. Unknown keys are refused before any value is read.
+
+    ``where`` names the whole (``optim``, a recipe's section, or ``search space x.yaml``, a file); ``sep`` joins
+    it to a key's path inside (``.``: ``optim.lr``; ``": "``: ``search space x.yaml: params.gamma``)."""
+    check_tree(ann, data, where, sep)
     try:
         return adapter(ann).validate_python(_prepare(ann, data))
     except ValidationError as e:
-        raise ConfigError(_one_line(e, ann, where)) from None
+        raise ConfigError(_one_line(e, ann, where, sep)) from None
 
 
 def coerce(value: Any, annotation: Any, where: str) -> Any:

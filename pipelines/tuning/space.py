@@ -265,7 +265,7 @@ def parse_space(raw: Any, source: str = "<space>") -> SearchSpace:
     if not isinstance(raw, dict):
         raise ConfigError(f"search space {source} must be a mapping with keys {', '.join(_TOP)}")
     # Keys and types by the library (SpaceFile); the rules between them below.
-    validate(SpaceFile, raw, f"search space {source}")
+    validate(SpaceFile, raw, f"search space {source}", ": ")
     name = raw.get("name")
     if not isinstance(name, str) or not name or "/" in name or " " in name:
         raise ConfigError(f"search space {source}: 'name' must be a sweep name without '/' or spaces, got {name!r}")
