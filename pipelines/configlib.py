@@ -318,7 +318,7 @@ def settings_help(cls: type, title: str) -> str:
 
 def _schema(ann: Any, title: str, description: str) -> dict[str, Any]:
     body = adapter(ann).json_schema()
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": title, **body,
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **body, "title": title,
             "description": description}
 
 
