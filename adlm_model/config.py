@@ -8,7 +8,9 @@ only one kind uses say so in their docstring. Presets: ``tiny`` (CPU tests and t
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,12 +137,20 @@ class ModelConfig:
 
 
 def check_keys(cls: type, d: dict[str, Any], where: str) -> dict[str, Any]:
-    """Reject unknown keys with a message listing the known ones."""
-    known = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(d) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown {where} config key(s) {', '.join(unknown)}; known keys: {', '.join(known)}")
+    """``d`` if every key is a field of dataclass ``cls``; else :func:`refuse_unknown`'s one-line error."""
+    refuse_unknown(d, [f.name for f in dataclasses.fields(cls)], where)
     return dict(d)
+
+
+def refuse_unknown(keys: Iterable[Any], known: Sequence[str], where: str) -> None:
+    """The one check of unknown keys (recipes, ``--set``, search spaces, studies, settings): a ConfigError of one
+    line naming the unknown key(s), the closest known ones (a likely typo) and every known key."""
+    bad = [str(k) for k in keys if k not in known]
+    if not bad:
+        return
+    close = [m for k in bad for m in difflib.get_close_matches(k, known, n=1)]
+    hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+    raise ConfigError(f"{where}: unknown key(s) {', '.join(bad)}{hint}; known: {', '.join(known)}")
 
 
 PRESETS: dict[str, dict[str, Any]] = {

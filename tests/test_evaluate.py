@@ -159,7 +159,7 @@ def test_bad_input_fails_in_one_line_before_any_work(art, workdir, capsys, tmp_p
     assert "at least 50 samples, got 10" in _fails(capsys, "--model", ck, "--suite", "mauve", "--set",
                                                    "num_samples=10", "--set", "mauve_featurizer=minilm", "--in-process")
     assert "unknown suite" in _fails(capsys, "--model", ck, "--suite", "ppl,bleu")
-    assert "unknown setting 'colour'" in _fails(capsys, "--model", ck, "--set", "colour=red")
+    assert "--set: unknown key(s) colour; known:" in _fails(capsys, "--model", ck, "--set", "colour=red")
     assert "expected int" in _fails(capsys, "--model", ck, "--set", "batch_size=many")
     assert "zero_shot=NAME=DIR" in _fails(capsys, "--model", ck, "--suite", "zero_shot", "--in-process")
     assert "known: alpha_on, eta, t_off, t_on" in _fails(capsys, "--model", ck, "--suite", "generate", "--set",

@@ -411,7 +411,7 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path) -> None:
 
 
 def test_config_errors_are_one_line() -> None:
-    with pytest.raises(ConfigError, match=r"unknown model config key\(s\) hiden; known keys: kind, vocab_size"):
+    with pytest.raises(ConfigError, match=r"model: unknown key\(s\) hiden \(did you mean 'hidden'\?\); known: kind, vocab_size"):
         ModelConfig.from_dict({"hiden": 3})
     with pytest.raises(ConfigError, match="unknown model kind 'gpt'"):
         preset("tiny", kind="gpt")

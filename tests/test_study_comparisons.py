@@ -49,7 +49,7 @@ def test_excess_curves_subtract_the_entropy_in_nats():
     ([{"arm": "adlm", "against": "x", "budget": "flops"}], "has equal_flops: false"),
     ([{"arm": "adlm", "against": "g0", "primary": True}, {"arm": "g0", "against": "adlm", "primary": True}],
      "at most one comparison may be primary"),
-    ([{"arm": "adlm", "against": "g0", "why": 1}], "unknown key(s) why in comparisons[0]"),
+    ([{"arm": "adlm", "against": "g0", "why": 1}], "comparisons[0]: unknown key(s) why"),
 ])
 def test_bad_comparisons_fail_in_one_line(comparisons, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

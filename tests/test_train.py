@@ -196,9 +196,9 @@ def test_bad_data_inputs(tiny_data, workdir, monkeypatch, tmp_path) -> None:
     (["model.gamma=-0.1"], "gamma must be >= 0, got -0.1"),
     (["model.tau=-1"], "tau must be >= 0, got -1"),
     (["model.kind=gpt"], "unknown model kind 'gpt': use one of mdlm, adlm, ar, bd3lm"),
-    (["optim.learning_rate=1"], "unknown optim config key(s) learning_rate; known keys: lr, betas"),
-    (["model.hiden=3"], "unknown model config key(s) hiden; known keys: kind, vocab_size"),
-    (["trainer.x=1"], "unknown section 'trainer'; known: model, data"),
+    (["optim.learning_rate=1"], "optim: unknown key(s) learning_rate; known: lr, betas"),
+    (["model.hiden=3"], "model: unknown key(s) hiden (did you mean 'hidden'?); known: preset, kind, vocab_size"),
+    (["trainer.x=1"], "unknown key(s) trainer; known: model, data"),
     (["optim.schedule=linear"], "optim.schedule must be constant or cosine"),
     (["scaling.strategy=zero"], "scaling.strategy must be ddp or fsdp"),
 ])

@@ -53,7 +53,7 @@ def _space(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"serch": {"algorithm": "random"}}, r"unknown key\(s\) serch; known: .*search"),
+    ({"serch": {"algorithm": "random"}}, r"unknown key\(s\) serch \(did you mean 'search'\?\); known: .*search"),
     ({"params__gamma": {"distribution": "lognormal", "low": 1e-3, "high": 1e-2}}, "unknown distribution 'lognormal'"),
     ({"params__gamma": {"distribution": "loguniform", "low": 1e-2, "high": 1e-3}}, r"low \(0.01\) must be below high"),
     ({"params__gamma": {"distribution": "loguniform", "low": 0, "high": 1e-3}}, "loguniform needs low > 0"),
@@ -62,7 +62,7 @@ def _space(**changes) -> dict:
     ({"params__tau": {"distribution": "choice", "values": []}}, "non-empty list 'values'"),
     ({"params__tau": {"distribution": "randint", "low": 2, "high": 8, "values": [1]}}, r"unknown key\(s\) values"),
     ({"params__temperature": {"distribution": "uniform", "low": 0, "high": 1}}, "neither gamma/tau nor a dotted"),
-    ({"params__optim.lrr": {"distribution": "choice", "values": [1e-3]}}, r"unknown optim config key\(s\) lrr; known keys: lr"),
+    ({"params__optim.lrr": {"distribution": "choice", "values": [1e-3]}}, r"optim: unknown key\(s\) lrr \(did you mean 'lr'\?\); known: lr"),
     ({"metric": "val_loss"}, "metric 'val_loss' is not reported"),
     ({"scheduler__type": "hyperband"}, "scheduler.type 'hyperband' unknown"),
     ({"scheduler__grace_period": 8}, r"grace_period \(8\) must be below max_t \(8\)"),

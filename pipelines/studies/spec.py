@@ -28,6 +28,7 @@ Schema (every key but ``name``, ``config``, ``steps`` and ``arms`` has a default
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -36,16 +37,96 @@ from pathlib import Path
 from typing import Any
 
 from adlm_model.config import ConfigError
-from pipelines.overrides import read_yaml_file
+from pipelines.configlib import read_yaml_file, validate
 from pipelines.studies.comparisons import Comparison, parse_comparisons
 from pipelines.training.config import TOP_KEYS, TrainConfig, apply_override, load_raw
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
-TOP = ("name", "config", "data", "seeds", "steps", "flops_reference", "baseline", "max_concurrent", "trial_cpu",
-       "overrides", "arms", "grid", "hypothesis", "comparisons")
-ARM_KEYS = ("name", "set", "seeds", "equal_flops")
-GRID_KEYS = ("name", "set", "seeds", "params")
-DATA_KEYS = ("source", "out", "train_tokenizer", "length", "testbed")
+
+
+# The YAML's shape (keys, types, descriptions: the schema studies/*.yaml is validated against); the rules
+# between the keys are parse_study's.
+
+
+@dataclass
+class ArmFile:
+    """One arm: a setting of the recipe, trained once per seed."""
+
+    name: str
+    """Arm name (letters, digits, '.', '_', '+', '-'); its runs are <study>-<arm>-s<seed>."""
+    set: dict[str, Any] | None = None
+    """``section.key: value`` applied after the study's ``overrides`` (``model.kind: mdlm``)."""
+    seeds: list[int] | None = None
+    """This arm's seeds; empty: the study's."""
+    equal_flops: bool = True
+    """Also compared at equal training FLOPs (its runs go on to the FLOP budget when it is cheaper per step)."""
+
+
+@dataclass
+class GridFile:
+    """Arms expanded from a product of values (compared at equal steps only)."""
+
+    name: str
+    """Arm name pattern using the params' keys, e.g. ``adlm-g{model.gamma}-t{model.tau}``."""
+    params: dict[str, list[Any]]
+    """``section.key`` -> the values it takes; every combination is an arm."""
+    set: dict[str, Any] | None = None
+    """``section.key: value`` applied to every grid arm."""
+    seeds: list[int] | None = None
+    """The grid arms' seeds; empty: the study's."""
+
+
+@dataclass
+class DataFile:
+    """Data prepared once before the runs (``pipelines.prepare_data``'s options)."""
+
+    out: str
+    """Prepared data folder, under the work directory."""
+    source: str | list[str] | None = None
+    """Named source(s) (``prepare_data --source``); empty: embedded."""
+    train_tokenizer: int | None = None
+    """Train a byte-level BPE of this many entries on the train split."""
+    length: int | None = None
+    """Row length in tokens."""
+    testbed: Any = None
+    """Options of the testbed source (``--testbed``)."""
+
+
+@dataclass
+class StudyFile:
+    """A ``studies/*.yaml`` file as written (``parse_study`` turns it into a ``StudySpec``)."""
+
+    name: str
+    """The study: MLflow parent run study-<name>; training runs <name>-<arm>-s<seed>."""
+    config: str
+    """The base recipe every arm starts from (``configs/*.yaml``, relative to the project)."""
+    steps: int
+    """The equal-steps budget (a multiple of run.val_every)."""
+    arms: list[ArmFile]
+    """The arms (at least one)."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """Seeds of every arm that names none (distinct, >= 0)."""
+    data: DataFile | None = None
+    """Data to prepare once before the runs."""
+    flops_reference: str | None = None
+    """Equal-FLOPs budget: what this arm spends in ``steps`` steps."""
+    baseline: str | None = None
+    """Relative gains are against this arm, paired by seed."""
+    max_concurrent: int = 2
+    """Runs at once."""
+    trial_cpu: float = 0.75
+    """CPUs of each run's training worker (leave some to Ray Data's reads)."""
+    overrides: dict[str, Any] | None = None
+    """``section.key: value`` applied to every run."""
+    grid: GridFile | None = None
+    """Arms expanded from a product of values."""
+    hypothesis: str | None = None
+    """The pre-registered hypothesis and analysis, in words."""
+    comparisons: list[Comparison] | None = None
+    """Pre-registered contrasts (``pipelines/studies/comparisons.py``)."""
+
+
+TOP = tuple(f.name for f in dataclasses.fields(StudyFile))
 
 
 @dataclass
@@ -97,12 +178,6 @@ def _fail(source: str, msg: str) -> None:
     raise ConfigError(f"{source}: {msg}")
 
 
-def _unknown(d: dict, known: tuple[str, ...], where: str, source: str) -> None:
-    extra = sorted(set(d) - set(known))
-    if extra:
-        _fail(source, f"unknown key(s) {', '.join(extra)} in {where}; known: {', '.join(known)}")
-
-
 def _seeds(v: Any, where: str, source: str) -> list[int]:
     if not isinstance(v, list) or not v or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                                    for s in v) or len(set(v)) != len(v):
@@ -122,7 +197,8 @@ def parse_study(raw: Any, source: str = "<study>") -> StudySpec:
     """A StudySpec from the YAML's mapping; a ConfigError naming the key and the fix otherwise."""
     if not isinstance(raw, dict):
         _fail(source, f"a study file must be a mapping, got {type(raw).__name__}")
-    _unknown(raw, TOP, "the study", source)
+    # Keys and types by the library (StudyFile); the rules between them below.
+    validate(StudyFile, raw, source, ": ")
     for key in ("name", "config", "steps", "arms"):
         if key not in raw:
             _fail(source, f"missing required key {key!r}")
@@ -139,7 +215,6 @@ def parse_study(raw: Any, source: str = "<study>") -> StudySpec:
     for i, a in enumerate(raw["arms"]):
         if not isinstance(a, dict) or "name" not in a:
             _fail(source, f"arms[{i}] must be a mapping with a name, got {a!r}")
-        _unknown(a, ARM_KEYS, f"arms[{i}]", source)
         ef = a.get("equal_flops", True)
         if not isinstance(ef, bool):
             _fail(source, f"arms[{i}].equal_flops must be true or false, got {ef!r}")
@@ -149,7 +224,6 @@ def parse_study(raw: Any, source: str = "<study>") -> StudySpec:
     if grid is not None:
         if not isinstance(grid, dict) or "params" not in grid or "name" not in grid:
             _fail(source, "grid must be a mapping with name (a pattern such as adlm-g{model.gamma}) and params")
-        _unknown(grid, GRID_KEYS, "grid", source)
         params = grid["params"]
         if not isinstance(params, dict) or not params or not all(isinstance(v, list) and v for v in params.values()):
             _fail(source, f"grid.params must map section.key to a non-empty list of values, got {params!r}")
@@ -195,7 +269,6 @@ def parse_study(raw: Any, source: str = "<study>") -> StudySpec:
     if spec.data is not None:
         if not isinstance(spec.data, dict) or "out" not in spec.data:
             _fail(source, "data must be a mapping with at least out (and source, train_tokenizer, length)")
-        _unknown(spec.data, DATA_KEYS, "data", source)
     return spec
 
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adlm_model.config import MODEL_KINDS, PRESETS, ConfigError, ModelConfig, preset
-from pipelines.overrides import coerce, coerce_fields, read_yaml_file, set_nested
+from adlm_model.config import MODEL_KINDS, PRESETS, ConfigError, ModelConfig, preset, refuse_unknown
+from pipelines.configlib import coerce, read_yaml_file, set_nested, validate
 from pipelines.storage import join
 
 
@@ -245,15 +245,13 @@ class TrainConfig:
     def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"a training config must be a mapping of sections, got {type(raw).__name__}")
-        unknown = sorted(set(raw) - set(TOP_KEYS))
-        if unknown:
-            raise ConfigError(f"unknown config section(s) {', '.join(unknown)}; known: {', '.join(TOP_KEYS)}")
+        refuse_unknown(raw, TOP_KEYS, "recipe")
         kw: dict[str, Any] = {"model": build_model_config(raw.get("model") or {})}
         for name, sec in SECTIONS.items():
             d = raw.get(name) or {}
             if not isinstance(d, dict):
                 raise ConfigError(f"config section {name!r} must be a mapping, got {d!r}")
-            kw[name] = sec(**coerce_fields(sec, d, name))
+            kw[name] = validate(sec, d, name)
         if "ema" in raw:
             kw["ema"] = coerce(raw["ema"], float, "ema")
         if "ema_warmup" in raw:
@@ -279,12 +277,11 @@ def build_model_config(d: dict[str, Any]) -> ModelConfig:
     name = d.pop("preset", None)
     if "kind" in d and d["kind"] not in MODEL_KINDS:
         raise ConfigError(f"unknown model kind {d['kind']!r}: use one of {', '.join(MODEL_KINDS)}")
-    d = coerce_fields(ModelConfig, d, "model")
-    if name is None:
-        return ModelConfig.from_dict(d)
-    if name not in PRESETS:
+    if name is not None and name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r}: use one of {', '.join(PRESETS)}")
-    return preset(name, **d)
+    refuse_unknown(d, ["preset", *(f.name for f in dataclasses.fields(ModelConfig))], "model")
+    # The preset's fields, then the section's over them (as ``preset(name, **d)``), typed by the library.
+    return validate(ModelConfig, {**(PRESETS[name] if name is not None else {}), **d}, "model").validate()
 
 
 def apply_override(raw: dict[str, Any], assignment: str) -> None:

@@ -11,10 +11,12 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from adlm_model.config import ConfigError
-from pipelines.overrides import read_yaml_file
+from pydantic import Field
+
+from adlm_model.config import ConfigError, refuse_unknown
+from pipelines.configlib import read_yaml_file, validate
 from pipelines.training.config import TOP_KEYS
 
 DISTRIBUTIONS = ("loguniform", "uniform", "choice", "randint", "grid")
@@ -27,6 +29,88 @@ METRIC = "val_ppl"
 TIME_ATTR = "step"
 
 
+
+
+def _one_of(choices: tuple[str, ...]) -> Any:
+    """A text field whose schema lists ``choices`` (editors complete them); the parser names the fix itself."""
+    return Field(json_schema_extra={"enum": list(choices)})
+
+
+# The YAML's shape (keys, types, descriptions: the schema tune_spaces/*.yaml is validated against); the rules
+# between the keys are parse_space's.
+
+
+@dataclass
+class ParamFile:
+    """One searched parameter: ``loguniform``/``uniform``/``randint`` take ``low`` and ``high``; ``choice`` and
+    ``grid`` take ``values``."""
+
+    distribution: Annotated[str, _one_of(DISTRIBUTIONS)]
+    """``loguniform`` / ``uniform`` (low, high), ``randint`` (integers, low inclusive, high exclusive), ``choice``
+    (values, sampled) or ``grid`` (every value, crossed with the other grids)."""
+    low: float | None = None
+    """Lower bound (loguniform: > 0)."""
+    high: float | None = None
+    """Upper bound (above ``low``)."""
+    values: list[Any] | None = None
+    """The values of a ``choice`` or ``grid``."""
+
+
+@dataclass
+class SearchFile:
+    """The search algorithm."""
+
+    algorithm: Annotated[str, _one_of(ALGORITHMS)] = "random"
+    """``random`` or ``optuna`` (grid parameters need random)."""
+    seed: int = 0
+    """Seed of the search algorithm."""
+
+
+@dataclass
+class SchedulerFile:
+    """The trial scheduler, in optimiser steps."""
+
+    type: Annotated[str, _one_of(SCHEDULERS)] = "asha"
+    """``asha`` (stops poor trials early) or ``fifo`` (runs every trial to the end)."""
+    grace_period: int = 10
+    """ASHA: steps every trial runs before it can be stopped (>= 1, below max_t)."""
+    reduction_factor: float = 2.0
+    """ASHA: the fraction 1/reduction_factor of trials kept at each rung (> 1)."""
+    max_t: int | None = None
+    """Steps of the longest trial; empty: the recipe's run.max_steps."""
+
+
+@dataclass
+class ResourcesFile:
+    """What each trial asks Ray for."""
+
+    trial_cpu: float = 0.01
+    """CPUs of each trial's driver function; the trainer's workers take what ``scaling`` says."""
+
+
+@dataclass
+class SpaceFile:
+    """A ``tune_spaces/*.yaml`` file as written (``parse_space`` turns it into a ``SearchSpace``)."""
+
+    name: str
+    """The sweep: Tune experiment and MLflow parent run name (no '/' or spaces); rerun it to resume."""
+    params: dict[str, ParamFile]
+    """Parameter name -> distribution; ``gamma`` and ``tau`` mean ``model.gamma`` and ``model.tau``, other names are
+    dotted train-config keys (``optim.lr``)."""
+    search: SearchFile = field(default_factory=SearchFile)
+    """The search algorithm and its seed."""
+    scheduler: SchedulerFile = field(default_factory=SchedulerFile)
+    """The trial scheduler."""
+    num_samples: int = 4
+    """Trials (with grid parameters: repeats of the whole grid)."""
+    max_concurrent: int = 2
+    """Trials at once."""
+    metric: Annotated[str, _one_of((METRIC,))] = METRIC
+    """Only ``val_ppl`` (the validation NELBO perplexity bound, minimised)."""
+    resources: ResourcesFile = field(default_factory=ResourcesFile)
+    """Ray resources of each trial."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Train-config assignments applied to every trial (``run.max_steps: 60``)."""
 
 
 @dataclass
@@ -129,14 +213,7 @@ class SearchSpace:
                 "resources": {"trial_cpu": self.trial_cpu}, "overrides": self.overrides}
 
 
-_TOP = ("name", "params", "search", "scheduler", "num_samples", "max_concurrent", "metric", "resources",
-        "overrides")
-
-
-def _unknown(d: dict[str, Any], known: tuple[str, ...] | set[str], where: str) -> None:
-    bad = sorted(set(d) - set(known))
-    if bad:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(map(str, bad))}; known: {', '.join(sorted(known))}")
+_TOP = tuple(f.name for f in dataclasses.fields(SpaceFile))
 
 
 def _num(v: Any, where: str, integer: bool = False) -> float:
@@ -155,7 +232,6 @@ def parse_param(name: str, d: Any, where: str) -> ParamSpec:
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: expected a mapping like {{distribution: loguniform, low: 1e-3, high: 1e-2}}, "
                           f"got {d!r}")
-    _unknown(d, ("distribution", "low", "high", "values"), where)
     dist = d.get("distribution")
     if dist not in DISTRIBUTIONS:
         raise ConfigError(f"{where}: unknown distribution {dist!r}; use one of {', '.join(DISTRIBUTIONS)}")
@@ -163,12 +239,12 @@ def parse_param(name: str, d: Any, where: str) -> ParamSpec:
     if key.split(".")[0] not in TOP_KEYS or "." not in key:
         raise ConfigError(f"{where}: {name!r} is neither gamma/tau nor a dotted train-config key such as optim.lr")
     if dist in ("choice", "grid"):
-        _unknown(d, ("distribution", "values"), where)
+        refuse_unknown(d, ("distribution", "values"), where)
         vals = d.get("values")
         if not isinstance(vals, list) or not vals:
             raise ConfigError(f"{where}: {dist} needs a non-empty list 'values'")
         return ParamSpec(name, key, dist, values=vals)
-    _unknown(d, ("distribution", "low", "high"), where)
+    refuse_unknown(d, ("distribution", "low", "high"), where)
     if "low" not in d or "high" not in d:
         raise ConfigError(f"{where}: {dist} needs 'low' and 'high'")
     integer = dist == "randint"
@@ -188,7 +264,8 @@ def load_space(path: str | os.PathLike) -> SearchSpace:
 def parse_space(raw: Any, source: str = "<space>") -> SearchSpace:
     if not isinstance(raw, dict):
         raise ConfigError(f"search space {source} must be a mapping with keys {', '.join(_TOP)}")
-    _unknown(raw, _TOP, f"search space {source}")
+    # Keys and types by the library (SpaceFile); the rules between them below.
+    validate(SpaceFile, raw, f"search space {source}", ": ")
     name = raw.get("name")
     if not isinstance(name, str) or not name or "/" in name or " " in name:
         raise ConfigError(f"search space {source}: 'name' must be a sweep name without '/' or spaces, got {name!r}")
@@ -202,12 +279,6 @@ def parse_space(raw: Any, source: str = "<space>") -> SearchSpace:
     search = raw.get("search") or {}
     sched = raw.get("scheduler") or {}
     res = raw.get("resources") or {}
-    for sec, d, known in (("search", search, ("algorithm", "seed")),
-                          ("scheduler", sched, ("type", "grace_period", "reduction_factor", "max_t")),
-                          ("resources", res, ("trial_cpu",))):
-        if not isinstance(d, dict):
-            raise ConfigError(f"search space {source}: '{sec}' must be a mapping")
-        _unknown(d, known, f"search space {source}: {sec}")
     algo = search.get("algorithm", "random")
     if algo not in ALGORITHMS:
         raise ConfigError(f"search space {source}: search.algorithm {algo!r} unknown; use one of {', '.join(ALGORITHMS)}")

@@ -1,0 +1,384 @@
+"""One typed config library: recipes, search spaces, studies, evaluation settings and ``--set`` values.
+
+Every config kind is a plain dataclass (``ModelConfig``, the ``TrainConfig`` sections, ``EvalConfig``, the
+file shapes ``SpaceFile`` and ``StudyFile``) whose field docstrings document it. This module is the one place
+that turns YAML or command-line text into those dataclasses:
+
+- unknown keys are refused by ``adlm_model.config.refuse_unknown`` (one line, with a did-you-mean), walked over
+  nested sections by :func:`check_tree`;
+- values are coerced and type-checked by pydantic (``TypeAdapter`` over the SAME dataclasses, so the objects
+  loaded are the dataclasses themselves), after :func:`_prepare` has applied the command-line conventions
+  pydantic lacks (comma lists, ``none``); a type error is one line naming the key and the type it expects;
+- field docstrings become field descriptions (``use_attribute_docstrings``): the ``--set`` help text and the
+  committed JSON Schemas (``schemas/*.schema.json``, ``python -m pipelines.configlib --write-schemas``) read them.
+
+Each kind's own semantic rules (ranges, names, cross-field checks) stay with the kind (``validate()`` methods,
+``parse_space``, ``parse_study``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
+
+from adlm_model.config import ConfigError, refuse_unknown
+
+__all__ = ["ConfigError", "refuse_unknown", "check_tree", "validate", "coerce", "coerce_fields", "read_yaml_file",
+           "split_assignment", "set_nested", "apply_to", "descriptions", "settings_help", "schemas",
+           "write_schemas", "SCHEMA_DIR"]
+
+PYDANTIC_CONFIG = ConfigDict(use_attribute_docstrings=True, coerce_numbers_to_str=True, extra="forbid")
+"""Set on every config dataclass the library validates: docstrings as descriptions, ``name: 2024`` read as the
+text "2024" (as before), and ``additionalProperties: false`` in the schemas (editors flag unknown keys)."""
+SCHEMA_DIR = Path(__file__).resolve().parents[1] / "schemas"
+_NONE = ("none", "null")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Types.
+
+
+def _is_union(ann: Any) -> bool:
+    return typing.get_origin(ann) in (typing.Union, types.UnionType)
+
+
+def _optional_inner(ann: Any) -> Any:
+    """``X`` for ``X | None`` (and any union with one non-None member), else ``ann``."""
+    if _is_union(ann):
+        rest = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0]
+    return ann
+
+
+def _takes_none(ann: Any) -> bool:
+    return ann is Any or (_is_union(ann) and type(None) in typing.get_args(ann))
+
+
+def _type_name(ann: Any) -> str:
+    if typing.get_origin(ann) in (tuple, list):
+        return "comma list"
+    if _is_union(ann):
+        return " or ".join("none" if a is type(None) else _type_name(a) for a in typing.get_args(ann))
+    return getattr(ann, "__name__", str(ann))
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _register(ann: Any, seen: set[int] | None = None) -> None:
+    """Give every dataclass reachable from ``ann`` the library's pydantic config (pydantic reads it per class)."""
+    seen = set() if seen is None else seen
+    if id(ann) in seen:
+        return
+    seen.add(id(ann))
+    if dataclasses.is_dataclass(ann) and isinstance(ann, type):
+        if "__pydantic_config__" not in vars(ann):
+            with_config(PYDANTIC_CONFIG)(ann)
+        for h in _hints(ann).values():
+            _register(h, seen)
+    for a in typing.get_args(ann):
+        _register(a, seen)
+
+
+@functools.cache
+def adapter(ann: Any) -> TypeAdapter:
+    """The pydantic validator of a type (cached: building one costs milliseconds)."""
+    _register(ann)
+    return TypeAdapter(ann)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checking and coercion.
+
+
+def _join(where: str, path: str, sep: str) -> str:
+    """``optim`` + ``lr`` -> ``optim.lr`` (``sep`` "."); a file's label + a key in it (``sep`` ": ") ->
+    ``search space x.yaml: params.gamma``."""
+    return f"{where}{sep}{path}" if path else where
+
+
+def check_tree(ann: Any, data: Any, where: str, sep: str = ".", _path: str = "") -> None:
+    """Refuse unknown keys at every level of ``data`` that the type ``ann`` describes as a dataclass."""
+    ann = _optional_inner(ann)
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    dot = f"{_path}." if _path else ""
+    if dataclasses.is_dataclass(ann) and isinstance(data, dict):
+        hints = _hints(ann)
+        refuse_unknown(data, [f.name for f in dataclasses.fields(ann)], _join(where, _path, sep))
+        for k, v in data.items():
+            check_tree(hints[k], v, where, sep, f"{dot}{k}")
+    elif origin is dict and len(args) == 2 and isinstance(data, dict):
+        for k, v in data.items():
+            check_tree(args[1], v, where, sep, f"{dot}{k}")
+    elif origin in (list, tuple) and args and isinstance(data, list):
+        for i, v in enumerate(data):
+            check_tree(args[0], v, where, sep, f"{_path}[{i}]")
+
+
+def _prepare(ann: Any, value: Any) -> Any:
+    """The command-line conventions pydantic does not have: ``none``/``null`` for ``X | None``, comma-separated
+    text for lists and tuples, and booleans given for a text field read as text (as the old coercion did)."""
+    if _is_union(ann) and type(None) in typing.get_args(ann):
+        if value is None or (isinstance(value, str) and value.lower() in _NONE):
+            return None
+    ann = _optional_inner(ann)
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if ann is str and isinstance(value, bool):
+        return str(value)
+    if origin in (list, tuple) and isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if dataclasses.is_dataclass(ann) and isinstance(value, dict):
+        hints = _hints(ann)
+        defaulted = {f.name for f in dataclasses.fields(ann)
+                     if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+        # An empty YAML key (``overrides:`` with every line commented out) of a field that takes no None: its default.
+        return {k: _prepare(hints[k], v) if k in hints else v for k, v in value.items()
+                if not (v is None and k in defaulted and not _takes_none(hints[k]))}
+    if origin is dict and len(args) == 2 and isinstance(value, dict):
+        return {k: _prepare(args[1], v) for k, v in value.items()}
+    if origin in (list, tuple) and args and isinstance(value, (list, tuple)):
+        inner = args[0]
+        return [_prepare(inner, v) for v in value]
+    return value
+
+
+def _short(x: Any) -> str:
+    r = repr(x)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _one_line(err: ValidationError, ann: Any, where: str, sep: str) -> str:
+    """The first error of a pydantic validation as one line: the dotted key, the value, what it expects."""
+    e = err.errors(include_url=False)[0]
+    path: list[str] = []
+    for part in e["loc"]:
+        inner = _optional_inner(ann)
+        origin, args = typing.get_origin(inner), typing.get_args(inner)
+        if isinstance(part, str) and dataclasses.is_dataclass(inner) and part in _hints(inner):
+            ann = _hints(inner)[part]
+            path.append(f".{part}")
+        elif origin is dict and len(args) == 2 and isinstance(part, str):
+            ann = args[1]
+            path.append(f".{part}")
+        elif isinstance(part, int) and origin in (list, tuple) and args:
+            ann = args[0]
+            path.append(f"[{part}]")
+        else:  # a pydantic-internal step (a union member's tag): the annotation reached so far names the type
+            break
+    dotted = "".join(path).lstrip(".")
+    key = _join(where, dotted, sep)
+    if e["type"] == "missing":
+        return f"{where}: missing required key {dotted!r}"
+    if e["type"] in ("dict_type", "model_type", "dataclass_type", "dataclass_args_type") and dataclasses.is_dataclass(
+            _optional_inner(ann)):
+        return f"{key} must be a mapping of keys to values, got {_short(e['input'])}"
+    return f"{key}={_short(e['input'])}: expected {_type_name(ann)}"
+
+
+def validate(ann: Any, data: Any, where: str, sep: str = ".") -> Any:
+    """``data`` (from YAML or the command line) as the type ``ann`` (a config dataclass, or any type); a
+    one-line ConfigError naming the key otherwise. Unknown keys are refused before any value is read.
+
+    ``where`` names the whole (``optim``, a recipe's section, or ``search space x.yaml``, a file); ``sep`` joins
+    it to a key's path inside (``.``: ``optim.lr``; ``": "``: ``search space x.yaml: params.gamma``)."""
+    check_tree(ann, data, where, sep)
+    try:
+        return adapter(ann).validate_python(_prepare(ann, data))
+    except ValidationError as e:
+        raise ConfigError(_one_line(e, ann, where, sep)) from None
+
+
+def coerce(value: Any, annotation: Any, where: str) -> Any:
+    """``value`` (text from the command line, or what YAML gave) as the declared type.
+
+    Numbers accept text (``3e-4``); ints refuse fractions; bools accept true/false/yes/no/on/off/1/0; lists and
+    tuples accept YAML lists or comma-separated text; ``X | None`` accepts ``none``/``null``.
+    """
+    try:
+        return adapter(annotation).validate_python(_prepare(annotation, value))
+    except ValidationError:
+        raise ConfigError(f"{where}={_short(value)}: expected {_type_name(annotation)}") from None
+
+
+def coerce_fields(cls: type, d: dict[str, Any], where: str) -> dict[str, Any]:
+    """Every value of ``d`` as the type its field of dataclass ``cls`` declares; unknown keys refused."""
+    refuse_unknown(d, [f.name for f in dataclasses.fields(cls)], where)
+    hints = _hints(cls)
+    return {k: coerce(v, hints[k], f"{where}.{k}") for k, v in d.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Files and --set.
+
+
+def read_yaml_file(path: str | os.PathLike, what: str, choices: str) -> Any:
+    """The parsed YAML of a recipe, search space or study file; a one-line ConfigError naming ``what`` and
+    where to find valid ones (``choices``, e.g. ``configs/*.yaml``) when it is missing or not YAML."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {p} does not exist; pass one of {choices}")
+    try:
+        return yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+
+
+def split_assignment(assignment: str) -> tuple[list[str], str]:
+    """``"a.b=3"`` -> (["a", "b"], "3"); one-line error for anything else."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r} must look like KEY=VALUE (e.g. run.max_steps=100)")
+    key, value = assignment.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"--set {assignment!r} has an empty key")
+    return parts, value.strip()
+
+
+def set_nested(raw: dict[str, Any], assignment: str, sections: Sequence[str]) -> None:
+    """Apply one ``section.key=VALUE`` (VALUE parsed as YAML) to a raw recipe mapping in place."""
+    parts, value = split_assignment(assignment)
+    refuse_unknown(parts[:1], sections, f"--set {assignment!r}")
+    node = raw
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {assignment!r}: {p!r} is not a section")
+        node = nxt
+    node[parts[-1]] = yaml.safe_load(value) if value else ""
+
+
+def apply_to(configs: Sequence[Any], assignments: Sequence[str], *, dict_prefixes: dict[str, str] | None = None,
+             reserved: Sequence[str] = ()) -> None:
+    """Apply flat ``KEY=VALUE`` assignments to the first dataclass in ``configs`` that has the field.
+
+    ``dict_prefixes`` maps a key prefix to a dict field (``{"sampler": "sampler_kwargs"}``:
+    ``sampler.eta=0.02`` goes into ``sampler_kwargs["eta"]``, its value parsed as YAML). ``reserved``
+    fields cannot be set directly. Unknown keys fail listing the known ones.
+    """
+    dict_prefixes = dict_prefixes or {}
+    for assignment in assignments:
+        parts, value = split_assignment(assignment)
+        key = ".".join(parts)
+        if len(parts) == 2 and parts[0] in dict_prefixes:
+            field = dict_prefixes[parts[0]]
+            target = next((c for c in configs if hasattr(c, field)), None)
+            if target is None:
+                raise ConfigError(f"--set {key}: no {parts[0]} options here")
+            getattr(target, field)[parts[1]] = yaml.safe_load(value) if value else ""
+            continue
+        for cfg in configs:
+            hints = _hints(type(cfg))
+            if key in hints and key not in reserved and key not in dict_prefixes.values():
+                setattr(cfg, key, coerce(value, hints[key], f"--set {key}"))
+                break
+        else:
+            known = sorted({f.name for c in configs for f in dataclasses.fields(c)} - set(reserved)
+                           - set(dict_prefixes.values()))
+            refuse_unknown([key], known + [f"{p}.OPTION" for p in dict_prefixes], "--set")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Descriptions, help and schemas.
+
+
+def descriptions(cls: type) -> dict[str, str]:
+    """Field name -> its docstring (the text under the field in the class), whitespace collapsed."""
+    schema = adapter(cls).json_schema()
+    props = schema.get("properties") or schema["$defs"][cls.__name__]["properties"]
+    return {k: " ".join(str(v.get("description", "")).split()) for k, v in props.items()}
+
+
+def settings_help(cls: type, title: str) -> str:
+    """``--help`` text for the ``--set`` keys of a settings dataclass: each field with its default and its
+    docstring (the one place they are documented)."""
+    docs = descriptions(cls)
+    lines = [f"{title}:"]
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        lines.append(f"  {f.name} (default {shown!s}): {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def _schema(ann: Any, title: str, description: str) -> dict[str, Any]:
+    body = adapter(ann).json_schema()
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **body, "title": title,
+            "description": description}
+
+
+def schemas() -> dict[str, dict[str, Any]]:
+    """The JSON Schema of every YAML kind, by file stem: ``recipe`` (configs/*.yaml), ``search_space``
+    (tune_spaces/*.yaml), ``study`` (studies/*.yaml)."""
+    from adlm_model.config import PRESETS
+    from pipelines.studies.spec import StudyFile
+    from pipelines.training.config import TrainConfig
+    from pipelines.tuning.space import SpaceFile
+
+    recipe = _schema(TrainConfig, "ADLM training recipe", "A training recipe (configs/*.yaml); every section and "
+                     "key is optional and falls back to the reference recipe (pipelines/training/config.py).")
+    model = recipe["$defs"]["ModelConfig"]
+    # `preset` is no ModelConfig field: the recipe's model section starts from it (build_model_config).
+    model["properties"] = {"preset": {"enum": list(PRESETS), "description": "Start from this preset "
+                                      "(adlm_model.config.PRESETS); the other keys override its fields."},
+                           **model["properties"]}
+    return {
+        "recipe": recipe,
+        "search_space": _schema(SpaceFile, "ADLM search space", "A gamma/tau sweep (tune_spaces/*.yaml; "
+                                "pipelines/tuning/space.py)."),
+        "study": _schema(StudyFile, "ADLM study", "A study: arms, seeds and budgets (studies/*.yaml; "
+                         "pipelines/studies/spec.py)."),
+    }
+
+
+def schema_text(schema: dict[str, Any]) -> str:
+    return json.dumps(schema, indent=2) + "\n"
+
+
+def write_schemas(out: Path = SCHEMA_DIR) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, schema in schemas().items():
+        p = out / f"{name}.schema.json"
+        p.write_text(schema_text(schema))
+        written.append(p)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipelines.configlib", description=__doc__.splitlines()[0])
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--write-schemas", action="store_true", help=f"write {SCHEMA_DIR.name}/*.schema.json")
+    g.add_argument("--check-schemas", action="store_true", help="exit 1 when a committed schema is out of date")
+    args = ap.parse_args(argv)
+    if args.write_schemas:
+        for p in write_schemas():
+            print(p)
+        return 0
+    stale = [n for n, s in schemas().items()
+             if not (SCHEMA_DIR / f"{n}.schema.json").is_file()
+             or (SCHEMA_DIR / f"{n}.schema.json").read_text() != schema_text(s)]
+    if stale:
+        print(f"schemas out of date: {', '.join(stale)}; run python -m pipelines.configlib --write-schemas",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
