@@ -117,7 +117,7 @@ def _cfg(tiny_data: Path, name: str, steps: int, micro: int = 8):
     return load_config(root / "configs" / "demo.yaml", [
         *data_overrides(tiny_data), *TINY_MODEL, f"run.name={name}", f"run.max_steps={steps}", "run.log_every=20",
         "run.val_every=1000", "run.ckpt_every=2000", "run.val_batches=1", f"batch.global_batch={micro}",
-        f"batch.micro_batch={micro}", "scaling.num_workers=0", "optim.warmup_steps=2",
+        f"batch.micro_batch={micro}", "scaling.num_workers=1", "scaling.cpus_per_worker=0.5", "optim.warmup_steps=2",
         "mlflow.experiment=outage", "mlflow.drain_timeout_s=30"])
 
 
@@ -153,7 +153,10 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
         with capfd.disabled():
             print(f"\nstep rate during the outage / with the server up: {ratio:.3f} ({len(down)} windows in "
                   f"{OUTAGE_S:.0f} s down)")
-        assert ratio > 0.8, ratio
+        # A loop that waited on the server would log no window while it is down (len(down) above); one that paid a
+        # refused connection a window would crawl. The margin is wide: other processes on a loaded 2-core
+        # machine move this ratio more than tracking does (0.56 seen at load 13; about 1.0 on a quiet machine).
+        assert ratio > 0.3, ratio
         steps = [m.step for m in client.get_metric_history(res.run_id, "train/loss")]
         assert sorted(steps) == list(range(20, STEPS + 1, 20))  # every window once, the outage's included
 
