@@ -34,6 +34,7 @@ import sys
 import time
 
 from adlm_model.config import ConfigError
+from pipelines.logs import add_logging_flags, setup_logging
 from pipelines.orchestration.profiles import PROFILES, prepare_options, profile
 from pipelines.orchestration.summary import champion_samples, check_goals, summarize, summary_markdown
 from pipelines.runtime import PROJECT_ROOT, init_ray, quiet_environment
@@ -137,11 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="demo: the `make demo` pipeline (5-6 minutes on 2 CPU cores); smoke: a 1-2 minute check")
     p.add_argument("--workdir", default=None, help="work directory (default: $ADLM_WORKDIR or ./work)")
     p.add_argument("--skip-sweep", action="store_true", help="leave out the gamma/tau sweep")
+    add_logging_flags(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging(args.verbose - args.quiet)
     try:
         run(args.profile, workdir=args.workdir, skip_sweep=args.skip_sweep)
     except (ConfigError, ValueError) as e:

@@ -31,6 +31,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipelines.logs import get_logger
+
+log = get_logger(__name__)
+
 SCHEMES = ("file", "s3", "gs")
 """URI schemes the pipeline serves (pyarrow filesystems)."""
 
@@ -213,8 +217,8 @@ def warn_if_node_local(paths: list[str] | tuple[str, ...], what: str) -> bool:
     local = [str(p) for p in paths if not is_uri(p)]
     if not local or not spans_nodes():
         return False
-    print(f"WARNING: {what} {local[0]} is a path on this node's disk, but Ray's work runs on other nodes: every node "
-          "must see it at that path (a shared filesystem), or use an object store (ADLM_WORKDIR=s3://...)", flush=True)
+    log.warning(f"{what} {local[0]} is a path on this node's disk, but Ray's work runs on other nodes: every node "
+                "must see it at that path (a shared filesystem), or use an object store (ADLM_WORKDIR=s3://...)")
     return True
 
 
@@ -237,8 +241,7 @@ def shared_cache_entry(local: Path, build: Callable[[Path], None], complete: Cal
             upload_dir(local, shared)
             write_bytes_atomic(join(shared, SHARED_DONE), b"")  # last: a reader never takes half an entry
         except Exception as e:  # noqa: BLE001 - the node's own copy serves; another node builds for itself
-            print(f"WARNING: could not share the cache entry {local.name} at {shared}: {type(e).__name__}",
-                  flush=True)
+            log.warning(f"could not share the cache entry {local.name} at {shared}: {type(e).__name__}")
 
     if complete(local):
         if shared and not exists(join(shared, SHARED_DONE)):

@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import tempfile
@@ -28,9 +27,10 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from pipelines.logs import get_logger
 from pipelines.storage import StorageError, delete_dir, is_uri, join, list_dir, read_text, resolve_workdir, write_text
 
-log = logging.getLogger("adlm.tracking")
+log = get_logger("tracking")  # has a handler in a Ray worker too (the metric sender runs there)
 
 RUN_NAME_TAG = "adlm.run_name"
 
@@ -279,8 +279,8 @@ class ResilientLogger:
             lines = "".join(json.dumps({"key": k, "value": v, "timestamp": ts, "step": st}) + "\n"
                             for k, v, ts, st, _ in rest)
             write_text(join(self.spool_dir, name), lines)
-            print(f"WARNING: MLflow at {redact_uri(self.tracking_uri)} is unreachable: {len(rest)} metrics kept in "
-                  f"{self.spool_dir}; the next run of the same command sends them", flush=True)
+            log.warning(f"MLflow at {redact_uri(self.tracking_uri)} is unreachable: {len(rest)} metrics kept in "
+                        f"{self.spool_dir}; the next run of the same command sends them")
         return len(rest)
 
     # -- the sender thread ------------------------------------------------------------------------------
@@ -308,8 +308,8 @@ class ResilientLogger:
                     self._in_flight = 0
                     self.failures += 1
                     if not self._warned:
-                        print(f"WARNING: MLflow logging failed ({_first_line(e)}); {len(self._queue)} metrics "
-                              "queued, training goes on; retrying", flush=True)
+                        log.warning(f"MLflow logging failed ({_first_line(e)}); {len(self._queue)} metrics "
+                                    "queued, training goes on; retrying")
                         self._warned = True
                     self._cond.notify_all()
                     self._cond.wait(timeout=delay)  # a close() wakes it early
@@ -319,7 +319,7 @@ class ResilientLogger:
                 self._in_flight = 0
                 self.sent += len(chunk)
                 if self._warned:
-                    print("MLflow logging recovered; queued metrics sent", flush=True)
+                    log.info("MLflow logging recovered; queued metrics sent")
                 self._warned, self.failures, delay = False, 0, self.retry_s
                 self._cond.notify_all()
 
@@ -410,7 +410,7 @@ def log_artifact_safely(tracking_uri: str, run_id: str, local: str | os.PathLike
         return True
     except Exception as e:  # noqa: BLE001 - an artifact the store refuses (outage, permissions) must not fail the run: the caller decides
         log.warning("could not log artifact %s: %s", local, e)
-        print(f"WARNING: could not log artifact {local} to MLflow: {type(e).__name__}", flush=True)
+        log.warning(f"could not log artifact {local} to MLflow: {type(e).__name__}")
         return False
 
 

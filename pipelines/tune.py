@@ -14,6 +14,7 @@ import json
 import sys
 
 from adlm_model.config import ConfigError
+from pipelines.logs import add_logging_flags, setup_logging
 from pipelines.tuning.space import load_space, parse_space
 
 
@@ -37,11 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=None, help="override the space's num_samples")
     p.add_argument("--workdir", default=None, help="work directory (default: $ADLM_WORKDIR or ./work)")
     p.add_argument("--check", action="store_true", help="validate the space against the recipe and the data, then exit")
+    add_logging_flags(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging(args.verbose - args.quiet)
     try:
         space = load_space(args.space)
         if args.name:

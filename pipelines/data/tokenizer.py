@@ -29,13 +29,15 @@ import functools
 import hashlib
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipelines.assets import package_dir
+from pipelines.logs import get_logger
 from pipelines.storage import is_uri, join, read_text
+
+log = get_logger(__name__)
 
 GPT2_NAMES = ("gpt2", "openai-community/gpt2")
 GPT2_EOS = "<|endoftext|>"
@@ -323,8 +325,8 @@ def _load_cached(spec: str, stamp: tuple[int, int] | None) -> TokenizerInfo:
         raise
     except Exception as e:
         if fallback is not None:
-            print(f"[tokenization] hub load of {spec!r} failed ({type(e).__name__}); "
-                  "using the same vocabulary from pip packages", file=sys.stderr)
+            log.warning(f"[tokenization] hub load of {spec!r} failed ({type(e).__name__}); "
+                        "using the same vocabulary from pip packages")
             return fallback(spec)
         raise TokenizerError(
             f"tokenizer {spec!r} could not be loaded from the Hugging Face Hub ({type(e).__name__}: "

@@ -41,12 +41,15 @@ import yaml
 
 from adlm_model.config import ConfigError
 from adlm_model.kinds import model_kind
+from pipelines.logs import get_logger
 from pipelines.runtime import driver_resources, init_ray, quiet_environment
 from pipelines.storage import join, publish_dir, resolve_workdir, temp_dir, warn_if_node_local
 from pipelines.tracking import client, ensure_experiment, redact_uri, resolve_tracking_uri
 from pipelines.training.config import TrainConfig, apply_override, load_raw
 from pipelines.tuning.report import TrialRow, plot_search, table_markdown
 from pipelines.tuning.space import METRIC, TIME_ATTR, SearchSpace, parse_space
+
+log = get_logger(__name__)
 
 TRIAL_RETRIES = 3
 """How often Tune restarts a trial whose driver failed (a lost node) before the sweep reports it errored."""
@@ -202,8 +205,7 @@ def _parent_run(plan: SweepPlan) -> str | None:
         log_params_once(plan.tracking_uri, rid, params)
         return rid
     except Exception as e:  # noqa: BLE001 - a tracking outage must not stop the sweep
-        print(f"WARNING: MLflow unavailable ({type(e).__name__}: {str(e)[:200]}); sweeping without a parent run",
-              flush=True)
+        log.warning(f"MLflow unavailable ({type(e).__name__}: {str(e)[:200]}); sweeping without a parent run")
         return None
 
 
@@ -353,7 +355,7 @@ def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: Trial
         if not interrupted:
             c.set_terminated(parent, "FINISHED")
     except Exception as e:  # noqa: BLE001 - the sweep's results are on disk; say what failed
-        print(f"WARNING: MLflow bookkeeping of the sweep failed ({type(e).__name__}: {str(e)[:300]})", flush=True)
+        log.warning(f"MLflow bookkeeping of the sweep failed ({type(e).__name__}: {str(e)[:300]})")
     return version
 
 
@@ -380,7 +382,7 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
 
     if Tuner.can_restore(exp_dir):
         if not quiet:
-            print(f"[sweep {space.name}] resuming from {exp_dir}: finished trials are not rerun", flush=True)
+            log.info(f"[sweep {space.name}] resuming from {exp_dir}: finished trials are not rerun")
         tuner = Tuner.restore(exp_dir, trainable=trainable, resume_unfinished=True, resume_errored=True)
     else:
         tuner = Tuner(
@@ -394,9 +396,9 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
                                  failure_config=FailureConfig(max_failures=TRIAL_RETRIES)),
         )
     if not quiet:
-        print(f"[sweep {space.name}] {space.total_trials} trials ({space.algorithm} search, {space.scheduler} "
-              f"scheduler, max_t {plan.max_t} steps), {space.max_concurrent} at a time; MLflow parent run {parent} "
-              f"at {redact_uri(plan.tracking_uri)}", flush=True)
+        log.info(f"[sweep {space.name}] {space.total_trials} trials ({space.algorithm} search, {space.scheduler} "
+                 f"scheduler, max_t {plan.max_t} steps), {space.max_concurrent} at a time; MLflow parent run {parent} "
+                 f"at {redact_uri(plan.tracking_uri)}")
     try:
         grid = tuner.fit()
     except Exception as e:
@@ -410,12 +412,12 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     if not quiet:
         print(table_markdown(rows, best), flush=True)
         if interrupted:
-            print(f"[sweep {space.name}] interrupted with {grid.num_terminated} of {space.total_trials} trials done; "
-                  "rerun the same command to resume", flush=True)
+            log.info(f"[sweep {space.name}] interrupted with {grid.num_terminated} of {space.total_trials} trials done; "
+                     "rerun the same command to resume")
         elif best is not None:
             at = f" (step {best.best_step})" if best.best_step is not None else ""
             registered = f"; registered {plan.base.mlflow.registered_model} v{version} @candidate" if version else ""
-            print(f"[sweep {space.name}] best trial {best.trial_id}: {best.params}, validation PPL <= "
-                  f"{best.selection_ppl:.3f}{at}{registered}", flush=True)
+            log.info(f"[sweep {space.name}] best trial {best.trial_id}: {best.params}, validation PPL <= "
+                     f"{best.selection_ppl:.3f}{at}{registered}")
     return SweepResult(name=space.name, parent_run_id=parent, trials=rows, best=best, registered_version=version,
                        interrupted=interrupted, artifacts=arts)
