@@ -79,9 +79,11 @@ def ensure_experiment(name: str, tracking_uri: str, workdir: str | os.PathLike |
         # A local store names its artifact location; a server decides its own (--artifacts-destination).
         wd = resolve_workdir(workdir)
         artifact_location = join(wd, "mlartifacts") if is_uri(wd) else (Path(wd) / "mlartifacts").as_uri()
+    from mlflow.exceptions import MlflowException
+
     try:
         return c.create_experiment(name, artifact_location=artifact_location)
-    except Exception:
+    except MlflowException:  # created concurrently (another trial, another node): take that one
         exp = c.get_experiment_by_name(name)
         if exp is None:
             raise
@@ -91,13 +93,15 @@ def ensure_experiment(name: str, tracking_uri: str, workdir: str | os.PathLike |
 def find_or_create_run(tracking_uri: str, experiment_id: str, run_name: str, *, run_id: str | None = None,
                        tags: dict[str, str] | None = None, parent_run_id: str | None = None) -> tuple[str, bool]:
     """(run id, created). ``run_id`` (from a checkpoint) wins; else the run tagged with this name."""
+    from mlflow.exceptions import MlflowException
+
     c = client(tracking_uri)
     if run_id:
         try:
             c.get_run(run_id)
             c.update_run(run_id, status="RUNNING")
             return run_id, False
-        except Exception:  # noqa: BLE001 - the store was reset: fall back to lookup / create
+        except MlflowException:  # RESOURCE_DOES_NOT_EXIST: the store was reset: fall back to lookup / create
             log.warning("MLflow run %s from the checkpoint is not in %s; looking it up by name", run_id, tracking_uri)
     found = c.search_runs([experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'",
                                max_results=1, order_by=["attributes.start_time DESC"])
@@ -156,7 +160,7 @@ def _auth_headers_and_basic(tracking_uri: str) -> tuple[dict[str, str], tuple[st
         creds = read_mlflow_creds()
         if creds.username and creds.password:
             return {}, (creds.username, creds.password)
-    except Exception:  # noqa: BLE001 - an older/newer MLflow: fall back to the environment
+    except (ImportError, AttributeError, OSError, ValueError):  # another MLflow, an unreadable file: the environment
         user, pw = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
         if user and pw:
             return {}, (user, pw)

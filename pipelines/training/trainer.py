@@ -137,6 +137,8 @@ def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_di
     (``tags``: its step, validation bound, which checkpoint it is, ...; reused when this step is already
     registered: a rerun registers nothing new). Returns the version; raises ``RegistrationError`` when
     registration was asked for and failed (the checkpoint is safe in storage: the rerun registers it)."""
+    from mlflow.exceptions import MlflowException
+
     from pipelines.registry import register_checkpoint, registered_version, training_tags
     from pipelines.tracking import log_artifact_safely, plot_loss_curve
 
@@ -175,8 +177,8 @@ def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_di
             failure = f"registration failed ({type(e).__name__}: {_one_line(e)})"
     try:
         client(uri).set_terminated(run_id, "FINISHED")
-    except Exception:  # noqa: BLE001 - the run's status is cosmetic; training is done
-        pass
+    except (MlflowException, OSError) as e:  # the run's status is cosmetic; training is done: say so, go on
+        log.warning(f"could not mark MLflow run {run_id} finished ({_one_line(e)})")
     if failure:
         raise RegistrationError(failure)
     return version
@@ -273,7 +275,7 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     )
     try:
         result = trainer.fit()
-    except Exception as e:
+    except Exception as e:  # re-raised as TrainError naming the run and its logs: any worker failure
         msg = str(e).strip().splitlines()
         raise TrainError(f"training run {cfg.run.name!r} failed: {type(e).__name__}: "
                          f"{msg[-1] if msg else ''} (worker logs: {run_dir} and the Ray session logs)") from e

@@ -401,7 +401,7 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
                  f"at {redact_uri(plan.tracking_uri)}")
     try:
         grid = tuner.fit()
-    except Exception as e:
+    except Exception as e:  # re-raised with the rerun line: anything a trial or Tune raises ends here
         raise TuneError(f"sweep {space.name!r} failed: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}; "
                         f"rerun the same command to resume from {exp_dir}") from e
     rows = _rows(grid, space, plan.max_t)
