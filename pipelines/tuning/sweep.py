@@ -186,6 +186,9 @@ class SweepResult:
     interrupted: bool
     artifacts: dict[str, str] = field(default_factory=dict)
     """The trial table and search plot under ``<workdir>/sweeps/<name>/`` (local paths or URIs)."""
+    unregistered: str | None = None
+    """Why a finished sweep whose best trial was to be registered is not (the tracking store was down or refused):
+    the command's exit is then non-zero and this one line says how to finish it (rerun the same command)."""
 
 
 def _parent_run(plan: SweepPlan) -> str | None:
@@ -409,6 +412,12 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     finished = [r for r in rows if r.status == "finished" and r.selection_ppl is not None]
     best = min(finished, key=lambda r: r.selection_ppl) if finished and not interrupted else None
     version, arts = _finalise(plan, parent, rows, best, interrupted)
+    unregistered = None
+    if best is not None and version is None and plan.base.mlflow.register:
+        unregistered = (f"sweep {space.name!r} is done but its best trial {best.trial_id} is not registered (MLflow at "
+                        f"{redact_uri(plan.tracking_uri)} was unavailable or refused: see the warning above); rerun "
+                        "the same command to register it (it trains nothing)")
+        log.warning(unregistered)
     if not quiet:
         print(table_markdown(rows, best), flush=True)
         if interrupted:
@@ -420,4 +429,4 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
             log.info(f"[sweep {space.name}] best trial {best.trial_id}: {best.params}, validation PPL <= "
                      f"{best.selection_ppl:.3f}{at}{registered}")
     return SweepResult(name=space.name, parent_run_id=parent, trials=rows, best=best, registered_version=version,
-                       interrupted=interrupted, artifacts=arts)
+                       interrupted=interrupted, artifacts=arts, unregistered=unregistered)
