@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipelines.storage import cache_dir, download_dir, is_uri
+from pipelines.storage import download_dir, is_uri, node_cache_dir
 from pipelines.tracking import client, redact_uri
 
 DEFAULT_MODEL_NAME = "adlm"
@@ -201,11 +201,12 @@ class ModelRef:
 
 def resolve_model_ref(model: str, tracking_uri: str | None, cache: str | os.PathLike | None = None) -> ModelRef:
     """A local folder of ``model`` on this node: a ``models:/`` URI or a checkpoint in an object store is
-    downloaded once into the node's cache (``cache``, default ``storage.cache_dir()``); a local checkpoint
+    downloaded once into the node's cache (``cache``, default ``storage.node_cache_dir()``); a local checkpoint
     folder is used as it is. Every node resolves for itself: the driver plans with it, and each evaluation
     task loads its model with it where it runs. A registered version is an MLflow Model whose checkpoint is a
     folder inside it (``checkpoint_of``)."""
-    models = Path(cache) / "models" if cache else cache_dir(None, "models")
+    # No cache given (a task of a remote work directory, a caller without one): this node's own cache.
+    models = Path(cache) / "models" if cache else node_cache_dir("models")
     if is_uri(model):
         dst = models / ("ckpt-" + hashlib.sha256(model.encode()).hexdigest()[:16])
         if not (dst / "config.json").is_file():

@@ -294,7 +294,7 @@ def cache_dir(workdir: str | os.PathLike | None = None, *parts: str) -> Path:
     if env:
         base = Path(env).expanduser()
     else:
-        raw = str(workdir or os.environ.get("ADLM_WORKDIR") or "work")
+        raw = str(workdir) if workdir else resolve_workdir(None)
         base = Path.home() / ".cache" / "adlm" if is_uri(raw) else local_path(raw).resolve() / "cache"
     d = base.joinpath(*parts)
     d.mkdir(parents=True, exist_ok=True)

@@ -213,7 +213,7 @@ def run_study(spec: StudySpec, *, workdir: str | os.PathLike | None = None, trac
     t0 = time.time()
     plan = plan_study(spec, workdir=workdir, tracking_uri=tracking_uri, root=root)
     wd = plan.workdir
-    os.environ["ADLM_WORKDIR"] = wd  # Tune trials see the same work directory
+    # The trials get ``plan.workdir`` as an argument (TrialContext): none reads $ADLM_WORKDIR.
     log.info(f"[study {spec.name}] {len(spec.arms)} arms, {len(plan.runs)} runs; equal steps {spec.steps}"
              + (f", equal FLOPs {plan.budget_flops:.3g} ({spec.flops_reference} at {spec.steps} steps)"
              if plan.budget_flops else ""))
