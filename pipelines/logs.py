@@ -90,6 +90,15 @@ def setup_logging(verbosity: int = 0, stream=None) -> None:
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
+def verbosity() -> int:
+    """This process's verbosity (``verbose - quiet`` of the command that started it; 0 when none said): what
+    third-party progress output (Ray Data's bars, Tune's status tables) follows."""
+    try:
+        return int(os.environ.get(VERBOSITY_ENV, "0"))
+    except ValueError:
+        return 0
+
+
 def get_logger(area: str) -> logging.Logger:
     """The project's logger of one area: ``get_logger(__name__)`` in ``pipelines.training.trainer`` is
     ``adlm.training.trainer`` (``get_logger("tracking")`` is ``adlm.tracking``). Sets up logging at the

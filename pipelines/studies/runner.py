@@ -34,7 +34,7 @@ from typing import Any
 from adlm_model.config import ConfigError
 from adlm_model.flops import training_flops_per_row
 from adlm_model.kinds import parameter_count
-from pipelines.logs import get_logger
+from pipelines.logs import get_logger, verbosity
 from pipelines.storage import join, resolve_workdir, write_text
 from pipelines.studies.comparisons import compare, comparisons_markdown, excess_curves, truth_markdown
 from pipelines.studies.report import ArmResult, plot_curves, results_csv, table_markdown
@@ -256,7 +256,7 @@ def _fit(plan: StudyPlan, todo: list[RunPlan], arm_runs: dict[str, str | None]) 
     tuner = Tuner(trainable, param_space={"run": tune.grid_search([rp.run_name for rp in order])},
                   tune_config=TuneConfig(max_concurrent_trials=spec.max_concurrent),
                   run_config=RunConfig(name=f"study-{spec.name}", storage_path=join(plan.workdir, "ray_results", "tune"),
-                                       verbose=1))
+                                       verbose=0 if verbosity() < 0 else 2 if verbosity() > 0 else 1))  # -q/-v
     grid = tuner.fit()
     failed = [r for r in grid if r.error is not None]
     if failed:

@@ -24,7 +24,7 @@ from typing import Any
 
 from adlm_model.config import ConfigError
 from pipelines.faults import fault
-from pipelines.logs import get_logger
+from pipelines.logs import get_logger, verbosity
 from pipelines.runtime import init_ray, quiet_environment
 from pipelines.storage import (
     check_location,
@@ -237,7 +237,7 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     warn_if_node_local([*plan.train_uris[:1], storage, wd], "training reads or writes")
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # deterministic order (the driver's context: local mode)
-    ctx.enable_progress_bars = False
+    ctx.enable_progress_bars = verbosity() > 0  # Ray Data's bars only with -v: the loop prints its own progress
     # Ray 2.60's default Parquet path lists files in a task of a whole CPU that no setting lowers: on nodes whose
     # CPUs the trainers hold in part (fractional workers, a trial's driver) it never starts and the read starves
     # (seen on a cluster of 1-CPU nodes). The other path lists on the driver and reads in tasks of data.read_cpus.

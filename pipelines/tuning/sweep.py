@@ -41,7 +41,7 @@ import yaml
 
 from adlm_model.config import ConfigError
 from adlm_model.kinds import model_kind
-from pipelines.logs import get_logger
+from pipelines.logs import get_logger, verbosity
 from pipelines.runtime import driver_resources, init_ray, quiet_environment
 from pipelines.storage import join, publish_dir, resolve_workdir, temp_dir, warn_if_node_local
 from pipelines.tracking import client, ensure_experiment, redact_uri, resolve_tracking_uri
@@ -362,6 +362,11 @@ def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: Trial
     return version
 
 
+def _tune_verbosity(quiet: bool) -> int:
+    """Tune's status table (1) by default, none with ``quiet`` or ``-q``, each trial's results too with ``-v``."""
+    return 0 if quiet or verbosity() < 0 else 2 if verbosity() > 0 else 1
+
+
 def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
           workdir: str | os.PathLike | None = None, tracking_uri: str | None = None, quiet: bool = False) -> SweepResult:
     """Run (or resume) the sweep ``space.name``; see the module docstring."""
@@ -395,7 +400,7 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
                                    scheduler=_scheduler(space, plan.max_t), num_samples=space.num_samples),
             # A trial whose driver dies anyway (its node lost) is retried: the retry's training resumes from the
             # run's latest checkpoint, so the trial ends as if undisturbed.
-            run_config=RunConfig(name=space.name, storage_path=plan.storage, verbose=0 if quiet else 1,
+            run_config=RunConfig(name=space.name, storage_path=plan.storage, verbose=_tune_verbosity(quiet),
                                  failure_config=FailureConfig(max_failures=TRIAL_RETRIES)),
         )
     if not quiet:
