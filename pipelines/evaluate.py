@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pipelines.evaluation.config import EVAL_PROFILES, EvalConfig, EvalError, apply_overrides, eval_profile
 from pipelines.evaluation.promotion import PromotionConfig
 from pipelines.evaluation.suites import suites_help
+from pipelines.logs import add_logging_flags, setup_logging
 from pipelines.overrides import settings_help
 
 
@@ -61,11 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true", help="run in this process instead of Ray tasks")
     p.add_argument("--ray-address", help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of the Markdown table")
+    add_logging_flags(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging(args.verbose - args.quiet)
     from adlm_model.checkpoint import CheckpointError
     from adlm_model.config import ConfigError
     from pipelines.data.manifest import DataMismatchError, ManifestError

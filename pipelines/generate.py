@@ -70,12 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", help="work directory (default: $ADLM_WORKDIR or ./work): tracking store and cache")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the workdir's)")
     p.add_argument("--json", action="store_true", help="print one JSON object per sample (a JSON list)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from pipelines.logs import add_logging_flags
+
+    add_logging_flags(p)  # -q: no progress bar
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from pipelines.logs import setup_logging
+
+    setup_logging(args.verbose - args.quiet)
     from adlm_model.checkpoint import CheckpointError
     from adlm_model.config import ConfigError
     from adlm_model.textgen import GenerationError

@@ -9,7 +9,10 @@ are parsed, ``setup_logging(args.verbose - args.quiet)``:
 - ``-v``: the project's DEBUG, third parties at INFO, MLflow's progress bars back on;
 - ``-q``: warnings and errors only.
 
-Warnings of the project are ``log.warning`` lines (``WARNING adlm.tracking: ...``), never ``print``.
+Warnings of the project are ``log.warning`` lines (``WARNING adlm.tracking: ...``), never ``print``; a module
+takes its logger with ``log = get_logger(__name__)``. A process that never ran ``setup_logging`` (a Ray worker, a
+test, a library caller) gets the same handler and levels on its first ``get_logger`` call, at the verbosity the
+driver set (``ADLM_VERBOSITY``, which Ray's workers inherit): progress lines of the training workers stay visible.
 """
 
 from __future__ import annotations
@@ -24,6 +27,25 @@ PROJECT_LOGGER = "adlm"
 THIRD_PARTY = ("ray", "mlflow", "urllib3", "botocore", "boto3", "s3transfer", "filelock", "fsspec", "httpx",
                "alembic", "datasets", "transformers", "huggingface_hub", "matplotlib", "PIL", "asyncio")
 FORMAT = "%(levelname)s %(name)s: %(message)s"
+VERBOSITY_ENV = "ADLM_VERBOSITY"
+"""The driver's verbosity, for the processes it starts (Ray workers and tasks inherit the environment)."""
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler that writes to the ``sys.stderr`` of the moment (not the one at set-up): pytest's capture
+    and a redirect after start-up see the lines; an explicit ``stream`` is kept as given."""
+
+    def __init__(self, stream=None) -> None:
+        super().__init__(stream)
+        self._fixed = stream
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return self._fixed if self._fixed is not None else sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        self._fixed = value
 
 
 def add_logging_flags(parser: argparse.ArgumentParser) -> None:
@@ -34,29 +56,64 @@ def add_logging_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("-q", "--quiet", action="count", default=0, help="only warnings and errors")
 
 
-def setup_logging(verbosity: int = 0, stream=None) -> None:
-    """Configure the root handler once per process (a second call re-levels). ``verbosity`` is
-    ``verbose - quiet``."""
-    ours = logging.DEBUG if verbosity > 0 else logging.WARNING if verbosity < 0 else logging.INFO
-    theirs = logging.INFO if verbosity > 0 else logging.WARNING
+def _handler(stream=None) -> logging.Handler:
+    """The one handler of the project on the root logger (added once per process)."""
     root = logging.getLogger()
     handler = next((h for h in root.handlers if getattr(h, "_adlm", False)), None)
     if handler is None:
-        handler = logging.StreamHandler(stream or sys.stderr)
+        handler = _StderrHandler(stream)
         handler._adlm = True  # type: ignore[attr-defined]
         handler.setFormatter(logging.Formatter(FORMAT))
         root.addHandler(handler)
     elif stream is not None:
         handler.setStream(stream)
-    root.setLevel(min(ours, theirs))
+    return handler
+
+
+def _level(verbosity: int) -> int:
+    return logging.DEBUG if verbosity > 0 else logging.WARNING if verbosity < 0 else logging.INFO
+
+
+def setup_logging(verbosity: int = 0, stream=None) -> None:
+    """Configure the root handler once per process (a second call re-levels). ``verbosity`` is
+    ``verbose - quiet``."""
+    ours = _level(verbosity)
+    theirs = logging.INFO if verbosity > 0 else logging.WARNING
+    _handler(stream)
+    logging.getLogger().setLevel(min(ours, theirs))
     logging.getLogger(PROJECT_LOGGER).setLevel(ours)
     for name in THIRD_PARTY:
         logging.getLogger(name).setLevel(theirs)
+    os.environ[VERBOSITY_ENV] = str(verbosity)
     if verbosity <= 0:
         # MLflow's tqdm bar on artifact downloads (every registry read) is noise unless asked for.
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
+def verbosity() -> int:
+    """This process's verbosity (``verbose - quiet`` of the command that started it; 0 when none said): what
+    third-party progress output (Ray Data's bars, Tune's status tables) follows."""
+    try:
+        return int(os.environ.get(VERBOSITY_ENV, "0"))
+    except ValueError:
+        return 0
+
+
 def get_logger(area: str) -> logging.Logger:
-    """The project's logger of one area (``adlm.tracking``, ``adlm.train``...)."""
+    """The project's logger of one area: ``get_logger(__name__)`` in ``pipelines.training.trainer`` is
+    ``adlm.training.trainer`` (``get_logger("tracking")`` is ``adlm.tracking``). Sets up logging at the
+    inherited verbosity in a process that has not (a Ray worker, a library caller), so its lines are not lost."""
+    if not any(getattr(h, "_adlm", False) for h in logging.getLogger().handlers):
+        # Only the handler and the project's level: the root's and the third parties' levels are the CLI's call.
+        _handler()
+        ours = logging.getLogger(PROJECT_LOGGER)
+        if ours.level == logging.NOTSET:
+            try:
+                ours.setLevel(_level(int(os.environ.get(VERBOSITY_ENV, "0"))))
+            except ValueError:
+                ours.setLevel(logging.INFO)
+    for prefix in ("pipelines.", "adlm_model."):
+        if area.startswith(prefix):
+            area = area[len(prefix):]
+            break
     return logging.getLogger(f"{PROJECT_LOGGER}.{area}")

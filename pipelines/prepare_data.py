@@ -17,6 +17,7 @@ from pipelines.data.detokenizers import DETOKENIZERS
 from pipelines.data.encoder import ENGINES
 from pipelines.data.plan import PrepareConfig, PrepareError
 from pipelines.data.sources import EMBEDDED_TOKENIZER_VOCAB, KNOWN_SOURCES
+from pipelines.logs import add_logging_flags, setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,15 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="discard existing shards of these splits and restart")
     p.add_argument("--ray-address", default=None, help="Ray address (default $RAY_ADDRESS or a new local Ray)")
     p.add_argument("--progress-interval", type=float, default=d.progress_interval, help="seconds between progress lines")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--testbed", action="append", default=None, metavar="KEY=VALUE",
                    help="--source testbed only: a field of the synthetic language (adlm_model.testbed.TestbedConfig: "
                    "seed, length, n_classes, ...) or rows of a split (train_rows, validation_rows, test_rows); "
                    "repeatable")
+    add_logging_flags(p)  # -q: no progress lines (the summary still prints)
     return p
+
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging(args.verbose - args.quiet)
+    args.quiet = args.quiet > 0
+    del args.verbose
     if args.source is None:
         args.source = ["embedded"]
     from pipelines.data.prepare import prepare

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipelines.storage import cache_dir, download_dir, is_uri
+from pipelines.storage import download_dir, is_uri, node_cache_dir
 from pipelines.tracking import client, redact_uri
 
 DEFAULT_MODEL_NAME = "adlm"
@@ -63,6 +63,7 @@ def register_checkpoint(run_id: str, name: str, tags: dict[str, Any], *, trackin
     import tempfile
 
     import mlflow
+    from mlflow.exceptions import MlflowException
 
     from pipelines.serving.mlflow_model import ModelPackagingError, log_text_model, using_tracking_uri
     from pipelines.tracking import resolve_tracking_uri
@@ -77,7 +78,7 @@ def register_checkpoint(run_id: str, name: str, tags: dict[str, Any], *, trackin
                 local = Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=artifact_path,
                                                                  dst_path=str(Path(tmp) / "download"),
                                                                  tracking_uri=uri))
-            except Exception as e:  # any store error: say which artifact is missing
+            except (MlflowException, OSError) as e:  # a store error: say which artifact is missing
                 raise RegistryError(f"run {run_id} has no artifact folder {artifact_path!r} to register "
                                     f"({type(e).__name__}); log the checkpoint first") from e
         try:
@@ -86,12 +87,13 @@ def register_checkpoint(run_id: str, name: str, tags: dict[str, Any], *, trackin
             raise RegistryError(str(e)) from e
     try:
         c.get_registered_model(name)
-    except Exception:  # noqa: BLE001 - RESOURCE_DOES_NOT_EXIST
+    except MlflowException:  # RESOURCE_DOES_NOT_EXIST: create it
         try:
             c.create_registered_model(name, description="ADLM pipeline models: MLflow pyfunc models (text in, "
                                                         "text out) holding a safetensors checkpoint")
-        except Exception:  # noqa: BLE001 - created concurrently
-            pass
+        except MlflowException as e:  # created concurrently; anything else fails the version's creation below
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
     # The version keeps the run id (evaluation and promotion read it) and links the logged model.
     with using_tracking_uri(uri):
         mv = c.create_model_version(name, source=info.model_uri, run_id=run_id, model_id=info.model_id,
@@ -104,10 +106,12 @@ def register_checkpoint(run_id: str, name: str, tags: dict[str, Any], *, trackin
 def registered_version(name: str, run_id: str, step: int, *, tracking_uri: str | None = None) -> Any:
     """The version already registered from training run ``run_id`` at ``step``, or None: what makes a rerun
     of a finished run (training, sweep, the whole pipeline) register nothing new and move no alias."""
+    from mlflow.exceptions import MlflowException
+
     c = client(tracking_uri)
     try:
         versions = c.search_model_versions(f"name='{name}' and run_id='{run_id}'")
-    except Exception:  # noqa: BLE001 - no such registered model yet
+    except MlflowException:  # no such registered model yet
         return None
     same = [v for v in versions if (v.tags or {}).get("step") == str(step)]
     return min(same, key=lambda v: int(v.version)) if same else None
@@ -123,13 +127,15 @@ def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
 
 def get_version(uri: str, tracking_uri: str | None = None):
     """The ModelVersion a ``models:/`` URI names, or a one-line RegistryError."""
+    from mlflow.exceptions import MlflowException
+
     name, version, alias = parse_model_uri(uri)
     c = client(tracking_uri)
     try:
         if alias is not None:
             return c.get_model_version_by_alias(name, alias)
         return c.get_model_version(name, version)
-    except Exception as e:
+    except MlflowException as e:
         what = f"alias {alias!r}" if alias else f"version {version}"
         raise RegistryError(f"registered model {name!r} has no {what} in {redact_uri(tracking_uri) if tracking_uri else 'the tracking store'}: "
                             f"list versions with `mlflow models` or the UI, or pass a checkpoint directory") from e
@@ -195,11 +201,12 @@ class ModelRef:
 
 def resolve_model_ref(model: str, tracking_uri: str | None, cache: str | os.PathLike | None = None) -> ModelRef:
     """A local folder of ``model`` on this node: a ``models:/`` URI or a checkpoint in an object store is
-    downloaded once into the node's cache (``cache``, default ``storage.cache_dir()``); a local checkpoint
+    downloaded once into the node's cache (``cache``, default ``storage.node_cache_dir()``); a local checkpoint
     folder is used as it is. Every node resolves for itself: the driver plans with it, and each evaluation
     task loads its model with it where it runs. A registered version is an MLflow Model whose checkpoint is a
     folder inside it (``checkpoint_of``)."""
-    models = Path(cache) / "models" if cache else cache_dir(None, "models")
+    # No cache given (a task of a remote work directory, a caller without one): this node's own cache.
+    models = Path(cache) / "models" if cache else node_cache_dir("models")
     if is_uri(model):
         dst = models / ("ckpt-" + hashlib.sha256(model.encode()).hexdigest()[:16])
         if not (dst / "config.json").is_file():

@@ -34,11 +34,17 @@ import sys
 import time
 
 from adlm_model.config import ConfigError
+from pipelines.logs import add_logging_flags, setup_logging
 from pipelines.orchestration.profiles import PROFILES, prepare_options, profile
 from pipelines.orchestration.summary import champion_samples, check_goals, summarize, summary_markdown
 from pipelines.runtime import PROJECT_ROOT, init_ray, quiet_environment
 from pipelines.storage import join, resolve_workdir, write_text
 from pipelines.tracking import resolve_tracking_uri
+
+
+class Unregistered(RuntimeError):
+    """A stage's result that was to be registered is not: the pipeline stops (evaluation would miss it); the
+    message is the one line that finishes it (rerun the same command)."""
 
 
 def _banner(msg: str) -> None:
@@ -54,7 +60,8 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
         os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
     prof = profile(profile_name)
     wd = resolve_workdir(workdir)
-    os.environ["ADLM_WORKDIR"] = wd  # Ray workers and Tune trials see the same work directory
+    # Resolved once, here: every stage below (and every Ray task or Tune trial they start) gets ``wd`` as an
+    # argument, none reads $ADLM_WORKDIR again.
     uri = resolve_tracking_uri(wd)
     t0 = time.time()
     timings: dict[str, float] = {}
@@ -89,6 +96,8 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
         _banner(f"2/4 train {label} ({cfg.model.kind}, run {cfg.run.name}, {cfg.run.max_steps} steps)")
         t = time.time()
         results[label] = train(cfg, workdir=wd, tracking_uri=uri)
+        if results[label].unregistered:
+            raise Unregistered(results[label].unregistered)
         timings[f"train {label}"] = time.time() - t
 
     # 3. The sweep.
@@ -100,6 +109,8 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
 
         sweep_res = sweep(space, PROJECT_ROOT / "configs" / "demo.yaml", prof.sweep_overrides, workdir=wd,
                           tracking_uri=uri)
+        if sweep_res.unregistered:
+            raise Unregistered(sweep_res.unregistered)
         timings["sweep"] = time.time() - t
 
     # 4. Staged evaluation and promotion.
@@ -137,16 +148,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="demo: the `make demo` pipeline (5-6 minutes on 2 CPU cores); smoke: a 1-2 minute check")
     p.add_argument("--workdir", default=None, help="work directory (default: $ADLM_WORKDIR or ./work)")
     p.add_argument("--skip-sweep", action="store_true", help="leave out the gamma/tau sweep")
+    add_logging_flags(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging(args.verbose - args.quiet)
     try:
         run(args.profile, workdir=args.workdir, skip_sweep=args.skip_sweep)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Unregistered as e:  # trained, not registered: every stage resumes, so the rerun finishes it
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except RuntimeError as e:  # TrainError, TuneError: a stage failed after it started
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -14,9 +14,10 @@ from pathlib import Path
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 FORWARDED_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM",
-                 "HF_HOME", "HF_DATASETS_CACHE", "ADLM_WORKDIR", "ADLM_CACHE", "MLFLOW_DISABLE_TELEMETRY")
+                 "HF_HOME", "HF_DATASETS_CACHE", "ADLM_CACHE", "MLFLOW_DISABLE_TELEMETRY", "ADLM_VERBOSITY")
 """Settings a driver passes to a cluster's workers (which do not inherit its shell). Never a credential:
-nodes take those from their own environment or instance role (a job's runtime env shows in the dashboard)."""
+nodes take those from their own environment or instance role (a job's runtime env shows in the dashboard). Not
+the work directory: the entry point resolves it once and every Ray task or trial receives it as an argument."""
 
 
 DRIVER_RESOURCE = "adlm_driver"

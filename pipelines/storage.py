@@ -31,6 +31,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipelines.logs import get_logger
+
+log = get_logger(__name__)
+
 SCHEMES = ("file", "s3", "gs")
 """URI schemes the pipeline serves (pyarrow filesystems)."""
 
@@ -141,12 +145,19 @@ def list_dir(path: str | os.PathLike) -> list[str]:
 
 
 def delete_dir(path: str | os.PathLike) -> None:
-    """Remove a folder and everything under it (nothing when it does not exist)."""
+    """Remove a folder and everything under it (nothing when it does not exist). A folder that stays (permissions,
+    a store that refuses) is a StorageError: the caller meant it gone (``--overwrite``, a stale temporary)."""
+    import pyarrow.fs as pafs
+
     fs, p = get_fs(path)
     try:
         fs.delete_dir(p)
-    except (FileNotFoundError, OSError):
+    except FileNotFoundError:
         pass
+    except OSError as e:  # an object store may say "does not exist" as a plain OSError: only a folder left is one
+        if fs.get_file_info(p).type != pafs.FileType.NotFound:
+            raise StorageError(f"cannot delete {path} ({_first_line(e)}); remove it by hand or fix its "
+                               "permissions") from e
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
@@ -213,8 +224,8 @@ def warn_if_node_local(paths: list[str] | tuple[str, ...], what: str) -> bool:
     local = [str(p) for p in paths if not is_uri(p)]
     if not local or not spans_nodes():
         return False
-    print(f"WARNING: {what} {local[0]} is a path on this node's disk, but Ray's work runs on other nodes: every node "
-          "must see it at that path (a shared filesystem), or use an object store (ADLM_WORKDIR=s3://...)", flush=True)
+    log.warning(f"{what} {local[0]} is a path on this node's disk, but Ray's work runs on other nodes: every node "
+                "must see it at that path (a shared filesystem), or use an object store (ADLM_WORKDIR=s3://...)")
     return True
 
 
@@ -233,12 +244,13 @@ def shared_cache_entry(local: Path, build: Callable[[Path], None], complete: Cal
     Sharing is best effort: without it each node builds its own."""
 
     def share() -> None:
+        from pyarrow.lib import ArrowException
+
         try:
             upload_dir(local, shared)
             write_bytes_atomic(join(shared, SHARED_DONE), b"")  # last: a reader never takes half an entry
-        except Exception as e:  # noqa: BLE001 - the node's own copy serves; another node builds for itself
-            print(f"WARNING: could not share the cache entry {local.name} at {shared}: {type(e).__name__}",
-                  flush=True)
+        except (OSError, ArrowException) as e:  # best effort: the node's own copy serves, another node builds its own
+            log.warning(f"could not share the cache entry {local.name} at {shared}: {type(e).__name__}")
 
     if complete(local):
         if shared and not exists(join(shared, SHARED_DONE)):
@@ -254,8 +266,11 @@ def shared_cache_entry(local: Path, build: Callable[[Path], None], complete: Cal
         build(tmp)
     try:
         os.replace(tmp, local)
-    except OSError:  # another process finished first: keep theirs
+    except OSError as e:  # another process finished first: keep theirs; anything else leaves the entry unwritten
         shutil.rmtree(tmp, ignore_errors=True)
+        if not complete(local):
+            raise StorageError(f"cannot write the cache entry {local} ({e}); check the disk and its permissions, "
+                               "or point ADLM_CACHE elsewhere") from e
     if shared and not fetched:
         share()
     return local
@@ -279,7 +294,7 @@ def cache_dir(workdir: str | os.PathLike | None = None, *parts: str) -> Path:
     if env:
         base = Path(env).expanduser()
     else:
-        raw = str(workdir or os.environ.get("ADLM_WORKDIR") or "work")
+        raw = str(workdir) if workdir else resolve_workdir(None)
         base = Path.home() / ".cache" / "adlm" if is_uri(raw) else local_path(raw).resolve() / "cache"
     d = base.joinpath(*parts)
     d.mkdir(parents=True, exist_ok=True)
@@ -291,13 +306,14 @@ def check_location(uri: str) -> None:
     """One-line StorageError unless ``uri``'s store answers: the scheme is served, the endpoint is reachable,
     the bucket exists and the credentials are accepted. Cached per process (checked once)."""
     import pyarrow.fs as pafs
+    from pyarrow.lib import ArrowException
 
     scheme = uri.split("://", 1)[0]
     try:
         fs, inner = get_fs(uri)
     except StorageError:
         raise
-    except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid / OSError with multi-line texts
+    except (OSError, ArrowException) as e:  # ArrowInvalid (a bad URI) / OSError, with multi-line texts
         raise StorageError(f"{uri}: cannot open the store ({_first_line(e)}); check the URI") from None
     if scheme == "s3" and not _aws_credentials():
         raise StorageError(f"{uri}: no AWS credentials: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or a profile) "
@@ -305,7 +321,7 @@ def check_location(uri: str) -> None:
     bucket = inner.split("/", 1)[0]
     try:
         info = fs.get_file_info(bucket)
-    except Exception as e:  # noqa: BLE001 - endpoint down, credentials refused, ...
+    except (OSError, ArrowException) as e:  # endpoint down, credentials refused, ...
         if re.search(r"ACCESS_DENIED|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|\b403\b", str(e)):
             raise StorageError(f"{uri}: the {scheme} store refused this node's credentials ({_first_line(e)}); set "
                                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to credentials allowed on "
@@ -333,6 +349,19 @@ def _aws_credentials() -> bool:
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def hub_errors() -> tuple[type[BaseException], ...]:
+    """What a read from the Hugging Face Hub raises when the hub, the network or the files fail: ``OSError`` (the
+    hub's HTTP and offline errors, a missing file), ``ValueError`` (a bad name or config) and the HTTP client's own
+    errors (huggingface_hub 2 speaks ``httpx2``; its transport errors are not ``OSError``s)."""
+    errors: list[type[BaseException]] = [OSError, ValueError]
+    for module in ("httpx2", "httpx"):
+        try:
+            errors.append(__import__(module).HTTPError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
 
 
 def resolve_workdir(workdir: str | os.PathLike | None = None) -> str:

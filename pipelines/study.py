@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from adlm_model.config import ConfigError
+from pipelines.logs import add_logging_flags, setup_logging
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
                                                         "sqlite:///<workdir>/mlflow.db)")
     p.add_argument("--check", action="store_true", help="validate the study, count FLOPs and print the plan; "
                                                         "train nothing")
+    add_logging_flags(p)
     args = p.parse_args(argv)
+    setup_logging(args.verbose - args.quiet)
     from pipelines.studies.runner import plan_study, run_study
     from pipelines.studies.spec import load_study
 

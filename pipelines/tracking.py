@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import tempfile
@@ -28,9 +27,10 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from pipelines.logs import get_logger
 from pipelines.storage import StorageError, delete_dir, is_uri, join, list_dir, read_text, resolve_workdir, write_text
 
-log = logging.getLogger("adlm.tracking")
+log = get_logger("tracking")  # has a handler in a Ray worker too (the metric sender runs there)
 
 RUN_NAME_TAG = "adlm.run_name"
 
@@ -79,9 +79,11 @@ def ensure_experiment(name: str, tracking_uri: str, workdir: str | os.PathLike |
         # A local store names its artifact location; a server decides its own (--artifacts-destination).
         wd = resolve_workdir(workdir)
         artifact_location = join(wd, "mlartifacts") if is_uri(wd) else (Path(wd) / "mlartifacts").as_uri()
+    from mlflow.exceptions import MlflowException
+
     try:
         return c.create_experiment(name, artifact_location=artifact_location)
-    except Exception:
+    except MlflowException:  # created concurrently (another trial, another node): take that one
         exp = c.get_experiment_by_name(name)
         if exp is None:
             raise
@@ -91,13 +93,15 @@ def ensure_experiment(name: str, tracking_uri: str, workdir: str | os.PathLike |
 def find_or_create_run(tracking_uri: str, experiment_id: str, run_name: str, *, run_id: str | None = None,
                        tags: dict[str, str] | None = None, parent_run_id: str | None = None) -> tuple[str, bool]:
     """(run id, created). ``run_id`` (from a checkpoint) wins; else the run tagged with this name."""
+    from mlflow.exceptions import MlflowException
+
     c = client(tracking_uri)
     if run_id:
         try:
             c.get_run(run_id)
             c.update_run(run_id, status="RUNNING")
             return run_id, False
-        except Exception:  # noqa: BLE001 - the store was reset: fall back to lookup / create
+        except MlflowException:  # RESOURCE_DOES_NOT_EXIST: the store was reset: fall back to lookup / create
             log.warning("MLflow run %s from the checkpoint is not in %s; looking it up by name", run_id, tracking_uri)
     found = c.search_runs([experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'",
                                max_results=1, order_by=["attributes.start_time DESC"])
@@ -156,7 +160,7 @@ def _auth_headers_and_basic(tracking_uri: str) -> tuple[dict[str, str], tuple[st
         creds = read_mlflow_creds()
         if creds.username and creds.password:
             return {}, (creds.username, creds.password)
-    except Exception:  # noqa: BLE001 - an older/newer MLflow: fall back to the environment
+    except (ImportError, AttributeError, OSError, ValueError):  # another MLflow, an unreadable file: the environment
         user, pw = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
         if user and pw:
             return {}, (user, pw)
@@ -279,8 +283,8 @@ class ResilientLogger:
             lines = "".join(json.dumps({"key": k, "value": v, "timestamp": ts, "step": st}) + "\n"
                             for k, v, ts, st, _ in rest)
             write_text(join(self.spool_dir, name), lines)
-            print(f"WARNING: MLflow at {redact_uri(self.tracking_uri)} is unreachable: {len(rest)} metrics kept in "
-                  f"{self.spool_dir}; the next run of the same command sends them", flush=True)
+            log.warning(f"MLflow at {redact_uri(self.tracking_uri)} is unreachable: {len(rest)} metrics kept in "
+                        f"{self.spool_dir}; the next run of the same command sends them")
         return len(rest)
 
     # -- the sender thread ------------------------------------------------------------------------------
@@ -308,8 +312,8 @@ class ResilientLogger:
                     self._in_flight = 0
                     self.failures += 1
                     if not self._warned:
-                        print(f"WARNING: MLflow logging failed ({_first_line(e)}); {len(self._queue)} metrics "
-                              "queued, training goes on; retrying", flush=True)
+                        log.warning(f"MLflow logging failed ({_first_line(e)}); {len(self._queue)} metrics "
+                                    "queued, training goes on; retrying")
                         self._warned = True
                     self._cond.notify_all()
                     self._cond.wait(timeout=delay)  # a close() wakes it early
@@ -319,7 +323,7 @@ class ResilientLogger:
                 self._in_flight = 0
                 self.sent += len(chunk)
                 if self._warned:
-                    print("MLflow logging recovered; queued metrics sent", flush=True)
+                    log.info("MLflow logging recovered; queued metrics sent")
                 self._warned, self.failures, delay = False, 0, self.retry_s
                 self._cond.notify_all()
 
@@ -410,7 +414,7 @@ def log_artifact_safely(tracking_uri: str, run_id: str, local: str | os.PathLike
         return True
     except Exception as e:  # noqa: BLE001 - an artifact the store refuses (outage, permissions) must not fail the run: the caller decides
         log.warning("could not log artifact %s: %s", local, e)
-        print(f"WARNING: could not log artifact {local} to MLflow: {type(e).__name__}", flush=True)
+        log.warning(f"could not log artifact {local} to MLflow: {type(e).__name__}")
         return False
 
 

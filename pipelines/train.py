@@ -13,6 +13,7 @@ import json
 import sys
 
 from adlm_model.config import ConfigError
+from pipelines.logs import add_logging_flags, setup_logging
 from pipelines.training.config import load_config
 
 
@@ -39,11 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="work directory (default: $ADLM_WORKDIR or ./work); holds "
                    "data, ray_results, checkpoints and the default sqlite MLflow store")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    add_logging_flags(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging(args.verbose - args.quiet)
     try:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:

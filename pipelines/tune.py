@@ -14,6 +14,7 @@ import json
 import sys
 
 from adlm_model.config import ConfigError
+from pipelines.logs import add_logging_flags, setup_logging
 from pipelines.tuning.space import load_space, parse_space
 
 
@@ -29,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
                "{type: asha|fifo, grace_period, reduction_factor, max_t}, num_samples, max_concurrent, metric "
                "(val_ppl), resources {trial_cpu}, overrides {section.key: value}.\n\nExample:\n  python -m "
                "pipelines.tune --space tune_spaces/demo.yaml --config configs/demo.yaml")
+    p.epilog += ("\n\nExit codes: 0 done (the best trial registered when mlflow.register); 1 the sweep failed; 2 bad "
+                 "input; 3 done but the best trial not registered (the tracking server was down or refused): rerun "
+                 "the same command to register it; 130 interrupted: rerun to resume.")
     p.add_argument("--space", required=True, help="search-space YAML (tune_spaces/*.yaml)")
     p.add_argument("--config", required=True, help="training recipe YAML (configs/*.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -37,11 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=None, help="override the space's num_samples")
     p.add_argument("--workdir", default=None, help="work directory (default: $ADLM_WORKDIR or ./work)")
     p.add_argument("--check", action="store_true", help="validate the space against the recipe and the data, then exit")
+    add_logging_flags(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging(args.verbose - args.quiet)
     try:
         space = load_space(args.space)
         if args.name:
@@ -68,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                       "best_trial": res.best.trial_id if res.best else None,
                       "best_val_ppl": res.best.selection_ppl if res.best else None,
                       "registered_version": res.registered_version}))
+    if res.unregistered:  # swept, best trial not registered: not a success a script may take for one
+        print(f"error: {res.unregistered}", file=sys.stderr)
+        return 3
     return 130 if res.interrupted else 0
 
 

@@ -32,9 +32,11 @@ def test_drivers_forward_no_credential_to_a_clusters_workers(monkeypatch: pytest
                "MLFLOW_TRACKING_URI": "https://u:p@mlflow", "GOOGLE_APPLICATION_CREDENTIALS": "/k.json"}
     for k, v in secrets.items():
         monkeypatch.setenv(k, v)
+    monkeypatch.setenv("ADLM_CACHE", "/tmp/adlm-cache")
     monkeypatch.setenv("ADLM_WORKDIR", "s3://bucket/run")
     env = forwarded_env()
-    assert env["ADLM_WORKDIR"] == "s3://bucket/run" and not set(secrets) & set(env)
+    assert env["ADLM_CACHE"] == "/tmp/adlm-cache" and not set(secrets) & set(env)
+    assert "ADLM_WORKDIR" not in env  # the work directory is an argument of every task, never their environment
     import re
 
     secret_like = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|CREDENTIALS?|KEY)(_|$)")

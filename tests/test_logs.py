@@ -43,3 +43,22 @@ def test_flags_parse_to_a_verbosity() -> None:
     assert a.verbose - a.quiet == 2
     a = p.parse_args(["-q"])
     assert a.verbose - a.quiet == -1
+
+
+def test_a_process_that_never_set_up_logging_still_shows_the_projects_lines() -> None:
+    """A Ray worker (or any process a driver starts) never runs setup_logging: its first get_logger gives the
+    project's handler at the driver's verbosity (inherited through ADLM_VERBOSITY), so the training loop's
+    progress and the metric sender's warnings reach its stderr, which Ray forwards to the driver."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("from pipelines.logs import get_logger; log = get_logger('pipelines.training.loop'); "
+            "log.info('progress line'); log.warning('warn line')")
+    root = str(Path(__file__).resolve().parents[1])
+    for verbosity, shown in (("0", ["INFO adlm.training.loop: progress line", "WARNING adlm.training.loop: warn line"]),
+                             ("-1", ["WARNING adlm.training.loop: warn line"])):
+        env = {**os.environ, "PYTHONPATH": root, "ADLM_VERBOSITY": verbosity}
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+        assert r.returncode == 0 and r.stderr.splitlines() == shown, r.stderr

@@ -26,7 +26,7 @@ import shutil
 import urllib.request
 
 from pipelines.data.sources import NamedSource, SourceError, expand_local, parquet_rows
-from pipelines.storage import exists, get_fs, join, name_of
+from pipelines.storage import exists, get_fs, hub_errors, join, name_of
 
 CONVERSION_REVISION = "refs%2Fconvert%2Fparquet"
 """The hub's automatic Parquet conversion of every dataset (URL-encoded for ``HfFileSystem`` paths)."""
@@ -62,7 +62,7 @@ def hub_files(src: NamedSource, split: str, mirror: str | None) -> list[str]:
     base = f"datasets/{src.hf_path}@{revision}"
     try:
         found = sorted(fs.glob(f"{base}/{pattern}"))
-    except Exception as e:
+    except hub_errors() as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise SourceError(f"could not list {src.name}'s Parquet files on the Hugging Face Hub ({base}/{pattern}): "
                           f"{msg}; with no network use a local --out (the datasets path), --hub-mirror, or local "

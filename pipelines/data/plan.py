@@ -41,6 +41,7 @@ from pipelines.data.sources import (
     source_fs,
 )
 from pipelines.data.tokenizer import TokenizerInfo
+from pipelines.logs import get_logger
 from pipelines.storage import (
     check_location,
     exists,
@@ -52,6 +53,8 @@ from pipelines.storage import (
     resolve_workdir,
     sha256_file,
 )
+
+logger = get_logger(__name__)
 
 FORMAT_VERSION = 2
 """Part of every split's fingerprint: bump it when the shard format changes (2: one shard a unit of work)."""
@@ -154,8 +157,12 @@ class Plan:
 
 
 def log(cfg: PrepareConfig, msg: str, force: bool = False) -> None:
-    if force or not cfg.quiet:
+    """A progress line (a log line, none with ``quiet``), or with ``force`` a line of the command's summary (always
+    printed: what was prepared, reused or resumed)."""
+    if force:
         print(f"[prepare_data] {msg}", file=sys.stderr, flush=True)
+    elif not cfg.quiet:
+        logger.info(msg)
 
 
 def _unit_bytes(total: int, unit_mb: float) -> int:

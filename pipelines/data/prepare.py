@@ -89,7 +89,7 @@ from pipelines.data.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
 from pipelines.data.worker import PrepareUnits
 from pipelines.faults import fault
 from pipelines.runtime import init_ray
-from pipelines.storage import exists, get_fs, join, read_bytes, warn_if_node_local, write_bytes_atomic
+from pipelines.storage import delete_dir, exists, get_fs, join, read_bytes, warn_if_node_local, write_bytes_atomic
 
 # ----------------------------------------------------------------------------------------------------------
 # The tokenizer (trained or loaded) and the pad-mode length check
@@ -377,11 +377,7 @@ def prepare(config: Any = None, *, shutdown_ray: bool = False) -> dict[str, Mani
     plan = make_plan(cfg)
     if cfg.overwrite:
         for s in plan.splits:
-            fs, inner = get_fs(join(plan.out, s))
-            try:
-                fs.delete_dir(inner)
-            except (FileNotFoundError, OSError):
-                pass
+            delete_dir(join(plan.out, s))  # a split that cannot be deleted fails here, not under new shards
     tok = resolve_tokenizer(plan)
     try:
         engine = resolve_engine(tok.tokenizer_json, cfg.engine)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines.storage import get_fs
+from pipelines.storage import get_fs, hub_errors
 
 READS = {"units": 0, "max_rows": 0}
 """Parquet units this process read through ``read_unit`` and the most rows it held from one read (a probe:
@@ -405,7 +405,7 @@ def load_hf_split(src: NamedSource, split: str) -> tuple[Any, int, int]:
             ds = datasets.load_dataset(src.hf_path, data_files=src.data_files, split=hf_split)
         else:
             ds = datasets.load_dataset(src.hf_path, src.hf_name, split=hf_split)
-    except Exception as e:
+    except hub_errors() as e:  # not found, offline, no such split
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise SourceError(f"could not load {src.name} ({src.hf_path}) from the Hugging Face Hub: {msg}; with no "
                           "network use local files (--source PATH) or the offline corpus (--source embedded)") from e

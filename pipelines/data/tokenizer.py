@@ -29,13 +29,15 @@ import functools
 import hashlib
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipelines.assets import package_dir
-from pipelines.storage import is_uri, join, read_text
+from pipelines.logs import get_logger
+from pipelines.storage import hub_errors, is_uri, join, read_text
+
+log = get_logger(__name__)
 
 GPT2_NAMES = ("gpt2", "openai-community/gpt2")
 GPT2_EOS = "<|endoftext|>"
@@ -223,7 +225,7 @@ def _from_tokenizer_json(path: Path, name: str) -> TokenizerInfo:
     try:
         tjson = path.read_text(encoding="utf-8")
         backend = Tokenizer.from_str(tjson)
-    except Exception as e:
+    except Exception as e:  # re-raised: OSError/UnicodeError reading it; tokenizers raises a bare Exception on bad JSON
         raise TokenizerError(f"tokenizer file {path} cannot be read ({type(e).__name__}: {e}); "
                              "pass a valid tokenizer.json") from e
     specials = {a.content: i for i, a in backend.get_added_tokens_decoder().items()}
@@ -307,7 +309,7 @@ def _load_cached(spec: str, stamp: tuple[int, int] | None) -> TokenizerInfo:
             from transformers import AutoTokenizer
 
             return _from_hf(AutoTokenizer.from_pretrained(str(p)), spec, "file", str(p.resolve()))
-        except Exception as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:  # no tokenizer files, or ones transformers cannot read
             raise TokenizerError(f"directory {p} holds no loadable tokenizer ({e}); "
                                  "it needs a tokenizer.json") from e
     if spec.endswith(".json") or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
@@ -321,10 +323,10 @@ def _load_cached(spec: str, stamp: tuple[int, int] | None) -> TokenizerInfo:
         return _hub(spec)
     except TokenizerError:
         raise
-    except Exception as e:
+    except hub_errors() as e:
         if fallback is not None:
-            print(f"[tokenization] hub load of {spec!r} failed ({type(e).__name__}); "
-                  "using the same vocabulary from pip packages", file=sys.stderr)
+            log.warning(f"[tokenization] hub load of {spec!r} failed ({type(e).__name__}); "
+                        "using the same vocabulary from pip packages")
             return fallback(spec)
         raise TokenizerError(
             f"tokenizer {spec!r} could not be loaded from the Hugging Face Hub ({type(e).__name__}: "

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 from typing import Any
 
@@ -33,7 +32,10 @@ from pipelines.data.shards import (
     unit_record_path,
 )
 from pipelines.data.sources import read_unit
+from pipelines.logs import get_logger
 from pipelines.storage import join, write_bytes_atomic
+
+log = get_logger(__name__)
 
 IO_TRIES = 4
 """Tries of a unit whose read or write failed with an I/O error (waits of 1, 2, 4 s between them)."""
@@ -79,8 +81,7 @@ class PrepareUnits:
             except OSError as e:
                 if attempt == IO_TRIES - 1:
                     raise
-                print(f"[prepare_data] unit {u['index']} of {u['split']}: {type(e).__name__}: {e}; trying again",
-                      file=sys.stderr, flush=True)
+                log.warning(f"[prepare_data] unit {u['index']} of {u['split']}: {type(e).__name__}: {e}; trying again")
                 time.sleep(2 ** attempt)
         raise AssertionError("unreachable")
 

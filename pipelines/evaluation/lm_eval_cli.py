@@ -50,6 +50,10 @@ def _precheck(argv: list[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pipelines.logs import setup_logging
+
+    # The harness parses every flag itself (its own --verbosity): our handler and levels at their defaults.
+    setup_logging(0)
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" not in argv and "--help" not in argv:
         error = _precheck(argv)

@@ -23,7 +23,6 @@ is seeded by the request's text and ``seed``: a request gets the same figure in 
 from __future__ import annotations
 
 import dataclasses
-import os
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,11 +142,19 @@ class ADLMEvalLM(LM):
         if s.dtype != "float32" and self._device.type != "cuda":
             raise EvalError(f"lm-eval adapter: dtype {s.dtype} needs a CUDA device (autocast on CPU is about 19x "
                             "slower than float32); use dtype=float32")
-        if tracking_uri is None and pretrained.startswith("models:/"):
-            from pipelines.tracking import resolve_tracking_uri
+        # The harness is this adapter's entry point: the work directory is resolved here, once ($ADLM_WORKDIR >
+        # ./work), for the tracking store and the node's cache of downloaded versions.
+        from pipelines.storage import cache_dir, is_uri, resolve_workdir
 
-            tracking_uri = resolve_tracking_uri(os.environ.get("ADLM_WORKDIR"))
-        self.ref = resolve_model_ref(pretrained, tracking_uri)
+        cache = None
+        if pretrained.startswith("models:/") or is_uri(pretrained):  # a local folder needs no work directory
+            wd = resolve_workdir(None)
+            cache = None if is_uri(wd) else cache_dir(wd)
+            if tracking_uri is None and pretrained.startswith("models:/"):
+                from pipelines.tracking import resolve_tracking_uri
+
+                tracking_uri = resolve_tracking_uri(wd)
+        self.ref = resolve_model_ref(pretrained, tracking_uri, cache)
         self.model, self.cfg, meta = load_checkpoint(self.ref.local_dir, use_ema=s.use_ema, map_location=self._device)
         self.model.eval()
         self.tok = checkpoint_tokenizer(self.ref.local_dir, meta)

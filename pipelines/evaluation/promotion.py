@@ -315,13 +315,15 @@ class _Stager:
 
 def check_stage_all(promo: PromotionConfig, cfg: EvalConfig, tracking_uri: str) -> None:
     """Bad settings or a missing registered model fail here, before any version is touched."""
+    from mlflow.exceptions import MlflowException
+
     promo.validate()
     cfg.validate()
     check_suites(parse_suite(promo.stage2_suite), cfg, tracking_uri)
     client = tracking_client(tracking_uri)
     try:
         client.get_registered_model(promo.model_name)
-    except Exception as e:
+    except MlflowException as e:  # RESOURCE_DOES_NOT_EXIST, or a store that does not answer
         raise PromotionError(f"no registered model {promo.model_name!r} in {redact_uri(tracking_uri)}: train with registration "
                              "on (python -m pipelines.train ...) or pass --name") from e
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from adlm_model.kinds import KINDS
+from pipelines.logs import get_logger
 from pipelines.orchestration.profiles import DemoGoals, Profile
 from pipelines.tracking import client, redact_uri
+
+log = get_logger(__name__)
 
 
 def summarize(prof: Profile, uri: str, model_name: str, vocab_size: int, results: dict, sweep_res: Any,
@@ -78,7 +81,7 @@ def champion_samples(s: dict, wd: str, uri: str, length: int, n: int = 2) -> lis
         req = loaded.generator.request(length=length, steps=length, num_samples=n, seed=0)
         return [g.completion for g in run_generation(loaded, req, progress=False)]
     except Exception as e:  # noqa: BLE001 - the summary stands without its samples; say why
-        print(f"WARNING: sampling the champion failed ({type(e).__name__}: {str(e)[:200]})", flush=True)
+        log.warning(f"sampling the champion failed ({type(e).__name__}: {str(e)[:200]})")
         return []
 
 

@@ -42,11 +42,12 @@ def checkpoint_folder(model: str, *, tracking_uri: str | None = None,
 
     if model.startswith("models:/"):
         from pipelines.registry import resolve_model_ref
-        from pipelines.storage import cache_dir, is_uri
+        from pipelines.storage import cache_dir, is_uri, resolve_workdir
         from pipelines.tracking import resolve_tracking_uri
 
-        uri = tracking_uri or resolve_tracking_uri(workdir)
-        cache = None if workdir is None or is_uri(str(workdir)) else cache_dir(workdir)
+        wd = resolve_workdir(workdir)  # once: the tracking store's default and the cache of downloaded versions
+        uri = tracking_uri or resolve_tracking_uri(wd)
+        cache = None if is_uri(wd) else cache_dir(wd)
         return Path(resolve_model_ref(model, uri, cache).local_dir)
     p = Path(model).expanduser()
     if not p.is_dir():

@@ -26,6 +26,7 @@ import numpy as np
 
 from pipelines.data.manifest import ManifestError, read_manifest
 from pipelines.data.reader import read_rows
+from pipelines.logs import add_logging_flags, setup_logging
 
 
 def _counts(ids: np.ndarray, mask: np.ndarray | None, width: int, first: int) -> tuple[np.ndarray, np.ndarray]:
@@ -102,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train", default=None, help="the training split: also fit the floors there and score the split")
     p.add_argument("--alpha", type=float, default=0.5, help="add-alpha smoothing of the train-fitted floors")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_logging_flags(p)
     args = p.parse_args(argv)
+    setup_logging(args.verbose - args.quiet)
     try:
         res = floors(args.split, args.train, args.alpha)
     except (ManifestError, ValueError) as e:

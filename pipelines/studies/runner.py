@@ -34,6 +34,7 @@ from typing import Any
 from adlm_model.config import ConfigError
 from adlm_model.flops import training_flops_per_row
 from adlm_model.kinds import parameter_count
+from pipelines.logs import get_logger, verbosity
 from pipelines.storage import join, resolve_workdir, write_text
 from pipelines.studies.comparisons import compare, comparisons_markdown, excess_curves, truth_markdown
 from pipelines.studies.report import ArmResult, plot_curves, results_csv, table_markdown
@@ -41,6 +42,8 @@ from pipelines.studies.spec import StudySpec, validate_arms
 from pipelines.studies.stats import relative_gain, summarise
 from pipelines.tracking import RUN_NAME_TAG, client, ensure_experiment, resolve_tracking_uri
 from pipelines.training.config import TrainConfig
+
+log = get_logger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 METRIC = "val/ppl"
@@ -175,8 +178,8 @@ def _mlflow_runs(plan: StudyPlan) -> tuple[str | None, dict[str, str | None]]:
             arms[arm.name] = rid
         return parent, arms
     except Exception as e:  # noqa: BLE001 - a tracking outage must not stop the study; the runs spool their metrics
-        print(f"WARNING: MLflow unavailable ({type(e).__name__}: {str(e)[:200]}); the study runs without its "
-              "parent and arm runs", flush=True)
+        log.warning(f"MLflow unavailable ({type(e).__name__}: {str(e)[:200]}); the study runs without its "
+                    "parent and arm runs")
         return None, {a.name: None for a in spec.arms}
 
 
@@ -210,15 +213,14 @@ def run_study(spec: StudySpec, *, workdir: str | os.PathLike | None = None, trac
     t0 = time.time()
     plan = plan_study(spec, workdir=workdir, tracking_uri=tracking_uri, root=root)
     wd = plan.workdir
-    os.environ["ADLM_WORKDIR"] = wd  # Tune trials see the same work directory
-    print(f"[study {spec.name}] {len(spec.arms)} arms, {len(plan.runs)} runs; equal steps {spec.steps}"
-          + (f", equal FLOPs {plan.budget_flops:.3g} ({spec.flops_reference} at {spec.steps} steps)"
-             if plan.budget_flops else ""), flush=True)
+    # The trials get ``plan.workdir`` as an argument (TrialContext): none reads $ADLM_WORKDIR.
+    log.info(f"[study {spec.name}] {len(spec.arms)} arms, {len(plan.runs)} runs; equal steps {spec.steps}"
+             + (f", equal FLOPs {plan.budget_flops:.3g} ({spec.flops_reference} at {spec.steps} steps)"
+             if plan.budget_flops else ""))
     for arm in spec.arms:
-        print(f"  {arm.name:<22} {plan.params[arm.name] / 1e6:6.2f} M params  "
-              f"{plan.flops_per_step[arm.name] / 1e9:7.2f} GFLOP/step  "
-              f"runs to {max(r.max_steps for r in plan.runs if r.arm == arm.name)} steps  seeds {arm.seeds}",
-              flush=True)
+        log.info(f"  {arm.name:<22} {plan.params[arm.name] / 1e6:6.2f} M params  "
+                 f"{plan.flops_per_step[arm.name] / 1e9:7.2f} GFLOP/step  "
+                 f"runs to {max(r.max_steps for r in plan.runs if r.arm == arm.name)} steps  seeds {arm.seeds}")
     init_ray()
     from pipelines.storage import warn_if_node_local
 
@@ -254,7 +256,7 @@ def _fit(plan: StudyPlan, todo: list[RunPlan], arm_runs: dict[str, str | None]) 
     tuner = Tuner(trainable, param_space={"run": tune.grid_search([rp.run_name for rp in order])},
                   tune_config=TuneConfig(max_concurrent_trials=spec.max_concurrent),
                   run_config=RunConfig(name=f"study-{spec.name}", storage_path=join(plan.workdir, "ray_results", "tune"),
-                                       verbose=1))
+                                       verbose=0 if verbosity() < 0 else 2 if verbosity() > 0 else 1))  # -q/-v
     grid = tuner.fit()
     failed = [r for r in grid if r.error is not None]
     if failed:
@@ -336,7 +338,7 @@ def _tabulate(plan: StudyPlan, parent: str | None, seconds: float) -> StudyResul
         artifacts["curves.png"] = join(out, "curves.png")
     _log_results(plan, parent, arms, local_files=[Path(p) for p in (artifacts.values()) if not is_uri(p)])
     print(md, flush=True)
-    print(f"[study {spec.name}] {seconds / 60:.1f} min; table and curves in {out}", flush=True)
+    log.info(f"[study {spec.name}] {seconds / 60:.1f} min; table and curves in {out}")
     return StudyResult(spec.name, arms, parent, out, seconds, artifacts)
 
 
@@ -369,4 +371,4 @@ def _log_results(plan: StudyPlan, parent: str | None, arms: list[ArmResult], loc
             log_artifact_safely(plan.tracking_uri, parent, f, "study")
         c.set_terminated(parent, "FINISHED")
     except Exception as e:  # noqa: BLE001 - the table is on disk; say so
-        print(f"WARNING: logging the study to MLflow failed ({type(e).__name__}: {str(e)[:200]})", flush=True)
+        log.warning(f"logging the study to MLflow failed ({type(e).__name__}: {str(e)[:200]})")

@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pipelines.logs import get_logger
 from pipelines.storage import (
     delete_dir,
     exists,
@@ -34,6 +35,8 @@ from pipelines.storage import (
     write_bytes_atomic,
     write_text,
 )
+
+log = get_logger(__name__)
 
 CKPT_PREFIX = "checkpoint_"
 EXPORT_FILES = ("config.json", "model.safetensors", "ema.safetensors", "tokenizer.json")
@@ -94,7 +97,7 @@ def publish_best(local: Path, run_dir: str | Path, step: int, *, crash_at: int |
         write_bytes_atomic(join(dest, f.name), f.read_bytes())
         if crash:
             write_text(join(run_dir, ".crashed_writing_best"), str(step))
-            print(f"fault train.crash_writing_best: the writer dies after {f.name} of {name}", flush=True)
+            log.warning(f"fault train.crash_writing_best: the writer dies after {f.name} of {name}")
             os._exit(1)
     write_text(join(run_dir, BEST_POINTER), json.dumps({"name": name, "step": step}))
     shutil.rmtree(local, ignore_errors=True)

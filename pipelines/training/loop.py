@@ -39,6 +39,7 @@ from adlm_model.checkpoint import save_checkpoint, save_state
 from adlm_model.kinds import model_kind
 from adlm_model.losses import LossOutput
 from pipelines.data.reader import read_subset
+from pipelines.logs import get_logger
 from pipelines.seeds import TRAIN_DATA_ORDER, TRAIN_VALIDATION, derive_seed
 from pipelines.storage import (
     delete_dir,
@@ -60,6 +61,8 @@ from pipelines.training.checkpoints import (
     step_of,
 )
 from pipelines.training.worker import LoopConfig, Worker, build, reset_window, resume, set_training_clip
+
+log = get_logger(__name__)
 
 # ------------------------------------------------------------------------------------------------------
 # The steps
@@ -292,7 +295,7 @@ def _maybe_crash(w: Worker) -> None:
     # it polls the workers (every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default). Waiting out two polls makes
     # the fault test "resumes from the last checkpoint", not a race between a fast tiny model and the poll.
     time.sleep(2 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0")) + 1)
-    print(f"[rank {w.rank}] fault train.crash_at_step: killing this worker at step {w.step}", flush=True)
+    log.warning(f"[rank {w.rank}] fault train.crash_at_step: killing this worker at step {w.step}")
     os._exit(1)
 
 
@@ -313,9 +316,9 @@ def log_step(w: Worker, tracker: ResilientLogger | None, progress: Progress) -> 
         tracker.log_metrics(metrics, step)
     if w.rank == 0:
         eta = (time.perf_counter() - progress.t_start) / max(step - progress.start_step, 1) * (r.max_steps - step)
-        print(f"[{r.name}] step {step}/{r.max_steps} loss {metrics['train/loss']:.4f} "
-              f"nll {metrics['train/nll']:.4f} tok/s {metrics['train/tokens_per_s']:,.0f} "
-              f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}", flush=True)
+        log.info(f"[{r.name}] step {step}/{r.max_steps} loss {metrics['train/loss']:.4f} "
+                 f"nll {metrics['train/nll']:.4f} tok/s {metrics['train/tokens_per_s']:,.0f} "
+                 f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
     return {"step": step, "train_loss": metrics["train/loss"], "train_nll": metrics["train/nll"]}
 
 
@@ -331,11 +334,11 @@ def validation_step(w: Worker, rows: dict[str, torch.Tensor], tracker: Resilient
         if tracker is not None:
             tracker.log_metrics({"train/clip_low": lo, "train/clip_high": hi}, step)
         if w.rank == 0:
-            print(f"[{r.name}] step {step}: block times from [{lo:g}, {hi:g}] (clipped schedule)", flush=True)
+            log.info(f"[{r.name}] step {step}: block times from [{lo:g}, {hi:g}] (clipped schedule)")
     if tracker is not None:
         tracker.log_metrics({"val/ppl": ppl, "val/nll": math.log(ppl)}, step)
     if w.rank == 0:
-        print(f"[{r.name}] step {step} validation PPL <= {ppl:.3f} (EMA)", flush=True)
+        log.info(f"[{r.name}] step {step} validation PPL <= {ppl:.3f} (EMA)")
     return {"step": step, "val_ppl": ppl, "epoch": w.epoch, "best_val_ppl": w.best_val}
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from adlm_model.config import ConfigError
 from pipelines.faults import fault
+from pipelines.logs import get_logger, verbosity
 from pipelines.runtime import init_ray, quiet_environment
 from pipelines.storage import (
     check_location,
@@ -53,6 +54,8 @@ from pipelines.training.config import TrainConfig, flatten
 from pipelines.training.data import DataPlan, plan_data
 from pipelines.training.loop import train_loop_per_worker
 from pipelines.training.worker import LoopConfig
+
+log = get_logger(__name__)
 
 
 class TrainError(RuntimeError):
@@ -119,7 +122,7 @@ def open_run(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, prev_id: str |
         if is_auth_refusal(e):
             raise TrackingAuthError(f"the MLflow tracking server at {redact_uri(uri)} refused this client "
                                     f"({_one_line(e)}): {AUTH_HINT}") from None
-        print(f"WARNING: MLflow unavailable ({type(e).__name__}: {str(e)[:200]})", flush=True)
+        log.warning(f"MLflow unavailable ({type(e).__name__}: {str(e)[:200]})")
         return None
 
 
@@ -134,6 +137,8 @@ def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_di
     (``tags``: its step, validation bound, which checkpoint it is, ...; reused when this step is already
     registered: a rerun registers nothing new). Returns the version; raises ``RegistrationError`` when
     registration was asked for and failed (the checkpoint is safe in storage: the rerun registers it)."""
+    from mlflow.exceptions import MlflowException
+
     from pipelines.registry import register_checkpoint, registered_version, training_tags
     from pipelines.tracking import log_artifact_safely, plot_loss_curve
 
@@ -141,16 +146,16 @@ def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_di
     try:
         sent = send_spool(uri, run_id, join(run_dir, SPOOL))
         if sent:
-            print(f"[{cfg.run.name}] sent {sent} metrics that waited in the spool", flush=True)
+            log.info(f"[{cfg.run.name}] sent {sent} metrics that waited in the spool")
     except Exception as e:  # noqa: BLE001 - they stay in the spool for the next command
-        print(f"WARNING: the spooled metrics could not be sent ({type(e).__name__}: {e})", flush=True)
+        log.warning(f"the spooled metrics could not be sent ({type(e).__name__}: {e})")
     try:
         png = plot_loss_curve(uri, run_id, local_export.parent / "loss_curve.png")
         if png is not None:
             log_artifact_safely(uri, run_id, png, "plots")
             write_bytes_atomic(join(wd, "plots", cfg.run.name, "loss_curve.png"), png.read_bytes())
     except Exception as e:  # noqa: BLE001 - a plot must not fail a finished run
-        print(f"WARNING: loss-curve plot failed: {e}", flush=True)
+        log.warning(f"loss-curve plot failed: {e}")
     logged = log_artifact_safely(uri, run_id, local_export, "checkpoint")
     failure = None
     if do_register and not logged:
@@ -160,8 +165,8 @@ def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_di
             step = tags["step"]
             mv = registered_version(cfg.mlflow.registered_model, run_id, step, tracking_uri=uri)
             if mv is not None:  # a rerun of a finished run: nothing new, no alias moves
-                print(f"[{cfg.run.name}] step {step} is already registered as {cfg.mlflow.registered_model} "
-                      f"v{mv.version}", flush=True)
+                log.info(f"[{cfg.run.name}] step {step} is already registered as {cfg.mlflow.registered_model} "
+                         f"v{mv.version}")
             else:
                 tags = training_tags(cfg.model, data_manifest_hash=plan.manifest_hash,
                                      tokenizer_hash=plan.tokenizer_hash, run_name=cfg.run.name, **tags)
@@ -172,8 +177,8 @@ def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_di
             failure = f"registration failed ({type(e).__name__}: {_one_line(e)})"
     try:
         client(uri).set_terminated(run_id, "FINISHED")
-    except Exception:  # noqa: BLE001 - the run's status is cosmetic; training is done
-        pass
+    except (MlflowException, OSError) as e:  # the run's status is cosmetic; training is done: say so, go on
+        log.warning(f"could not mark MLflow run {run_id} finished ({_one_line(e)})")
     if failure:
         raise RegistrationError(failure)
     return version
@@ -215,13 +220,13 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     prev_id = prev_meta.get("mlflow_run_id")
     run_id = open_run(cfg, plan, uri, wd, prev_id, parent_run_id, extra_tags)
     if run_id is None:
-        print(f"WARNING: MLflow at {redact_uri(uri)} is unavailable at start; training without a run: the metrics wait in "
-              f"{join(run_dir, SPOOL)} and the next run of this command sends them and registers", flush=True)
+        log.warning(f"MLflow at {redact_uri(uri)} is unavailable at start; training without a run: the metrics wait in "
+                    f"{join(run_dir, SPOOL)} and the next run of this command sends them and registers")
     if not quiet:
-        print(f"[{cfg.run.name}] {cfg.model.kind} model, {cfg.world} worker(s) x micro-batch {cfg.batch.micro_batch} "
-              f"x accumulation {cfg.accumulation} = global batch {cfg.batch.global_batch}; data {plan.train_rows} "
-              f"train rows; storage {run_dir}; MLflow run {run_id} at {redact_uri(uri)}"
-              + (f"; resuming from step {prev[0]}" if prev else ""), flush=True)
+        log.info(f"[{cfg.run.name}] {cfg.model.kind} model, {cfg.world} worker(s) x micro-batch {cfg.batch.micro_batch} "
+                 f"x accumulation {cfg.accumulation} = global batch {cfg.batch.global_batch}; data {plan.train_rows} "
+                 f"train rows; storage {run_dir}; MLflow run {run_id} at {redact_uri(uri)}"
+                 + (f"; resuming from step {prev[0]}" if prev else ""))
 
     import ray
     import ray.data
@@ -232,7 +237,7 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     warn_if_node_local([*plan.train_uris[:1], storage, wd], "training reads or writes")
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # deterministic order (the driver's context: local mode)
-    ctx.enable_progress_bars = False
+    ctx.enable_progress_bars = verbosity() > 0  # Ray Data's bars only with -v: the loop prints its own progress
     # Ray 2.60's default Parquet path lists files in a task of a whole CPU that no setting lowers: on nodes whose
     # CPUs the trainers hold in part (fractional workers, a trial's driver) it never starts and the read starves
     # (seen on a cluster of 1-CPU nodes). The other path lists on the driver and reads in tasks of data.read_cpus.
@@ -270,7 +275,7 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     )
     try:
         result = trainer.fit()
-    except Exception as e:
+    except Exception as e:  # re-raised as TrainError naming the run and its logs: any worker failure
         msg = str(e).strip().splitlines()
         raise TrainError(f"training run {cfg.run.name!r} failed: {type(e).__name__}: "
                          f"{msg[-1] if msg else ''} (worker logs: {run_dir} and the Ray session logs)") from e
@@ -307,21 +312,21 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
             unregistered = str(e)
     elif unregistered is None:
         unregistered = f"MLflow at {redact_uri(uri)} is unreachable"
-        print(f"WARNING: MLflow at {redact_uri(uri)} is unreachable: the run is trained (checkpoint {final[1]}) but its "
-              f"metrics wait in {join(run_dir, SPOOL)} and it is not registered; run the same command again once "
-              "the tracking server is back: it trains nothing, sends the metrics and registers", flush=True)
+        log.warning(f"MLflow at {redact_uri(uri)} is unreachable: the run is trained (checkpoint {final[1]}) but its "
+                    f"metrics wait in {join(run_dir, SPOOL)} and it is not registered; run the same command again once "
+                    "the tracking server is back: it trains nothing, sends the metrics and registers")
     if unregistered and do_register:
         unregistered = (f"run {cfg.run.name!r} is trained (best step {best_step}, in {run_dir}) but not registered: "
                         f"{unregistered}; rerun the same command to register it (it trains nothing)")
-        print(f"WARNING: {unregistered}", flush=True)
+        log.warning(unregistered)
     elif not do_register:
         unregistered = None
     export = publish_dir(local_export, join(wd, "checkpoints", cfg.run.name))
     shutil.rmtree(local_export.parent, ignore_errors=True)
     if not quiet:
-        print(f"[{cfg.run.name}] done: step {final[0]}, validation PPL <= {val_ppl}; best step {best_step} (PPL <= "
-              f"{best_val}) exported to {export}"
-              + (f", registered {cfg.mlflow.registered_model} v{version} @candidate" if version else ""), flush=True)
+        log.info(f"[{cfg.run.name}] done: step {final[0]}, validation PPL <= {val_ppl}; best step {best_step} (PPL <= "
+                 f"{best_val}) exported to {export}"
+                 + (f", registered {cfg.mlflow.registered_model} v{version} @candidate" if version else ""))
     return TrainResult(run_id=run_id or "", run_name=cfg.run.name, step=final[0], val_ppl=val_ppl,
                        checkpoint_dir=export, registered_version=version,
                        model_name=cfg.mlflow.registered_model if version else None, metrics=metrics,

@@ -22,6 +22,7 @@ from adlm_model import EMA, build_model, compute_loss
 from adlm_model.backbone import DiTBlock
 from adlm_model.checkpoint import load_state
 from adlm_model.losses import LossOutput
+from pipelines.logs import get_logger
 from pipelines.seeds import TRAIN_DROPOUT, TRAIN_NOISE, derive_seed
 from pipelines.storage import (
     download_dir,
@@ -33,6 +34,8 @@ from pipelines.training.checkpoints import (
 )
 from pipelines.training.config import TrainConfig
 from pipelines.training.optim import build_optimizer, lr_factor
+
+log = get_logger(__name__)
 
 # DDP and FSDP find the tensors of a module's output by flattening it: make LossOutput's fields visible.
 with contextlib.suppress(ValueError):  # already registered (a re-import)
@@ -244,8 +247,8 @@ def resume(w: Worker, ray_checkpoint_dir: str | None, ray_checkpoint_step: int =
         if w.use_gpu and rng.get("cuda") is not None:
             torch.cuda.set_rng_state(rng["cuda"])
     else:  # another world size: data position and RNG streams cannot continue exactly
-        print(f"[rank {w.rank}] checkpoint written with another worker count: continuing with fresh RNG "
-              "streams (not bit-exact)", flush=True)
+        log.warning(f"[rank {w.rank}] checkpoint written with another worker count: continuing with fresh RNG "
+                    "streams (not bit-exact)")
     return w.step
 
 

@@ -41,12 +41,15 @@ import yaml
 
 from adlm_model.config import ConfigError
 from adlm_model.kinds import model_kind
+from pipelines.logs import get_logger, verbosity
 from pipelines.runtime import driver_resources, init_ray, quiet_environment
 from pipelines.storage import join, publish_dir, resolve_workdir, temp_dir, warn_if_node_local
 from pipelines.tracking import client, ensure_experiment, redact_uri, resolve_tracking_uri
 from pipelines.training.config import TrainConfig, apply_override, load_raw
 from pipelines.tuning.report import TrialRow, plot_search, table_markdown
 from pipelines.tuning.space import METRIC, TIME_ATTR, SearchSpace, parse_space
+
+log = get_logger(__name__)
 
 TRIAL_RETRIES = 3
 """How often Tune restarts a trial whose driver failed (a lost node) before the sweep reports it errored."""
@@ -183,6 +186,9 @@ class SweepResult:
     interrupted: bool
     artifacts: dict[str, str] = field(default_factory=dict)
     """The trial table and search plot under ``<workdir>/sweeps/<name>/`` (local paths or URIs)."""
+    unregistered: str | None = None
+    """Why a finished sweep whose best trial was to be registered is not (the tracking store was down or refused):
+    the command's exit is then non-zero and this one line says how to finish it (rerun the same command)."""
 
 
 def _parent_run(plan: SweepPlan) -> str | None:
@@ -202,8 +208,7 @@ def _parent_run(plan: SweepPlan) -> str | None:
         log_params_once(plan.tracking_uri, rid, params)
         return rid
     except Exception as e:  # noqa: BLE001 - a tracking outage must not stop the sweep
-        print(f"WARNING: MLflow unavailable ({type(e).__name__}: {str(e)[:200]}); sweeping without a parent run",
-              flush=True)
+        log.warning(f"MLflow unavailable ({type(e).__name__}: {str(e)[:200]}); sweeping without a parent run")
         return None
 
 
@@ -353,8 +358,13 @@ def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: Trial
         if not interrupted:
             c.set_terminated(parent, "FINISHED")
     except Exception as e:  # noqa: BLE001 - the sweep's results are on disk; say what failed
-        print(f"WARNING: MLflow bookkeeping of the sweep failed ({type(e).__name__}: {str(e)[:300]})", flush=True)
+        log.warning(f"MLflow bookkeeping of the sweep failed ({type(e).__name__}: {str(e)[:300]})")
     return version
+
+
+def _tune_verbosity(quiet: bool) -> int:
+    """Tune's status table (1) by default, none with ``quiet`` or ``-q``, each trial's results too with ``-v``."""
+    return 0 if quiet or verbosity() < 0 else 2 if verbosity() > 0 else 1
 
 
 def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
@@ -380,7 +390,7 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
 
     if Tuner.can_restore(exp_dir):
         if not quiet:
-            print(f"[sweep {space.name}] resuming from {exp_dir}: finished trials are not rerun", flush=True)
+            log.info(f"[sweep {space.name}] resuming from {exp_dir}: finished trials are not rerun")
         tuner = Tuner.restore(exp_dir, trainable=trainable, resume_unfinished=True, resume_errored=True)
     else:
         tuner = Tuner(
@@ -390,16 +400,16 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
                                    scheduler=_scheduler(space, plan.max_t), num_samples=space.num_samples),
             # A trial whose driver dies anyway (its node lost) is retried: the retry's training resumes from the
             # run's latest checkpoint, so the trial ends as if undisturbed.
-            run_config=RunConfig(name=space.name, storage_path=plan.storage, verbose=0 if quiet else 1,
+            run_config=RunConfig(name=space.name, storage_path=plan.storage, verbose=_tune_verbosity(quiet),
                                  failure_config=FailureConfig(max_failures=TRIAL_RETRIES)),
         )
     if not quiet:
-        print(f"[sweep {space.name}] {space.total_trials} trials ({space.algorithm} search, {space.scheduler} "
-              f"scheduler, max_t {plan.max_t} steps), {space.max_concurrent} at a time; MLflow parent run {parent} "
-              f"at {redact_uri(plan.tracking_uri)}", flush=True)
+        log.info(f"[sweep {space.name}] {space.total_trials} trials ({space.algorithm} search, {space.scheduler} "
+                 f"scheduler, max_t {plan.max_t} steps), {space.max_concurrent} at a time; MLflow parent run {parent} "
+                 f"at {redact_uri(plan.tracking_uri)}")
     try:
         grid = tuner.fit()
-    except Exception as e:
+    except Exception as e:  # re-raised with the rerun line: anything a trial or Tune raises ends here
         raise TuneError(f"sweep {space.name!r} failed: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}; "
                         f"rerun the same command to resume from {exp_dir}") from e
     rows = _rows(grid, space, plan.max_t)
@@ -407,15 +417,21 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     finished = [r for r in rows if r.status == "finished" and r.selection_ppl is not None]
     best = min(finished, key=lambda r: r.selection_ppl) if finished and not interrupted else None
     version, arts = _finalise(plan, parent, rows, best, interrupted)
+    unregistered = None
+    if best is not None and version is None and plan.base.mlflow.register:
+        unregistered = (f"sweep {space.name!r} is done but its best trial {best.trial_id} is not registered (MLflow at "
+                        f"{redact_uri(plan.tracking_uri)} was unavailable or refused: see the warning above); rerun "
+                        "the same command to register it (it trains nothing)")
+        log.warning(unregistered)
     if not quiet:
         print(table_markdown(rows, best), flush=True)
         if interrupted:
-            print(f"[sweep {space.name}] interrupted with {grid.num_terminated} of {space.total_trials} trials done; "
-                  "rerun the same command to resume", flush=True)
+            log.info(f"[sweep {space.name}] interrupted with {grid.num_terminated} of {space.total_trials} trials done; "
+                     "rerun the same command to resume")
         elif best is not None:
             at = f" (step {best.best_step})" if best.best_step is not None else ""
             registered = f"; registered {plan.base.mlflow.registered_model} v{version} @candidate" if version else ""
-            print(f"[sweep {space.name}] best trial {best.trial_id}: {best.params}, validation PPL <= "
-                  f"{best.selection_ppl:.3f}{at}{registered}", flush=True)
+            log.info(f"[sweep {space.name}] best trial {best.trial_id}: {best.params}, validation PPL <= "
+                     f"{best.selection_ppl:.3f}{at}{registered}")
     return SweepResult(name=space.name, parent_run_id=parent, trials=rows, best=best, registered_version=version,
-                       interrupted=interrupted, artifacts=arts)
+                       interrupted=interrupted, artifacts=arts, unregistered=unregistered)
