@@ -10,7 +10,7 @@ that turns YAML or command-line text into those dataclasses:
   loaded are the dataclasses themselves), after :func:`_prepare` has applied the command-line conventions
   pydantic lacks (comma lists, ``none``); a type error is one line naming the key and the type it expects;
 - field docstrings become field descriptions (``use_attribute_docstrings``): the ``--set`` help text and the
-  committed JSON Schemas (``schemas/*.schema.json``, ``python -m pipelines.configlib --write-schemas``) read them.
+  committed JSON Schemas (``schemas/*.schema.json``, ``pipelines/config_schemas.py``) read them.
 
 Each kind's own semantic rules (ranges, names, cross-field checks) stay with the kind (``validate()`` methods,
 ``parse_space``, ``parse_study``).
@@ -18,12 +18,9 @@ Each kind's own semantic rules (ranges, names, cross-field checks) stay with the
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import os
-import sys
 import types
 import typing
 from collections.abc import Sequence
@@ -36,13 +33,11 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 from adlm_model.config import ConfigError, refuse_unknown
 
 __all__ = ["ConfigError", "refuse_unknown", "check_tree", "validate", "coerce", "coerce_fields", "read_yaml_file",
-           "split_assignment", "set_nested", "apply_to", "descriptions", "settings_help", "schemas",
-           "write_schemas", "SCHEMA_DIR"]
+           "split_assignment", "set_nested", "apply_to", "descriptions", "settings_help", "adapter"]
 
 PYDANTIC_CONFIG = ConfigDict(use_attribute_docstrings=True, coerce_numbers_to_str=True, extra="forbid")
 """Set on every config dataclass the library validates: docstrings as descriptions, ``name: 2024`` read as the
 text "2024" (as before), and ``additionalProperties: false`` in the schemas (editors flag unknown keys)."""
-SCHEMA_DIR = Path(__file__).resolve().parents[1] / "schemas"
 _NONE = ("none", "null")
 
 
@@ -314,71 +309,3 @@ def settings_help(cls: type, title: str) -> str:
         shown = ",".join(default) if isinstance(default, tuple) else default
         lines.append(f"  {f.name} (default {shown!s}): {docs.get(f.name, '')}")
     return "\n".join(lines)
-
-
-def _schema(ann: Any, title: str, description: str) -> dict[str, Any]:
-    body = adapter(ann).json_schema()
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **body, "title": title,
-            "description": description}
-
-
-def schemas() -> dict[str, dict[str, Any]]:
-    """The JSON Schema of every YAML kind, by file stem: ``recipe`` (configs/*.yaml), ``search_space``
-    (tune_spaces/*.yaml), ``study`` (studies/*.yaml)."""
-    from adlm_model.config import PRESETS
-    from pipelines.studies.spec import StudyFile
-    from pipelines.training.config import TrainConfig
-    from pipelines.tuning.space import SpaceFile
-
-    recipe = _schema(TrainConfig, "ADLM training recipe", "A training recipe (configs/*.yaml); every section and "
-                     "key is optional and falls back to the reference recipe (pipelines/training/config.py).")
-    model = recipe["$defs"]["ModelConfig"]
-    # `preset` is no ModelConfig field: the recipe's model section starts from it (build_model_config).
-    model["properties"] = {"preset": {"enum": list(PRESETS), "description": "Start from this preset "
-                                      "(adlm_model.config.PRESETS); the other keys override its fields."},
-                           **model["properties"]}
-    return {
-        "recipe": recipe,
-        "search_space": _schema(SpaceFile, "ADLM search space", "A gamma/tau sweep (tune_spaces/*.yaml; "
-                                "pipelines/tuning/space.py)."),
-        "study": _schema(StudyFile, "ADLM study", "A study: arms, seeds and budgets (studies/*.yaml; "
-                         "pipelines/studies/spec.py)."),
-    }
-
-
-def schema_text(schema: dict[str, Any]) -> str:
-    return json.dumps(schema, indent=2) + "\n"
-
-
-def write_schemas(out: Path = SCHEMA_DIR) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, schema in schemas().items():
-        p = out / f"{name}.schema.json"
-        p.write_text(schema_text(schema))
-        written.append(p)
-    return written
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipelines.configlib", description=__doc__.splitlines()[0])
-    g = ap.add_mutually_exclusive_group(required=True)
-    g.add_argument("--write-schemas", action="store_true", help=f"write {SCHEMA_DIR.name}/*.schema.json")
-    g.add_argument("--check-schemas", action="store_true", help="exit 1 when a committed schema is out of date")
-    args = ap.parse_args(argv)
-    if args.write_schemas:
-        for p in write_schemas():
-            print(p)
-        return 0
-    stale = [n for n, s in schemas().items()
-             if not (SCHEMA_DIR / f"{n}.schema.json").is_file()
-             or (SCHEMA_DIR / f"{n}.schema.json").read_text() != schema_text(s)]
-    if stale:
-        print(f"schemas out of date: {', '.join(stale)}; run python -m pipelines.configlib --write-schemas",
-              file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -28,17 +28,16 @@ resumes the sweep and only evaluates versions that are still waiting.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 from adlm_model.config import ConfigError
 from pipelines.logs import add_logging_flags, setup_logging
-from pipelines.orchestration.profiles import PROFILES, prepare_options, profile
-from pipelines.orchestration.summary import champion_samples, check_goals, summarize, summary_markdown
+from pipelines.orchestration.profiles import PROFILES, prepare_options, profile, validate_profile
+from pipelines.orchestration.summary import write_summary
 from pipelines.runtime import PROJECT_ROOT, init_ray, quiet_environment
-from pipelines.storage import join, resolve_workdir, write_text
+from pipelines.storage import join, resolve_workdir
 from pipelines.tracking import resolve_tracking_uri
 
 
@@ -66,17 +65,7 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
     t0 = time.time()
     timings: dict[str, float] = {}
 
-    # Validate every recipe and space before any work starts (one-line errors).
-    from pipelines.training.config import load_config
-
-    cfgs = [(label, load_config(PROJECT_ROOT / recipe, sets)) for label, recipe, sets in prof.train_runs]
-    space = None
-    if prof.sweep and not skip_sweep:
-        from pipelines.tuning.space import load_space
-        from pipelines.tuning.sweep import plan_sweep
-
-        space = load_space(PROJECT_ROOT / "tune_spaces" / f"{prof.sweep}.yaml")
-        plan_sweep(space, PROJECT_ROOT / "configs" / "demo.yaml", prof.sweep_overrides, workdir=wd, check_data=False)
+    cfgs, space = validate_profile(prof, PROJECT_ROOT, wd, skip_sweep)  # one-line errors before any work
 
     init_ray()
 
@@ -127,13 +116,7 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
     timings["total"] = time.time() - t0
 
     # 5. The summary.
-    summary = summarize(prof, uri, model_name, cfgs[0][1].model.vocab_size, results, sweep_res, timings)
-    summary["samples"] = champion_samples(summary, wd, uri, prof.sample_length)
-    if prof.goals is not None:
-        summary["goals"] = check_goals(summary, prof.goals)
-    write_text(join(wd, "summary.json"), json.dumps(summary, indent=2, default=str))
-    md = summary_markdown(summary)
-    write_text(join(wd, "summary.md"), md)
+    summary, md = write_summary(prof, wd, uri, model_name, cfgs[0][1].model.vocab_size, results, sweep_res, timings)
     _banner("summary")
     print(md, flush=True)
     return summary

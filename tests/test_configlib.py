@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from adlm_model.config import PRESETS, ConfigError, ModelConfig
-from pipelines import configlib
+from pipelines import config_schemas, configlib
 from pipelines.evaluation.config import EvalConfig, apply_overrides
 from pipelines.overrides import settings_help
 from pipelines.studies.comparisons import Comparison
@@ -158,9 +158,9 @@ def test_set_help_is_the_field_descriptions() -> None:
 def test_the_committed_schemas_are_current(kind: str) -> None:
     """Adding, removing or redocumenting a config field changes the generated schema: regenerate and commit it."""
     committed = ROOT / "schemas" / f"{kind}.schema.json"
-    assert committed.is_file(), "run python -m pipelines.configlib --write-schemas"
-    assert committed.read_text() == configlib.schema_text(configlib.schemas()[kind]), (
-        f"{committed.name} is out of date; run python -m pipelines.configlib --write-schemas")
+    assert committed.is_file(), "run python -m pipelines.config_schemas --write-schemas"
+    assert committed.read_text() == config_schemas.schema_text(config_schemas.schemas()[kind]), (
+        f"{committed.name} is out of date; run python -m pipelines.config_schemas --write-schemas")
 
 
 def test_a_new_field_changes_the_schema() -> None:

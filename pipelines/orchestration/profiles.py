@@ -98,3 +98,20 @@ def prepare_options(prof: Profile, wd: str) -> dict[str, Any]:
         return dict(source=[f"{split}={p}" for split, p in files.items()], out=join(wd, "data", "smoke"),
                     train_tokenizer=512, length=32, actor_cpus=0.25)
     return dict(source=["embedded"], out=join(wd, "data", "embedded"))
+
+
+def validate_profile(prof: Profile, root: Any, wd: str, skip_sweep: bool = False) -> tuple[list, Any]:
+    """Load every recipe and the sweep's space of ``prof`` (paths under the project ``root``) and plan the sweep,
+    before any work starts: a bad one fails in one line. Returns ``[(label, TrainConfig)]`` and the space (or
+    None when the profile has no sweep or it is skipped)."""
+    from pipelines.training.config import load_config
+
+    cfgs = [(label, load_config(root / recipe, sets)) for label, recipe, sets in prof.train_runs]
+    space = None
+    if prof.sweep and not skip_sweep:
+        from pipelines.tuning.space import load_space
+        from pipelines.tuning.sweep import plan_sweep
+
+        space = load_space(root / "tune_spaces" / f"{prof.sweep}.yaml")
+        plan_sweep(space, root / "configs" / "demo.yaml", prof.sweep_overrides, workdir=wd, check_data=False)
+    return cfgs, space

@@ -4,11 +4,13 @@ champion, the stage times, and, for the demo, whether it did what it promises (`
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from adlm_model.kinds import KINDS
 from pipelines.logs import get_logger
 from pipelines.orchestration.profiles import DemoGoals, Profile
+from pipelines.storage import join, write_text
 from pipelines.tracking import client, redact_uri
 
 log = get_logger(__name__)
@@ -126,3 +128,17 @@ def summary_markdown(s: dict) -> str:
     else:
         out.append(f"MLflow: {redact_uri(uri)}")
     return "\n".join(out) + "\n"
+
+
+def write_summary(prof: Profile, wd: str, uri: str, model_name: str, vocab_size: int, results: dict, sweep_res: Any,
+                  timings: dict[str, float]) -> tuple[dict, str]:
+    """The pipeline's summary (the champion's samples and the profile's goals included), written to
+    ``<workdir>/summary.json`` and ``summary.md``; returns it and its markdown."""
+    summary = summarize(prof, uri, model_name, vocab_size, results, sweep_res, timings)
+    summary["samples"] = champion_samples(summary, wd, uri, prof.sample_length)
+    if prof.goals is not None:
+        summary["goals"] = check_goals(summary, prof.goals)
+    write_text(join(wd, "summary.json"), json.dumps(summary, indent=2, default=str))
+    md = summary_markdown(summary)
+    write_text(join(wd, "summary.md"), md)
+    return summary, md
