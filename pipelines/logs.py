@@ -25,7 +25,8 @@ import sys
 PROJECT_LOGGER = "adlm"
 # Chatty at INFO on every call (connection pools, artifact listings, Ray's start-up banners).
 THIRD_PARTY = ("ray", "mlflow", "urllib3", "botocore", "boto3", "s3transfer", "filelock", "fsspec", "httpx",
-               "alembic", "datasets", "transformers", "huggingface_hub", "matplotlib", "PIL", "asyncio")
+               "alembic", "datasets", "transformers", "huggingface_hub", "matplotlib", "PIL", "asyncio", "werkzeug",
+               "moto")
 FORMAT = "%(levelname)s %(name)s: %(message)s"
 VERBOSITY_ENV = "ADLM_VERBOSITY"
 """The driver's verbosity, for the processes it starts (Ray workers and tasks inherit the environment)."""
@@ -80,7 +81,9 @@ def setup_logging(verbosity: int = 0, stream=None) -> None:
     ours = _level(verbosity)
     theirs = logging.INFO if verbosity > 0 else logging.WARNING
     _handler(stream)
-    logging.getLogger().setLevel(min(ours, theirs))
+    # The root at the third parties' level: a library not named below (werkzeug, moto, ...) stays at WARNING by
+    # default; the project's own INFO lines still reach the root's handler (the "adlm" logger's level decides).
+    logging.getLogger().setLevel(theirs)
     logging.getLogger(PROJECT_LOGGER).setLevel(ours)
     for name in THIRD_PARTY:
         logging.getLogger(name).setLevel(theirs)
