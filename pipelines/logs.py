@@ -66,8 +66,9 @@ def _handler(stream=None) -> logging.Handler:
         handler._adlm = True  # type: ignore[attr-defined]
         handler.setFormatter(logging.Formatter(FORMAT))
         root.addHandler(handler)
-    elif stream is not None:
-        handler.setStream(stream)
+    else:  # each set-up says where the lines go: a stream given, or the stderr of the moment (None)
+        handler.flush()
+        handler.stream = stream
     return handler
 
 

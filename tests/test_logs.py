@@ -36,6 +36,14 @@ def test_levels_follow_verbose_and_quiet() -> None:
     setup_logging(0)
 
 
+def test_a_later_setup_without_a_stream_writes_to_stderr_again(capfd) -> None:
+    """A set-up with a stream (a test, an embedding caller) must not keep every later command's lines in it."""
+    setup_logging(0, stream=io.StringIO())
+    setup_logging(0)
+    get_logger("test").warning("back on stderr")
+    assert "WARNING adlm.test: back on stderr" in capfd.readouterr().err
+
+
 def test_flags_parse_to_a_verbosity() -> None:
     p = argparse.ArgumentParser()
     add_logging_flags(p)
