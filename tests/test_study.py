@@ -92,6 +92,7 @@ def test_the_shipped_study_validates_and_puts_the_flops_in_the_blocks() -> None:
     assert no_blocks / training_flops_per_row(cfg) < 0.35
 
 
+@pytest.mark.slow
 def test_a_study_of_two_arms_and_two_seeds(tiny_data: Path, workdir: Path, one_torch_thread) -> None:
     import mlflow
 

@@ -99,7 +99,7 @@ def test_a_stopped_server_trains_on_and_the_command_ends_non_zero_with_the_line_
     assert line.startswith("error: run 'stopped' is trained") and "rerun the same command to register it" in line
     assert (tmp_path / "work" / "ray_results" / "stopped" / "tracking_spool").is_dir()
 
-STEPS = 3000
+STEPS = 1600
 OUTAGE_S = 45.0
 """Long enough that a call in flight when the server stops is still retrying when it comes back (MLflow's default
 retries: 7, backoff factor 2, capped at 120 s; the retry after about 60 s finds the server up), and that a loop
@@ -136,7 +136,7 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
     try:
         client = mlflow.MlflowClient(server.url)
         outage = tracking_outage(server, "long", OUTAGE_S)
-        # About 2.5 minutes here (64 x 32 tokens a step): the outage starts after a few windows and ends with
+        # About 2 minutes here (64 x 32 tokens a step): the outage starts after a few windows and ends with
         # training still running.
         res = train(_cfg(tiny_data, "long", STEPS, micro=64), workdir=str(wd), tracking_uri=server.url, quiet=True)
         outage.thread.join(timeout=OUTAGE_S + 60)
@@ -175,6 +175,7 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_call_whose_retries_run_out_is_sent_again_once_the_server_is_back(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The sender's give-up path against a real server: a batch whose call fails (here at once: no retries) goes
