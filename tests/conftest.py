@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from pathlib import Path
@@ -21,6 +22,9 @@ _ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 os.environ.update(_ENV)
+# moto's in-process S3/EC2 servers run on werkzeug, which sets its own logger to INFO on its first request: every
+# request would then be an INFO line in the stderr of whatever command a test checks next.
+logging.getLogger("werkzeug").setLevel(logging.WARNING)
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("ADLM_WORKDIR", None)
 
