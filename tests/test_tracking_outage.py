@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
-from tests.support_cluster import MLflowServer, outage_step_rates, tracking_outage
+from tests.support_cluster import mlflow_server, outage_step_rates, tracking_outage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,10 +130,9 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
 
     for k in [k for k in __import__("os").environ if k.startswith("MLFLOW_HTTP_REQUEST")]:
         monkeypatch.delenv(k)  # MLflow's own defaults
-    server = MLflowServer(tmp_path / "mlflow.db", str(tmp_path / "artifacts"), tmp_path / "mlflow.log").start()
-    wd = tmp_path / "work"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url)
-    try:
+    with mlflow_server(tmp_path / "mlflow.db", str(tmp_path / "artifacts"), tmp_path / "mlflow.log") as server:
+        wd = tmp_path / "work"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url)
         client = mlflow.MlflowClient(server.url)
         outage = tracking_outage(server, "long", OUTAGE_S)
         # About 2 minutes here (64 x 32 tokens a step): the outage starts after a few windows and ends with
@@ -171,8 +170,6 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
         assert again.registered_version is not None and again.step == 60
         steps = [m.step for m in client.get_metric_history(again.run_id, "train/loss")]
         assert sorted(steps) == [20, 40, 60]
-    finally:
-        server.stop()
 
 
 @pytest.mark.slow
@@ -187,8 +184,7 @@ def test_a_call_whose_retries_run_out_is_sent_again_once_the_server_is_back(tmp_
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
-    server = MLflowServer(tmp_path / "mlflow.db", str(tmp_path / "artifacts"), tmp_path / "mlflow.log").start()
-    try:
+    with mlflow_server(tmp_path / "mlflow.db", str(tmp_path / "artifacts"), tmp_path / "mlflow.log") as server:
         run_id, _ = find_or_create_run(server.url, ensure_experiment("giveup", server.url, tmp_path), "r")
         log = ResilientLogger(server.url, run_id, spool_dir=str(tmp_path / "spool"), retry_s=0.2, max_retry_s=0.5)
         log.log_metrics({"train/loss": 1.0}, 1)
@@ -205,5 +201,3 @@ def test_a_call_whose_retries_run_out_is_sent_again_once_the_server_is_back(tmp_
         assert not (tmp_path / "spool").exists()
         hist = mlflow.MlflowClient(server.url).get_metric_history(run_id, "train/loss")
         assert sorted(m.step for m in hist) == [1, 2, 3, 4, 5]
-    finally:
-        server.stop()
