@@ -107,9 +107,13 @@ def get_logger(area: str) -> logging.Logger:
     """The project's logger of one area: ``get_logger(__name__)`` in ``pipelines.training.trainer`` is
     ``adlm.training.trainer`` (``get_logger("tracking")`` is ``adlm.tracking``). Sets up logging at the
     inherited verbosity in a process that has not (a Ray worker, a library caller), so its lines are not lost."""
-    if not any(getattr(h, "_adlm", False) for h in logging.getLogger().handlers):
+    root = logging.getLogger()
+    if not any(getattr(h, "_adlm", False) for h in root.handlers):
         # Only the handler and the project's level: the root's and the third parties' levels are the CLI's call.
-        _handler()
+        # A Ray Train worker's root already prints to the console through Ray's handler (Ray Train configures it):
+        # a second handler would print every line twice.
+        if not any(type(h).__name__ == "PlainRayHandler" for h in root.handlers):
+            _handler()
         ours = logging.getLogger(PROJECT_LOGGER)
         if ours.level == logging.NOTSET:
             try:

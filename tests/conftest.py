@@ -29,6 +29,21 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("ADLM_WORKDIR", None)
 
 
+# The longest modules, longest first (per-module totals of `--durations=0` on this machine). `make test` runs
+# `pytest -n 2 --dist loadfile`: each of the two workers takes whole modules in collection order, so putting the
+# long ones first lets them run side by side from the start and the many short ones fill in behind them
+# (longest-processing-time-first); in alphabetical order two long ones would be left for the end.
+LONGEST_FIRST = ("test_cluster.py", "test_tune.py", "test_tracking_outage.py", "test_train.py", "test_study.py",
+                 "test_job_submit.py", "test_prepare_cluster.py", "test_recipes.py", "test_cluster_parts.py",
+                 "test_prepare_data.py", "test_model_core.py", "test_serving.py", "test_mlflow_server.py",
+                 "test_metrics.py", "test_evaluate.py", "test_promotion.py", "test_lm_eval.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -23,20 +23,37 @@ from tests.support_cluster import ROOT, mlflow_server, ray_cluster, s3_server, s
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture()
-def own_ray():
-    """These tests drive Ray clusters of their own: leave the session's local Ray for their duration and
-    bring it back afterwards (the tests after them expect one)."""
+@pytest.fixture(scope="module")
+def _module_cloud():
+    """One S3 server and one Ray cluster for the module, shaped like cluster.yaml's: a 0-CPU head that offers
+    the trial-driver resource, two 1-CPU worker nodes, started after the S3 server (they inherit its settings, as
+    nodes take theirs from their environment or instance role). A cluster costs about 10 s of the two cores to
+    start, and the session's local Ray (left for the module's duration, brought back afterwards) as much again:
+    isolation between these tests is their own bucket, not their own cluster."""
     import ray
 
-    from pipelines.runtime import init_ray
+    from pipelines.runtime import DRIVER_RESOURCE, init_ray
 
     was = ray.is_initialized()
     ray.shutdown()
-    yield
-    ray.shutdown()
-    if was:
-        init_ray(num_cpus=2)
+    try:
+        with s3_server("cloud") as s3, ray_cluster(nodes=2, head_resources={DRIVER_RESOURCE: 100}) as rc:
+            yield s3, rc
+    finally:
+        ray.shutdown()
+        if was:
+            init_ray(num_cpus=2)
+
+
+@pytest.fixture()
+def cloud(_module_cloud, request: pytest.FixtureRequest):
+    """The module's cluster with two live worker nodes (a node an earlier test killed is replaced first, as an
+    autoscaler would) and a bucket of this test's own."""
+    s3, rc = _module_cloud
+    while len(rc.workers) < 2:
+        rc.add_worker()
+    bucket = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
+    return s3.new_bucket(bucket), rc
 
 
 def _job_env(tmp_path: Path, **env_vars: str) -> Path:
@@ -72,12 +89,11 @@ def _new_files(folder: Path, tracked: set[str]) -> list[str]:
     return sorted(new)
 
 
-def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(tmp_path: Path, own_ray) -> None:
+def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(tmp_path: Path, cloud) -> None:
     import mlflow
 
-    with s3_server() as s3, \
-            mlflow_server(tmp_path / "mlflow.db", f"s3://{s3.bucket}/mlartifacts", tmp_path / "mlflow.log") as ml, \
-            ray_cluster(nodes=2) as rc:
+    s3, rc = cloud
+    with mlflow_server(tmp_path / "mlflow.db", f"s3://{s3.bucket}/mlartifacts", tmp_path / "mlflow.log") as ml:
         env_file = _job_env(tmp_path, ADLM_WORKDIR=f"s3://{s3.bucket}/run", MLFLOW_TRACKING_URI=ml.url)
         empty = tmp_path / "empty"
         empty.mkdir()
@@ -123,7 +139,7 @@ def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(t
         assert "already registered" in log2
 
 
-def test_a_worker_node_lost_mid_training_resumes_from_the_bucket(tmp_path: Path, tiny_data: Path, own_ray) -> None:
+def test_a_worker_node_lost_mid_training_resumes_from_the_bucket(tmp_path: Path, tiny_data: Path, cloud) -> None:
     """One training worker on a cluster of two 1-CPU nodes and a 0-CPU head, the work directory, data and
     checkpoints in the bucket: the worker's node is killed after the first checkpoint; Ray Train restarts the
     worker group on the other node, which resumes from the bucket's checkpoint. Every optimiser step is taken
@@ -142,52 +158,53 @@ def test_a_worker_node_lost_mid_training_resumes_from_the_bucket(tmp_path: Path,
     # About 50 steps a second here: enough steps that the run is still going once the first checkpoint is
     # registered (up to one 2 s poll after it is written) and the node is found and killed.
     steps = 200
-    with s3_server() as s3, ray_cluster(nodes=2) as rc:
-        bucket = f"s3://{s3.bucket}"
-        upload_dir(tiny_data, f"{bucket}/run/data/tiny")
-        os.environ["RAY_ADDRESS"] = rc.address
-        try:
-            sets = [*data_overrides(tiny_data), *TINY_MODEL, "data.train=data/tiny/train",
-                    "data.validation=data/tiny/validation", "run.name=lost-node", f"run.max_steps={steps}",
-                    "run.val_every=10", "run.ckpt_every=10", "run.log_every=1", "run.val_batches=1",
-                    "batch.global_batch=8", "batch.micro_batch=8", "scaling.num_workers=1",
-                    "scaling.cpus_per_worker=0.5", "failure.max_failures=3", "optim.warmup_steps=2"]
-            cfg = load_config(ROOT / "configs" / "demo.yaml", sets)
-            uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-            import threading
+    s3, rc = cloud
+    # The module's cluster and this test's bucket.
+    bucket = f"s3://{s3.bucket}"
+    upload_dir(tiny_data, f"{bucket}/run/data/tiny")
+    os.environ["RAY_ADDRESS"] = rc.address
+    try:
+        sets = [*data_overrides(tiny_data), *TINY_MODEL, "data.train=data/tiny/train",
+                "data.validation=data/tiny/validation", "run.name=lost-node", f"run.max_steps={steps}",
+                "run.val_every=10", "run.ckpt_every=10", "run.log_every=1", "run.val_batches=1",
+                "batch.global_batch=8", "batch.micro_batch=8", "scaling.num_workers=1",
+                "scaling.cpus_per_worker=0.5", "failure.max_failures=3", "optim.warmup_steps=2"]
+        cfg = load_config(ROOT / "configs" / "demo.yaml", sets)
+        uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        import threading
 
-            killed: list[str] = []
+        killed: list[str] = []
 
-            def kill_the_workers_node() -> None:
-                # Wait until Ray Train's controller has registered the first checkpoint (its snapshot in the
-                # bucket names it; a checkpoint written but not yet registered, up to one 2 s poll, would be
-                # unknown to the restart), then kill the node the worker runs on.
-                deadline = time.time() + 300
-                while time.time() < deadline and b"checkpoint_00000010" not in (
-                        s3.read("run/ray_results/lost-node/checkpoint_manager_snapshot.json") or b""):
-                    time.sleep(0.2)
-                for node in list(rc.workers):
-                    workers = [a for a in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
-                               if a.class_name == "RayTrainWorker" and a.node_id == node.node_id]
-                    if workers:
-                        killed.append(node.node_id)
-                        rc.remove(node)
-                        return
+        def kill_the_workers_node() -> None:
+            # Wait until Ray Train's controller has registered the first checkpoint (its snapshot in the
+            # bucket names it; a checkpoint written but not yet registered, up to one 2 s poll, would be
+            # unknown to the restart), then kill the node the worker runs on.
+            deadline = time.time() + 300
+            while time.time() < deadline and b"checkpoint_00000010" not in (
+                    s3.read("run/ray_results/lost-node/checkpoint_manager_snapshot.json") or b""):
+                time.sleep(0.2)
+            for node in list(rc.workers):
+                workers = [a for a in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
+                           if a.class_name == "RayTrainWorker" and a.node_id == node.node_id]
+                if workers:
+                    killed.append(node.node_id)
+                    rc.remove(node)
+                    return
 
-            ray.init(address=rc.address)
-            t = threading.Thread(target=kill_the_workers_node, daemon=True)
-            t.start()
-            res = train(cfg, workdir=f"{bucket}/run", tracking_uri=uri, quiet=True)
-            t.join(timeout=10)
-            # This cluster runs work off the head: a path on the driver's disk is worth a warning there.
-            assert warn_if_node_local([str(tmp_path)], "a local folder")
-        finally:
-            os.environ.pop("RAY_ADDRESS", None)
-            ray.shutdown()
-        assert killed, "the worker's node was never killed (no checkpoint appeared?)"
-        assert res.step == steps
-        final = download_dir(f"{bucket}/run/ray_results/lost-node/checkpoint_{steps:08d}", tmp_path / "final")
-        state = load_state(final, "trainer_state")
+        ray.init(address=rc.address)
+        t = threading.Thread(target=kill_the_workers_node, daemon=True)
+        t.start()
+        res = train(cfg, workdir=f"{bucket}/run", tracking_uri=uri, quiet=True)
+        t.join(timeout=10)
+        # This cluster runs work off the head: a path on the driver's disk is worth a warning there.
+        assert warn_if_node_local([str(tmp_path)], "a local folder")
+    finally:
+        os.environ.pop("RAY_ADDRESS", None)
+        ray.shutdown()
+    assert killed, "the worker's node was never killed (no checkpoint appeared?)"
+    assert res.step == steps
+    final = download_dir(f"{bucket}/run/ray_results/lost-node/checkpoint_{steps:08d}", tmp_path / "final")
+    state = load_state(final, "trainer_state")
     assert state["step"] == steps and state["ema_updates"] == steps  # no update twice, none skipped
     per_epoch = read_manifest(tiny_data / "train").rows // 8  # one worker, 8 rows a step, the last part dropped
     assert state["data"]["epoch"] * per_epoch + state["data"]["position"] == steps  # each step's own batch
@@ -237,7 +254,7 @@ def test_bad_storage_fails_in_one_line_before_any_work(case: str, message: str, 
 
 
 def test_a_node_lost_under_a_sweep_completes_it_with_the_undisturbed_results(tmp_path: Path, tiny_data: Path,
-                                                                            own_ray) -> None:
+                                                                            cloud) -> None:
     """A sweep on a cluster shaped like cluster.yaml's: an on-demand head with 0 CPUs that offers the driver
     resource, two 1-CPU (spot) nodes. The same 2-trial sweep runs undisturbed, then again while the node that
     hosts a trial's training worker is killed after its first checkpoint: the second sweep completes in the
@@ -248,7 +265,6 @@ def test_a_node_lost_under_a_sweep_completes_it_with_the_undisturbed_results(tmp
 
     import ray
 
-    from pipelines.runtime import DRIVER_RESOURCE
     from pipelines.tuning.space import load_space
     from pipelines.tuning.sweep import sweep
     from tests.support_data import TINY_MODEL, data_overrides
@@ -258,7 +274,7 @@ def test_a_node_lost_under_a_sweep_completes_it_with_the_undisturbed_results(tmp
         path.write_text(yaml.safe_dump({
             "name": name, "params": {"tau": {"distribution": "grid", "values": [2, 5]}},
             "search": {"algorithm": "random", "seed": 0}, "scheduler": {"type": "fifo", "max_t": 60},
-            "num_samples": 1, "max_concurrent": 1,
+            "num_samples": 1, "max_concurrent": 2,  # both trials at once: one node's loss can hit both
             "overrides": {"run.max_steps": 60, "run.val_every": 10, "run.ckpt_every": 10, "run.log_every": 10,
                           "run.val_batches": 1, "scaling.num_workers": 1, "scaling.cpus_per_worker": 0.5,
                           "batch.global_batch": 8, "batch.micro_batch": 8, "optim.warmup_steps": 2,
@@ -269,36 +285,37 @@ def test_a_node_lost_under_a_sweep_completes_it_with_the_undisturbed_results(tmp
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     killed: list[str] = []
     drivers: set[tuple[str, str]] = set()
-    with ray_cluster(nodes=2, head_resources={DRIVER_RESOURCE: 100}) as rc:
-        os.environ["RAY_ADDRESS"] = rc.address
-        try:
-            ray.init(address=rc.address)
-            head = rc.cluster.head_node.node_id
-            calm = sweep(load_space(space("calm")), ROOT / "configs" / "demo.yaml", sets, workdir=tmp_path / "wd",
-                         tracking_uri=uri, quiet=True)
+    rc = cloud[1]
+    # The module's cluster (its head offers the driver resource).
+    os.environ["RAY_ADDRESS"] = rc.address
+    try:
+        ray.init(address=rc.address)
+        head = rc.cluster.head_node.node_id
+        calm = sweep(load_space(space("calm")), ROOT / "configs" / "demo.yaml", sets, workdir=tmp_path / "wd",
+                     tracking_uri=uri, quiet=True)
 
-            def kill_a_trials_node() -> None:
-                deadline = time.time() + 400
-                while time.time() < deadline and not killed:
-                    ckpts = list((tmp_path / "wd" / "ray_results").glob("storm-*/checkpoint_00000010/config.json"))
-                    actors = ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
-                    drivers.update((a.class_name, a.node_id) for a in actors if a.class_name != "RayTrainWorker")
-                    workers = {a.node_id for a in actors if a.class_name == "RayTrainWorker"}
-                    for node in list(rc.workers):
-                        if ckpts and node.node_id in workers:
-                            killed.append(node.node_id)
-                            rc.remove(node)
-                            return
-                    time.sleep(0.5)
+        def kill_a_trials_node() -> None:
+            deadline = time.time() + 400
+            while time.time() < deadline and not killed:
+                ckpts = list((tmp_path / "wd" / "ray_results").glob("storm-*/checkpoint_00000010/config.json"))
+                actors = ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
+                drivers.update((a.class_name, a.node_id) for a in actors if a.class_name != "RayTrainWorker")
+                workers = {a.node_id for a in actors if a.class_name == "RayTrainWorker"}
+                for node in list(rc.workers):
+                    if ckpts and node.node_id in workers:
+                        killed.append(node.node_id)
+                        rc.remove(node)
+                        return
+                time.sleep(0.5)
 
-            t = threading.Thread(target=kill_a_trials_node, daemon=True)
-            t.start()
-            storm = sweep(load_space(space("storm")), ROOT / "configs" / "demo.yaml", sets, workdir=tmp_path / "wd",
-                          tracking_uri=uri, quiet=True)
-            t.join(timeout=10)
-        finally:
-            os.environ.pop("RAY_ADDRESS", None)
-            ray.shutdown()
+        t = threading.Thread(target=kill_a_trials_node, daemon=True)
+        t.start()
+        storm = sweep(load_space(space("storm")), ROOT / "configs" / "demo.yaml", sets, workdir=tmp_path / "wd",
+                      tracking_uri=uri, quiet=True)
+        t.join(timeout=10)
+    finally:
+        os.environ.pop("RAY_ADDRESS", None)
+        ray.shutdown()
     assert killed, "no trial's worker node was killed"
     # The trial drivers (Tune's function-trainable actors) and the Ray Train controllers ran on the head only.
     on_head = {c for c, n in drivers if n == head}

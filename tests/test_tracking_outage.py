@@ -1,5 +1,5 @@
 """A tracking server that goes down mid-training, with MLflow's default retry settings (a single call waits
-about 4 minutes before it gives up): training keeps its step rate through an outage longer than that, the
+about 4 minutes before it gives up): training keeps its step rate through an outage and waits on no call, the
 metrics reach the server once it is back, and the run registers at its end; a run that ends during an outage
 says so in one clear message and the next run of the same command sends its metrics and registers it."""
 
@@ -99,25 +99,28 @@ def test_a_stopped_server_trains_on_and_the_command_ends_non_zero_with_the_line_
     assert line.startswith("error: run 'stopped' is trained") and "rerun the same command to register it" in line
     assert (tmp_path / "work" / "ray_results" / "stopped" / "tracking_spool").is_dir()
 
-STEPS = 1600
-OUTAGE_S = 45.0
+STEPS = 1000
+LOG_EVERY = 10
+OUTAGE_S = 20.0
 """Long enough that a call in flight when the server stops is still retrying when it comes back (MLflow's default
-retries: 7, backoff factor 2, capped at 120 s; the retry after about 60 s finds the server up), and that a loop
-which waited on it would show a stall of tens of seconds; short enough to keep the suite fast. The path where a
+retries: 7, backoff factor 2, capped at 120 s: waits of 0, 4, 8 and 16 s, so the retry about 28 s after the stop
+finds the server up, restarted after 20 s down plus its few seconds of start-up), and that a loop which waited on
+it would show a stall of tens of seconds; short enough to keep the suite fast. The path where a
 call's retries run out before the server is back (the batch queued again, sent later, once) is
 ``test_a_call_whose_retries_run_out_is_sent_again_once_the_server_is_back``: at 0 retries it takes seconds,
 at the defaults it would take over four minutes and prove nothing more."""
 
 
-def _cfg(tiny_data: Path, name: str, steps: int, micro: int = 8):
+def _cfg(tiny_data: Path, name: str, steps: int, micro: int = 8, workers: int = 0):
     from pipelines.training.config import load_config
     from tests.support_data import TINY_MODEL, data_overrides
 
     root = Path(__file__).resolve().parents[1]
     return load_config(root / "configs" / "demo.yaml", [
-        *data_overrides(tiny_data), *TINY_MODEL, f"run.name={name}", f"run.max_steps={steps}", "run.log_every=20",
+        *data_overrides(tiny_data), *TINY_MODEL, f"run.name={name}", f"run.max_steps={steps}", f"run.log_every={LOG_EVERY}",
         "run.val_every=1000", "run.ckpt_every=2000", "run.val_batches=1", f"batch.global_batch={micro}",
-        f"batch.micro_batch={micro}", "scaling.num_workers=1", "scaling.cpus_per_worker=0.5", "optim.warmup_steps=2",
+        f"batch.micro_batch={micro}", f"scaling.num_workers={workers}", "scaling.cpus_per_worker=0.5",
+        "optim.warmup_steps=2",
         "mlflow.experiment=outage", "mlflow.drain_timeout_s=30"])
 
 
@@ -135,9 +138,11 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
         monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url)
         client = mlflow.MlflowClient(server.url)
         outage = tracking_outage(server, "long", OUTAGE_S)
-        # About 2 minutes here (64 x 32 tokens a step): the outage starts after a few windows and ends with
-        # training still running.
-        res = train(_cfg(tiny_data, "long", STEPS, micro=64), workdir=str(wd), tracking_uri=server.url, quiet=True)
+        # About a minute here (64 x 32 tokens a step), on one Ray Train worker (in-process, the loader would run
+        # Ray Data again each epoch on the driver, pauses that read as a slower pace): the outage starts after a
+        # few windows and ends with training still running.
+        res = train(_cfg(tiny_data, "long", STEPS, micro=64, workers=1), workdir=str(wd), tracking_uri=server.url,
+                    quiet=True)
         outage.thread.join(timeout=OUTAGE_S + 60)
         assert outage.end, "the outage never happened"
         assert time.time() > outage.end, "training ended before the server was back: lengthen STEPS"
@@ -147,7 +152,7 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
         # (a call waiting out MLflow's ~250 s of retries) would leave a handful of windows at a fraction of it.
         # How close the rates are is a measurement, not an assertion: benchmarks/tracking_outage.py.
         up, down = outage_step_rates(server.url, res.run_id, outage)
-        assert len(up) >= 3 and len(down) >= 10, (len(up), len(down))
+        assert len(up) >= 3 and len(down) >= 5, (len(up), len(down))
         ratio = statistics.median(down) / statistics.median(up)
         with capfd.disabled():
             print(f"\nstep rate during the outage / with the server up: {ratio:.3f} ({len(down)} windows in "
@@ -157,10 +162,11 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
         # machine move this ratio more than tracking does (0.56 seen at load 13; about 1.0 on a quiet machine).
         assert ratio > 0.3, ratio
         steps = [m.step for m in client.get_metric_history(res.run_id, "train/loss")]
-        assert sorted(steps) == list(range(20, STEPS + 1, 20))  # every window once, the outage's included
+        assert sorted(steps) == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))  # every window once, the outage's included
 
         # A run that ends while the server is down: one clear message, nothing registered; the next run of the
-        # same command (server back) trains nothing, sends the metrics it kept and registers.
+        # same command (server back) trains nothing, sends the metrics it kept and registers. In-process (Ray Train
+        # is not what this part tests; one epoch of data, so no reread either).
         server.stop()
         short = train(_cfg(tiny_data, "short", 60), workdir=str(wd), tracking_uri=server.url, quiet=True)
         assert short.registered_version is None
@@ -169,7 +175,7 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
         again = train(_cfg(tiny_data, "short", 60), workdir=str(wd), tracking_uri=server.url, quiet=True)
         assert again.registered_version is not None and again.step == 60
         steps = [m.step for m in client.get_metric_history(again.run_id, "train/loss")]
-        assert sorted(steps) == [20, 40, 60]
+        assert sorted(steps) == list(range(LOG_EVERY, 61, LOG_EVERY))
 
 
 @pytest.mark.slow
