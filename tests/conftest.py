@@ -33,10 +33,10 @@ os.environ.pop("ADLM_WORKDIR", None)
 # `pytest -n 2 --dist loadfile`: each of the two workers takes whole modules in collection order, so putting the
 # long ones first lets them run side by side from the start and the many short ones fill in behind them
 # (longest-processing-time-first); in alphabetical order two long ones would be left for the end.
-LONGEST_FIRST = ("test_cluster.py", "test_tune.py", "test_tracking_outage.py", "test_train.py", "test_study.py",
-                 "test_job_submit.py", "test_prepare_cluster.py", "test_recipes.py", "test_cluster_parts.py",
-                 "test_prepare_data.py", "test_model_core.py", "test_serving.py", "test_mlflow_server.py",
-                 "test_metrics.py", "test_evaluate.py", "test_promotion.py", "test_lm_eval.py")
+LONGEST_FIRST = ("test_cluster.py", "test_tune.py", "test_train.py", "test_tracking_outage.py", "test_recipes.py",
+                 "test_study.py", "test_job_submit.py", "test_prepare_cluster.py", "test_mlflow_server.py",
+                 "test_cluster_parts.py", "test_metrics.py", "test_prepare_data.py", "test_model_core.py",
+                 "test_evaluate.py", "test_serving.py", "test_promotion.py", "test_lm_eval.py", "test_serve_load.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

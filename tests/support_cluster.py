@@ -194,6 +194,8 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] 
     one (as on one machine) garbage-collect each other's job working directories."""
     from ray.cluster_utils import Cluster
 
+    from pipelines.runtime import LOCAL_SYSTEM_CONFIG  # idle workers reused, as in a local Ray
+
     saved_path = os.environ["PATH"]
     os.environ["PATH"] = f"{BIN}{os.pathsep}{saved_path}"
     try:
@@ -201,7 +203,7 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] 
             dash = free_port()
             cluster = Cluster(initialize_head=True, head_node_args={
                 "num_cpus": 0, "resources": dict(head_resources or {}), "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dash,
-                **_free_ports()})
+                "_system_config": LOCAL_SYSTEM_CONFIG, **_free_ports()})
             try:
                 workers = [_add_worker(cluster, cpus, i) for i in range(nodes)]
                 break
