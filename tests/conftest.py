@@ -30,27 +30,21 @@ os.environ.pop("ADLM_WORKDIR", None)
 
 
 # The longest modules, longest first (per-module totals of `--durations=0` on this machine). `make test` runs
-# `pytest -n 2 --dist loadgroup` with each module its own group: each of the two workers takes whole modules in
-# collection order, so putting the long ones first lets them run side by side from the start and the many short
-# ones fill in behind them (longest-processing-time-first); in alphabetical order two long ones would be left for
-# the end.
-LONGEST_FIRST = ("test_cluster.py", "test_job_submit.py", "test_prepare_cluster.py", "test_tune.py", "test_train.py",
-                 "test_tracking_outage.py", "test_recipes.py", "test_study.py", "test_mlflow_server.py",
+# `pytest -n 2 --dist loadfile`: each of the two workers takes whole modules in collection order, so putting the
+# long ones first lets them run side by side from the start and the many short ones fill in behind them
+# (longest-processing-time-first); in alphabetical order two long ones would be left for the end. The two other
+# modules that start clusters of their own (a `ray start` head, a multi-node cluster) come after the equally long
+# tune + train, so they start once test_cluster's cluster is gone rather than beside it (at a load of 25 a
+# head's job API dropped a submission's connection).
+LONGEST_FIRST = ("test_cluster.py", "test_tune.py", "test_train.py", "test_tracking_outage.py", "test_recipes.py",
+                 "test_study.py", "test_job_submit.py", "test_prepare_cluster.py", "test_mlflow_server.py",
                  "test_cluster_parts.py", "test_metrics.py", "test_prepare_data.py", "test_model_core.py",
                  "test_evaluate.py", "test_serving.py", "test_promotion.py", "test_lm_eval.py", "test_serve_load.py")
-OWN_CLUSTERS = ("test_cluster.py", "test_job_submit.py", "test_prepare_cluster.py")
-"""Modules that start Ray clusters of their own (multi-node clusters, a `ray start` head): one group, so one worker
-runs them one after another and two of them never compete for the two cores (seen when they did, at a load of
-25: a head's job API dropping a submission's connection)."""
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("own-clusters" if name in OWN_CLUSTERS else name))
 
 
 def free_port() -> int:
