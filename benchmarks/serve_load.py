@@ -168,7 +168,8 @@ def run_load(model: str, *, requests: int = 300, concurrency: int = 4, bad_share
         return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))
 
     return {"requests": len(answers), "valid": len(valid), "valid_answered": valid_ok, "bad": len(bad),
-            "bad_refused_under_1s": bad_refused, "bad_refused": sum(1 for a in bad if a[1] == 400), "errors": len(answers) - valid_ok - bad_refused,
+            "bad_refused_under_1s": bad_refused, "bad_refused": sum(1 for a in bad if a[1] == 400),
+            "errors": len(answers) - valid_ok - bad_refused,
             "p50_valid_s": pct([a[2] for a in valid], 50), "p95_valid_s": pct([a[2] for a in valid], 95),
             "p50_bad_s": pct([a[2] for a in bad], 50), "p95_bad_s": pct([a[2] for a in bad], 95),
             "max_bad_s": max((a[2] for a in bad), default=float("nan")), "wall_s": wall,

@@ -18,11 +18,11 @@ import json
 import sys
 from collections.abc import Sequence
 
+from pipelines.configlib import settings_help
 from pipelines.evaluation.config import EVAL_PROFILES, EvalConfig, EvalError, apply_overrides, eval_profile
 from pipelines.evaluation.promotion import PromotionConfig
 from pipelines.evaluation.suites import suites_help
 from pipelines.logs import add_logging_flags, setup_logging
-from pipelines.overrides import settings_help
 
 
 def _config_help() -> str:

@@ -21,14 +21,14 @@ the work directory: the entry point resolves it once and every Ray task or trial
 
 
 DRIVER_RESOURCE = "adlm_driver"
+"""A custom resource only never-preempted nodes offer (cluster.yaml: the on-demand head; the KubeRay head). Tune
+trial drivers ask for a sliver of it, so they, and the Ray Train controller that attaches to its driver's node,
+are never on a spot node that preemption takes."""
 LOCAL_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 120_000}
 """A local Ray's settings. Ray kills a worker process idle for 1 s beyond one per CPU, and a Ray Train fit starts
 about 15 (controller, worker, placement-group cleaner, Ray Data's coordinators and read tasks): each later fit or
 stage then starts them again, at 1-2 CPU-seconds each. Kept for 2 minutes they are reused: a tiny 1-worker fit
 after the first costs about 20 CPU-seconds here instead of 30 (16 s instead of 21)."""
-"""A custom resource only never-preempted nodes offer (cluster.yaml: the on-demand head; the KubeRay head). Tune
-trial drivers ask for a sliver of it, so they, and the Ray Train controller that attaches to its driver's node,
-are never on a spot node that preemption takes."""
 
 
 def driver_resources(cpu: float) -> dict[str, float]:

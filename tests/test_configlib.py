@@ -14,8 +14,8 @@ import yaml
 
 from adlm_model.config import PRESETS, ConfigError, ModelConfig
 from pipelines import config_schemas, configlib
+from pipelines.configlib import settings_help
 from pipelines.evaluation.config import EvalConfig, apply_overrides
-from pipelines.overrides import settings_help
 from pipelines.studies.comparisons import Comparison
 from pipelines.studies.spec import Arm, load_study, parse_study
 from pipelines.training.config import SECTIONS, TrainConfig, load_config

@@ -6,7 +6,7 @@ and ``DIR/<split>/manifest.json``. Training and evaluation call ``read_manifest(
 ``Manifest.check_fits(model_cfg)`` so that data made with another tokenizer, mask id or length is refused
 with one clear line instead of training on garbage.
 
-Paths may be local or object-store URIs (``s3://``, ``file://``; see ``pipelines.storage``) through ``pipelines.storage``.
+Paths may be local or object-store URIs (``s3://``, ``file://``) through ``pipelines.storage``.
 """
 
 from __future__ import annotations

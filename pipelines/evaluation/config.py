@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adlm_model.config import ConfigError
-from pipelines.overrides import apply_to
+from pipelines.configlib import apply_to
 
 EVAL_EXPERIMENT = "adlm-eval"
 PPL_METRIC_NAMES = {"validation": "val", "test": "test"}
@@ -154,7 +154,7 @@ class EvalConfig:
 def apply_overrides(configs: Sequence[Any], assignments: Sequence[str]) -> None:
     """``--set KEY=VALUE`` on the evaluation (and promotion) settings; ``sampler.NAME=VALUE`` goes into
     ``EvalConfig.sampler_kwargs``, ``steps.KIND=T`` into ``steps_by_kind``, ``gate.NAME=BOUND`` into
-    ``PromotionConfig.bounds`` (``pipelines.overrides``)."""
+    ``PromotionConfig.bounds`` (``pipelines.configlib``)."""
     apply_to(configs, assignments, dict_prefixes={"sampler": "sampler_kwargs", "steps": "steps_by_kind",
                                                   "gate": "bounds"})
 

@@ -107,7 +107,7 @@ class AdapterSettings:
     def from_kwargs(cls, kwargs: dict[str, Any]) -> AdapterSettings:
         """Typed settings from ``--model_args`` values (unknown keys refused in one line)."""
         from adlm_model.config import ConfigError
-        from pipelines.overrides import coerce_fields
+        from pipelines.configlib import coerce_fields
 
         try:
             return cls(**coerce_fields(cls, {k: v for k, v in kwargs.items() if v is not None}, "lm-eval adapter"))
