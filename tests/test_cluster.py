@@ -276,7 +276,10 @@ def test_a_node_lost_under_a_sweep_completes_it_with_the_undisturbed_results(tmp
             "search": {"algorithm": "random", "seed": 0}, "scheduler": {"type": "fifo", "max_t": 60},
             "num_samples": 1, "max_concurrent": 2,  # both trials at once: one node's loss can hit both
             "overrides": {"run.max_steps": 60, "run.val_every": 10, "run.ckpt_every": 10, "run.log_every": 10,
-                          "run.val_batches": 1, "scaling.num_workers": 1, "scaling.cpus_per_worker": 0.5,
+                          # A quarter CPU a worker: the two trials' restarted workers plus a Ray Data read task
+                          # (data.read_cpus 0.25) fit on the one node left. At 0.5 both workers filled it and each
+                          # trial's restarted read starved for good (seen once in CI: a 900 s hang).
+                          "run.val_batches": 1, "scaling.num_workers": 1, "scaling.cpus_per_worker": 0.25,
                           "batch.global_batch": 8, "batch.micro_batch": 8, "optim.warmup_steps": 2,
                           "failure.max_failures": 3}}))
         return path
@@ -304,7 +307,7 @@ def test_a_node_lost_under_a_sweep_completes_it_with_the_undisturbed_results(tmp
                 for node in list(rc.workers):
                     if ckpts and node.node_id in workers:
                         killed.append(node.node_id)
-                        rc.remove(node)
+                        rc.remove(node)  # (the next test's fixture replaces it: Ray starts nodes from the main thread only)
                         return
                 time.sleep(0.5)
 
