@@ -125,7 +125,7 @@ def test_sweep_stops_early_nests_runs_registers_best_and_resumes(tiny_data: Path
         "scheduler": {"type": "asha", "grace_period": 10, "reduction_factor": 2, "max_t": 40},
         "num_samples": 1, "max_concurrent": 1,
         "overrides": {"run.max_steps": 40, "run.val_every": 10, "run.ckpt_every": 10, "run.log_every": 10,
-                      "run.val_batches": 2, "scaling.num_workers": 1, "scaling.cpus_per_worker": 0.5,
+                      "run.val_batches": 2, "scaling.num_workers": 0,  # each trial trains in its own process
                       "batch.global_batch": 8, "batch.micro_batch": 8, "optim.warmup_steps": 2},
     }))
     sets = [a for o in [*data_overrides(tiny_data), *TINY_MODEL] for a in ("--set", o)]
@@ -198,3 +198,49 @@ def test_sweep_stops_early_nests_runs_registers_best_and_resumes(tiny_data: Path
                            [*data_overrides(tiny_data), *TINY_MODEL], quiet=True)
     assert again.registered_version == res.registered_version
     assert len(client.search_model_versions("name='adlm'")) == 1
+
+
+def _trial_training(config: dict, *, sets: list[str], workdir: str, uri: str) -> None:
+    """A Tune trial that trains a local-mode run in its own process (pipelines.training.loop.TrialSession)."""
+    from ray import tune
+
+    from pipelines.training.config import load_config
+    from pipelines.training.trainer import train
+
+    res = train(load_config(ROOT / "configs" / "demo.yaml", [*sets, "run.name=in-trial"]), workdir=workdir,
+                tracking_uri=uri, register=False, quiet=True)
+    tune.report({"step": res.step, "val_ppl": res.val_ppl, "final": True})
+
+
+def test_a_local_mode_run_in_a_tune_trial_reports_each_validation_and_equals_the_run_outside_tune(
+        tiny_data: Path, tmp_path: Path, ray_session) -> None:
+    """Inside a trial, Ray Train refuses its own API; a num_workers=0 run trains in the trial's process instead,
+    sends Tune every validation (what ASHA stops on) and ends with the numbers of the same run outside Tune."""
+    from functools import partial
+
+    import mlflow
+    from ray import tune
+
+    from pipelines.training.config import load_config
+    from pipelines.training.trainer import train
+
+    sets = [*data_overrides(tiny_data), *TINY_MODEL, "run.max_steps=6", "run.val_every=2", "run.ckpt_every=2",
+            "run.log_every=2", "run.val_batches=1", "batch.global_batch=8", "batch.micro_batch=8",
+            "optim.warmup_steps=1", "scaling.num_workers=0", "scaling.threads=1", "mlflow.experiment=in-trial"]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    alone = train(load_config(ROOT / "configs" / "demo.yaml", [*sets, "run.name=alone"]), workdir=str(tmp_path / "a"),
+                  tracking_uri=uri, register=False, quiet=True)
+    grid = tune.Tuner(
+        tune.with_resources(partial(_trial_training, sets=sets, workdir=str(tmp_path / "t"), uri=uri), {"cpu": 0.5}),
+        run_config=tune.RunConfig(name="in-trial", storage_path=str(tmp_path / "tune"), verbose=0)).fit()
+    (result,) = list(grid)
+    assert result.error is None, result.error
+    reported = result.metrics_dataframe
+    # Each validation reached Tune as it happened (2, 4, 6; the checkpoints' paths with them), then the trial's end.
+    assert list(reported["step"]) == [2, 4, 6, 6] and reported["checkpoint_path"].notna().sum() == 3
+    assert result.metrics["final"] and result.metrics["val_ppl"] == alone.val_ppl
+    c = mlflow.MlflowClient(uri)
+    runs = {r.info.run_name: r for r in c.search_runs([c.get_experiment_by_name("in-trial").experiment_id])}
+    curves = {n: [(m.step, m.value) for m in c.get_metric_history(runs[n].info.run_id, "val/ppl")]
+              for n in ("alone", "in-trial")}
+    assert curves["in-trial"] == curves["alone"] and len(curves["alone"]) == 3

@@ -131,7 +131,7 @@ class TrialContext:
 
 
 def run_one(config: dict[str, Any], *, ctx: TrialContext) -> None:
-    """One (arm, seed), in its Tune actor: a ``pipelines.train`` run (one worker) nested under its arm's run."""
+    """One (arm, seed), in its Tune actor: a ``pipelines.train`` run (in this process) nested under its arm's run."""
     from ray import tune
 
     from pipelines.training.trainer import train
@@ -251,8 +251,8 @@ def _fit(plan: StudyPlan, todo: list[RunPlan], arm_runs: dict[str, str | None]) 
     ctx = TrialContext({rp.run_name: rp for rp in todo}, plan.workdir, plan.tracking_uri, arm_runs, spec.name)
     # Longest first: the two slots finish together rather than one long run trailing alone.
     order = sorted(todo, key=lambda rp: -rp.max_steps * plan.flops_per_step[rp.arm])
-    # The trial is a driver function (a sliver of CPU); its training worker asks for trial_cpu CPUs.
-    trainable = tune.with_resources(partial(run_one, ctx=ctx), {"cpu": 0.01})
+    # The trial trains in its own process (local mode), on the trial_cpu CPUs it reserves.
+    trainable = tune.with_resources(partial(run_one, ctx=ctx), {"cpu": spec.trial_cpu})
     tuner = Tuner(trainable, param_space={"run": tune.grid_search([rp.run_name for rp in order])},
                   tune_config=TuneConfig(max_concurrent_trials=spec.max_concurrent),
                   run_config=RunConfig(name=f"study-{spec.name}", storage_path=join(plan.workdir, "ray_results", "tune"),

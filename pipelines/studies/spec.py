@@ -10,7 +10,7 @@ Schema (every key but ``name``, ``config``, ``steps`` and ``arms`` has a default
     flops_reference: adlm             # equal-FLOPs budget: what this arm spends in `steps` steps
     baseline: mdlm                    # relative gains are against this arm, paired by seed
     max_concurrent: 2                 # runs at once
-    trial_cpu: 0.75                   # CPUs of each run's training worker (leave some to Ray Data's reads)
+    trial_cpu: 0.75                   # CPUs each run reserves (it trains in its trial's process; leave some to reads)
     overrides: {run.val_every: 20}    # applied to every run
     arms:
       - {name: adlm}
@@ -115,7 +115,8 @@ class StudyFile:
     max_concurrent: int = 2
     """Runs at once."""
     trial_cpu: float = 0.75
-    """CPUs of each run's training worker (leave some to Ray Data's reads)."""
+    """CPUs each run reserves: it trains in its Tune trial's own process, one torch thread (leave some of the
+    machine to Ray Data's read tasks)."""
     overrides: dict[str, Any] | None = None
     """``section.key: value`` applied to every run."""
     grid: GridFile | None = None
@@ -168,9 +169,9 @@ class StudySpec:
         raw = load_raw(root / self.config)
         for k, v in {**self.overrides, **arm.sets}.items():
             apply_override(raw, f"{k}={json.dumps(v)}")
-        # Every run is one Ray Train worker of `trial_cpu` CPUs and one torch thread: `max_concurrent` of them share
-        # the machine. (Not local mode: Ray Train refuses its in-process loop inside a Tune trial.)
-        raw.setdefault("scaling", {}).update(num_workers=1, threads=1, cpus_per_worker=self.trial_cpu)
+        # Every run trains in its Tune trial's process (local mode: no Ray Train worker group to start, the same
+        # numbers as one worker), on one torch thread: `max_concurrent` trials of `trial_cpu` CPUs share the machine.
+        raw.setdefault("scaling", {}).update(num_workers=0, threads=1)
         return raw
 
 

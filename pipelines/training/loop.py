@@ -260,10 +260,44 @@ def write_checkpoint(w: Worker, directory: Path, metrics: dict[str, Any]) -> Non
 # The loop
 
 
-def _report_checkpoint(w: Worker, metrics: dict[str, Any]) -> None:
+class TrialSession:
+    """The ``ray.train`` calls the loop makes, answered in this process, for a local-mode run (``num_workers: 0``)
+    inside a Ray Tune trial: Ray Train refuses its own API there ("use the ray.tune API"), so the trial's process
+    is the one worker (rank 0 of 1), the dataset is read whole, the run folder is the checkpoint history (as in
+    Ray's local mode) and every report goes to Tune, as ``TuneReportCallback`` forwards a worker's reports."""
+
+    def __init__(self, datasets: dict[str, Any]) -> None:
+        self.datasets = datasets
+        self.last: dict[str, Any] = {}
+        """The last metrics reported (the run's result, as Ray Train's ``Result.metrics``)."""
+
+    def get_context(self) -> TrialSession:
+        return self
+
+    def get_world_rank(self) -> int:
+        return 0
+
+    def get_world_size(self) -> int:
+        return 1
+
+    def get_checkpoint(self) -> None:
+        return None  # the loop resumes from LoopConfig.resume_dir (the run folder's latest), as in local mode
+
+    def get_dataset_shard(self, name: str) -> Any:
+        return self.datasets[name]
+
+    def report(self, metrics: dict[str, Any], checkpoint: Any = None, checkpoint_dir_name: str | None = None) -> None:
+        from ray import tune
+        from ray.tune.integration.ray_train import CHECKPOINT_PATH_KEY
+
+        self.last = dict(metrics)
+        tune.report({**metrics, **({CHECKPOINT_PATH_KEY: checkpoint.path} if checkpoint is not None else {})})
+
+
+def _report_checkpoint(w: Worker, metrics: dict[str, Any], api: Any) -> None:
     """Write this step's checkpoint and hand it to Ray Train with the metrics (kept only with a checkpoint);
-    Ray persists it to its storage (local or an object store) through the Checkpoint API."""
-    import ray.train
+    Ray persists it to its storage (local or an object store) through the Checkpoint API. ``api``: ``ray.train``
+    or a ``TrialSession``."""
     from ray.train import Checkpoint
 
     lc, name = w.lc, checkpoint_name(w.step)
@@ -274,12 +308,12 @@ def _report_checkpoint(w: Worker, metrics: dict[str, Any]) -> None:
         for _, old in list_checkpoints(lc.run_dir)[:-w.cfg.run.num_to_keep]:
             delete_dir(old)
         fs, inner = get_fs(dest)
-        ray.train.report(metrics, checkpoint=Checkpoint(path=inner, filesystem=fs))
+        api.report(metrics, checkpoint=Checkpoint(path=inner, filesystem=fs))
         return
     d = temp_dir("adlm-ckpt-")
     try:
         write_checkpoint(w, d, metrics)
-        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(str(d)), checkpoint_dir_name=name)
+        api.report(metrics, checkpoint=Checkpoint.from_directory(str(d)), checkpoint_dir_name=name)
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
@@ -343,22 +377,24 @@ def validation_step(w: Worker, rows: dict[str, torch.Tensor], tracker: Resilient
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """The training loop every Ray Train worker runs (or the driver, in local mode)."""
+    """The training loop every Ray Train worker runs (or the driver, in local mode; or a Tune trial's process, with
+    ``config["session"]`` a ``TrialSession``)."""
     import ray.train
 
     lc: LoopConfig = config["loop"]
+    api: Any = config.get("session") or ray.train
     cfg, r = lc.cfg, lc.cfg.run
-    ctx = ray.train.get_context()
+    ctx = api.get_context()
     torch.set_num_threads(lc.threads)
     use_gpu = cfg.scaling.use_gpu and torch.cuda.is_available()
-    device = ray.train.torch.get_device() if use_gpu else torch.device("cpu")
+    device = (ray.train.torch.get_device() if api is ray.train else torch.device("cuda")) if use_gpu else torch.device("cpu")
     w = build(lc, ctx.get_world_rank(), ctx.get_world_size(), device)
 
-    ckpt = ray.train.get_checkpoint()
+    ckpt = api.get_checkpoint()
     with ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(None) as ck_dir:
         # The local copy may be a temporary folder: the step comes from the checkpoint's storage path.
         resumed_from = resume(w, ck_dir, step_of(ckpt.path) if ckpt is not None else -1)
-    stream = batch_stream(w, ray.train.get_dataset_shard("train"))
+    stream = batch_stream(w, api.get_dataset_shard("train"))
     val_rows = validation_rows(w)
 
     tracker = None
@@ -372,7 +408,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     last: dict[str, Any] = {"step": w.step}
     if w.step >= r.max_steps:  # a finished run rerun: report its validation once more, train nothing
         last = {"step": w.step, "val_ppl": validate(w, val_rows), "epoch": w.epoch}
-        ray.train.report(last)
+        api.report(last)
     while w.step < r.max_steps:
         _maybe_crash(w)
         optimiser_step(w, stream)
@@ -383,9 +419,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if do_val:
             last.update(validation_step(w, val_rows, tracker))
         if step % r.ckpt_every == 0 or step == r.max_steps:
-            _report_checkpoint(w, dict(last))
+            _report_checkpoint(w, dict(last), api)
         elif do_val:
-            ray.train.report(dict(last))
+            api.report(dict(last))
     if tracker is not None:
         tracker.close(timeout=lc.cfg.mlflow.drain_timeout_s)
 
