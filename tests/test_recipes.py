@@ -78,18 +78,41 @@ SCALED = ["model.hidden=32", "model.heads=2", "model.n_blocks=1", "model.denoise
           "scaling.use_gpu=false", "scaling.bf16=false", "optim.warmup_steps=1", "mlflow.register=false"]
 
 
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Data prepared once per definition (source and splits, mode, row length, tokenizer): recipes that share a
+    definition (a corpus' ADLM, MDLM and AR recipes) train on the same prepared folder, copied into their own work
+    directory. Definition -> (folder, manifests' vocabulary sizes)."""
+    return {"root": tmp_path_factory.mktemp("prepared")}
+
+
+def _prepare_once(prepared: dict, key: tuple, data_dir: Path, make) -> dict:
+    """``make(folder)`` (returns {split: manifest}) run the first time ``key`` is seen; the folder copied to
+    ``data_dir``."""
+    import shutil
+
+    if key not in prepared:
+        folder = prepared["root"] / f"def{len(prepared)}"
+        manifests = make(folder)
+        prepared[key] = (folder, {k: m.vocab_size for k, m in (manifests or {}).items()})
+    folder, vocab = prepared[key]
+    shutil.copytree(folder, data_dir)
+    return vocab
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_runs_on_tiny_data_prepared_by_its_own_definition(recipe: Path, tmp_path: Path, ray_session,
-                                                                  one_torch_thread) -> None:
+                                                                  one_torch_thread, prepared: dict) -> None:
     from pipelines.data.prepare import prepare
     from pipelines.training.trainer import train
 
     raw = yaml.safe_load(recipe.read_text())
     cfg = load_config(recipe)
     if cfg.data.source == "testbed":
-        prepare(dict(source=["testbed"], out=str(tmp_path / "work" / Path(cfg.data.train).parent), quiet=True,
-                     testbed=dict(train_rows=64, validation_rows=8, test_rows=8, entropy_rows=200)))
+        _prepare_once(prepared, ("testbed",), tmp_path / "work" / Path(cfg.data.train).parent, lambda out: prepare(
+            dict(source=["testbed"], out=str(out), quiet=True,
+                 testbed=dict(train_rows=64, validation_rows=8, test_rows=8, entropy_rows=200))))
         uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
         res = train(load_config(recipe, SCALED + [f"run.name=recipe-{recipe.stem}"]), workdir=str(tmp_path / "work"),
                     tracking_uri=uri, quiet=True)
@@ -100,19 +123,20 @@ def test_recipe_runs_on_tiny_data_prepared_by_its_own_definition(recipe: Path, t
     wd = tmp_path / "work"
     data_dir = wd / Path(cfg.data.train).parent
     splits = sorted({Path(cfg.data.train).name, Path(cfg.data.validation).name})
-    texts = _texts(tmp_path, mode)
-    opts = dict(source=[f"{s}={texts['train' if s == 'train' else 'validation']}" for s in splits], out=str(data_dir),
-                mode=mode, length=cfg.model.seq_len, quiet=True, shard_rows=64)
-    if src is EMBEDDED:
-        opts["train_tokenizer"] = EMBEDDED_TOKENIZER_VOCAB
-    else:
-        opts["tokenizer"] = src.tokenizer
-    manifests = prepare(opts)
+    tokenizer = {"train_tokenizer": EMBEDDED_TOKENIZER_VOCAB} if src is EMBEDDED else {"tokenizer": src.tokenizer}
+
+    def make(out: Path) -> dict:
+        texts = _texts(out.parent / f"{out.name}-text", mode)
+        return prepare(dict(source=[f"{s}={texts['train' if s == 'train' else 'validation']}" for s in splits],
+                            out=str(out), mode=mode, length=cfg.model.seq_len, quiet=True, shard_rows=64, **tokenizer))
+
+    key = (cfg.data.source, tuple(splits), mode, cfg.model.seq_len, tuple(sorted(tokenizer.items())))
+    vocab = _prepare_once(prepared, key, data_dir, make)
     sets = SCALED + [f"run.name=recipe-{recipe.stem}"]
     if src is EMBEDDED:
         # 40k characters cannot fill an 8,192-entry BPE (the static test checks the recipe's size against the
         # source's): the model takes the tiny tokenizer's size, everything else is the recipe's.
-        sets.append(f"model.vocab_size={manifests['train'].vocab_size}")
+        sets.append(f"model.vocab_size={vocab['train']}")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     res = train(load_config(recipe, sets), workdir=str(wd), tracking_uri=uri, quiet=True)
     assert res.step == 2 and res.val_ppl is not None and res.val_ppl == res.val_ppl  # finite, not NaN
