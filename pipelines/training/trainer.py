@@ -267,7 +267,8 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         cfg=cfg, run_id=run_id, tracking_uri=uri, val_split=plan.val_split, val_rows=plan.val_rows,
         manifest_hash=plan.manifest_hash, tokenizer_spec=plan.tokenizer_spec, tokenizer_path=plan.tokenizer_path,
         tokenizer_hash=plan.tokenizer_hash,
-        # torch threads (scaling.threads, else) = the worker's CPUs rounded half up (0.5 -> 1, 1.5 -> 2).
+        # torch threads (scaling.threads, else) = the worker's CPUs rounded half up (0.5 -> 1, 1.5 -> 2); in local
+        # mode the Tune trial's CPUs (a sweep's 0.01 -> 1), or every core outside a trial.
         threads=cfg.scaling.threads or max(1, int((cfg.scaling.cpus_per_worker if not local_mode else trial_cpus
                                                    or os.cpu_count() or 1) + 0.5)),
         local_mode=local_mode, run_dir=run_dir, resume_dir=prev[1] if prev else None,
