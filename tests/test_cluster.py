@@ -24,21 +24,18 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def _module_cloud():
-    """One S3 server and one Ray cluster for the module, shaped like cluster.yaml's: a 0-CPU head that offers
-    the trial-driver resource, two 1-CPU worker nodes, started after the S3 server (they inherit its settings, as
-    nodes take theirs from their environment or instance role). A cluster costs about 10 s of the two cores to
-    start, and the session's local Ray (left for the module's duration, brought back afterwards) as much again:
-    isolation between these tests is their own bucket, not their own cluster."""
+def _module_s3():
+    """One S3 server for the module (each test has a bucket of its own); the session's local Ray is stopped for
+    the module's duration (its clusters are the Ray here) and brought back afterwards."""
     import ray
 
-    from pipelines.runtime import DRIVER_RESOURCE, init_ray
+    from pipelines.runtime import init_ray
 
     was = ray.is_initialized()
     ray.shutdown()
     try:
-        with s3_server("cloud") as s3, ray_cluster(nodes=2, head_resources={DRIVER_RESOURCE: 100}) as rc:
-            yield s3, rc
+        with s3_server("cloud") as s3:
+            yield s3
     finally:
         ray.shutdown()
         if was:
@@ -46,14 +43,21 @@ def _module_cloud():
 
 
 @pytest.fixture()
-def cloud(_module_cloud, request: pytest.FixtureRequest):
-    """The module's cluster with two live worker nodes (a node an earlier test killed is replaced first, as an
-    autoscaler would) and a bucket of this test's own."""
-    s3, rc = _module_cloud
-    while len(rc.workers) < 2:
-        rc.add_worker()
+def cloud(_module_s3, request: pytest.FixtureRequest):
+    """A bucket of this test's own and a Ray cluster of its own, shaped like cluster.yaml's: a 0-CPU head that
+    offers the trial-driver resource, two 1-CPU worker nodes, started after the S3 server (they inherit its
+    settings, as nodes take theirs from their environment or instance role). Not one cluster for the module: a
+    finished job can leave a Ray Train placement group reserved on a node (seen: half a CPU of the pipeline job's,
+    still CREATED after the job SUCCEEDED), and a later test that loses a node then starves its Ray Data reads."""
+    import ray
+
+    from pipelines.runtime import DRIVER_RESOURCE
+
+    ray.shutdown()  # the session's local Ray, if a fixture of this test (tiny_data) has just started it
+    s3 = _module_s3
     bucket = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
-    return s3.new_bucket(bucket), rc
+    with ray_cluster(nodes=2, head_resources={DRIVER_RESOURCE: 100}) as rc:
+        yield s3.new_bucket(bucket), rc
 
 
 def _job_env(tmp_path: Path, **env_vars: str) -> Path:
@@ -278,9 +282,9 @@ def test_a_node_lost_under_a_sweep_completes_it_with_the_undisturbed_results(tmp
             "search": {"algorithm": "random", "seed": 0}, "scheduler": {"type": "fifo", "max_t": 60},
             "num_samples": 1, "max_concurrent": 2,  # both trials at once: one node's loss can hit both
             "overrides": {"run.max_steps": 60, "run.val_every": 10, "run.ckpt_every": 10, "run.log_every": 10,
-                          # A quarter CPU a worker: the two trials' restarted workers plus a Ray Data read task
-                          # (data.read_cpus 0.25) fit on the one node left. At 0.5 both workers filled it and each
-                          # trial's restarted read starved for good (seen once in CI: a 900 s hang).
+                          # A quarter CPU a worker: both trials' restarted workers plus a Ray Data read task
+                          # (data.read_cpus 0.25) fit on the one node left (at 0.5 two workers fill it and their
+                          # reads wait for good: no autoscaler here adds the node a cloud would).
                           "run.val_batches": 1, "scaling.num_workers": 1, "scaling.cpus_per_worker": 0.25,
                           "batch.global_batch": 8, "batch.micro_batch": 8, "optim.warmup_steps": 2,
                           "failure.max_failures": 3}}))
