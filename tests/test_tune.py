@@ -212,6 +212,7 @@ def _trial_training(config: dict, *, sets: list[str], workdir: str, uri: str) ->
     tune.report({"step": res.step, "val_ppl": res.val_ppl, "final": True})
 
 
+@pytest.mark.slow
 def test_a_local_mode_run_in_a_tune_trial_reports_each_validation_and_equals_the_run_outside_tune(
         tiny_data: Path, tmp_path: Path, ray_session) -> None:
     """Inside a trial, Ray Train refuses its own API; a num_workers=0 run trains in the trial's process instead,
