@@ -33,11 +33,11 @@ os.environ.pop("ADLM_WORKDIR", None)
 # `pytest -n 2 --dist loadfile`: each of the two workers takes whole modules in collection order, so putting the
 # long ones first lets them run side by side from the start and the many short ones fill in behind them
 # (longest-processing-time-first); in alphabetical order two long ones would be left for the end. The two other
-# modules that start clusters of their own (a `ray start` head, a multi-node cluster) come after outage + train +
-# tune (about as long as test_cluster), so they start once test_cluster's clusters are gone rather than beside them
-# (at a load of 25 a head's job API dropped a submission's connection).
-LONGEST_FIRST = ("test_cluster.py", "test_tracking_outage.py", "test_train.py", "test_tune.py", "test_job_submit.py",
-                 "test_recipes.py", "test_study.py", "test_prepare_cluster.py", "test_mlflow_server.py",
+# modules that start clusters of their own (a `ray start` head, a multi-node cluster) come after the equally long
+# tune + train, so they start once test_cluster's cluster is gone rather than beside it (at a load of 25 a
+# head's job API dropped a submission's connection).
+LONGEST_FIRST = ("test_cluster.py", "test_tune.py", "test_train.py", "test_tracking_outage.py", "test_recipes.py",
+                 "test_study.py", "test_job_submit.py", "test_prepare_cluster.py", "test_mlflow_server.py",
                  "test_cluster_parts.py", "test_metrics.py", "test_prepare_data.py", "test_model_core.py",
                  "test_evaluate.py", "test_serving.py", "test_promotion.py", "test_lm_eval.py", "test_serve_load.py")
 
