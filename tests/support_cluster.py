@@ -162,26 +162,10 @@ class RayCluster:
     """Job API (``ray job submit --address ...``)."""
     workers: list = field(default_factory=list)
 
-    cpus: int = 1
-    added: int = 0
-    """Worker nodes started so far (each gets its own runtime-env folder)."""
-
     def remove(self, node: object) -> None:
         """Kill a worker node (all its processes), as a cloud node that disappears."""
         self.cluster.remove_node(node, allow_graceful=False)
         self.workers.remove(node)
-
-    def add_worker(self) -> object:
-        """Start one more worker node like the first ones (an autoscaler replacing a lost node) and wait for it."""
-        node = _add_worker(self.cluster, self.cpus, self.added)
-        self.added += 1
-        self.workers.append(node)
-        self.cluster.wait_for_nodes()
-        return node
-
-
-def _add_worker(cluster: object, cpus: int, index: int) -> object:
-    return cluster.add_node(num_cpus=cpus, runtime_env_dir_name=f"runtime_resources_node{index}", **_free_ports())
 
 
 @contextlib.contextmanager
@@ -205,7 +189,8 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] 
                 "num_cpus": 0, "resources": dict(head_resources or {}), "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dash,
                 "_system_config": LOCAL_SYSTEM_CONFIG, **_free_ports()})
             try:
-                workers = [_add_worker(cluster, cpus, i) for i in range(nodes)]
+                workers = [cluster.add_node(num_cpus=cpus, runtime_env_dir_name=f"runtime_resources_node{i}",
+                                            **_free_ports()) for i in range(nodes)]
                 break
             except Exception as e:  # a raylet that missed Ray's 30 s start-up window on 2 busy cores: once more
                 cluster.shutdown()
@@ -214,7 +199,7 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] 
         try:
             cluster.wait_for_nodes()
             _wait_for_job_api(f"http://127.0.0.1:{dash}")
-            yield RayCluster(cluster, cluster.address, f"http://127.0.0.1:{dash}", workers, cpus, nodes)
+            yield RayCluster(cluster, cluster.address, f"http://127.0.0.1:{dash}", workers)
         finally:
             cluster.shutdown()
     finally:

@@ -163,7 +163,7 @@ def test_a_worker_node_lost_mid_training_resumes_from_the_bucket(tmp_path: Path,
     # registered (up to one 2 s poll after it is written) and the node is found and killed.
     steps = 200
     s3, rc = cloud
-    # The module's cluster and this test's bucket.
+    # This test's cluster and bucket.
     bucket = f"s3://{s3.bucket}"
     upload_dir(tiny_data, f"{bucket}/run/data/tiny")
     os.environ["RAY_ADDRESS"] = rc.address
@@ -275,27 +275,25 @@ def test_a_node_lost_under_a_sweep_completes_it_with_the_undisturbed_results(tmp
     from pipelines.tuning.sweep import sweep
     from tests.support_data import TINY_MODEL, data_overrides
 
-    def space(name: str) -> Path:
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump({
-            "name": name, "params": {"tau": {"distribution": "grid", "values": [2, 5]}},
-            "search": {"algorithm": "random", "seed": 0}, "scheduler": {"type": "fifo", "max_t": 60},
-            "num_samples": 1, "max_concurrent": 2,  # both trials at once: one node's loss can hit both
-            "overrides": {"run.max_steps": 60, "run.val_every": 10, "run.ckpt_every": 10, "run.log_every": 10,
-                          # A quarter CPU a worker: both trials' restarted workers plus a Ray Data read task
-                          # (data.read_cpus 0.25) fit on the one node left (at 0.5 two workers fill it and their
-                          # reads wait for good: no autoscaler here adds the node a cloud would).
-                          "run.val_batches": 1, "scaling.num_workers": 1, "scaling.cpus_per_worker": 0.25,
-                          "batch.global_batch": 8, "batch.micro_batch": 8, "optim.warmup_steps": 2,
-                          "failure.max_failures": 3}}))
-        return path
+    overrides = {"run.max_steps": 60, "run.val_every": 10, "run.ckpt_every": 10, "run.log_every": 10,
+                 # A quarter CPU a worker: both trials' restarted workers plus a Ray Data read task
+                 # (data.read_cpus 0.25) fit on the one node left (at 0.5 two workers fill it and their
+                 # reads wait for good: no autoscaler here adds the node a cloud would).
+                 "run.val_batches": 1, "scaling.num_workers": 1, "scaling.cpus_per_worker": 0.25,
+                 "batch.global_batch": 8, "batch.micro_batch": 8, "optim.warmup_steps": 2, "failure.max_failures": 3}
+    space_file = tmp_path / "storm.yaml"
+    space_file.write_text(yaml.safe_dump({
+        "name": "storm", "params": {"tau": {"distribution": "grid", "values": [2, 5]}},
+        "search": {"algorithm": "random", "seed": 0}, "scheduler": {"type": "fifo", "max_t": 60},
+        "num_samples": 1, "max_concurrent": 2,  # both trials at once: one node's loss can hit both
+        "overrides": overrides}))
 
     sets = [*data_overrides(tiny_data), *TINY_MODEL]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     killed: list[str] = []
     drivers: set[tuple[str, str]] = set()
     rc = cloud[1]
-    # The module's cluster (its head offers the driver resource).
+    # This test's cluster (its head offers the driver resource).
     os.environ["RAY_ADDRESS"] = rc.address
     try:
         ray.init(address=rc.address)
@@ -304,7 +302,6 @@ def test_a_node_lost_under_a_sweep_completes_it_with_the_undisturbed_results(tmp
         # Train run's numbers: tests/test_tune.py; here the comparison checks that too).
         calm = {}
         for tau in (2, 5):
-            overrides = yaml.safe_load(space("calm").read_text())["overrides"]
             cfg = load_config(ROOT / "configs" / "demo.yaml", [
                 *sets, *(f"{k}={v}" for k, v in overrides.items()), f"model.tau={tau}", f"run.name=calm-tau{tau}",
                 "scaling.num_workers=0", "scaling.threads=1"])
@@ -320,13 +317,13 @@ def test_a_node_lost_under_a_sweep_completes_it_with_the_undisturbed_results(tmp
                 for node in list(rc.workers):
                     if ckpts and node.node_id in workers:
                         killed.append(node.node_id)
-                        rc.remove(node)  # (the next test's fixture replaces it: Ray starts nodes from the main thread only)
+                        rc.remove(node)
                         return
                 time.sleep(0.5)
 
         t = threading.Thread(target=kill_a_trials_node, daemon=True)
         t.start()
-        storm = sweep(load_space(space("storm")), ROOT / "configs" / "demo.yaml", sets, workdir=tmp_path / "wd",
+        storm = sweep(load_space(space_file), ROOT / "configs" / "demo.yaml", sets, workdir=tmp_path / "wd",
                       tracking_uri=uri, quiet=True)
         t.join(timeout=10)
     finally:

@@ -78,39 +78,44 @@ SCALED = ["model.hidden=32", "model.heads=2", "model.n_blocks=1", "model.denoise
           "scaling.use_gpu=false", "scaling.bf16=false", "optim.warmup_steps=1", "mlflow.register=false"]
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory: pytest.TempPathFactory) -> dict:
+class PreparedData:
     """Data prepared once per definition (source and splits, mode, row length, tokenizer): recipes that share a
-    definition (a corpus' ADLM, MDLM and AR recipes) train on the same prepared folder, copied into their own work
-    directory. Definition -> (folder, manifests' vocabulary sizes)."""
-    return {"root": tmp_path_factory.mktemp("prepared")}
+    definition (a corpus' ADLM, MDLM and AR recipes) train on copies of one prepared folder."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.done: dict[tuple, tuple[Path, dict[str, int]]] = {}
+        """Definition -> (prepared folder, each split's vocabulary size)."""
+
+    def copy_to(self, data_dir: Path, key: tuple, make) -> dict[str, int]:
+        """``make(folder)`` (returns {split: manifest}) the first time ``key`` is seen, then the folder copied to
+        ``data_dir``; returns each split's vocabulary size."""
+        import shutil
+
+        if key not in self.done:
+            folder = self.root / f"def{len(self.done)}"
+            self.done[key] = (folder, {k: m.vocab_size for k, m in make(folder).items()})
+        folder, vocab = self.done[key]
+        shutil.copytree(folder, data_dir)
+        return vocab
 
 
-def _prepare_once(prepared: dict, key: tuple, data_dir: Path, make) -> dict:
-    """``make(folder)`` (returns {split: manifest}) run the first time ``key`` is seen; the folder copied to
-    ``data_dir``."""
-    import shutil
-
-    if key not in prepared:
-        folder = prepared["root"] / f"def{len(prepared)}"
-        manifests = make(folder)
-        prepared[key] = (folder, {k: m.vocab_size for k, m in (manifests or {}).items()})
-    folder, vocab = prepared[key]
-    shutil.copytree(folder, data_dir)
-    return vocab
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> PreparedData:
+    return PreparedData(tmp_path_factory.mktemp("prepared"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_runs_on_tiny_data_prepared_by_its_own_definition(recipe: Path, tmp_path: Path, ray_session,
-                                                                  one_torch_thread, prepared: dict) -> None:
+                                                                  one_torch_thread, prepared: PreparedData) -> None:
     from pipelines.data.prepare import prepare
     from pipelines.training.trainer import train
 
     raw = yaml.safe_load(recipe.read_text())
     cfg = load_config(recipe)
     if cfg.data.source == "testbed":
-        _prepare_once(prepared, ("testbed",), tmp_path / "work" / Path(cfg.data.train).parent, lambda out: prepare(
+        prepared.copy_to(tmp_path / "work" / Path(cfg.data.train).parent, ("testbed",), lambda out: prepare(
             dict(source=["testbed"], out=str(out), quiet=True,
                  testbed=dict(train_rows=64, validation_rows=8, test_rows=8, entropy_rows=200))))
         uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -131,7 +136,7 @@ def test_recipe_runs_on_tiny_data_prepared_by_its_own_definition(recipe: Path, t
                             out=str(out), mode=mode, length=cfg.model.seq_len, quiet=True, shard_rows=64, **tokenizer))
 
     key = (cfg.data.source, tuple(splits), mode, cfg.model.seq_len, tuple(sorted(tokenizer.items())))
-    vocab = _prepare_once(prepared, key, data_dir, make)
+    vocab = prepared.copy_to(data_dir, key, make)
     sets = SCALED + [f"run.name=recipe-{recipe.stem}"]
     if src is EMBEDDED:
         # 40k characters cannot fill an 8,192-entry BPE (the static test checks the recipe's size against the

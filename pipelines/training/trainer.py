@@ -206,7 +206,8 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     """Train ``cfg`` with Ray Train, track it in MLflow and register the final checkpoint.
 
     Rerunning with the same ``run.name`` (and storage) resumes the run from its latest checkpoint.
-    ``callbacks`` go to the trainer's ``RunConfig`` (e.g. Tune's ``TuneReportCallback``);
+    ``callbacks`` go to the trainer's ``RunConfig`` (e.g. Tune's ``TuneReportCallback``; a local-mode run inside a
+    Tune trial has no trainer: it trains in the trial's process and reports to Tune itself);
     ``parent_run_id`` nests the MLflow run (Tune trials).
     """
     quiet_environment()
@@ -274,22 +275,23 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         local_mode=local_mode, run_dir=run_dir, resume_dir=prev[1] if prev else None,
         crash_at_step=crash_at, crash_marker=join(run_dir, ".crashed_once") if crash_at is not None else None,
         crash_writing_best=fault("train.crash_writing_best"))
-    resources = {"CPU": cfg.scaling.cpus_per_worker}
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"loop": loop},
-        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
-                                     resources_per_worker=resources),
-        run_config=RunConfig(name=cfg.run.name, storage_path=storage,
-                             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.num_to_keep),
-                             callbacks=callbacks or None),
-        datasets={"train": train_ds},
-        dataset_config=DataConfig(datasets_to_split=["train"], execution_options=exec_opts),
-    )
+    trainer = None  # inside a Tune trial in local mode, the loop runs right here (TrialSession)
+    if trial_cpus is None:
+        trainer = TorchTrainer(
+            train_loop_per_worker,
+            train_loop_config={"loop": loop},
+            torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
+            scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
+                                         resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
+            run_config=RunConfig(name=cfg.run.name, storage_path=storage,
+                                 failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
+                                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.num_to_keep),
+                                 callbacks=callbacks or None),
+            datasets={"train": train_ds},
+            dataset_config=DataConfig(datasets_to_split=["train"], execution_options=exec_opts),
+        )
     try:
-        if trial_cpus is not None:
+        if trainer is None:
             session = TrialSession({"train": train_ds})
             train_loop_per_worker({"loop": loop, "session": session})
             metrics = dict(session.last)
