@@ -249,10 +249,21 @@ def test_cluster_yaml_schema_rejects_a_misspelt_key() -> None:
         _validate(cfg)
 
 
-def test_runtime_env_excludes_heavy_folders() -> None:
+def test_runtime_env_excludes_heavy_folders_and_no_project_file() -> None:
+    """Ray matches ``excludes`` as gitignore patterns against every path of the working directory: an unanchored
+    ``data`` also drops ``pipelines/data``, and a job on a node without the project installed cannot import it."""
+    import subprocess
+
+    from ray._private.runtime_env.packaging import _get_excludes  # the matcher `ray job submit` uses
+
     env = yaml.safe_load((ROOT / "runtime_env.yaml").read_text())
-    for folder in (".git", ".venv", "work", "data"):
+    for folder in (".git", ".venv", "/work", "/data"):
         assert folder in env["excludes"]
+    excluded = _get_excludes(ROOT, env["excludes"])
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert "pipelines/data/sources.py" in tracked
+    assert not [f for f in tracked if excluded(ROOT / f)], "runtime_env.yaml excludes project files"
+    assert excluded(ROOT / "data" / "embedded") and excluded(ROOT / "work" / "mlflow.db")
 
 
 def test_mlflow_folder_does_not_shadow_the_package() -> None:
