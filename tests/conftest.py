@@ -62,15 +62,22 @@ def _isolated_caches(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["ADLM_CACHE"] = str(base / "adlm")
 
 
-@pytest.fixture(scope="session")
-def ray_session():
-    """One local Ray runtime (2 CPUs, dashboard on a free loopback port) for the whole test session, started
-    the way every stage starts it (its workers inherit this process's environment)."""
-    import ray
-
+def start_session_ray() -> None:
+    """The session's local Ray: 2 CPUs, started the way every stage starts it (its workers inherit this
+    process's environment), without the dashboard. A dashboard's dozen processes cost about 0.1 CPU-second a
+    second while idle (0.2 with it, 0.1 without, measured here), over the whole session of each xdist worker; no
+    test on this Ray needs its state API (Ray Train under Tune does: the cluster tests' heads have one)."""
     from pipelines.runtime import init_ray
 
-    init_ray(num_cpus=2)
+    init_ray(num_cpus=2, dashboard=False)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray runtime for the whole test session (``start_session_ray``)."""
+    import ray
+
+    start_session_ray()
     yield ray
     ray.shutdown()
 

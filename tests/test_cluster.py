@@ -29,7 +29,7 @@ def _module_s3():
     the module's duration (its clusters are the Ray here) and brought back afterwards."""
     import ray
 
-    from pipelines.runtime import init_ray
+    from tests.conftest import start_session_ray
 
     was = ray.is_initialized()
     ray.shutdown()
@@ -39,7 +39,7 @@ def _module_s3():
     finally:
         ray.shutdown()
         if was:
-            init_ray(num_cpus=2)
+            start_session_ray()
 
 
 @pytest.fixture()

@@ -29,6 +29,9 @@ from adlm_model import (
 from adlm_model.losses import adlm_objective, mdlm_objective, suppress_mask
 from tests.support_models import L, M, V, gen, micro, randomized
 
+# Tiny models: one intra-op thread is nearly as fast as two here and leaves the other core to the rest of the suite.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 # ---------------------------------------------------------------- a toy distribution, enumerable
 
 

@@ -32,14 +32,14 @@ def own_ray():
     """A cluster of its own: leave the session's local Ray for this test and bring it back afterwards."""
     import ray
 
-    from pipelines.runtime import init_ray
+    from tests.conftest import start_session_ray
 
     was = ray.is_initialized()
     ray.shutdown()
     yield
     ray.shutdown()
     if was:
-        init_ray(num_cpus=2)
+        start_session_ray()
 
 
 def _shards(s3, prefix: str) -> dict[str, bytes]:

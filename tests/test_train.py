@@ -139,12 +139,15 @@ def test_a_killed_worker_and_a_resume_both_continue_exactly_as_the_uninterrupted
         assert abs(a - full[s1]) < 1e-5, (s1, a, full[s1])
     assert second.val_ppl == pytest.approx(env["full"].val_ppl, rel=1e-5)
 
-    # Rerunning the finished run trains nothing, registers nothing new and moves no alias.
+    # Rerunning the finished run trains nothing (no Ray Train fit: its result is the final checkpoint's),
+    # registers nothing new and moves no alias.
     client = mlflow.MlflowClient(uri)
     versions = sorted(v.version for v in client.search_model_versions("name='adlm'"))
     candidate = client.get_model_version_by_alias("adlm", "candidate").version
+    monkeypatch.setattr(train_mod, "_fit", lambda *a, **k: pytest.fail("a finished run was fitted again"))
     third = train_mod.train(_cfg(data, "half", "run.max_steps=40"))
     assert (third.run_id, third.step, third.registered_version) == (second.run_id, 40, second.registered_version)
+    assert third.val_ppl == pytest.approx(second.val_ppl, rel=1e-6)  # the final checkpoint's, with no fit
     assert sorted(v.version for v in client.search_model_versions("name='adlm'")) == versions
     assert client.get_model_version_by_alias("adlm", "candidate").version == candidate
     assert [s for s, _ in _history(uri, third.run_id, "train/loss")] == list(range(1, 41))

@@ -189,64 +189,36 @@ def storage_root(cfg: TrainConfig, workdir: str) -> str:
     return cfg.run.storage_path or join(workdir, "ray_results")
 
 
-def _tune_trial_cpus() -> float | None:
-    """The CPUs of the Tune trial this process runs (its resource request), or None outside a trial."""
+def _in_tune() -> bool:
+    """Whether this process runs a Ray Tune trial (Ray not imported: no)."""
+    import sys
+
+    if "ray.tune" not in sys.modules:
+        return False
     from ray.tune.trainable.trainable_fn_utils import _in_tune_session
 
-    if not _in_tune_session():
+    return _in_tune_session()
+
+
+def _tune_trial_cpus() -> float | None:
+    """The CPUs of the Tune trial this process runs (its resource request), or None outside a trial."""
+    if not _in_tune():
         return None
     from ray import tune
 
     return float(tune.get_context().get_trial_resources().required_resources.get("CPU", 1.0))
 
 
-def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
-          callbacks: list | None = None, parent_run_id: str | None = None, extra_tags: dict[str, str] | None = None,
-          register: bool | None = None, quiet: bool = False) -> TrainResult:
-    """Train ``cfg`` with Ray Train, track it in MLflow and register the final checkpoint.
-
-    Rerunning with the same ``run.name`` (and storage) resumes the run from its latest checkpoint.
-    ``callbacks`` go to the trainer's ``RunConfig`` (e.g. Tune's ``TuneReportCallback``; a local-mode run inside a
-    Tune trial has no trainer: it trains in the trial's process and reports to Tune itself);
-    ``parent_run_id`` nests the MLflow run (Tune trials).
-    """
-    quiet_environment()
-    cfg.validate()
-    wd = resolve_workdir(workdir)
-    uri = tracking_uri or resolve_tracking_uri(wd)
-    tracking_reachable(uri)  # refused credentials (401/403) fail here in one line; an outage trains on
-    plan = plan_data(cfg, wd)  # every data error before Ray starts
-    storage = storage_root(cfg, wd)
-    if is_uri(storage):
-        check_location(storage)
-    run_dir = join(storage, cfg.run.name)
-    local_mode = cfg.scaling.num_workers == 0
-    # A local-mode run inside a Tune trial (a sweep's or a study's) trains in the trial's own process: no Ray Train
-    # worker group to start (about 20 CPU-seconds and 15 processes a run on 2 cores), the same numbers.
-    trial_cpus = _tune_trial_cpus() if local_mode else None
-    prev = latest_checkpoint(run_dir)
-
-    # ---- MLflow: one run per run name, reopened on resume ----
-    prev_meta = json.loads(read_text(join(prev[1], "config.json"))).get("meta", {}) if prev else {}
-    if prev_meta.get("tokenizer_hash") and plan.tokenizer_hash and prev_meta["tokenizer_hash"] != plan.tokenizer_hash:
-        raise ConfigError(f"run {cfg.run.name!r} was trained on data of another tokenizer (hash "
-                          f"{prev_meta['tokenizer_hash'][:12]}) than data.train's ({plan.tokenizer_hash[:12]}); resume "
-                          "it on its own data or start a new run.name")
-    prev_id = prev_meta.get("mlflow_run_id")
-    run_id = open_run(cfg, plan, uri, wd, prev_id, parent_run_id, extra_tags)
-    if run_id is None:
-        log.warning(f"MLflow at {redact_uri(uri)} is unavailable at start; training without a run: the metrics wait in "
-                    f"{join(run_dir, SPOOL)} and the next run of this command sends them and registers")
-    if not quiet:
-        log.info(f"[{cfg.run.name}] {cfg.model.kind} model, {cfg.world} worker(s) x micro-batch {cfg.batch.micro_batch} "
-                 f"x accumulation {cfg.accumulation} = global batch {cfg.batch.global_batch}; data {plan.train_rows} "
-                 f"train rows; storage {run_dir}; MLflow run {run_id} at {redact_uri(uri)}"
-                 + (f"; resuming from step {prev[0]}" if prev else ""))
-
+def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, run_id: str | None, uri: str,
+         prev: tuple[int, str] | None, trial_cpus: float | None, callbacks: list | None) -> dict[str, Any]:
+    """Train: a Ray Train ``TorchTrainer`` over the training split, or the loop in this process inside a Tune
+    trial (local mode). Returns the last metrics reported."""
     import ray
     import ray.data
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+
+    local_mode = cfg.scaling.num_workers == 0
 
     init_ray()
     warn_if_node_local([*plan.train_uris[:1], storage, wd], "training reads or writes")
@@ -301,6 +273,61 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         msg = str(e).strip().splitlines()
         raise TrainError(f"training run {cfg.run.name!r} failed: {type(e).__name__}: "
                          f"{msg[-1] if msg else ''} (worker logs: {run_dir} and the Ray session logs)") from e
+    return metrics
+
+
+def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
+          callbacks: list | None = None, parent_run_id: str | None = None, extra_tags: dict[str, str] | None = None,
+          register: bool | None = None, quiet: bool = False) -> TrainResult:
+    """Train ``cfg`` with Ray Train, track it in MLflow and register the final checkpoint.
+
+    Rerunning with the same ``run.name`` (and storage) resumes the run from its latest checkpoint.
+    ``callbacks`` go to the trainer's ``RunConfig`` (e.g. Tune's ``TuneReportCallback``; a local-mode run inside a
+    Tune trial has no trainer: it trains in the trial's process and reports to Tune itself);
+    ``parent_run_id`` nests the MLflow run (Tune trials).
+    """
+    quiet_environment()
+    cfg.validate()
+    wd = resolve_workdir(workdir)
+    uri = tracking_uri or resolve_tracking_uri(wd)
+    tracking_reachable(uri)  # refused credentials (401/403) fail here in one line; an outage trains on
+    plan = plan_data(cfg, wd)  # every data error before Ray starts
+    storage = storage_root(cfg, wd)
+    if is_uri(storage):
+        check_location(storage)
+    run_dir = join(storage, cfg.run.name)
+    local_mode = cfg.scaling.num_workers == 0
+    # A local-mode run inside a Tune trial (a sweep's or a study's) trains in the trial's own process: no Ray Train
+    # worker group to start (about 20 CPU-seconds and 15 processes a run on 2 cores), the same numbers.
+    trial_cpus = _tune_trial_cpus() if local_mode else None
+    prev = latest_checkpoint(run_dir)
+
+    # ---- MLflow: one run per run name, reopened on resume ----
+    prev_meta = json.loads(read_text(join(prev[1], "config.json"))).get("meta", {}) if prev else {}
+    if prev_meta.get("tokenizer_hash") and plan.tokenizer_hash and prev_meta["tokenizer_hash"] != plan.tokenizer_hash:
+        raise ConfigError(f"run {cfg.run.name!r} was trained on data of another tokenizer (hash "
+                          f"{prev_meta['tokenizer_hash'][:12]}) than data.train's ({plan.tokenizer_hash[:12]}); resume "
+                          "it on its own data or start a new run.name")
+    prev_id = prev_meta.get("mlflow_run_id")
+    run_id = open_run(cfg, plan, uri, wd, prev_id, parent_run_id, extra_tags)
+    if run_id is None:
+        log.warning(f"MLflow at {redact_uri(uri)} is unavailable at start; training without a run: the metrics wait in "
+                    f"{join(run_dir, SPOOL)} and the next run of this command sends them and registers")
+    if not quiet:
+        log.info(f"[{cfg.run.name}] {cfg.model.kind} model, {cfg.world} worker(s) x micro-batch {cfg.batch.micro_batch} "
+                 f"x accumulation {cfg.accumulation} = global batch {cfg.batch.global_batch}; data {plan.train_rows} "
+                 f"train rows; storage {run_dir}; MLflow run {run_id} at {redact_uri(uri)}"
+                 + (f"; resuming from step {prev[0]}" if prev else ""))
+
+    if prev is not None and prev[0] >= cfg.run.max_steps and not _in_tune():
+        # A rerun of a finished run: nothing to train, so no Ray and no Ray Train worker group (20-30 s of start-up
+        # on 2 cores; a job's second run on a cluster); its result is the final checkpoint's, validated at
+        # max_steps. The spooled metrics and the registration below are done as after any run. Inside a Tune trial
+        # the loop still runs: its report is the trial's result.
+        log.info(f"[{cfg.run.name}] finished at step {prev[0]} (run.max_steps {cfg.run.max_steps}): nothing to train")
+        metrics: dict[str, Any] = {"step": prev[0], "val_ppl": prev_meta.get("val_ppl")}
+    else:
+        metrics = _fit(cfg, plan, wd, storage, run_dir, run_id, uri, prev, trial_cpus, callbacks)
 
     final = latest_checkpoint(run_dir)
     if final is None:
