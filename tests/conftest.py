@@ -37,7 +37,7 @@ os.environ.pop("ADLM_WORKDIR", None)
 # tune + train, so they start once test_cluster's cluster is gone rather than beside it (at a load of 25 a
 # head's job API dropped a submission's connection).
 LONGEST_FIRST = ("test_cluster.py", "test_tune.py", "test_train.py", "test_tracking_outage.py", "test_recipes.py",
-                 "test_study.py", "test_job_submit.py", "test_prepare_cluster.py", "test_mlflow_server.py",
+                 "test_study.py", "test_prepare_cluster.py", "test_mlflow_server.py",
                  "test_cluster_parts.py", "test_metrics.py", "test_prepare_data.py", "test_model_core.py",
                  "test_evaluate.py", "test_serving.py", "test_promotion.py", "test_lm_eval.py", "test_serve_load.py")
 

@@ -206,6 +206,57 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] 
         os.environ["PATH"] = saved_path
 
 
+@dataclass
+class ClusterProcess:
+    """A Ray cluster run by ``tests/cluster_process.py``: its addresses and the head's session folder."""
+
+    address: str
+    """GCS address."""
+    dashboard: str
+    """Job API."""
+    session_dir: Path
+
+
+@contextlib.contextmanager
+def ray_cluster_process(env: dict[str, str], log: Path, **kwargs: object) -> Iterator[ClusterProcess]:
+    """``ray_cluster(**kwargs)`` in a process of its own with ``env`` (a cluster with token authentication:
+    ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN_PATH``), stopped on exit."""
+    import json
+    import threading
+
+    fh = log.open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "tests.cluster_process", json.dumps(kwargs)], cwd=ROOT, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=fh, text=True,
+                            start_new_session=True)
+    try:
+        first: list[str] = []
+        ready = threading.Event()
+
+        def read() -> None:  # the first line, then whatever else it prints (a full pipe would block it)
+            first.append(proc.stdout.readline())
+            ready.set()
+            for _ in proc.stdout:
+                pass
+
+        threading.Thread(target=read, daemon=True).start()
+        ready.wait(timeout=300)
+        if not first or not first[0].strip():
+            raise RuntimeError(f"the cluster did not come up:\n{log.read_text(errors='replace')[-3000:]}")
+        info = json.loads(first[0])
+        yield ClusterProcess(info["address"], info["dashboard"], Path(info["session_dir"]))
+    finally:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()  # the process shuts its cluster down
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left in its group
+        proc.wait(timeout=30)
+        fh.close()
+
+
 def _free_ports() -> dict[str, int]:
     """A node's agent and metrics ports, free now: Ray's defaults collide with any other Ray on the machine
     (the test session's own, a cluster a crashed test left behind)."""
@@ -228,16 +279,21 @@ def _wait_for_job_api(dashboard: str, timeout: float = 120.0) -> None:
             time.sleep(1)
 
 
+def job_submit_command(dashboard: str, entrypoint: list[str], runtime_env: Path) -> list[str]:
+    """``ray job submit --working-dir <repo> --runtime-env <file> -- <entrypoint>``, as README.md submits."""
+    return [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--working-dir", str(ROOT),
+            "--runtime-env", str(runtime_env), "--", *entrypoint]
+
+
 def submit_job(dashboard: str, entrypoint: list[str], runtime_env: Path, cwd: Path, log: Path,
-               timeout: float = 900.0) -> tuple[str, str]:
-    """``ray job submit --working-dir <repo> --runtime-env <file> -- <entrypoint>`` from ``cwd``, waited on;
+               timeout: float = 900.0, env: dict[str, str] | None = None) -> tuple[str, str]:
+    """``job_submit_command`` run from ``cwd`` (with ``env``, else this process's environment), waited on;
     returns (final status, the job's logs)."""
-    cmd = [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--working-dir", str(ROOT),
-           "--runtime-env", str(runtime_env), "--", *entrypoint]
+    cmd = job_submit_command(dashboard, entrypoint, runtime_env)
+    env = env or {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     for _ in range(30):  # the head's job agent may still be starting: "No available agent to submit job"
         with log.open("w") as fh:
-            r = subprocess.run(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout,
-                               env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
+            r = subprocess.run(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout, env=env)
         text = log.read_text(errors="replace")
         if "No available agent to submit job" not in text:
             break

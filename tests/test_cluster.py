@@ -2,8 +2,9 @@
 
 On this machine (tests/support_cluster.py): an S3 server on loopback, an MLflow tracking server whose
 artifacts live in that bucket, a Ray cluster of a 0-CPU head and two worker nodes. The whole smoke pipeline
-runs as a `ray job submit` job with ADLM_WORKDIR=s3://...; a worker node dies mid-training; bad storage
-inputs fail in one line before any work.
+runs as a `ray job submit` job with ADLM_WORKDIR=s3://... on a cluster with token authentication, submitted with
+README.md's client settings (less of them is refused); a worker node dies mid-training; a node dies under a sweep;
+bad storage inputs fail in one line before any work.
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support_cluster import ROOT, mlflow_server, ray_cluster, s3_server, submit_job
+from tests.support_cluster import (
+    BIN,
+    ROOT,
+    job_submit_command,
+    mlflow_server,
+    ray_cluster,
+    ray_cluster_process,
+    s3_server,
+    submit_job,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +70,46 @@ def cloud(_module_s3, request: pytest.FixtureRequest):
         yield s3.new_bucket(bucket), rc
 
 
+TOKEN = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture()
+def auth_cloud(_module_s3, tmp_path: Path, request: pytest.FixtureRequest):
+    """``cloud`` with Ray's token authentication on, as cluster.yaml's nodes run: every node reads the token from a
+    file (never a command line). Run by a process of its own (tests/cluster_process.py): Ray reads its
+    authentication settings once per process, and this one runs local Rays without."""
+    from pipelines.runtime import DRIVER_RESOURCE
+
+    token_file = tmp_path / "auth_token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    env = {**_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file)), **_module_s3.env,
+           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]}
+    bucket = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
+    with ray_cluster_process(env, tmp_path / "cluster.log", nodes=2, head_resources={DRIVER_RESOURCE: 100}) as rc:
+        yield _module_s3.new_bucket(bucket), rc
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This machine's environment without any Ray setting (a fresh shell), the venv first on PATH, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RAY_") and k not in ("MLFLOW_TRACKING_URI", "ADLM_WORKDIR")}
+    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", RAY_USAGE_STATS_ENABLED="0", **extra)
+    return env
+
+
+def readme_client_env() -> dict[str, str]:
+    """The client settings README.md's cluster steps export, exactly: each ``export NAME=...`` line of the
+    block that submits the first job. The token's value is what its command prints (the secret: ``TOKEN``)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Running on a cluster"):]
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "ray job submit" in b)
+    exports = dict(re.findall(r"^export (\w+)=(.*)$", block, re.M))
+    assert set(exports) == {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}, exports
+    assert exports["RAY_AUTH_TOKEN"].startswith("$(aws secretsmanager get-secret-value --secret-id adlm/ray-auth-token")
+    return {"RAY_AUTH_MODE": exports["RAY_AUTH_MODE"], "RAY_AUTH_TOKEN": TOKEN}
+
+
 def _job_env(tmp_path: Path, **env_vars: str) -> Path:
     """The project's runtime_env.yaml plus this run's (non-secret) settings."""
     env = yaml.safe_load((ROOT / "runtime_env.yaml").read_text())
@@ -74,11 +124,10 @@ def _tracked_files() -> set[str]:
     return set(out.split())
 
 
-def _job_folders(cluster, log: str) -> list[Path]:
+def _job_folders(session: Path, log: str) -> list[Path]:
     """Every node's unpacked copy of the job's working directory (the driver runs in the head's; the worker
-    nodes unpack it too for the tasks and actors they run)."""
+    nodes unpack it too for the tasks and actors they run); ``session``: the head's session folder."""
     pkg = re.findall(r"gcs://(_ray_pkg_\w+)\.zip", log)[-1]
-    session = Path(cluster.cluster.head_node.get_session_dir_path())
     found = sorted(session.glob(f"runtime_resources*/working_dir_files/{pkg}"))
     assert found, f"no unpacked job folder {pkg} under {session}"
     return found
@@ -93,22 +142,46 @@ def _new_files(folder: Path, tracked: set[str]) -> list[str]:
     return sorted(new)
 
 
-def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(tmp_path: Path, cloud) -> None:
+def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(tmp_path: Path, auth_cloud) -> None:
+    """The client environment is exactly README.md's; less of it is refused: no token, or the token without
+    RAY_AUTH_MODE=token (Ray's client then sends no token); a driver without the token fails in one line. With
+    it, the smoke pipeline runs as a job, keeps everything in the bucket, and a second run finds it all done."""
     import mlflow
 
-    s3, rc = cloud
+    s3, rc = auth_cloud
+    client_env = readme_client_env()
     with mlflow_server(tmp_path / "mlflow.db", f"s3://{s3.bucket}/mlartifacts", tmp_path / "mlflow.log") as ml:
         env_file = _job_env(tmp_path, ADLM_WORKDIR=f"s3://{s3.bucket}/run", MLFLOW_TRACKING_URI=ml.url)
         empty = tmp_path / "empty"
         empty.mkdir()
-        status, log = submit_job(rc.dashboard, ["python", "-m", "pipelines.run_all", "--profile", "smoke"], env_file,
-                                 empty, tmp_path / "job1.log")
+        entry = ["python", "-m", "pipelines.run_all", "--profile", "smoke"]
+        for partial in ({"RAY_AUTH_MODE": client_env["RAY_AUTH_MODE"]}, {"RAY_AUTH_TOKEN": client_env["RAY_AUTH_TOKEN"]}):
+            refused = subprocess.run(job_submit_command(rc.dashboard, entry, env_file), cwd=empty,
+                                     env=_env(**partial), capture_output=True, text=True, timeout=120)
+            out = refused.stdout + refused.stderr
+            assert refused.returncode != 0 and re.search(r"(?i)auth|401|unauthori", out), (partial.keys(), out[-3000:])
+        # A driver (not a job) that joins the cluster without the token: one line naming what to set, exit 2.
+        driver = subprocess.run([sys.executable, "-m", "pipelines.run_all", "--profile", "smoke", "--skip-sweep",
+                                 "--workdir", str(tmp_path / "driver-work")], cwd=ROOT, capture_output=True, text=True,
+                                timeout=120, env=_env(RAY_ADDRESS=rc.address, RAY_AUTH_MODE="token",
+                                                      PYTHONPATH=str(ROOT)))
+        err = [line for line in driver.stderr.splitlines() if line.startswith("error: ")]
+        assert driver.returncode == 2 and len(err) == 1, driver.stderr[-3000:]
+        assert err[0].startswith("error: the Ray cluster at") and "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN" in err[0]
+        assert not s3.keys("run/")  # nothing ran
+
+        status, log = submit_job(rc.dashboard, entry, env_file, empty, tmp_path / "job1.log", env=_env(**client_env))
         assert status == "SUCCEEDED", log[-6000:]
 
         client = mlflow.MlflowClient(ml.url)
         champion = client.get_model_version_by_alias("adlm", "champion")
         versions = client.search_model_versions("name='adlm'")
         assert len(versions) == 2  # the ADLM run and the sweep's best
+        assert champion.tags["eval.status"] == "promoted" and float(champion.tags["val_ppl"]) > 1
+        adlm = next(v for v in versions if v.tags.get("run_name") == "smoke-adlm")
+        assert adlm.tags["kind"] == "adlm" and int(client.get_run(adlm.run_id).data.params["run.max_steps"]) == 8
+        assert [m.step for m in client.get_metric_history(adlm.run_id, "val/ppl")] == [4, 8]
+        assert f"Champion: adlm v{champion.version}," in s3.read("run/summary.md").decode()
 
         # The bucket holds the run: shards and manifests, Ray Train checkpoints, the sweep's Tune state and
         # tables, the summary, and the registered version's files (the MLflow server's artifact store).
@@ -130,13 +203,11 @@ def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(t
         # Nothing of the run landed on the local disk: not in the folder the job was submitted from, not in
         # the job's working directory on the head node (only the uploaded project files are there).
         assert not any(empty.iterdir())
-        folders = _job_folders(rc, log)
-        for folder in folders:
+        for folder in _job_folders(rc.session_dir, log):
             assert not _new_files(folder, _tracked_files()), folder
 
         # A second run of the same command finds everything done: no new version, no alias moves.
-        status, log2 = submit_job(rc.dashboard, ["python", "-m", "pipelines.run_all", "--profile", "smoke"], env_file,
-                                  empty, tmp_path / "job2.log")
+        status, log2 = submit_job(rc.dashboard, entry, env_file, empty, tmp_path / "job2.log", env=_env(**client_env))
         assert status == "SUCCEEDED", log2[-6000:]
         assert len(client.search_model_versions("name='adlm'")) == 2
         assert client.get_model_version_by_alias("adlm", "champion").version == champion.version

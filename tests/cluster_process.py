@@ -1,0 +1,29 @@
+"""A Ray cluster (``tests.support_cluster.ray_cluster``) run by a process of its own, for a cluster with token
+authentication: Ray reads its authentication mode and token once per process, so a test process that has used a
+local Ray without authentication cannot also start, or be a client of, a cluster that has it. This process starts
+the cluster with this environment's ``RAY_AUTH_MODE`` and ``RAY_AUTH_TOKEN_PATH``, prints one JSON line (GCS
+address, job API, the head's session folder) and shuts the cluster down when its standard input closes.
+
+    python -m tests.cluster_process '{"nodes": 2, "head_resources": {"adlm_driver": 100}}'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    auth = {k: os.environ[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH") if k in os.environ}
+    from tests.support_cluster import ray_cluster  # tests.conftest sets RAY_AUTH_MODE=disabled: put this one back
+
+    os.environ.update(auth)
+    with ray_cluster(**json.loads(sys.argv[1])) as rc:
+        print(json.dumps({"address": rc.address, "dashboard": rc.dashboard,
+                          "session_dir": rc.cluster.head_node.get_session_dir_path()}), flush=True)
+        sys.stdin.read()  # until the test closes it (or ends)
+
+
+if __name__ == "__main__":
+    main()
