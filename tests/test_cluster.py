@@ -214,84 +214,6 @@ def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(t
         assert "already registered" in log2
 
 
-def test_a_worker_node_lost_mid_training_resumes_from_the_bucket(tmp_path: Path, tiny_data: Path, cloud) -> None:
-    """One training worker on a cluster of two 1-CPU nodes and a 0-CPU head, the work directory, data and
-    checkpoints in the bucket: the worker's node is killed after the first checkpoint; Ray Train restarts the
-    worker group on the other node, which resumes from the bucket's checkpoint. Every optimiser step is taken
-    once: the final checkpoint has made exactly ``steps`` optimiser updates (the EMA counts them) on exactly
-    ``steps`` batches of data (its data position), and every step's loss was logged once."""
-    import mlflow
-    import ray
-
-    from adlm_model.checkpoint import load_state
-    from pipelines.data.manifest import read_manifest
-    from pipelines.storage import download_dir, upload_dir, warn_if_node_local
-    from pipelines.training.config import load_config
-    from pipelines.training.trainer import train
-    from tests.support_data import TINY_MODEL, data_overrides
-
-    # About 50 steps a second here: enough steps that the run is still going once the first checkpoint is
-    # registered (up to one 2 s poll after it is written) and the node is found and killed.
-    steps = 200
-    s3, rc = cloud
-    # This test's cluster and bucket.
-    bucket = f"s3://{s3.bucket}"
-    upload_dir(tiny_data, f"{bucket}/run/data/tiny")
-    os.environ["RAY_ADDRESS"] = rc.address
-    try:
-        sets = [*data_overrides(tiny_data), *TINY_MODEL, "data.train=data/tiny/train",
-                "data.validation=data/tiny/validation", "run.name=lost-node", f"run.max_steps={steps}",
-                "run.val_every=10", "run.ckpt_every=10", "run.log_every=1", "run.val_batches=1",
-                "batch.global_batch=8", "batch.micro_batch=8", "scaling.num_workers=1",
-                "scaling.cpus_per_worker=0.5", "failure.max_failures=3", "optim.warmup_steps=2"]
-        cfg = load_config(ROOT / "configs" / "demo.yaml", sets)
-        uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-        import threading
-
-        killed: list[str] = []
-
-        def kill_the_workers_node() -> None:
-            # Wait until Ray Train's controller has registered the first checkpoint (its snapshot in the
-            # bucket names it; a checkpoint written but not yet registered, up to one 2 s poll, would be
-            # unknown to the restart), then kill the node the worker runs on.
-            deadline = time.time() + 300
-            while time.time() < deadline and b"checkpoint_00000010" not in (
-                    s3.read("run/ray_results/lost-node/checkpoint_manager_snapshot.json") or b""):
-                time.sleep(0.2)
-            for node in list(rc.workers):
-                workers = [a for a in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
-                           if a.class_name == "RayTrainWorker" and a.node_id == node.node_id]
-                if workers:
-                    killed.append(node.node_id)
-                    rc.remove(node)
-                    return
-
-        ray.init(address=rc.address)
-        t = threading.Thread(target=kill_the_workers_node, daemon=True)
-        t.start()
-        res = train(cfg, workdir=f"{bucket}/run", tracking_uri=uri, quiet=True)
-        t.join(timeout=10)
-        # This cluster runs work off the head: a path on the driver's disk is worth a warning there.
-        assert warn_if_node_local([str(tmp_path)], "a local folder")
-    finally:
-        os.environ.pop("RAY_ADDRESS", None)
-        ray.shutdown()
-    assert killed, "the worker's node was never killed (no checkpoint appeared?)"
-    assert res.step == steps
-    final = download_dir(f"{bucket}/run/ray_results/lost-node/checkpoint_{steps:08d}", tmp_path / "final")
-    state = load_state(final, "trainer_state")
-    assert state["step"] == steps and state["ema_updates"] == steps  # no update twice, none skipped
-    per_epoch = read_manifest(tiny_data / "train").rows // 8  # one worker, 8 rows a step, the last part dropped
-    assert state["data"]["epoch"] * per_epoch + state["data"]["position"] == steps  # each step's own batch
-    hist = mlflow.MlflowClient(uri).get_metric_history(res.run_id, "train/loss")
-    logged = sorted(m.step for m in hist)
-    assert logged == list(range(1, steps + 1)), logged  # no step twice, none skipped
-    resumed = mlflow.MlflowClient(uri).get_metric_history(res.run_id, "train/resumed_from")
-    assert [m.value for m in resumed] and all(v % 10 == 0 and v >= 10 for v in (m.value for m in resumed))
-    local = {q.name for q in tmp_path.rglob("*")}
-    assert not local & {"ray_results", "checkpoints", "tracking_spool"}, local  # the run lives in the bucket
-
-
 @pytest.mark.parametrize("case, message", [
     ("unreachable", "does not answer"),
     ("no-bucket", "bucket 'nowhere' does not exist"),
@@ -328,60 +250,71 @@ def test_bad_storage_fails_in_one_line_before_any_work(case: str, message: str, 
     assert "Ray" not in r.stdout and not (tmp_path / "work").exists()
 
 
-def test_a_node_lost_under_a_sweep_completes_it_with_the_undisturbed_results(tmp_path: Path, tiny_data: Path,
-                                                                            cloud) -> None:
+def test_a_node_lost_under_a_sweep_completes_it_from_the_bucket_with_the_undisturbed_results(
+        tmp_path: Path, tiny_data: Path, cloud) -> None:
     """A sweep on a cluster shaped like cluster.yaml's: an on-demand head with 0 CPUs that offers the driver
-    resource, two 1-CPU (spot) nodes. A 2-trial sweep runs while the node that hosts a trial's training worker is
-    killed after its first checkpoint: it completes in the same command (no rerun), every trial with the steps
-    and validation bounds of the same run undisturbed (trained in-process beforehand), because the
-    trial drivers (and their Ray Train controllers) were on the head and Ray Train restarted the worker group
-    from the checkpoint."""
+    resource, two 1-CPU (spot) nodes; the work directory, data and checkpoints in the bucket. A 2-trial sweep runs
+    while the node that hosts a trial's training worker is killed after its first checkpoint: it completes in the
+    same command (no rerun), because the trial drivers (and their Ray Train controllers) were on the head and Ray
+    Train restarted the worker group on the other node from the bucket's checkpoint. Every trial equals the same
+    run undisturbed (trained in-process beforehand: steps and validation bounds), and took every optimiser step
+    once: its final checkpoint has made exactly ``steps`` updates (the EMA counts them) on exactly ``steps``
+    batches of data (its data position), and every step's loss was logged once."""
     import threading
 
+    import mlflow
     import ray
 
+    from adlm_model.checkpoint import load_state
+    from pipelines.data.manifest import read_manifest
+    from pipelines.storage import download_dir, upload_dir, warn_if_node_local
     from pipelines.training.config import load_config
     from pipelines.training.trainer import train
     from pipelines.tuning.space import load_space
     from pipelines.tuning.sweep import sweep
     from tests.support_data import TINY_MODEL, data_overrides
 
-    overrides = {"run.max_steps": 60, "run.val_every": 10, "run.ckpt_every": 10, "run.log_every": 10,
+    steps = 60
+    overrides = {"run.max_steps": steps, "run.val_every": 10, "run.ckpt_every": 10, "run.log_every": 1,
                  # A quarter CPU a worker: both trials' restarted workers plus a Ray Data read task
                  # (data.read_cpus 0.25) fit on the one node left (at 0.5 two workers fill it and their
                  # reads wait for good: no autoscaler here adds the node a cloud would).
                  "run.val_batches": 1, "scaling.num_workers": 1, "scaling.cpus_per_worker": 0.25,
                  "batch.global_batch": 8, "batch.micro_batch": 8, "optim.warmup_steps": 2, "failure.max_failures": 3}
-    space_file = tmp_path / "storm.yaml"
+    space_file = tmp_path / "space.yaml"
     space_file.write_text(yaml.safe_dump({
         "name": "storm", "params": {"tau": {"distribution": "grid", "values": [2, 5]}},
-        "search": {"algorithm": "random", "seed": 0}, "scheduler": {"type": "fifo", "max_t": 60},
+        "search": {"algorithm": "random", "seed": 0}, "scheduler": {"type": "fifo", "max_t": steps},
         "num_samples": 1, "max_concurrent": 2,  # both trials at once: one node's loss can hit both
         "overrides": overrides}))
 
+    s3, rc = cloud
+    bucket = f"s3://{s3.bucket}"
+    upload_dir(tiny_data, f"{bucket}/run/data/tiny")
     sets = [*data_overrides(tiny_data), *TINY_MODEL]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     killed: list[str] = []
     drivers: set[tuple[str, str]] = set()
-    rc = cloud[1]
     # This test's cluster (its head offers the driver resource).
     os.environ["RAY_ADDRESS"] = rc.address
     try:
         ray.init(address=rc.address)
         head = rc.cluster.head_node.node_id
-        # The undisturbed runs: each trial's recipe trained in this process (local mode gives a one-worker Ray
-        # Train run's numbers: tests/test_tune.py; here the comparison checks that too).
+        # The undisturbed runs: each trial's recipe trained in this process on the local copy of the data (local
+        # mode gives a one-worker Ray Train run's numbers: tests/test_tune.py; here the comparison checks that too).
         calm = {}
         for tau in (2, 5):
             cfg = load_config(ROOT / "configs" / "demo.yaml", [
                 *sets, *(f"{k}={v}" for k, v in overrides.items()), f"model.tau={tau}", f"run.name=calm-tau{tau}",
                 "scaling.num_workers=0", "scaling.threads=1"])
-            calm[tau] = train(cfg, workdir=tmp_path / "wd", tracking_uri=uri, register=False, quiet=True)
+            calm[tau] = train(cfg, workdir=tmp_path / "calm", tracking_uri=uri, register=False, quiet=True)
 
         def kill_a_trials_node() -> None:
+            # Once a trial's first checkpoint is in the bucket (Ray Train's controller registers it within one
+            # poll, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S here), kill a node that runs a trial's training worker.
             deadline = time.time() + 400
             while time.time() < deadline and not killed:
-                ckpts = list((tmp_path / "wd" / "ray_results").glob("storm-*/checkpoint_00000010/config.json"))
+                ckpts = [k for k in s3.keys("run/ray_results/storm-") if k.endswith("/checkpoint_00000010/config.json")]
                 actors = ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
                 drivers.update((a.class_name, a.node_id) for a in actors if a.class_name != "RayTrainWorker")
                 workers = {a.node_id for a in actors if a.class_name == "RayTrainWorker"}
@@ -394,9 +327,12 @@ def test_a_node_lost_under_a_sweep_completes_it_with_the_undisturbed_results(tmp
 
         t = threading.Thread(target=kill_a_trials_node, daemon=True)
         t.start()
-        storm = sweep(load_space(space_file), ROOT / "configs" / "demo.yaml", sets, workdir=tmp_path / "wd",
-                      tracking_uri=uri, quiet=True)
+        storm = sweep(load_space(space_file), ROOT / "configs" / "demo.yaml",
+                      [*sets, "data.train=data/tiny/train", "data.validation=data/tiny/validation"],
+                      workdir=f"{bucket}/run", tracking_uri=uri, quiet=True)
         t.join(timeout=10)
+        # This cluster runs work off the head: a path on the driver's disk is worth a warning there.
+        assert warn_if_node_local([str(tmp_path)], "a local folder")
     finally:
         os.environ.pop("RAY_ADDRESS", None)
         ray.shutdown()
@@ -411,5 +347,23 @@ def test_a_node_lost_under_a_sweep_completes_it_with_the_undisturbed_results(tmp
     after = {r.params["tau"]: (r.status, r.step, r.best_val_ppl) for r in storm.trials}
     assert set(before) == set(after) == {2, 5}
     for tau, (status, step, ppl) in before.items():
-        assert (status, step) == ("finished", 60) and after[tau][:2] == (status, step), (tau, after[tau])
+        assert (status, step) == ("finished", steps) and after[tau][:2] == (status, step), (tau, after[tau])
         assert after[tau][2] == pytest.approx(ppl, rel=1e-5), (tau, after[tau], ppl)
+
+    # Every trial took each optimiser step once, on its own batch, and logged it once; a restarted one resumed from
+    # a checkpoint (train/resumed_from at a multiple of ckpt_every).
+    client = mlflow.MlflowClient(uri)
+    per_epoch = read_manifest(tiny_data / "train").rows // 8  # one worker, 8 rows a step, the last part dropped
+    resumed = []
+    for r in storm.trials:
+        final = download_dir(f"{bucket}/run/ray_results/storm-{r.trial_id}/checkpoint_{steps:08d}",
+                             tmp_path / "final" / r.trial_id)
+        state = load_state(final, "trainer_state")
+        assert state["step"] == steps and state["ema_updates"] == steps, r.trial_id  # no update twice, none skipped
+        assert state["data"]["epoch"] * per_epoch + state["data"]["position"] == steps  # each step's own batch
+        logged = sorted(m.step for m in client.get_metric_history(r.mlflow_run_id, "train/loss"))
+        assert logged == list(range(1, steps + 1)), (r.trial_id, logged)  # no step twice, none skipped
+        resumed += [m.value for m in client.get_metric_history(r.mlflow_run_id, "train/resumed_from")]
+    assert resumed and all(v % 10 == 0 and v >= 10 for v in resumed), resumed
+    # The sweep's runs live in the bucket: nothing of them on this disk.
+    assert not [q for q in tmp_path.rglob("*") if "storm-" in q.name or q.name == "tracking_spool"]

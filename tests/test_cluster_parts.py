@@ -118,11 +118,15 @@ def test_a_cache_entry_is_built_once_per_cluster_through_the_work_directorys_sto
 
 
 @pytest.mark.slow
-def test_a_best_checkpoint_cut_short_mid_upload_is_never_registered(tiny_data, tmp_path, monkeypatch,
-                                                                     ray_session) -> None:
-    """The training worker dies after the first file of a new best checkpoint is uploaded (the fault
+def test_a_best_checkpoint_cut_short_mid_upload_is_never_registered(tiny_data, tmp_path, ray_session) -> None:
+    """The training process dies after the first file of a new best checkpoint is uploaded (the fault
     ``train.crash_writing_best``): the run's best is still the previous, complete one, and the rerun of the same
-    command resumes, finishes and registers complete weights (model and EMA) of its best step."""
+    command resumes, finishes and registers complete weights (model and EMA) of its best step. The command in local
+    mode (``num_workers: 0``, on the session's Ray): the process that dies is the one writing, as a Ray Train
+    worker would be; the writer is the same code (``publish_best``)."""
+    import os
+    import subprocess
+    import sys
     from pathlib import Path
 
     import mlflow
@@ -130,36 +134,39 @@ def test_a_best_checkpoint_cut_short_mid_upload_is_never_registered(tiny_data, t
 
     from adlm_model.checkpoint import read_config
     from pipelines.training.checkpoints import BEST, best_checkpoint
-    from pipelines.training.config import load_config
-    from pipelines.training.trainer import TrainError, train
     from tests.support_data import TINY_MODEL, data_overrides
 
     root = Path(__file__).resolve().parents[1]
-    cfg = lambda: load_config(root / "configs" / "demo.yaml", [  # noqa: E731
-        *data_overrides(tiny_data), *TINY_MODEL, "run.name=cut-best", "run.max_steps=8", "run.val_every=2",
-        "run.ckpt_every=2", "run.log_every=2", "run.val_batches=1", "batch.global_batch=8", "batch.micro_batch=8",
-        "scaling.num_workers=1", "scaling.cpus_per_worker=0.5", "failure.max_failures=0", "optim.warmup_steps=1",
-        "optim.lr=3e-3", "mlflow.experiment=cut-best"])
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     wd = tmp_path / "work"
     run_dir = wd / "ray_results" / "cut-best"
-    monkeypatch.setenv("ADLM_FAULT", "train.crash_writing_best=4")
-    with pytest.raises(TrainError):
-        train(cfg(), workdir=str(wd), tracking_uri=uri, quiet=True)
+    sets = [*data_overrides(tiny_data), *TINY_MODEL, "run.name=cut-best", "run.max_steps=8", "run.val_every=2",
+            "run.ckpt_every=2", "run.log_every=2", "run.val_batches=1", "batch.global_batch=8", "batch.micro_batch=8",
+            "scaling.num_workers=0", "scaling.threads=1", "optim.warmup_steps=1", "optim.lr=3e-3",
+            "mlflow.experiment=cut-best"]
+    cmd = [sys.executable, "-m", "pipelines.train", "--config", str(root / "configs" / "demo.yaml"), "--workdir",
+           str(wd), *(a for s in sets for a in ("--set", s))]
+    env = {**os.environ, "PYTHONPATH": str(root), "MLFLOW_TRACKING_URI": uri,
+           "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+
+    died = subprocess.run(cmd, env={**env, "ADLM_FAULT": "train.crash_writing_best=4"}, capture_output=True,
+                          text=True, timeout=300)
+    assert died.returncode == 1, died.stderr[-3000:]  # os._exit(1) mid-upload
     assert (run_dir / ".crashed_writing_best").read_text() == "4", "the fault never fired (step 4 no better?)"
     cut = [p for p in run_dir.glob(f"{BEST}-00000004-*")]
     assert len(cut) == 1 and sorted(p.name for p in cut[0].iterdir()) == ["config.json"]  # cut short
     best = Path(best_checkpoint(run_dir))
     assert best != cut[0] and read_config(best)[1]["step"] == 2 and (best / "ema.safetensors").is_file()
 
-    res = train(cfg(), workdir=str(wd), tracking_uri=uri, quiet=True)  # the rerun
-    assert res.step == 8 and res.registered_version is not None and res.unregistered is None
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]  # registered (a run left unregistered exits 3)
     assert not cut[0].exists()  # the folder the killed writer left is gone
-    mv = mlflow.MlflowClient(uri).get_model_version("adlm", res.registered_version)
+    mv = mlflow.MlflowClient(uri).get_model_version_by_alias("adlm", "candidate")
+    assert mv.tags["run_name"] == "cut-best" and int(mv.tags["final_step"]) == 8
     local = Path(mlflow.artifacts.download_artifacts(run_id=mv.run_id, artifact_path="checkpoint",
                                                      dst_path=str(tmp_path / "dl"), tracking_uri=uri))
     assert {"config.json", "model.safetensors", "ema.safetensors"} <= {p.name for p in local.iterdir()}
-    assert read_config(local)[1]["step"] == res.best_step == int(mv.tags["step"])
+    assert read_config(local)[1]["step"] == int(mv.tags["step"])
     assert load_file(str(local / "ema.safetensors")) and load_file(str(local / "model.safetensors"))
 
 
