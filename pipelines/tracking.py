@@ -206,7 +206,9 @@ class ResilientLogger:
     training loop nothing. Before the first send it reads the run's last stored step: steps at or below it
     (a restart from a checkpoint) are not sent twice. ``close`` waits a bounded time for the queue to drain
     and writes what is left to the run's spool (``<run_dir>/tracking_spool/``), which ``send_spool`` delivers
-    on the next command. ``run_id=None`` (tracking was down when the run started) spools everything.
+    on the next command. ``run_id=None`` (tracking was down when the run started) spools everything. At each
+    checkpoint ``persist`` makes what is queued survive the process (sent, or spooled), so a worker lost after a
+    checkpoint loses no metric of the steps before it.
     """
 
     def __init__(self, tracking_uri: str, run_id: str | None, *, spool_dir: str | None = None,
@@ -279,13 +281,34 @@ class ResilientLogger:
             self._queue.clear()
             self._chunk, self._in_flight = [], 0
         if rest and self.spool_dir:
-            name = f"{int(time.time() * 1000)}-{os.getpid()}-{threading.get_ident()}.jsonl"
-            lines = "".join(json.dumps({"key": k, "value": v, "timestamp": ts, "step": st}) + "\n"
-                            for k, v, ts, st, _ in rest)
-            write_text(join(self.spool_dir, name), lines)
+            self._spool(rest)
             log.warning(f"MLflow at {redact_uri(self.tracking_uri)} is unreachable: {len(rest)} metrics kept in "
                         f"{self.spool_dir}; the next run of the same command sends them")
         return len(rest)
+
+    def persist(self, timeout: float = 2.0) -> int:
+        """At a checkpoint: make every metric queued so far outlive this process, so that a restart from this
+        checkpoint (which replays only later steps) loses none. Waits at most ``timeout`` seconds for the store to
+        take them (not at all while it is failing: training never waits on an outage); what it has not taken
+        leaves the queue for the spool, which the end of this command (``send_spool``) or the next one sends.
+        Returns how many metrics were spooled."""
+        if self.run_id is not None and not self.failures and self.flush(timeout):
+            return 0
+        if not self.spool_dir:
+            return 0
+        with self._cond:  # the in-flight batch too (a call stuck in retries), though it stays in flight: should
+            # it still succeed, ``send_spool`` skips its steps, which are then stored
+            rest = (list(self._chunk) if self._in_flight else []) + list(self._queue)
+            self._queue.clear()
+        if rest:
+            self._spool(rest)
+        return len(rest)
+
+    def _spool(self, rest: list) -> None:
+        name = f"{int(time.time() * 1000)}-{os.getpid()}-{threading.get_ident()}.jsonl"
+        lines = "".join(json.dumps({"key": k, "value": v, "timestamp": ts, "step": st}) + "\n"
+                        for k, v, ts, st, _ in rest)
+        write_text(join(self.spool_dir, name), lines)
 
     # -- the sender thread ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -356,8 +379,9 @@ def send_spool(tracking_uri: str, run_id: str, spool_dir: str) -> int:
             m = json.loads(line)
             if m["key"] not in stored:
                 stored[m["key"]] = {x.step for x in c.get_metric_history(run_id, m["key"])}
-            if m["step"] not in stored[m["key"]]:
+            if m["step"] not in stored[m["key"]]:  # stored, or already in this spool (a step spooled twice)
                 batch.append(Metric(m["key"], m["value"], m["timestamp"], m["step"]))
+                stored[m["key"]].add(m["step"])
         for i in range(0, len(batch), 1000):
             c.log_batch(run_id, metrics=batch[i:i + 1000])
         n += len(batch)

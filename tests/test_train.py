@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -259,6 +260,35 @@ def test_tracker_never_waits_on_a_dead_server_and_the_spool_delivers_later(tmp_p
     again.log_metrics({"train/loss": 0.2}, 4)
     assert again.flush(timeout=60) is True and again.close() == 0
     assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_makes_the_queued_metrics_outlive_the_process(tmp_path) -> None:
+    """``persist`` (called at each checkpoint): with the store up, what is queued is sent before it returns; with
+    the store down, it returns at once and the queue is in the spool, so a worker lost right after the
+    checkpoint (a restart replays only later steps) loses no step: the spool sends them."""
+    import mlflow
+
+    from pipelines.tracking import ResilientLogger, ensure_experiment, find_or_create_run, send_spool
+
+    good = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id, _ = find_or_create_run(good, ensure_experiment("persist", good, tmp_path), "r")
+    client = mlflow.MlflowClient(good)
+    up = ResilientLogger(good, run_id, spool_dir=str(tmp_path / "spool-up"))
+    for step in range(1, 4):
+        up.log_metrics({"train/loss": 1.0 / step}, step)
+    assert up.persist() == 0 and up.pending() == 0 and not (tmp_path / "spool-up").exists()
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2, 3]
+    up.close()  # (a process that dies here loses nothing)
+
+    spool = tmp_path / "spool-down"
+    down = ResilientLogger(f"http://127.0.0.1:{free_port()}", run_id, spool_dir=str(spool), retry_s=0.05)
+    for step in range(4, 7):
+        down.log_metrics({"train/loss": 1.0 / step}, step)
+    t0 = time.monotonic()
+    assert down.persist(timeout=1.0) == 3 and time.monotonic() - t0 < 5  # (the stuck call stays in flight)
+    assert len(list(spool.iterdir())) == 1  # the process may die now: steps 4-6 are on disk
+    assert send_spool(good, run_id, str(spool)) == 3
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2, 3, 4, 5, 6]
 
 
 def test_the_registered_checkpoint_is_the_best_by_validation_not_the_last(tiny_data: Path, workdir: Path) -> None:

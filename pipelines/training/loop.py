@@ -419,6 +419,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if do_val:
             last.update(validation_step(w, val_rows, tracker))
         if step % r.ckpt_every == 0 or step == r.max_steps:
+            if tracker is not None:  # a restart from this checkpoint replays only later steps: keep these
+                tracker.persist()
             _report_checkpoint(w, dict(last), api)
         elif do_val:
             api.report(dict(last))
