@@ -262,7 +262,7 @@ def test_tracker_never_waits_on_a_dead_server_and_the_spool_delivers_later(tmp_p
     assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2, 3, 4]
 
 
-def test_a_checkpoint_makes_the_queued_metrics_outlive_the_process(tmp_path) -> None:
+def test_a_checkpoint_makes_the_queued_metrics_outlive_the_process(tmp_path, monkeypatch) -> None:
     """``persist`` (called at each checkpoint): with the store up, what is queued is sent before it returns; with
     the store down, it returns at once and the queue is in the spool, so a worker lost right after the
     checkpoint (a restart replays only later steps) loses no step: the spool sends them."""
@@ -281,12 +281,14 @@ def test_a_checkpoint_makes_the_queued_metrics_outlive_the_process(tmp_path) -> 
     up.close()  # (a process that dies here loses nothing)
 
     spool = tmp_path / "spool-down"
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # (no sender left retrying after the test)
     down = ResilientLogger(f"http://127.0.0.1:{free_port()}", run_id, spool_dir=str(spool), retry_s=0.05)
     for step in range(4, 7):
         down.log_metrics({"train/loss": 1.0 / step}, step)
     t0 = time.monotonic()
     assert down.persist(timeout=1.0) == 3 and time.monotonic() - t0 < 5  # (the stuck call stays in flight)
     assert len(list(spool.iterdir())) == 1  # the process may die now: steps 4-6 are on disk
+    down.close(timeout=0)
     assert send_spool(good, run_id, str(spool)) == 3
     assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2, 3, 4, 5, 6]
 
