@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,22 @@ def start_session_ray() -> None:
     from pipelines.runtime import init_ray
 
     init_ray(num_cpus=2, dashboard=False)
+
+
+@contextlib.contextmanager
+def away_from_session_ray() -> Iterator[None]:
+    """For tests with a Ray cluster of their own: the session's local Ray is stopped while they run and brought
+    back afterwards (if it was up)."""
+    import ray
+
+    was = ray.is_initialized()
+    ray.shutdown()
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if was:
+            start_session_ray()
 
 
 @pytest.fixture(scope="session")

@@ -29,3 +29,8 @@ def data_overrides(data_dir: Path) -> list[str]:
     m = read_manifest(data_dir / "train")
     return [f"data.train={data_dir / 'train'}", f"data.validation={data_dir / 'validation'}",
             *(f"model.{k}={v}" for k, v in m.model_overrides().items())]
+
+
+def set_args(assignments: list[str]) -> list[str]:
+    """``--set`` before each assignment: the command-line form of a list of overrides."""
+    return [a for s in assignments for a in ("--set", s)]

@@ -3,7 +3,7 @@
 On this machine (tests/support_cluster.py): an S3 server on loopback, an MLflow tracking server whose
 artifacts live in that bucket, a Ray cluster of a 0-CPU head and two worker nodes. The whole smoke pipeline
 runs as a `ray job submit` job with ADLM_WORKDIR=s3://... on a cluster with token authentication, submitted with
-README.md's client settings (less of them is refused); a worker node dies mid-training; a node dies under a sweep;
+README.md's client settings (less of them is refused); a node dies under a sweep whose runs live in the bucket;
 bad storage inputs fail in one line before any work.
 """
 
@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import away_from_session_ray
 from tests.support_cluster import (
     BIN,
     ROOT,
@@ -37,19 +38,8 @@ pytestmark = pytest.mark.slow
 def _module_s3():
     """One S3 server for the module (each test has a bucket of its own); the session's local Ray is stopped for
     the module's duration (its clusters are the Ray here) and brought back afterwards."""
-    import ray
-
-    from tests.conftest import start_session_ray
-
-    was = ray.is_initialized()
-    ray.shutdown()
-    try:
-        with s3_server("cloud") as s3:
-            yield s3
-    finally:
-        ray.shutdown()
-        if was:
-            start_session_ray()
+    with away_from_session_ray(), s3_server("cloud") as s3:
+        yield s3
 
 
 @pytest.fixture()
@@ -64,10 +54,13 @@ def cloud(_module_s3, request: pytest.FixtureRequest):
     from pipelines.runtime import DRIVER_RESOURCE
 
     ray.shutdown()  # the session's local Ray, if a fixture of this test (tiny_data) has just started it
-    s3 = _module_s3
-    bucket = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
     with ray_cluster(nodes=2, head_resources={DRIVER_RESOURCE: 100}) as rc:
-        yield s3.new_bucket(bucket), rc
+        yield _module_s3.new_bucket(_bucket_name(request)), rc
+
+
+def _bucket_name(request: pytest.FixtureRequest) -> str:
+    """A bucket name of this test's own (S3's rules: lower case, digits, hyphens)."""
+    return re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
 
 
 TOKEN = "0123456789abcdef0123456789abcdef"
@@ -85,9 +78,8 @@ def auth_cloud(_module_s3, tmp_path: Path, request: pytest.FixtureRequest):
     token_file.chmod(0o600)
     env = {**_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file)), **_module_s3.env,
            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]}
-    bucket = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
     with ray_cluster_process(env, tmp_path / "cluster.log", nodes=2, head_resources={DRIVER_RESOURCE: 100}) as rc:
-        yield _module_s3.new_bucket(bucket), rc
+        yield _module_s3.new_bucket(_bucket_name(request)), rc
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -134,7 +134,7 @@ def test_a_best_checkpoint_cut_short_mid_upload_is_never_registered(tiny_data, t
 
     from adlm_model.checkpoint import read_config
     from pipelines.training.checkpoints import BEST, best_checkpoint
-    from tests.support_data import TINY_MODEL, data_overrides
+    from tests.support_data import TINY_MODEL, data_overrides, set_args
 
     root = Path(__file__).resolve().parents[1]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -145,7 +145,7 @@ def test_a_best_checkpoint_cut_short_mid_upload_is_never_registered(tiny_data, t
             "scaling.num_workers=0", "scaling.threads=1", "optim.warmup_steps=1", "optim.lr=3e-3",
             "mlflow.experiment=cut-best"]
     cmd = [sys.executable, "-m", "pipelines.train", "--config", str(root / "configs" / "demo.yaml"), "--workdir",
-           str(wd), *(a for s in sets for a in ("--set", s))]
+           str(wd), *set_args(sets)]
     env = {**os.environ, "PYTHONPATH": str(root), "MLFLOW_TRACKING_URI": uri,
            "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
 

@@ -19,6 +19,7 @@ import pytest
 
 from pipelines.data.embedded import bible_documents
 from pipelines.data.sources import NAMED_SOURCES, READS
+from tests.conftest import away_from_session_ray
 from tests.support_cluster import ray_cluster, s3_server
 from tests.support_hub import REPO, stand_in_source, write_stand_in
 
@@ -30,16 +31,8 @@ FILES = 4
 @pytest.fixture()
 def own_ray():
     """A cluster of its own: leave the session's local Ray for this test and bring it back afterwards."""
-    import ray
-
-    from tests.conftest import start_session_ray
-
-    was = ray.is_initialized()
-    ray.shutdown()
-    yield
-    ray.shutdown()
-    if was:
-        start_session_ray()
+    with away_from_session_ray():
+        yield
 
 
 def _shards(s3, prefix: str) -> dict[str, bytes]:

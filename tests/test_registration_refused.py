@@ -28,7 +28,7 @@ def test_a_refused_registration_ends_the_command_non_zero_with_the_line_to_rerun
     from mlflow.tracking import MlflowClient
 
     from pipelines.train import main
-    from tests.support_data import TINY_MODEL, data_overrides
+    from tests.support_data import TINY_MODEL, data_overrides, set_args
 
     db = tmp_path / "mlflow.db"
     _refuse_versions(db)
@@ -37,7 +37,7 @@ def test_a_refused_registration_ends_the_command_non_zero_with_the_line_to_rerun
             "run.ckpt_every=2", "run.val_batches=1", "batch.global_batch=4", "batch.micro_batch=4",
             "scaling.num_workers=0", "optim.warmup_steps=1", "mlflow.experiment=refused"]
     argv = ["--config", str(ROOT / "configs" / "demo.yaml"), "--workdir", str(tmp_path / "work"),
-            *(a for s in sets for a in ("--set", s))]
+            *set_args(sets)]
     rc = main(argv)
     out, err = capfd.readouterr()
     assert rc == 3, err[-3000:]

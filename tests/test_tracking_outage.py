@@ -83,7 +83,7 @@ def test_a_stopped_server_trains_on_and_the_command_ends_non_zero_with_the_line_
     """An outage for the whole run: training goes on (the metrics wait in the spool), but a run that was to be
     registered and is not ends the command non-zero, with the one line that finishes it."""
     from pipelines.train import main
-    from tests.support_data import TINY_MODEL, data_overrides
+    from tests.support_data import TINY_MODEL, data_overrides, set_args
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens: connection refused
     monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
@@ -91,7 +91,7 @@ def test_a_stopped_server_trains_on_and_the_command_ends_non_zero_with_the_line_
             "run.ckpt_every=2", "run.val_batches=1", "batch.global_batch=4", "batch.micro_batch=4",
             "scaling.num_workers=0", "optim.warmup_steps=1"]
     rc = main(["--config", str(ROOT / "configs" / "demo.yaml"), "--workdir", str(tmp_path / "work"),
-               *(a for s in sets for a in ("--set", s))])
+               *set_args(sets)])
     out, err = capfd.readouterr()
     assert rc == 3, err[-3000:]
     assert '"step": 4' in out  # trained to the end

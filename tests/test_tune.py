@@ -21,7 +21,7 @@ from adlm_model import ConfigError
 from pipelines.tune import main as tune_main
 from pipelines.tuning.space import load_space, parse_space
 from pipelines.tuning.sweep import plan_sweep, sweep
-from tests.support_data import TINY_MODEL, data_overrides
+from tests.support_data import TINY_MODEL, data_overrides, set_args
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACES = sorted((ROOT / "tune_spaces").glob("*.yaml"))
@@ -128,7 +128,7 @@ def test_sweep_stops_early_nests_runs_registers_best_and_resumes(tiny_data: Path
                       "run.val_batches": 2, "scaling.num_workers": 0,  # each trial trains in its own process
                       "batch.global_batch": 8, "batch.micro_batch": 8, "optim.warmup_steps": 2},
     }))
-    sets = [a for o in [*data_overrides(tiny_data), *TINY_MODEL] for a in ("--set", o)]
+    sets = set_args([*data_overrides(tiny_data), *TINY_MODEL])
     cmd = [sys.executable, "-m", "pipelines.tune", "--space", str(space_file), "--config",
            str(ROOT / "configs" / "demo.yaml"), *sets]
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address,

@@ -210,7 +210,7 @@ def _tune_trial_cpus() -> float | None:
 
 
 def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, run_id: str | None, uri: str,
-         prev: tuple[int, str] | None, trial_cpus: float | None, callbacks: list | None) -> dict[str, Any]:
+         prev: tuple[int, str] | None, callbacks: list | None) -> dict[str, Any]:
     """Train: a Ray Train ``TorchTrainer`` over the training split, or the loop in this process inside a Tune
     trial (local mode). Returns the last metrics reported."""
     import ray
@@ -219,6 +219,9 @@ def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, 
     from ray.train.torch import TorchConfig, TorchTrainer
 
     local_mode = cfg.scaling.num_workers == 0
+    # A local-mode run inside a Tune trial (a sweep's or a study's) trains in the trial's own process: no Ray Train
+    # worker group to start (about 20 CPU-seconds and 15 processes a run on 2 cores), the same numbers.
+    trial_cpus = _tune_trial_cpus() if local_mode else None
 
     init_ray()
     warn_if_node_local([*plan.train_uris[:1], storage, wd], "training reads or writes")
@@ -296,10 +299,6 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     if is_uri(storage):
         check_location(storage)
     run_dir = join(storage, cfg.run.name)
-    local_mode = cfg.scaling.num_workers == 0
-    # A local-mode run inside a Tune trial (a sweep's or a study's) trains in the trial's own process: no Ray Train
-    # worker group to start (about 20 CPU-seconds and 15 processes a run on 2 cores), the same numbers.
-    trial_cpus = _tune_trial_cpus() if local_mode else None
     prev = latest_checkpoint(run_dir)
 
     # ---- MLflow: one run per run name, reopened on resume ----
@@ -327,7 +326,7 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         log.info(f"[{cfg.run.name}] finished at step {prev[0]} (run.max_steps {cfg.run.max_steps}): nothing to train")
         metrics: dict[str, Any] = {"step": prev[0], "val_ppl": prev_meta.get("val_ppl")}
     else:
-        metrics = _fit(cfg, plan, wd, storage, run_dir, run_id, uri, prev, trial_cpus, callbacks)
+        metrics = _fit(cfg, plan, wd, storage, run_dir, run_id, uri, prev, callbacks)
 
     final = latest_checkpoint(run_dir)
     if final is None:
