@@ -6,9 +6,11 @@ One concept a file: ``config`` (typed configs, presets), ``schedule`` (noise sch
 ``attention`` (flash-attn / SDPA), ``backbone`` (the DiT), ``models`` (MDLM, ADLM, AR networks),
 ``losses`` (SUBS, NELBO, ANELBO, AR NLL), ``samplers`` (MDLM, ReMDM-loop, AR), ``bd3lm`` (block
 diffusion), ``kinds`` (the table of model kinds and samplers: ``build_model``, ``compute_loss``,
-``sample``), ``ema``, ``checkpoint`` (safetensors + JSON), ``infill`` (prompt / suffix infilling at the token
-level), ``textgen`` (text in, text out: what ``pipelines.generate`` and the served model run; uses
-``tokenizers``), ``pretrained`` (the Hugging Face-style export folder).
+``sample``), ``block_attention`` (BD3-LM's masks and pass), ``ema``, ``checkpoint`` (safetensors + JSON),
+``infill`` (prompt / suffix infilling at the token level), ``textgen`` (text in, text out: what
+``pipelines.generate`` and the served model run; uses ``tokenizers``), ``pretrained`` (the Hugging Face-style
+export folder). ``configuration_adlm`` and ``modeling_adlm`` are the ``transformers`` wrappers an export ships
+beside the network's modules: ``transformers`` imports them from the folder; this package never does.
 """
 
 from .bd3lm import (

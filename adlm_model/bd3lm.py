@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from .backbone import DiT, KVCache
+from .block_attention import block_causal_mask, block_diff_mask, block_diffusion_pass
 from .config import ModelConfig
 from .losses import LossOutput, conditioning_sigma, subs_nll, valid_positions
 from .samplers import (
@@ -52,30 +53,7 @@ from .samplers import (
 from .schedule import LogLinearSchedule, mask_tokens
 
 # --------------------------------------------------------------------------------------------
-# Attention masks
-
-
-def block_diff_mask(length: int, block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The training mask over ``[x_t ; x_0]`` (2L x 2L, True = may attend).
-
-    Block-diagonal inside ``x_t`` and inside ``x_0``; ``x_t`` -> strictly earlier blocks of
-    ``x_0`` (offset block-causal); ``x_0`` -> earlier-or-same blocks of ``x_0`` (block-causal).
-    """
-    idx = torch.arange(2 * length, device=device)
-    is_x0 = idx >= length
-    blk = torch.where(is_x0, idx - length, idx) // block_size
-    bq, bk = blk[:, None], blk[None, :]
-    x0q, x0k = is_x0[:, None], is_x0[None, :]
-    diagonal = (bq == bk) & (x0q == x0k)
-    offset_causal = (bq > bk) & x0k & ~x0q
-    causal = (bq >= bk) & x0k & x0q
-    return diagonal | offset_causal | causal
-
-
-def block_causal_mask(length: int, block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(L x L) block-causal mask: position i may attend j when block(i) >= block(j)."""
-    blk = torch.arange(length, device=device) // block_size
-    return blk[:, None] >= blk[None, :]
+# The network pass (masks and the pass itself: block_attention)
 
 
 def _backbone(model: nn.Module) -> DiT:
@@ -88,13 +66,8 @@ def _backbone(model: nn.Module) -> DiT:
 def block_diffusion_logits(model: nn.Module, z_t: torch.Tensor, x0: torch.Tensor, sigma: torch.Tensor,
                            block_size: int) -> torch.Tensor:
     """Logits (B, L, width) for the ``x_t`` half of one pass over ``[x_t ; x_0]`` under
-    ``block_diff_mask``; both halves at rotary positions ``0..L-1``."""
-    net = _backbone(model)
-    length = z_t.shape[1]
-    mask = block_diff_mask(length, block_size, z_t.device)
-    pos = torch.arange(length, device=z_t.device).repeat(2)
-    h = net.trunk(net.embed(torch.cat([z_t, x0], dim=1)), sigma, mask=mask, position_ids=pos)
-    return net.output_layer.linear(h[:, :length])
+    ``block_diff_mask``; both halves at rotary positions ``0..L-1`` (``block_attention``)."""
+    return block_diffusion_pass(_backbone(model), z_t, x0, sigma, block_size)
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,10 @@ Layout::
                        buffers, one file, no EMA twin ("format": "pt" metadata, as the Hub expects)
     tokenizer.json     the tokenizer the model was trained with
     README.md          the model card (written by the exporter)
+    *.py               the network code ``transformers`` loads (``auto_map`` in config.json):
+                       ``configuration_adlm.py``, ``modeling_adlm.py`` and copies of the network's modules
+                       (``HF_CODE``), so ``AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True)``
+                       gives the same logits from the same file of weights
 
 safetensors + JSON only. ``load_pretrained`` rebuilds the network from config.json and loads the weights
 bit for bit; ``textgen.TextGenerator.from_dir`` generates from the folder.
@@ -30,6 +34,11 @@ from .config import ModelConfig
 
 PRETRAINED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 MODEL_TYPE = "adlm"
+HF_CODE = ("configuration_adlm.py", "modeling_adlm.py", "config.py", "attention.py", "backbone.py", "models.py",
+           "block_attention.py")
+"""The modules an export ships for ``transformers``: the two wrappers and the network's own modules (torch only),
+copied from this package; ``transformers`` follows their relative imports."""
+AUTO_MAP = {"AutoConfig": "configuration_adlm.AdlmConfig", "AutoModelForMaskedLM": "modeling_adlm.AdlmForMaskedLM"}
 
 
 def save_pretrained(directory: str | os.PathLike, model: nn.Module, cfg: ModelConfig, *, tokenizer_json: str | os.PathLike,
@@ -43,9 +52,12 @@ def save_pretrained(directory: str | os.PathLike, model: nn.Module, cfg: ModelCo
     dtypes = {str(v.dtype).removeprefix("torch.") for v in state.values() if v.is_floating_point()}
     _atomic_safetensors(d / "model.safetensors", state, metadata={"format": "pt"})
     shutil.copyfile(tokenizer_json, d / "tokenizer.json")
+    for name in HF_CODE:
+        shutil.copyfile(Path(__file__).with_name(name), d / name)
     config = {
         "model_type": MODEL_TYPE,
-        "architectures": [type(model).__name__],
+        "architectures": ["AdlmForMaskedLM"],
+        "auto_map": AUTO_MAP,
         "adlm_kind": cfg.kind,
         "torch_dtype": dtypes.pop() if len(dtypes) == 1 else "float32",
         **{f"{k.removesuffix('_id')}_token_id": v for k, v in special_tokens.items()},
@@ -74,4 +86,4 @@ def load_pretrained(directory: str | os.PathLike, *, map_location: str | torch.d
     return model.eval(), cfg, meta
 
 
-__all__ = ["MODEL_TYPE", "PRETRAINED_FILES", "load_pretrained", "save_pretrained"]
+__all__ = ["AUTO_MAP", "HF_CODE", "MODEL_TYPE", "PRETRAINED_FILES", "load_pretrained", "save_pretrained"]

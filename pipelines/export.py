@@ -5,8 +5,9 @@
 
 The folder holds ``config.json``, ``model.safetensors`` (the EMA weights the version serves),
 ``tokenizer.json`` and ``README.md`` (the evaluation figures of the version's tags, with their definitions);
-``adlm_model.load_pretrained(folder)`` loads it back bit for bit. The machinery is
-``pipelines/serving/export.py``.
+``adlm_model.load_pretrained(folder)`` loads it back bit for bit, and
+``transformers.AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True)`` loads the same weights with
+the network code shipped beside them (same logits). The machinery is ``pipelines/serving/export.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m pipelines.export", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Write a registered version (or a checkpoint folder) as a Hugging Face-style folder: "
-                    "config.json, model.safetensors, tokenizer.json and a model card README.md.",
+                    "config.json, model.safetensors, tokenizer.json, a model card README.md and the network code "
+                    "transformers loads (AutoModelForMaskedLM, trust_remote_code=True).",
         epilog="example:\n  python -m pipelines.export models:/adlm@champion --out exported/adlm\n"
                "  huggingface-cli upload <user>/<repo> exported/adlm .   (needs network and a Hub token)")
     p.add_argument("model", help="models:/NAME@ALIAS, models:/NAME/VERSION or a checkpoint folder")

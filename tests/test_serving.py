@@ -383,6 +383,7 @@ def test_generate_cli_help_and_bad_input_exit_codes(registry, capsys) -> None:
 
 
 def test_export_reloads_bit_for_bit_and_its_card_lists_the_registry_figures(registry, tmp_path, capsys) -> None:
+    from adlm_model.pretrained import HF_CODE, PRETRAINED_FILES
     from pipelines.export import main as export
     from pipelines.registry import get_version, resolve_model
     from pipelines.serving.export import FIGURES, figures_of
@@ -390,15 +391,14 @@ def test_export_reloads_bit_for_bit_and_its_card_lists_the_registry_figures(regi
     out = tmp_path / "exported"
     assert export(["models:/adlm@candidate", "--out", str(out), "--json"]) == 0
     written = json.loads(capsys.readouterr().out)
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors", "tokenizer.json"]
+    assert {p.name for p in out.iterdir()} == {"README.md", *PRETRAINED_FILES, *HF_CODE}
     assert not list(tmp_path.glob(".exported-*"))  # the staging folder is gone
 
-    # The same logits as the registered version's EMA weights, bit for bit.
+    # The same logits as the registered version's EMA weights, bit for bit (transformers' load: test_hf_export).
     served, cfg, _ = load_checkpoint(resolve_model("models:/adlm@candidate", registry["uri"], dst=tmp_path / "dl"))
     back, cfg2, meta = load_pretrained(out)
     assert cfg2 == cfg and meta["registered_model"] == "adlm" and meta["version"] == registry["version"]
-    z = torch.randint(0, cfg.width, (3, cfg.seq_len), generator=torch.Generator().manual_seed(0))
-    sigma = torch.zeros(3)
+    z, sigma = torch.randint(0, cfg.width, (3, cfg.seq_len), generator=torch.Generator().manual_seed(0)), torch.zeros(3)
     with torch.no_grad():
         assert torch.equal(served.denoiser_logits(z, sigma), back.eval().denoiser_logits(z, sigma))
     # And the same text for the same request.
@@ -417,6 +417,7 @@ def test_export_reloads_bit_for_bit_and_its_card_lists_the_registry_figures(regi
     for k in ("gen_ppl", "entropy"):
         assert FIGURES[k][1] in card
     assert "one `t` per sequence" in card and f"| parameters | {written['parameters']:,} |" in card
+    assert "AutoModelForMaskedLM.from_pretrained('.', trust_remote_code=True)" in card  # the transformers lines
 
     # A folder in use is refused in one line; --force replaces an earlier export only.
     assert export(["models:/adlm@candidate", "--out", str(out)]) == 2

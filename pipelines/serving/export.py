@@ -8,6 +8,9 @@
 - ``tokenizer.json``;
 - ``README.md``: the model card, with the evaluation figures the registry's version tags hold, each with its
   definition (quoted from METHOD.md sections 1 and 6) and the settings it was measured with.
+- the network code ``transformers`` loads (``auto_map``): ``configuration_adlm.py``, ``modeling_adlm.py`` and
+  copies of the network's modules, so ``AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True)``
+  gives the same logits from the same ``model.safetensors``.
 
 The folder is written beside ``out`` and moved into place only after ``adlm_model.load_pretrained`` has read
 it back with weights equal, tensor for tensor, to the registered model's: an export is complete or absent.
@@ -56,6 +59,14 @@ FIGURES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "mauve": ("MAUVE", "MAUVE (`mauve-text`): generated texts against the same number of reference texts from "
               "the validation split, with the featurizer recorded.", ("gen.settings", "mauve.featurizer")),
 }
+
+
+# What ``AutoModelForMaskedLM``'s forward takes, per kind (modeling_adlm's docstring), for the card.
+_HF_INPUT = {"mdlm": "z_t (B, L) -> (B, L, width) logits before SUBS; time conditioning off feeds sigma = 0",
+             "adlm": "z_t (B, L) -> (B, L, width) denoiser logits of the composed network, before SUBS",
+             "ar": "x (B, L) -> (B, L, width) next-token logits",
+             "bd3lm": "x_t ++ x_0 (B, 2L) -> (B, L, width) logits of the x_t half; sample_mode=True: one sequence "
+                      "under the block-causal mask"}
 
 
 @dataclass
@@ -164,7 +175,11 @@ def model_card(src: _Source, cfg: Any, meta: dict[str, Any], parameters: int) ->
               "gen = TextGenerator.from_dir('.')", "req = gen.request(prompt='In the beginning', suffix=' the end.', "
               "length=32, seed=0)", "print(gen.generate(req)[0].text)", "```", "",
               "or `python -m pipelines.generate --model . --prompt 'In the beginning' --length 32` from the "
-              "ADLM pipeline.", ""]
+              "ADLM pipeline. With `transformers` alone (the network code ships in this folder):", "",
+              "```python", "from transformers import AutoModelForMaskedLM", "",
+              "model = AutoModelForMaskedLM.from_pretrained('.', trust_remote_code=True)",
+              "logits = model(input_ids).logits   # " + _HF_INPUT.get(cfg.kind, "see modeling_adlm.py"),
+              "```", ""]
     return "\n".join(lines)
 
 

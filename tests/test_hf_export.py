@@ -1,0 +1,138 @@
+"""The export folder as a ``transformers`` model: ``AutoModelForMaskedLM.from_pretrained(folder,
+trust_remote_code=True)`` loads every model kind offline from the same ``model.safetensors`` that
+``adlm_model.load_pretrained`` reads, with no key missing or unexpected, and gives our logits exactly.
+
+Fast and in-process: micro models with random weights (``tests/support_models``), no registry (the
+registered-version path of ``python -m pipelines.export`` is tested in ``test_serving``).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from adlm_model.bd3lm import block_causal_mask, block_diffusion_logits
+from adlm_model.kinds import KINDS
+from adlm_model.pretrained import HF_CODE, load_pretrained, save_pretrained
+from tests.support_models import micro, randomized
+
+SPECIALS = {"bos_id": 1, "eos_id": 2, "pad_id": 3, "mask_id": 48}
+
+
+@pytest.fixture(autouse=True)
+def _module_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers copies remote code into HF_MODULES_CACHE, fixed when it is first imported (perhaps before
+    conftest moved HF_HOME): point it into the session's temp folder."""
+    import transformers.dynamic_module_utils as dyn
+
+    monkeypatch.setattr(dyn, "HF_MODULES_CACHE", str(tmp_path_factory.getbasetemp() / "hf_modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def _export(tmp_path: Path, kind: str, **kw) -> tuple[Path, torch.nn.Module]:
+    cfg = micro(kind, **kw)
+    model = randomized(cfg, seed=len(kind))
+    tok = tmp_path / "tokenizer-source.json"
+    tok.write_text("{}")
+    d = save_pretrained(tmp_path / f"{kind}-export", model, cfg, tokenizer_json=tok, special_tokens=SPECIALS)
+    return d, model
+
+
+def _hf(d: Path) -> torch.nn.Module:
+    from transformers import AutoModelForMaskedLM
+
+    model, info = AutoModelForMaskedLM.from_pretrained(d, trust_remote_code=True, output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and not info["mismatched_keys"]
+    return model
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_transformers_loads_every_kind_with_our_logits(tmp_path, kind, one_torch_thread) -> None:
+    from transformers import AutoConfig
+
+    d, model = _export(tmp_path, kind)
+    ours, cfg, _ = load_pretrained(d)
+    # load_pretrained stays bit for bit with the exported network
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ours.state_dict().values(),
+                                                    strict=True))
+    hf = _hf(d)
+    assert not hf.training and hf.config.model == cfg.to_dict()
+    assert type(AutoConfig.from_pretrained(d, trust_remote_code=True)).__name__ == "AdlmConfig"
+    # the same parameter names and tensors as the file load_pretrained reads
+    theirs = hf.state_dict()
+    assert theirs.keys() == ours.state_dict().keys()
+    assert all(torch.equal(theirs[k], v) for k, v in ours.state_dict().items())
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randint(0, cfg.width, (2, cfg.seq_len), generator=g)
+    zeros = torch.zeros(2)
+    with torch.no_grad():
+        if kind == "bd3lm":  # x_t ++ x_0, as the reference Hub model takes it
+            x0 = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+            want = block_diffusion_logits(ours, z, x0, zeros, cfg.block_size)
+            got = hf(torch.cat([z, x0], dim=1)).logits
+            mask = block_causal_mask(cfg.seq_len, cfg.block_size)
+            assert torch.equal(hf(x0, sample_mode=True).logits, ours.backbone(x0, zeros, mask=mask))
+        elif kind == "ar":
+            want, got = ours(z), hf(input_ids=z).logits
+        else:
+            want, got = ours.denoiser_logits(z, zeros), hf(input_ids=z).logits
+    assert got.shape == (2, cfg.seq_len, cfg.width) and torch.equal(got, want)
+
+
+def test_timesteps_feed_sigma_only_when_time_conditioned(tmp_path, one_torch_thread) -> None:
+    d, _ = _export(tmp_path, "mdlm", time_conditioning=True)
+    ours, cfg, _ = load_pretrained(d)
+    hf = _hf(d)
+    z = torch.randint(0, cfg.width, (2, cfg.seq_len), generator=torch.Generator().manual_seed(1))
+    sigma = torch.tensor([0.5, 2.0])
+    with torch.no_grad():
+        got = hf(z, timesteps=sigma).logits
+        assert torch.equal(got, ours.denoiser_logits(z, sigma))
+        assert not torch.equal(got, hf(z, timesteps=torch.zeros(2)).logits)
+        with pytest.raises(ValueError, match="pass timesteps="):
+            hf(z)
+    # time conditioning off: sigma is 0 whatever is passed
+    d, _ = _export(tmp_path, "adlm")
+    hf = _hf(d)
+    with torch.no_grad():
+        assert torch.equal(hf(z, timesteps=sigma).logits, hf(z).logits)
+
+
+def test_bd3lm_refuses_an_odd_length_in_one_line(tmp_path, one_torch_thread) -> None:
+    hf = _hf(_export(tmp_path, "bd3lm")[0])
+    with pytest.raises(ValueError, match=r"x_t \+\+ x_0 \(an even length\)"):
+        hf(torch.zeros(1, 7, dtype=torch.long))
+
+
+def test_the_shipped_code_is_the_packages_and_imports_only_torch() -> None:
+    """The export ships this package's network modules, not a second copy: each imports torch, the standard
+    library and its shipped neighbours (the two wrappers also transformers); the wrappers' networks are the
+    kinds table's."""
+    import adlm_model
+    from adlm_model.modeling_adlm import NETWORKS
+
+    pkg = Path(adlm_model.__file__).parent
+    for name in HF_CODE:
+        allowed = {"torch", "__future__", *sys.stdlib_module_names}
+        if name in ("configuration_adlm.py", "modeling_adlm.py"):
+            allowed.add("transformers")
+        tree = ast.parse((pkg / name).read_text())
+        # an import inside try/except is optional (attention.py's flash-attn): transformers' check skips it too
+        optional = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) for b in t.body for n in ast.walk(b)}
+        for node in ast.walk(tree):
+            if id(node) in optional:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert f"{node.module}.py" in HF_CODE, f"{name} imports .{node.module}, which is not shipped"
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+                bad = [m for m in mods if m.split(".")[0] not in allowed]
+                assert not bad, f"{name} imports {bad}: an export could not load it with torch alone"
+    assert NETWORKS == {k: kind.network for k, kind in KINDS.items()}
