@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
                "ModelConfig fields), data (train, validation: split dirs, relative = under the workdir; "
                "shuffle_buffer), optim (lr, betas, eps, weight_decay, warmup_steps, schedule constant|cosine, "
                "min_lr_ratio, clip), batch (global_batch, micro_batch), run (name, max_steps, val_every, "
-               "val_batches, ckpt_every, num_to_keep, log_every, seed, storage_path), scaling (num_workers, "
+               "val_batches, ckpt_every, num_to_keep, log_every, seed, storage_path, init), scaling (num_workers, "
                "use_gpu, cpus_per_worker, strategy ddp|fsdp, bf16), failure (max_failures), ema, mlflow "
                "(experiment, registered_model, register).\n\nExample:\n  python -m pipelines.train --config "
                "configs/demo.yaml --set run.max_steps=50 --set model.kind=mdlm --set run.name=demo-mdlm\n\nExit codes: 0 trained "
@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="YAML recipe (configs/*.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config value, e.g. run.max_steps=100 or model.gamma=0.01 (repeatable)")
+    p.add_argument("--init", metavar="MODEL", help="start a fresh run from the EMA weights of a registered or "
+                   "imported version (models:/NAME/VERSION or @ALIAS) or a checkpoint folder: run.init; recorded as "
+                   "the lineage init_from on the run and its registered version; a resumed run ignores it")
     p.add_argument("--workdir", default=None, help="work directory (default: $ADLM_WORKDIR or ./work); holds "
                    "data, ray_results, checkpoints and the default sqlite MLflow store")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
@@ -49,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.verbose - args.quiet)
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.init:
+            cfg.run.init = args.init
         if args.print_config:
             import yaml
 

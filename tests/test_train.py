@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import pipelines.training.trainer as train_mod
 from adlm_model import ConfigError, load_checkpoint
@@ -214,7 +215,7 @@ def test_bad_config_values(tiny_data, override, message) -> None:
 def test_cli_help_and_one_line_error(tiny_data, workdir) -> None:
     out = subprocess.run([sys.executable, "-m", "pipelines.train", "--help"], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout
-    for flag in ("--config", "--set", "--workdir", "--print-config"):
+    for flag in ("--config", "--set", "--workdir", "--print-config", "--init"):
         assert flag in out
     r = subprocess.run([sys.executable, "-m", "pipelines.train", "--config", "configs/demo.yaml",
                         *sum((["--set", a] for a in data_overrides(tiny_data)), []), "--set", "model.tau=-2"],
@@ -340,6 +341,56 @@ def test_bd3lm_training_searches_its_clipped_schedule_and_keeps_it_across_a_resu
     last = [s for s, _ in list_checkpoints(workdir / "ray_results" / "blocks")][-1]
     state = load_state(workdir / "ray_results" / "blocks" / f"checkpoint_{last:08d}", "trainer_state")
     assert state["ema_updates"] == 8
+
+
+def test_a_run_started_from_a_version_begins_with_its_ema_weights_and_records_the_lineage(
+        tiny_data: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """run.init (--init): a BD3-LM run starts from an MDLM version (the paper's fine-tuning; one network). Its
+    step-0 weights (model and EMA) are the version's EMA weights exactly; the run, its checkpoints and its version
+    name the pinned version; a resume keeps its weights and lineage; a network that does not fit, or no such
+    version, is refused in one line before Ray starts."""
+    import mlflow
+
+    from pipelines.training.init import pin_init
+    from pipelines.training.worker import LoopConfig, build
+
+    uri = os.environ["MLFLOW_TRACKING_URI"]
+    local = ("scaling.num_workers=0", "run.max_steps=2")
+    src = train_mod.train(_cfg(tiny_data, "src", *local, "model.kind=mdlm", "run.seed=1"))
+    version, _, _ = load_checkpoint(src.checkpoint_dir)  # its EMA weights
+    want = version.state_dict()
+    pinned = f"models:/adlm/{src.registered_version}"
+    child = ("model.kind=bd3lm", "model.block_size=4")
+    cfg = pin_init(_cfg(tiny_data, "child", *local, *child, "run.init=models:/adlm@candidate"), None, uri, None)
+    assert cfg.run.init == pinned  # the alias, pinned: it moves when the child registers
+    w = build(LoopConfig(cfg=cfg, run_id=None, tracking_uri=uri, val_split="", val_rows=0, manifest_hash="m",
+                         tokenizer_spec="t", tokenizer_path=None, tokenizer_hash="h", threads=1, local_mode=True,
+                         run_dir=str(workdir), resume_dir=None), rank=0, world=1, device=torch.device("cpu"))
+    assert all(torch.equal(w.raw.state_dict()[k], v) for k, v in want.items())
+    assert all(torch.equal(w.ema.state_dict()[k], v) for k, v in want.items() if k in w.ema.state_dict())
+
+    res = train_mod.train(_cfg(tiny_data, "child", *local, *child, "run.init=models:/adlm@candidate"))
+    mv = mlflow.MlflowClient(uri).get_model_version("adlm", res.registered_version)
+    run = mlflow.MlflowClient(uri).get_run(res.run_id)
+    assert mv.tags["init_from"] == run.data.tags["init_from"] == run.data.params["run.init"] == pinned
+    trained, _, meta = load_checkpoint(res.checkpoint_dir, use_ema=False)
+    assert meta["init_from"] == pinned and mv.tags["kind"] == "bd3lm"
+    # two warm-up steps moved the weights a little from the version's (the seeded init, another seed, is far)
+    assert max((trained.state_dict()[k] - v).abs().max().item() for k, v in want.items()) < 0.02
+    # A resume keeps its own weights and lineage: another run.init (not even a version) is not applied.
+    res2 = train_mod.train(_cfg(tiny_data, "child", "scaling.num_workers=0", "run.max_steps=4", *child,
+                                "run.init=models:/adlm/99"))
+    assert res2.run_id == res.run_id and load_checkpoint(res2.checkpoint_dir)[2]["init_from"] == pinned
+    assert mlflow.MlflowClient(uri).get_model_version("adlm", res2.registered_version).tags["init_from"] == pinned
+
+    _no_ray(monkeypatch)
+    for sets, message in ((["model.hidden=64"], "hidden 32 there, 64 here; set model.hidden to the version's"),
+                          (["model.kind=adlm"], "it is a mdlm model (network MDLM) and the recipe's is adlm"),
+                          (["run.init=models:/adlm/99"], "run.init models:/adlm/99: registered model 'adlm' has no "
+                                                         "version 99")):
+        with pytest.raises(ConfigError) as e:
+            train_mod.train(_cfg(tiny_data, "refused", *local, "model.kind=mdlm", f"run.init={pinned}", *sets))
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 def test_a_same_size_tokenizer_is_refused_on_resume_and_in_evaluation(tiny_data: Path, workdir: Path,

@@ -11,7 +11,7 @@ that lists the known ones.
     optim:   {lr: 3e-4, betas: [0.9, 0.999], eps: 1e-8, weight_decay: 0.0, warmup_steps: 2500,
               schedule: constant, clip: 1.0}
     batch:   {global_batch: 512, micro_batch: 16}              # accumulation is derived
-    run:     {name: ..., max_steps: ..., val_every: ..., val_batches: ..., ckpt_every: ..., ...}
+    run:     {name: ..., max_steps: ..., val_every: ..., val_batches: ..., ckpt_every: ..., init: ..., ...}
     scaling: {num_workers: 2, use_gpu: false, cpus_per_worker: 0.5, strategy: ddp, bf16: true}
     failure: {max_failures: 0}
     ema: 0.9999
@@ -110,6 +110,12 @@ class RunSection:
     """Seeds model init, data order, noise and dropout."""
     storage_path: str = ""
     """Ray Train storage; empty = ``<workdir>/ray_results``. On a cluster: shared storage (s3://, NFS)."""
+    init: str = ""
+    """Start a fresh run from the EMA weights of a registered or imported version: ``models:/NAME/VERSION``,
+    ``models:/NAME@ALIAS`` (pinned to its version at the start) or a checkpoint folder (``--init`` of
+    ``pipelines.train``). Its network must be the recipe's (same class, parameter names and shapes: MDLM and
+    BD3-LM share one). Recorded as lineage (``init_from``) on the run, its checkpoints and its registered version; a
+    resumed run keeps its own weights (``pipelines/training/init.py``). Empty: the seeded initialisation."""
     clip_search: bool = True
     """BD3-LM: search the clipped ("data-driven") schedule at each validation, as the reference: the interval
     of masking rates of lowest per-block loss variance; training draws block times from it until the next

@@ -217,6 +217,8 @@ def _write_weights(w: Worker, directory: Path, model_sd: dict | None, ema_sd: di
     meta = {"step": w.step, "mlflow_run_id": lc.run_id, "run_name": cfg.run.name, "tokenizer": lc.tokenizer_spec,
             "tokenizer_hash": lc.tokenizer_hash, "data_manifest_hash": lc.manifest_hash, "train_config": cfg.to_dict(),
             "world": w.world, "ema_updates": w.ema.num_updates, **meta}
+    if cfg.run.init:  # the lineage (pipelines/training/init.py): what the run started from, pinned
+        meta["init_from"] = cfg.run.init
     save_checkpoint(directory, w.raw, cfg.model, ema_state=ema_sd, meta=meta)
     if model_sd is not None:
         from adlm_model.checkpoint import _atomic_safetensors

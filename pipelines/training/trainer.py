@@ -4,8 +4,9 @@ What ``train`` does, in order:
 
 1. The recipe is validated; both splits' manifests are read; the data must fit the model
    (``training.data.plan_data``). All of this fails with one line before Ray starts.
-2. The MLflow run of this run name is found (run id from the latest checkpoint, else by the run-name
-   tag) or created; the full config and the data manifest hash are its params.
+2. A ``run.init`` version is pinned and checked against the model (``training.init``; a fresh run only).
+   The MLflow run of this run name is found (run id from the latest checkpoint, else by the run-name
+   tag) or created; the full config and the data manifest hash are its params, ``init_from`` its lineage tag.
 3. A Ray Train ``TorchTrainer`` runs ``training.loop.train_loop_per_worker`` on ``scaling.num_workers``
    workers (DDP: gloo on CPU, nccl on GPU; or FSDP), or in the driver process with ``num_workers: 0``.
 4. At the end the final EMA checkpoint is logged as the run artifact ``checkpoint`` and registered
@@ -52,6 +53,7 @@ from pipelines.tracking import (
 from pipelines.training.checkpoints import best_checkpoint, fetch_export, latest_checkpoint
 from pipelines.training.config import TrainConfig, flatten
 from pipelines.training.data import DataPlan, plan_data
+from pipelines.training.init import INIT_TAG, pin_init
 from pipelines.training.loop import TrialSession, train_loop_per_worker
 from pipelines.training.worker import LoopConfig
 
@@ -105,7 +107,8 @@ def open_run(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, prev_id: str |
         return None
     try:
         exp_id = ensure_experiment(cfg.mlflow.experiment, uri, wd)
-        tags = {"kind": cfg.model.kind, "data_manifest_hash": plan.manifest_hash, **(extra_tags or {})}
+        tags = {"kind": cfg.model.kind, "data_manifest_hash": plan.manifest_hash, **(extra_tags or {}),
+                **({INIT_TAG: cfg.run.init} if cfg.run.init else {})}
         run_id, _ = find_or_create_run(uri, exp_id, cfg.run.name, run_id=prev_id, tags=tags,
                                        parent_run_id=parent_run_id)
         from adlm_model.kinds import model_kind
@@ -307,6 +310,8 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         raise ConfigError(f"run {cfg.run.name!r} was trained on data of another tokenizer (hash "
                           f"{prev_meta['tokenizer_hash'][:12]}) than data.train's ({plan.tokenizer_hash[:12]}); resume "
                           "it on its own data or start a new run.name")
+    # Start from a version (run.init): pinned and checked before Ray starts; a resume keeps its own lineage.
+    cfg = pin_init(cfg, prev_meta if prev else None, uri, plan.tokenizer_hash)
     prev_id = prev_meta.get("mlflow_run_id")
     run_id = open_run(cfg, plan, uri, wd, prev_id, parent_run_id, extra_tags)
     if run_id is None:
@@ -339,6 +344,7 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     chosen_meta = json.loads((local_export / "config.json").read_text()).get("meta", {})
     best_step, best_val = int(chosen_meta.get("step", final[0])), chosen_meta.get("val_ppl")
     which = "best" if best else "latest"
+    lineage = chosen_meta.get(INIT_TAG) or cfg.run.init  # what the registered weights started from
     val_ppl = metrics.get("val_ppl", best_val if chosen == final[1] else None)
 
     version = None
@@ -354,7 +360,7 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         try:
             version = _finish_tracking(cfg, plan, uri, wd, run_dir, run_id, local_export, do_register, {
                 **(extra_tags or {}), "step": best_step, "val_ppl": best_val, "final_step": final[0],
-                "checkpoint": which})
+                "checkpoint": which, **({INIT_TAG: lineage} if lineage else {})})
         except RegistrationError as e:
             unregistered = str(e)
     elif unregistered is None:

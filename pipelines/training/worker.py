@@ -183,13 +183,18 @@ def reset_window(w: Worker) -> None:
 
 
 def build(lc: LoopConfig, rank: int, world: int, device: torch.device) -> Worker:
-    """Model (identical init on every rank), EMA, AdamW, the learning-rate schedule, DDP or FSDP."""
+    """Model (identical init on every rank: seeded, or the EMA weights of the version ``run.init`` names), EMA,
+    AdamW, the learning-rate schedule, DDP or FSDP."""
     cfg = lc.cfg
     r, o = cfg.run, cfg.optim
     distributed = world > 1 and dist.is_available() and dist.is_initialized()
     use_gpu = device.type == "cuda"
     torch.manual_seed(r.seed)
     raw = build_model(cfg.model).to(device)
+    if r.init and lc.resume_dir is None:  # a fresh run starts from the version's weights (a resume has its own)
+        from pipelines.training.init import load_init
+
+        load_init(raw, r.init, lc.tracking_uri)
     module = LossModule(raw, cfg.model)
     fsdp = distributed and cfg.scaling.strategy == "fsdp"
     if fsdp:
