@@ -18,7 +18,8 @@ the relative imports and copies them into its module cache; they import only ``t
   block-diffusion mask) and the logits are the ``x_t`` half's ``(B, L, width)``; with ``sample_mode=True`` it is
   one sequence ``(B, n)`` under the block-causal mask (the recomputed-prefix sampling pass).
 
-``timesteps``: sigma(t) per row ``(B,)`` (or a scalar). With time conditioning off (the default,
+``attention_mask`` may be passed (a tokenizer's) but must keep every position: the networks attend to all of
+them, as the references' do. ``timesteps``: sigma(t) per row ``(B,)`` (or a scalar). With time conditioning off (the default,
 ``config.model["time_conditioning"]``) the network is conditioned on sigma = 0, a learned constant, whatever is
 passed; on, ``timesteps`` is required.
 """
@@ -75,8 +76,13 @@ class AdlmForMaskedLM(PreTrainedModel):
         return self
 
     def forward(self, input_ids: torch.LongTensor, timesteps: torch.Tensor | float | None = None,
-                sample_mode: bool = False, return_dict: bool | None = None, **kwargs: Any) -> MaskedLMOutput:
+                sample_mode: bool = False, attention_mask: torch.Tensor | None = None,
+                return_dict: bool | None = None, **kwargs: Any) -> MaskedLMOutput:
         cfg = self.network.cfg
+        if attention_mask is not None and not bool(attention_mask.all()):
+            # The networks attend to every position (as the references'): a padding mask cannot be honoured.
+            raise ValueError("attention_mask hides positions, which these networks cannot do: pass rows without "
+                             "padding (or pad with the tokenizer's pad id and ignore those logits)")
         sigma = self._sigma(input_ids, timesteps)
         if cfg.kind == "bd3lm":
             net = self.network.backbone

@@ -105,10 +105,14 @@ def test_timesteps_feed_sigma_only_when_time_conditioned(tmp_path, one_torch_thr
         assert torch.equal(hf(z, timesteps=sigma).logits, hf(z).logits)
 
 
-def test_bd3lm_refuses_an_odd_length_in_one_line(tmp_path, one_torch_thread) -> None:
+def test_bad_inputs_are_refused_in_one_line(tmp_path, one_torch_thread) -> None:
     hf = _hf(_export(tmp_path, "bd3lm")[0])
     with pytest.raises(ValueError, match=r"x_t \+\+ x_0 \(an even length\)"):
         hf(torch.zeros(1, 7, dtype=torch.long))
+    x = torch.zeros(1, 8, dtype=torch.long)
+    assert hf(x, attention_mask=torch.ones_like(x)).logits.shape == (1, 4, 49)  # a mask hiding nothing; width 48 + 1
+    with pytest.raises(ValueError, match="attention_mask hides positions"):
+        hf(x, attention_mask=torch.tensor([[1] * 6 + [0] * 2]))
 
 
 def test_the_shipped_code_is_the_packages_and_imports_only_torch() -> None:
