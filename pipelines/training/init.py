@@ -75,10 +75,17 @@ def pin_init(cfg: TrainConfig, prev_meta: dict[str, Any] | None, tracking_uri: s
         return _with_init(cfg, started)
     if not asked:
         return cfg
+    from mlflow.exceptions import MlflowException
+
+    from pipelines.tracking import redact_uri, tracking_reachable
+
+    if asked.startswith("models:/") and not tracking_reachable(tracking_uri):  # not MLflow's minutes of retries
+        raise ConfigError(f"run.init {asked}: the tracking server at {redact_uri(tracking_uri)} does not answer; "
+                          "start from a version once it is back, or from a checkpoint folder")
     try:
         ref = resolve_model_ref(asked, tracking_uri)
         version, meta = read_config(ref.local_dir)
-    except (RegistryError, ValueError, OSError) as e:
+    except (RegistryError, ValueError, OSError, MlflowException) as e:
         raise ConfigError(f"run.init {asked}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     why = architecture_mismatch(version, cfg.model)
     if why:
