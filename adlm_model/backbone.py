@@ -88,7 +88,9 @@ class TimestepEmbedder(nn.Module):
         freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=sigma.device, dtype=torch.float32) / half)
         args = sigma.float()[:, None] * freqs[None]
         emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
-        return self.mlp(emb)
+        # The embedding is computed in float32; a network whose weights were cast (e.g. to bf16 by a
+        # transformers load) takes it in their dtype. float32 weights: unchanged.
+        return self.mlp(emb.to(self.mlp[0].weight.dtype))
 
 
 @dataclass

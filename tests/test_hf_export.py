@@ -140,3 +140,20 @@ def test_the_shipped_code_is_the_packages_and_imports_only_torch() -> None:
                 bad = [m for m in mods if m.split(".")[0] not in allowed]
                 assert not bad, f"{name} imports {bad}: an export could not load it with torch alone"
     assert NETWORKS == {k: kind.network for k, kind in KINDS.items()}
+
+
+def test_device_map_and_bfloat16_loads(tmp_path, one_torch_thread) -> None:
+    """The loading paths GPU users take: ``device_map`` (the weights placed by transformers: same logits) and
+    ``dtype=torch.bfloat16`` (weights cast; logits within bf16 rounding of the float32 ones)."""
+    from transformers import AutoModelForMaskedLM
+
+    d, _ = _export(tmp_path, "adlm")
+    ours, cfg, _ = load_pretrained(d)
+    z = torch.randint(0, cfg.width, (2, cfg.seq_len), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ours.denoiser_logits(z, torch.zeros(2))
+        placed = AutoModelForMaskedLM.from_pretrained(d, trust_remote_code=True, device_map="cpu")
+        assert torch.equal(placed(z).logits, want)
+        half = AutoModelForMaskedLM.from_pretrained(d, trust_remote_code=True, dtype=torch.bfloat16)
+        got = half(z).logits
+    assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want, atol=0.1 * want.abs().max().item())
