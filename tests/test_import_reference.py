@@ -277,3 +277,30 @@ def test_inspect_prints_tree_and_hyper_parameters(tmp_path: Path, capsys: pytest
     assert "family: bd3lm" in out and "backbone.vocab_embed.embedding" in out and "(65, 16)" in out
     assert '"block_size": 16' in out
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("kind", ["mdlm", "bd3lm"])
+def test_exported_version_reimports_to_the_same_weights(kind: str, tmp_path: Path, one_torch_thread) -> None:
+    """Our own Hub layout (python -m pipelines.export's folder, model_type adlm) is a source too: an exported
+    MDLM-family checkpoint re-imports bit for bit, with its tokenizer."""
+    from adlm_model.checkpoint import save_checkpoint
+    from pipelines.import_model import _tokenizer
+    from pipelines.serving.export import export_model
+
+    cfg = ModelConfig(kind=kind, vocab_size=64, mask_id=64, seq_len=16, hidden=16, heads=2, n_blocks=1, cond_dim=8,
+                      block_size=4)
+    torch.manual_seed(3)
+    model = build_model(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    ckpt = save_checkpoint(tmp_path / "ckpt", model, cfg)
+    word_tokenizer(ckpt / "tokenizer.json")
+    export_model(str(ckpt), tmp_path / "export")
+    src = rl.read_source(tmp_path / "export")
+    fam = rl.detect_family(src)
+    tok = _tokenizer(None, src, fam, rl.embedding_width(src, fam), tmp_path / "export")
+    back, got = rl.convert(src, fam, tok.vocab_size, tok.mask_id)
+    assert (src.layout, fam.name, got) == ("export", "adlm-export", cfg)
+    want, have = model.state_dict(), back.state_dict()
+    assert want.keys() == have.keys() and all(want[k].equal(have[k]) for k in want)
