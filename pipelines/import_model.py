@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def fetch_source(source: str, revision: str | None, tmp: Path) -> tuple[Path, str]:
     """A local path for ``source`` and what kind it was (``local``, ``uri``, ``hub``)."""
-    from pipelines.storage import StorageError, download_dir, exists, get_fs, hub_errors, is_file, is_uri
+    from pipelines.storage import StorageError, download_dir, exists, get_fs, hub_errors, is_file, is_uri, local_path
 
     if is_uri(source):
         try:
@@ -88,12 +88,12 @@ def fetch_source(source: str, revision: str | None, tmp: Path) -> tuple[Path, st
             raise ImportInputError(f"cannot read {source} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
                                "check the URI and the object store's credentials") from None
         raise ImportInputError(f"{source} does not exist in the object store")
-    local = Path(source).expanduser()
-    if local.exists():
+    local = local_path(source)
+    if local is not None and local.exists():
         if revision:
             raise ImportInputError("--revision applies to a Hub id only, not to a local path")
         return local, "local"
-    if not HUB_ID.match(source):
+    if source.startswith("file://") or not HUB_ID.match(source):
         raise ImportInputError(f"{source} is neither a file, a folder, an object-store URI nor a Hub id (owner/name)")
     from huggingface_hub import snapshot_download
 
