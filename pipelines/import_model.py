@@ -176,7 +176,8 @@ def import_model(source: str, *, name: str | None = None, revision: str | None =
         tok = _tokenizer(tokenizer, src, fam, width, local)
         model, cfg = rl.convert(src, fam, tok.vocab_size, tok.mask_id)
         digests = _sha256(src.files)
-        hub_revision = revision or ("" if where != "hub" else "main")
+        # a Hub snapshot's folder is named after the commit it resolved to: the revision recorded
+        hub_revision = local.name if where == "hub" else (revision or "")
         provenance = {"source": source, "source_kind": where, "revision": hub_revision, "family": fam.name,
                       "reference": fam.reference, "reference_commit": fam.commit, "license": fam.license,
                       "sha256": digests, "ema": src.ema is not None, **src.extra}
@@ -190,6 +191,11 @@ def import_model(source: str, *, name: str | None = None, revision: str | None =
 
 def _register(ckpt: Path, cfg: Any, provenance: dict[str, Any], *, name: str | None, aliases: Sequence[str] | None,
               workdir: str | None, tracking_uri: str | None, parameters: int) -> dict[str, Any]:
+    """An MLflow run in the experiment ``imports`` holding the checkpoint folder, registered as a version. The
+    run is named after the family and the files' sha256: importing the same files again registers nothing new."""
+    from mlflow.entities import Param
+    from mlflow.exceptions import MlflowException
+
     from pipelines.registry import DEFAULT_MODEL_NAME, register_checkpoint, training_tags
     from pipelines.storage import resolve_workdir
     from pipelines.tracking import client, ensure_experiment, find_or_create_run, resolve_tracking_uri
@@ -197,27 +203,32 @@ def _register(ckpt: Path, cfg: Any, provenance: dict[str, Any], *, name: str | N
     wd = resolve_workdir(workdir)
     uri = tracking_uri or resolve_tracking_uri(wd)
     model_name = name or DEFAULT_MODEL_NAME
-    exp = ensure_experiment(EXPERIMENT, uri, wd)
-    short = provenance["sha256"] and next(iter(provenance["sha256"].values()))[:12]
-    run_id, _ = find_or_create_run(uri, exp, f"import-{provenance['family']}-{short}",
-                                   tags={"imported_from": provenance["source"]})
     c = client(uri)
-    for k, v in cfg.to_dict().items():
-        try:
-            c.log_param(run_id, f"model.{k}", v)
-        except Exception:  # noqa: BLE001 - a rerun of the same import: the params are already there
-            pass
-    c.log_artifacts(run_id, str(ckpt), "checkpoint")
+    exp = ensure_experiment(EXPERIMENT, uri, wd)
+    digest = "-".join(v[:12] for v in provenance["sha256"].values())
+    run_id, created = find_or_create_run(uri, exp, f"import-{provenance['family']}-{digest}",
+                                         tags={"imported_from": provenance["source"]})
     tags = training_tags(cfg, imported="true", source=provenance["source"], revision=provenance["revision"],
                          family=provenance["family"], license=provenance["license"],
                          reference=provenance["reference"], reference_commit=provenance["reference_commit"],
                          sha256=json.dumps(provenance["sha256"], sort_keys=True), ema=str(provenance["ema"]).lower())
-    mv = register_checkpoint(run_id, model_name, tags, tracking_uri=uri, checkpoint_dir=ckpt,
-                             aliases=tuple(aliases) if aliases else ("candidate",))
+    try:
+        done = c.search_model_versions(f"name='{model_name}' and run_id='{run_id}'")
+    except MlflowException:  # no such registered model yet
+        done = []
+    if done:  # the same files imported before: that version, nothing new
+        mv = min(done, key=lambda v: int(v.version))
+        log.info(f"{provenance['source']} is already imported as {model_name} v{mv.version}")
+    else:
+        if created:
+            c.log_batch(run_id, params=[Param(f"model.{k}", str(v)) for k, v in cfg.to_dict().items()])
+        c.log_artifacts(run_id, str(ckpt), "checkpoint")
+        mv = register_checkpoint(run_id, model_name, tags, tracking_uri=uri, checkpoint_dir=ckpt,
+                                 aliases=tuple(aliases) if aliases else ("candidate",))
     c.set_terminated(run_id, "FINISHED")
     return {"name": model_name, "version": str(mv.version), "uri": f"models:/{model_name}/{mv.version}",
             "run_id": run_id, "kind": cfg.kind, "family": provenance["family"], "parameters": parameters,
-            "tags": tags}
+            "tags": tags, "new": not done}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -244,7 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res, indent=2, default=str))
     else:
-        print(f"imported {args.source} ({res['family']} -> {res['kind']}, {res['parameters']:,} parameters) as "
+        what = "imported" if res["new"] else "already imported (nothing new registered):"
+        print(f"{what} {args.source} ({res['family']} -> {res['kind']}, {res['parameters']:,} parameters) as "
               f"{res['uri']}")
         print(f"evaluate: python -m pipelines.evaluate --model {res['uri']} --profile paper --suite ppl")
     return 0

@@ -74,6 +74,8 @@ def test_an_imported_version_is_evaluated_staged_sampled_served_and_lm_evaluated
     assert tags["source"] == str(FIXTURE) and tags["license"] == "apache-2.0"
     assert "candidate" in mv.aliases
     uri = res["uri"]
+    again = import_model(str(FIXTURE), tokenizer=str(tok_path), workdir=str(workdir), tracking_uri=tracking)
+    assert (again["version"], again["new"]) == (res["version"], False)  # the same files: nothing new registered
 
     # the staged evaluation decides it by the same rules as a trained version (a random model: its figures are
     # what they are; the gates are opened so that it runs every stage)
