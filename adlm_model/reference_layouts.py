@@ -70,18 +70,22 @@ class Source:
     """Top-level entries of a Lightning checkpoint besides the weights (epoch, global_step, versions)."""
 
     def find(self, *names: str) -> Any:
-        """The first hyper-parameter of ``names`` found anywhere in the tree (depth first), else None."""
-        def walk(o: Any) -> Any:
+        """The first hyper-parameter of ``names`` (depth first), looked up in a ``model`` sub-tree first (the
+        references' ``config.model``: ``algo.dropout`` is not the network's), then anywhere; else None."""
+        def walk(o: Any, inside: bool) -> Any:
             if isinstance(o, dict):
-                for n in names:
-                    if n in o and not isinstance(o[n], dict):
-                        return o[n]
-                for v in o.values():
-                    r = walk(v)
+                if inside:
+                    for n in names:
+                        if n in o and not isinstance(o[n], dict):
+                            return o[n]
+                for k, v in o.items():
+                    r = walk(v, inside or k == "model")
                     if r is not None:
                         return r
             return None
-        return walk(self.hparams)
+
+        found = walk(self.hparams, False)
+        return found if found is not None else walk(self.hparams, True)
 
 
 def _read_hub_weights(d: Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
