@@ -105,6 +105,13 @@ def _read_hub_weights(d: Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
     return tensors, files
 
 
+def normalise_key(key: str) -> str:
+    """A state-dict key without the wrappers training adds around a module: DDP's leading ``module.`` and
+    ``torch.compile``'s ``_orig_mod.``."""
+    key = key.replace("_orig_mod.", "")
+    return key[len("module."):] if key.startswith("module.") else key
+
+
 def read_source(path: str | os.PathLike) -> Source:
     """Read a Lightning checkpoint file, a Hub-layout folder or this project's export folder (no code run)."""
     p = Path(path)
@@ -114,6 +121,7 @@ def read_source(path: str | os.PathLike) -> Source:
             raise ImportRefused(f"{p} has no config.json: pass a Hub-layout folder or a Lightning .ckpt file")
         hp = json.loads(cfg_file.read_text())
         tensors, files = _read_hub_weights(p)
+        tensors = {normalise_key(k): v for k, v in tensors.items()}
         layout = "export" if hp.get("model_type") == "adlm" and "model" in hp else "hub"
         return Source(tensors, hp, layout, [cfg_file, *files])
     if not p.is_file():
@@ -130,10 +138,11 @@ def read_source(path: str | os.PathLike) -> Source:
         ema = obj.get("ema")
         shadow = ema.get("shadow_params") if isinstance(ema, dict) else None
         extra = {k: plain(v) for k, v in obj.items() if k in ("epoch", "global_step", "pytorch-lightning_version")}
-        return Source(dict(state), plain(obj.get("hyper_parameters") or {}), "lightning", [p],
+        return Source({normalise_key(k): v for k, v in state.items()}, plain(obj.get("hyper_parameters") or {}),
+                      "lightning", [p],
                       ema=list(shadow) if shadow else None, extra=extra)
     if all(isinstance(v, torch.Tensor) for v in obj.values()):  # a bare state dict (torch.save(model.state_dict()))
-        return Source(dict(obj), {}, "hub", [p])
+        return Source({normalise_key(k): v for k, v in obj.items()}, {}, "hub", [p])
     raise ImportRefused(f"{p} is a pickle without a 'state_dict': not a Lightning checkpoint of the references "
                         f"(top-level keys: {', '.join(map(str, list(obj)[:8]))})")
 
@@ -393,6 +402,18 @@ def _check_rotary(key: str, value: torch.Tensor) -> str | None:
     return None
 
 
+def summarise_keys(keys: list[str], limit: int = 12) -> str:
+    """``keys`` comma-separated; past ``limit``, grouped by their pattern with block indices as ``N``
+    (``denoiser.blocks.N.attn_qkv.weight x12``), so that a wholly unmatched network stays one readable line."""
+    if len(keys) <= limit:
+        return ", ".join(keys)
+    groups: dict[str, int] = {}
+    for k in keys:
+        pattern = re.sub(r"\.\d+\.", ".N.", k)
+        groups[pattern] = groups.get(pattern, 0) + 1
+    return ", ".join(f"{p} x{n}" if n > 1 else p for p, n in groups.items())
+
+
 def convert(src: Source, fam: Family, vocab_size: int, mask_id: int) -> tuple[nn.Module, ModelConfig]:
     """Our network with every tensor of ``src`` in place, in eval mode; ImportRefused (one line listing the
     unmatched keys) when the layout does not map completely: nothing is half loaded."""
@@ -419,9 +440,9 @@ def convert(src: Source, fam: Family, vocab_size: int, mask_id: int) -> tuple[nn
     if unmatched or missing:
         parts = []
         if unmatched:
-            parts.append(f"{len(unmatched)} unmatched key(s): {', '.join(unmatched)}")
+            parts.append(f"{len(unmatched)} unmatched key(s): {summarise_keys(unmatched)}")
         if missing:
-            parts.append(f"{len(missing)} of our key(s) left empty: {', '.join(missing)}")
+            parts.append(f"{len(missing)} of our key(s) left empty: {summarise_keys(missing)}")
         raise ImportRefused(f"the {fam.name} layout does not map completely onto {cfg.kind}: {'; '.join(parts)}")
     model.load_state_dict({k: v.to(ours[k].dtype) for k, v in mapped.items()}, strict=True)
     return model.eval(), cfg

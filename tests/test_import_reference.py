@@ -178,7 +178,7 @@ def _reference_key(ours: str) -> str:
     return ("backbone." if net == "anchor" else "denoiser.") + rest
 
 
-def _adlm_checkpoint(path: Path, drop: str | None = None) -> tuple[torch.nn.Module, ModelConfig]:
+def _adlm_checkpoint(path: Path, drop: str | None = None, wrap: str = "") -> tuple[torch.nn.Module, ModelConfig]:
     """A Lightning-style ADLM checkpoint in the assumed layout: state_dict with the reference names (rotary
     buffers included), EMA shadow parameters (different from the raw weights), hyper-parameters with the flags the
     ADLM README shows."""
@@ -199,7 +199,7 @@ def _adlm_checkpoint(path: Path, drop: str | None = None) -> tuple[torch.nn.Modu
                     state[f"{'backbone' if net == 'anchor' else 'denoiser'}.rotary_emb.inv_freq"] = \
                         1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     ema = [v for k, v in state.items() if not k.endswith("inv_freq")]
-    raw = OrderedDict((k, v if k.endswith("inv_freq") else v + 1.0) for k, v in state.items())
+    raw = OrderedDict((wrap + k, v if k.endswith("inv_freq") else v + 1.0) for k, v in state.items())
     if drop:
         raw.pop(drop)
         ema = ema[:-1]  # keep the EMA lined up with the remaining parameters (a consistently incomplete file)
@@ -211,8 +211,11 @@ def _adlm_checkpoint(path: Path, drop: str | None = None) -> tuple[torch.nn.Modu
     return model.eval(), cfg
 
 
-def test_adlm_assumed_layout_imports(tmp_path: Path, one_torch_thread) -> None:
-    ref, cfg = _adlm_checkpoint(tmp_path / "adlm.ckpt")
+@pytest.mark.parametrize("wrap", ["", "module."])
+def test_adlm_assumed_layout_imports(wrap: str, tmp_path: Path, one_torch_thread) -> None:
+    """The assumed layout imports to the same denoiser logits (EMA weights, not the raw ones), also with DDP's
+    ``module.`` wrapper around the keys."""
+    ref, cfg = _adlm_checkpoint(tmp_path / "adlm.ckpt", wrap=wrap)
     model, got, fam = _import(tmp_path / "adlm.ckpt")
     assert fam.name == "adlm" and (got.n_blocks, got.denoiser_blocks, got.gamma, got.tau) == (2, 1, 0.003, 5)
     z = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(1))
