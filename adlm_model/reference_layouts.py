@@ -248,7 +248,8 @@ def config_bd3lm(src: Source) -> dict[str, Any]:
     f = dict(kind="bd3lm", **_dit_fields(src, "backbone.", "backbone.vocab_embed.embedding"))
     f["block_size"] = int(_need(src.find("block_size"), "the block size (block_size)", src))
     lo, hi = src.tensors.get("sampling_eps_min"), src.tensors.get("sampling_eps_max")
-    if lo is not None and hi is not None and (float(lo), float(hi)) != (1e-3, 1.0):
+    # (1e-3, 1) stored in float32: the unclipped schedule, our defaults
+    if lo is not None and hi is not None and (abs(float(lo) - 1e-3) > 1e-7 or abs(float(hi) - 1.0) > 1e-7):
         f.update(clip_low=round(float(lo), 6), clip_high=round(float(hi), 6))
     return f
 

@@ -103,6 +103,20 @@ def test_bd3lm_hub_layout_equals_reference(block: int, one_torch_thread) -> None
     assert int(valid.sum()) == int(exp["n_tokens"])
 
 
+def test_bd3lm_lightning_checkpoint_equals_reference(one_torch_thread) -> None:
+    """BD3-LM's own Lightning .ckpt (3 steps, EMA != weights; its clipping buffers in the state dict)."""
+    model, cfg, fam = _import(FIXTURES / "bd3lm-lightning" / "bd3lm.ckpt")
+    exp = load_file(str(FIXTURES / "bd3lm-lightning" / "expected.safetensors"))
+    assert (fam.name, cfg.kind, cfg.block_size, cfg.clip_low, cfg.clip_high) == ("bd3lm", "bd3lm", 4, 0.0, 1.0)
+    x0, z_t = exp["x0"], exp["z_t"]
+    with torch.no_grad():
+        logits = block_diffusion_logits(model, z_t, x0, torch.zeros(2), cfg.block_size)
+        per_token, valid = block_nelbo(model, x0, None, cfg, t=exp["t"], z_t=z_t, train=False)
+    torch.testing.assert_close(logits, exp["logits"], **TOL)
+    assert float(per_token.sum()) == pytest.approx(float(exp["nll_sum"]), rel=1e-5)
+    assert int(valid.sum()) == int(exp["n_tokens"])
+
+
 # ------------------------------------------------------------------------------------------------
 # Pickle safety
 
