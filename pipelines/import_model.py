@@ -86,7 +86,7 @@ def fetch_source(source: str, revision: str | None, tmp: Path) -> tuple[Path, st
                 return download_dir(source, tmp / "download"), "uri"
         except (OSError, StorageError) as e:
             raise ImportInputError(f"cannot read {source} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                               "check the URI and the object store's credentials") from None
+                                   "check the URI and the object store's credentials") from None
         raise ImportInputError(f"{source} does not exist in the object store")
     local = local_path(source)
     if local is not None and local.exists():
@@ -98,13 +98,13 @@ def fetch_source(source: str, revision: str | None, tmp: Path) -> tuple[Path, st
     from huggingface_hub import snapshot_download
 
     try:
-        path = snapshot_download(repo_id=source, revision=revision, allow_patterns=HUB_FILES,
-                                 cache_dir=str(tmp / "hub"))
+        # the Hugging Face cache (HF_HOME): a second import of the same revision downloads nothing
+        path = snapshot_download(repo_id=source, revision=revision, allow_patterns=HUB_FILES)
     except hub_errors() as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ImportInputError(f"cannot download {source}{'@' + revision if revision else ''} from the Hugging Face "
-                           f"Hub ({type(e).__name__}: {first[:160]}); with no network, download the folder "
-                           "elsewhere and pass its path") from None
+                               f"Hub ({type(e).__name__}: {first[:160]}); with no network, download the folder "
+                               "elsewhere and pass its path") from None
     return Path(path), "hub"
 
 
@@ -114,7 +114,7 @@ def _sha256(files: list[Path]) -> dict[str, str]:
     return {f.name: sha256_file(f) for f in files}
 
 
-def _tokenizer(spec: str | None, src: Any, fam: Any, width: int, local: Path) -> Any:
+def _tokenizer(spec: str | None, src: Any, width: int, local: Path) -> Any:
     from pipelines.data.tokenizer import TokenizerError, load_tokenizer
 
     if spec is None and src.layout == "export":
@@ -123,15 +123,15 @@ def _tokenizer(spec: str | None, src: Any, fam: Any, width: int, local: Path) ->
         spec = DEFAULT_TOKENIZERS.get(width)
     if spec is None:
         raise ImportInputError(f"the checkpoint's embedding has {width} rows, which names no released tokenizer "
-                           "(50258: gpt2 with the mask appended, 30522: bert-base-uncased); pass --tokenizer")
+                               "(50258: gpt2 with the mask appended, 30522: bert-base-uncased); pass --tokenizer")
     try:
         tok = load_tokenizer(spec)
     except TokenizerError as e:
         raise ImportInputError(str(e)) from None
     if tok.width != width:
         raise ImportInputError(f"tokenizer {tok.name!r} (vocabulary {tok.vocab_size}, mask {tok.mask_id}: width "
-                           f"{tok.width}) does not fit the checkpoint's embedding of {width} rows; pass the "
-                           "tokenizer the model was trained with (--tokenizer)")
+                               f"{tok.width}) does not fit the checkpoint's embedding of {width} rows; pass the "
+                               "tokenizer the model was trained with (--tokenizer)")
     return tok
 
 
@@ -173,12 +173,12 @@ def import_model(source: str, *, name: str | None = None, revision: str | None =
             return {"inspected": str(local), "family": fam.name if fam else None, "tensors": len(src.tensors)}
         fam = rl.family(family) if family else rl.detect_family(src)
         width = rl.embedding_width(src, fam)
-        tok = _tokenizer(tokenizer, src, fam, width, local)
+        tok = _tokenizer(tokenizer, src, width, local)
         model, cfg = rl.convert(src, fam, tok.vocab_size, tok.mask_id)
         digests = _sha256(src.files)
         # a Hub snapshot's folder is named after the commit it resolved to: the revision recorded
         hub_revision = local.name if where == "hub" else (revision or "")
-        provenance = {"source": source, "source_kind": where, "revision": hub_revision, "family": fam.name,
+        provenance = {"source": str(local.resolve()) if where == "local" else source, "source_kind": where, "revision": hub_revision, "family": fam.name,
                       "reference": fam.reference, "reference_commit": fam.commit, "license": fam.license,
                       "sha256": digests, "ema": src.ema is not None, **src.extra}
         # The checkpoint folder in our layout: the weights (EMA already in place), config, tokenizer.
