@@ -54,7 +54,7 @@ def test_an_imported_version_is_evaluated_staged_sampled_served_and_lm_evaluated
     from pipelines.evaluation.lm_eval_model import ADLMEvalLM
     from pipelines.evaluation.promotion import PromotionConfig, stage_all
     from pipelines.generate import main as generate
-    from pipelines.import_model import import_model
+    from pipelines.serving.importing import import_model
     from pipelines.storage import sha256_file
 
     workdir = tmp_path / "work"

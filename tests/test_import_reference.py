@@ -301,8 +301,8 @@ def test_exported_version_reimports_to_the_same_weights(kind: str, tmp_path: Pat
     """Our own Hub layout (python -m pipelines.export's folder, model_type adlm) is a source too: an exported
     MDLM-family checkpoint re-imports bit for bit, with its tokenizer."""
     from adlm_model.checkpoint import save_checkpoint
-    from pipelines.import_model import _tokenizer
     from pipelines.serving.export import export_model
+    from pipelines.serving.importing import _tokenizer
 
     cfg = ModelConfig(kind=kind, vocab_size=64, mask_id=64, seq_len=16, hidden=16, heads=2, n_blocks=1, cond_dim=8,
                       block_size=4)
