@@ -1,0 +1,459 @@
+"""The released checkpoints' layouts and how each maps onto this code's networks (issue 34; README "Released
+models").
+
+A *family* is one table entry (:data:`FAMILIES`): the model kind it becomes, the reference repository and commit
+whose layout it follows, how to recognise it, how to read its hyper-parameters and one function mapping a
+reference state-dict key to ours. Adding a family (SEDD, say) is one entry plus one mapping function.
+
+Reading (:func:`read_source`) takes a Lightning ``.ckpt`` (through :mod:`adlm_model.safe_pickle`: never plain
+pickle), a Hub-layout folder (``config.json`` + safetensors, or a ``pytorch_model.bin``; remote code is never
+run) or this project's own export folder (``model_type: adlm``). A Lightning checkpoint's ``ema`` shadow
+parameters replace the raw weights (what the references evaluate and release). :func:`convert` builds our
+network and loads every tensor, or refuses in one line listing the keys that did not map: never a half-loaded
+model.
+
+Conventions that differ between the references and this code (each checked by the fixture tests):
+
+- embedding: the references keep a Parameter ``vocab_embed.embedding``; ours is ``nn.Embedding``
+  (``vocab_embed.weight``), same (width, hidden) matrix;
+- rotary: the references store ``rotary_emb.inv_freq`` (base 10000, rotate-half) as a buffer; ours computes the
+  same frequencies (non-persistent): the stored one is checked equal and dropped;
+- mask id: appended after the vocabulary (GPT-2: 50257, width 50258) or the tokenizer's own ``[MASK]``
+  (BERT: 103); its logit is -inf here, -1e6 (MDLM, BD3-LM) or -1000 (AR) in the references;
+- BD3-LM's learned clipped schedule (buffers ``sampling_eps_min/max``) becomes ``clip_low``/``clip_high``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file
+
+from .checkpoint import CheckpointError
+from .config import ModelConfig
+from .kinds import build_model
+from .safe_pickle import load_pickled, plain
+
+DROP = ""
+"""What a mapping function returns for a reference key that is a derived constant, checked and not loaded."""
+
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
+
+
+class ImportRefused(CheckpointError):
+    """A checkpoint that cannot be imported exactly (unknown layout, unmatched keys, wrong shapes)."""
+
+
+@dataclass
+class Source:
+    """What was read from a released checkpoint."""
+
+    tensors: dict[str, torch.Tensor]
+    """The state dict as the file stores it (Lightning: the module's ``state_dict``; Hub: the safetensors)."""
+    hparams: dict[str, Any]
+    """Saved hyper-parameters as plain data: a Lightning ``hyper_parameters`` tree or a Hub ``config.json``."""
+    layout: str
+    """``lightning``, ``hub`` or ``export`` (this project's own folder)."""
+    files: list[Path]
+    """The files read (their sha256 go into the version's tags)."""
+    ema: list[torch.Tensor] | None = None
+    """A Lightning checkpoint's EMA shadow parameters, in the order of the module's parameters."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Top-level entries of a Lightning checkpoint besides the weights (epoch, global_step, versions)."""
+
+    def find(self, *names: str) -> Any:
+        """The first hyper-parameter of ``names`` (depth first), looked up in a ``model`` sub-tree first (the
+        references' ``config.model``: ``algo.dropout`` is not the network's), then anywhere; else None."""
+        def walk(o: Any, inside: bool) -> Any:
+            if isinstance(o, dict):
+                if inside:
+                    for n in names:
+                        if n in o and not isinstance(o[n], dict):
+                            return o[n]
+                for k, v in o.items():
+                    r = walk(v, inside or k == "model")
+                    if r is not None:
+                        return r
+            return None
+
+        found = walk(self.hparams, False)
+        return found if found is not None else walk(self.hparams, True)
+
+
+def _read_hub_weights(d: Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [d / s for s in shards]
+    elif (d / "model.safetensors").is_file():
+        files = [d / "model.safetensors"]
+    elif (d / "pytorch_model.bin").is_file():
+        return dict(load_pickled(d / "pytorch_model.bin")), [d / "pytorch_model.bin"]
+    else:
+        raise ImportRefused(f"{d} holds no weights (model.safetensors, its index or pytorch_model.bin)")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors, files
+
+
+def normalise_key(key: str) -> str:
+    """A state-dict key without the wrappers training adds around a module: DDP's leading ``module.`` and
+    ``torch.compile``'s ``_orig_mod.``."""
+    key = key.replace("_orig_mod.", "")
+    return key[len("module."):] if key.startswith("module.") else key
+
+
+def read_source(path: str | os.PathLike) -> Source:
+    """Read a Lightning checkpoint file, a Hub-layout folder or this project's export folder (no code run)."""
+    p = Path(path)
+    if p.is_dir():
+        cfg_file = p / "config.json"
+        if not cfg_file.is_file():
+            raise ImportRefused(f"{p} has no config.json: pass a Hub-layout folder or a Lightning .ckpt file")
+        hp = json.loads(cfg_file.read_text())
+        tensors, files = _read_hub_weights(p)
+        tensors = {normalise_key(k): v for k, v in tensors.items()}
+        layout = "export" if hp.get("model_type") == "adlm" and "model" in hp else "hub"
+        return Source(tensors, hp, layout, [cfg_file, *files])
+    if not p.is_file():
+        raise ImportRefused(f"{p} does not exist")
+    if p.suffix == ".safetensors":
+        raise ImportRefused(f"{p} is a bare safetensors file: pass the folder that holds it with its config.json")
+    if p.suffix not in PICKLE_SUFFIXES:
+        raise ImportRefused(f"{p}: not a checkpoint this importer reads (a Lightning .ckpt, a .bin/.pt, or a folder)")
+    obj = load_pickled(p)
+    if not isinstance(obj, dict):
+        raise ImportRefused(f"{p} holds a {type(obj).__name__}, not a checkpoint dictionary")
+    if "state_dict" in obj:
+        state = obj["state_dict"]
+        ema = obj.get("ema")
+        shadow = ema.get("shadow_params") if isinstance(ema, dict) else None
+        extra = {k: plain(v) for k, v in obj.items() if k in ("epoch", "global_step", "pytorch-lightning_version")}
+        return Source({normalise_key(k): v for k, v in state.items()}, plain(obj.get("hyper_parameters") or {}),
+                      "lightning", [p],
+                      ema=list(shadow) if shadow else None, extra=extra)
+    if all(isinstance(v, torch.Tensor) for v in obj.values()):  # a bare state dict (torch.save(model.state_dict()))
+        return Source({normalise_key(k): v for k, v in obj.items()}, {}, "hub", [p])
+    raise ImportRefused(f"{p} is a pickle without a 'state_dict': not a Lightning checkpoint of the references "
+                        f"(top-level keys: {', '.join(map(str, list(obj)[:8]))})")
+
+
+# --------------------------------------------------------------------------------------------------
+# The mapping functions: reference key -> our key, DROP, or None (unmatched)
+
+_DIT_PARTS = ("sigma_map.", "blocks.", "output_layer.")
+
+
+def _dit_key(rest: str, ours: str) -> str | None:
+    """A key inside one reference DiT (``rest``, after its prefix) -> ours under prefix ``ours``."""
+    if rest == "vocab_embed.embedding":
+        return f"{ours}vocab_embed.weight"
+    if rest == "rotary_emb.inv_freq":
+        return DROP
+    if rest.startswith(_DIT_PARTS):
+        return ours + rest
+    return None
+
+
+def map_backbone(key: str) -> str | None:
+    """MDLM / AR / BD3-LM (Lightning and Hub): one DiT under ``backbone.``; BD3-LM's clipping buffers are read by
+    its config function."""
+    if key in ("sampling_eps_min", "sampling_eps_max"):
+        return DROP
+    return _dit_key(key[len("backbone."):], "backbone.") if key.startswith("backbone.") else None
+
+
+def map_identity(key: str) -> str | None:
+    """This project's own export: our keys already."""
+    return key
+
+
+# ADLM (assumed layout, README "Released models"): ReMDM's Lightning module (the network under ``backbone.``)
+# with the anchor network and the denoiser; the denoiser's token embedding replaced by a dense input layer.
+ADLM_ANCHOR_PREFIXES = ("backbone.anchor.", "anchor.", "backbone.")
+ADLM_DENOISER_PREFIXES = ("backbone.denoiser.", "denoiser.", "backbone2.")
+ADLM_DENSE_INPUT_NAMES = ("dense_in", "vocab_embed", "input_proj", "in_proj")
+
+
+def map_adlm(key: str) -> str | None:
+    for pre in ADLM_DENOISER_PREFIXES:  # first: "backbone.denoiser." also starts with "backbone."
+        if key.startswith(pre):
+            rest = key[len(pre):]
+            m = re.fullmatch(r"([A-Za-z_]+)\.(weight|bias)", rest)
+            if m and m.group(1) in ADLM_DENSE_INPUT_NAMES:
+                return f"denoiser.dense_in.{m.group(2)}"
+            return _dit_key(rest, "denoiser.")
+    for pre in ADLM_ANCHOR_PREFIXES:
+        if key.startswith(pre):
+            return _dit_key(key[len(pre):], "anchor.")
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# The config functions: Source (+ its weights) -> ModelConfig fields besides vocab_size / mask_id
+
+
+def _blocks(tensors: dict[str, torch.Tensor], prefix: str) -> int:
+    idx = {int(m.group(1)) for k in tensors if (m := re.match(re.escape(prefix) + r"blocks\.(\d+)\.", k))}
+    return max(idx) + 1 if idx else 0
+
+
+def _need(value: Any, what: str, src: Source) -> Any:
+    if value is None:
+        raise ImportRefused(f"the checkpoint's hyper-parameters do not give {what} ({src.layout} layout); "
+                            "pass --family and check the file is a released checkpoint")
+    return value
+
+
+def _dit_fields(src: Source, prefix: str, embed_key: str) -> dict[str, Any]:
+    t = src.tensors
+    if embed_key not in t:
+        raise ImportRefused(f"no {embed_key} in the checkpoint: not this family's layout")
+    hidden = t[embed_key].shape[1]
+    fields = dict(hidden=hidden, n_blocks=_blocks(t, prefix),
+                  heads=int(_need(src.find("n_heads"), "the number of heads (n_heads)", src)),
+                  seq_len=int(_need(src.find("length", "model_length"), "the sequence length (model.length)", src)),
+                  dropout=float(src.find("dropout") or 0.0))
+    mlp = t.get(f"{prefix}blocks.0.mlp.0.weight")
+    if mlp is not None:
+        fields["mlp_ratio"] = mlp.shape[0] // hidden
+    sig = t.get(f"{prefix}sigma_map.mlp.0.weight")
+    if sig is not None:
+        fields["cond_dim"] = sig.shape[0]
+    tc = src.find("time_conditioning")
+    fields["time_conditioning"] = bool(tc) if tc is not None else False
+    return fields
+
+
+def config_mdlm(src: Source) -> dict[str, Any]:
+    return dict(kind="mdlm", **_dit_fields(src, "backbone.", "backbone.vocab_embed.embedding"))
+
+
+def config_ar(src: Source) -> dict[str, Any]:
+    f = _dit_fields(src, "backbone.", "backbone.vocab_embed.embedding")
+    f.pop("cond_dim", None)
+    return dict(kind="ar", adaln=False, **f)
+
+
+def config_bd3lm(src: Source) -> dict[str, Any]:
+    f = dict(kind="bd3lm", **_dit_fields(src, "backbone.", "backbone.vocab_embed.embedding"))
+    f["block_size"] = int(_need(src.find("block_size"), "the block size (block_size)", src))
+    lo, hi = src.tensors.get("sampling_eps_min"), src.tensors.get("sampling_eps_max")
+    # (1e-3, 1) stored in float32: the unclipped schedule, our defaults
+    if lo is not None and hi is not None and (abs(float(lo) - 1e-3) > 1e-7 or abs(float(hi) - 1.0) > 1e-7):
+        f.update(clip_low=round(float(lo), 6), clip_high=round(float(hi), 6))
+    return f
+
+
+def config_adlm(src: Source) -> dict[str, Any]:
+    anchor = next((p for p in ADLM_ANCHOR_PREFIXES if f"{p}vocab_embed.embedding" in src.tensors), None)
+    den = next((p for p in ADLM_DENOISER_PREFIXES if any(k.startswith(p) for k in src.tensors)), None)
+    if anchor is None or den is None:
+        raise ImportRefused("not an ADLM layout: it needs an anchor network (backbone.vocab_embed.embedding) and a "
+                            f"denoiser (keys under one of {', '.join(ADLM_DENOISER_PREFIXES)})")
+    f = dict(kind="adlm", **_dit_fields(src, anchor, f"{anchor}vocab_embed.embedding"))
+    f["denoiser_blocks"] = _blocks(src.tensors, den)
+    gamma, tau = src.find("base_scaling_factor1"), src.find("threshold")
+    if gamma is not None:
+        f["gamma"] = float(gamma)
+    if tau is not None:
+        f["tau"] = int(tau)
+    return f
+
+
+def config_export(src: Source) -> dict[str, Any]:
+    d = dict(src.hparams["model"])
+    d.pop("vocab_size", None)
+    d.pop("mask_id", None)
+    return d
+
+
+# --------------------------------------------------------------------------------------------------
+# The table
+
+
+def _has(*keys: str) -> Callable[[Source], bool]:
+    return lambda s: all(k in s.tensors for k in keys)
+
+
+def _lightning_kind(src: Source) -> str | None:
+    return src.find("parameterization") if src.layout == "lightning" else None
+
+
+def _adlm_like(src: Source) -> bool:
+    return src.layout != "export" and (src.find("enable_anchor_loss") is not None
+                                       or any(k.startswith(ADLM_DENOISER_PREFIXES) for k in src.tensors))
+
+
+@dataclass(frozen=True)
+class Family:
+    """One released layout."""
+
+    name: str
+    kind: str
+    """The ``ModelConfig.kind`` it becomes."""
+    reference: str
+    """Repository (and commit) whose layout it follows, and which the fixture's figures came from."""
+    commit: str
+    license: str
+    matches: Callable[[Source], bool]
+    config: Callable[[Source], dict[str, Any]]
+    map_key: Callable[[str], str | None]
+    buffers: tuple[str, ...] = ("rotary_emb.inv_freq", "sampling_eps_min", "sampling_eps_max")
+    """Suffixes of the state-dict keys that are buffers, not parameters (the EMA holds parameters only)."""
+    note: str = ""
+
+
+MDLM_COMMIT = "c112c526d193436838c98d81455ee51f90309470"
+BD3LMS_COMMIT = "1c3e8f43d88dfbcee5ff2aa6932a9e74b31ae1d7"
+REMDM_COMMIT = "f830d659fb98d9b2c79ff71bfa12d578312b688a"
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("mdlm", "mdlm", "kuleshov-group/mdlm", MDLM_COMMIT, "apache-2.0",
+           lambda s: (s.layout == "lightning" and _lightning_kind(s) == "subs" and not _adlm_like(s)
+                      and s.find("cross_attn") is not True
+                      and _has("backbone.vocab_embed.embedding", "backbone.sigma_map.mlp.0.weight")(s))
+           or (s.layout == "hub" and s.hparams.get("model_type") == "mdlm"),
+           config_mdlm, map_backbone,
+           note="Lightning .ckpt of its Diffusion module (EMA applied) or the Hub layout of kuleshov-group/mdlm-owt"),
+    Family("ar", "ar", "kuleshov-group/mdlm", MDLM_COMMIT, "apache-2.0",
+           lambda s: s.layout == "lightning" and _lightning_kind(s) == "ar"
+           and _has("backbone.vocab_embed.embedding")(s) and "backbone.sigma_map.mlp.0.weight" not in s.tensors,
+           config_ar, map_backbone, note="MDLM's AR baseline (.ckpt): causal, no adaLN"),
+    Family("bd3lm", "bd3lm", "kuleshov-group/bd3lms", BD3LMS_COMMIT, "apache-2.0",
+           lambda s: (s.layout == "hub" and s.hparams.get("model_type") == "bd3lm")
+           or (s.layout == "lightning" and s.find("cross_attn") is True and s.find("block_size") is not None),
+           config_bd3lm, map_backbone, note="its models/hf Hub layout (kuleshov-group/bd3lm-owt-block_size*)"),
+    Family("adlm", "adlm", "kuleshov-group/remdm (Lightning module; ADLM's layout assumed)", REMDM_COMMIT, "unknown",
+           _adlm_like,
+           config_adlm, map_adlm, note="assumed layout: anchor under backbone., denoiser under denoiser."),
+    Family("adlm-export", "", "this project (python -m pipelines.export)", "", "see the model card",
+           lambda s: s.layout == "export", config_export, map_identity, buffers=(),
+           note="this project's exported folder (model_type adlm)"),
+)}
+
+
+def detect_family(src: Source) -> Family:
+    hits = [f for f in FAMILIES.values() if f.matches(src)]
+    if len(hits) != 1:
+        what = "no family" if not hits else f"several families ({', '.join(f.name for f in hits)})"
+        keys = ", ".join(list(src.tensors)[:6])
+        raise ImportRefused(f"{what} matches this {src.layout} checkpoint (first keys: {keys}); pass --family "
+                            f"({', '.join(FAMILIES)})")
+    return hits[0]
+
+
+def family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ImportRefused(f"unknown family {name!r}: use one of {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+# --------------------------------------------------------------------------------------------------
+# Conversion
+
+
+def weights(src: Source, fam: Family) -> dict[str, torch.Tensor]:
+    """The tensors to load: a Lightning checkpoint's EMA shadow parameters put in place of its parameters
+    (the EMA lists the module's parameters in order: the state dict's keys less its buffers)."""
+    state = dict(src.tensors)
+    if src.ema is None:
+        return state
+    params = [k for k in state if not k.endswith(fam.buffers)]
+    if len(params) != len(src.ema) or any(state[k].shape != e.shape for k, e in zip(params, src.ema, strict=True)):
+        raise ImportRefused(f"the checkpoint's EMA ({len(src.ema)} tensors) does not line up with its "
+                            f"{len(params)} parameters: not a {fam.name} checkpoint as its reference saves it")
+    for k, e in zip(params, src.ema, strict=True):
+        state[k] = e
+    return state
+
+
+def model_config(src: Source, fam: Family, vocab_size: int, mask_id: int) -> ModelConfig:
+    fields = fam.config(src)
+    if not fields.get("kind"):
+        fields["kind"] = src.hparams["model"]["kind"]
+    try:
+        return ModelConfig.from_dict({**fields, "vocab_size": vocab_size, "mask_id": mask_id})
+    except ValueError as e:
+        raise ImportRefused(f"the checkpoint's hyper-parameters make no valid model: {e}") from None
+
+
+def embedding_width(src: Source, fam: Family) -> int:
+    """Rows of the checkpoint's token embedding (vocabulary plus an appended mask)."""
+    for k, v in src.tensors.items():
+        if k.endswith(("vocab_embed.embedding", "vocab_embed.weight")) and "denoiser" not in k:
+            return int(v.shape[0])
+    raise ImportRefused(f"no token embedding (vocab_embed) in this {fam.name} checkpoint")
+
+
+def _check_rotary(key: str, value: torch.Tensor) -> str | None:
+    d = value.numel() * 2
+    expected = 1.0 / (10000.0 ** (torch.arange(0, d, 2).double() / d))
+    if not torch.allclose(value.double(), expected, rtol=1e-6, atol=0):
+        return f"{key} (rotary frequencies other than base 10000)"
+    return None
+
+
+def summarise_keys(keys: list[str], limit: int = 12) -> str:
+    """``keys`` comma-separated; past ``limit``, grouped by their pattern with block indices as ``N``
+    (``denoiser.blocks.N.attn_qkv.weight x12``), so that a wholly unmatched network stays one readable line."""
+    if len(keys) <= limit:
+        return ", ".join(keys)
+    groups: dict[str, int] = {}
+    for k in keys:
+        pattern = re.sub(r"\.\d+\.", ".N.", k)
+        groups[pattern] = groups.get(pattern, 0) + 1
+    return ", ".join(f"{p} x{n}" if n > 1 else p for p, n in groups.items())
+
+
+def convert(src: Source, fam: Family, vocab_size: int, mask_id: int) -> tuple[nn.Module, ModelConfig]:
+    """Our network with every tensor of ``src`` in place, in eval mode; ImportRefused (one line listing the
+    unmatched keys) when the layout does not map completely: nothing is half loaded."""
+    cfg = model_config(src, fam, vocab_size, mask_id)
+    state = weights(src, fam)
+    model = build_model(cfg)
+    ours = model.state_dict()
+    mapped: dict[str, torch.Tensor] = {}
+    unmatched: list[str] = []
+    for key, value in state.items():
+        target = fam.map_key(key)
+        if target == DROP:
+            bad = _check_rotary(key, value) if key.endswith("rotary_emb.inv_freq") else None
+            if bad:
+                unmatched.append(bad)
+            continue
+        if target is None or target not in ours:
+            unmatched.append(key)
+        elif ours[target].shape != value.shape:
+            unmatched.append(f"{key} {tuple(value.shape)} (ours {target} {tuple(ours[target].shape)})")
+        else:
+            mapped[target] = value
+    missing = [k for k in ours if k not in mapped]
+    if unmatched or missing:
+        parts = []
+        if unmatched:
+            parts.append(f"{len(unmatched)} unmatched key(s): {summarise_keys(unmatched)}")
+        if missing:
+            parts.append(f"{len(missing)} of our key(s) left empty: {summarise_keys(missing)}")
+        raise ImportRefused(f"the {fam.name} layout does not map completely onto {cfg.kind}: {'; '.join(parts)}")
+    model.load_state_dict({k: v.to(ours[k].dtype) for k, v in mapped.items()}, strict=True)
+    return model.eval(), cfg
+
+
+def key_tree(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """One line per tensor, ``key  shape  dtype``, for ``--inspect``."""
+    width = max((len(k) for k in tensors), default=0)
+    return [f"{k:<{width}}  {tuple(v.shape)}  {str(v.dtype).removeprefix('torch.')}" for k, v in tensors.items()]
+
+
+__all__ = ["DROP", "FAMILIES", "Family", "ImportRefused", "Source", "convert", "detect_family", "embedding_width",
+           "family", "key_tree", "model_config", "read_source", "weights"]

@@ -1,0 +1,198 @@
+"""Reading the references' pickled checkpoints (Lightning ``.ckpt``, ``pytorch_model.bin``) without running them.
+
+A ``.ckpt`` is a pickle: loading one with plain ``torch.load`` runs whatever callable it names. The references'
+checkpoints hold more than tensors: MDLM's Lightning module saves its hyper-parameters (an OmegaConf
+``DictConfig``) *and its tokenizer object* (``transformers`` / ``tokenizers`` classes), which
+``torch.load(weights_only=True)`` refuses and which this code must never import. So the file goes through
+``torch.load`` with a restricted unpickler:
+
+- tensors, storages, dtypes, ``torch.Size``, ``OrderedDict`` / ``defaultdict``, builtin containers and numpy
+  arrays are rebuilt as they are (the allowlist below, all data constructors);
+- any other *class* (CapWords name) of a module outside the denylist becomes an inert stand-in (:class:`Opaque`)
+  that keeps the arguments and state the pickle gives it and runs nothing; the OmegaConf containers and nodes
+  and Lightning's ``AttributeDict`` among them are turned into plain dicts, lists and values by :func:`plain`;
+- everything else (a function such as ``os.system`` or ``builtins.eval``, or anything from ``os``,
+  ``subprocess``, ``builtins``, ...) is refused with :class:`UnsafePickleError`, before it is called.
+
+Nothing outside the allowlist is ever imported, so loading cannot run code of the file's choosing.
+"""
+
+from __future__ import annotations
+
+import codecs
+import collections
+import os
+import pickle
+import types
+from typing import Any
+
+import numpy as np
+import torch
+
+# Modules whose names are refused outright (even CapWords ones): what a planted pickle reaches for.
+DENIED_MODULES = frozenset({
+    "os", "posix", "nt", "sys", "subprocess", "builtins", "__builtin__", "shutil", "importlib", "runpy",
+    "pickle", "_pickle", "marshal", "types", "ctypes", "socket", "code", "codeop", "pty", "webbrowser", "io",
+    "_io", "operator", "functools", "inspect", "multiprocessing", "threading", "signal", "tempfile", "glob", "urllib", "http", "requests", "asyncio", "platform", "_posixsubprocess", "pdb", "timeit", "sysconfig",
+})
+
+_BUILTINS: dict[str, Any] = {n: getattr(__import__("builtins"), n) for n in (
+    "dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str", "bytes", "bytearray", "complex",
+    "slice", "object")}
+_BUILTINS["long"] = int  # protocol-2 pickles written by Python 2 code name it so
+
+
+def _np(mod: str, name: str) -> Any:
+    for m in (mod, mod.replace("numpy.core", "numpy._core"), mod.replace("numpy._core", "numpy.core")):
+        try:
+            return getattr(__import__(m, fromlist=[name]), name)
+        except (ImportError, AttributeError):
+            continue
+    raise AttributeError(f"{mod}.{name}")
+
+
+# Data constructors rebuilt as they are: (module, name) -> object.
+ALLOWED: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("collections", "defaultdict"): collections.defaultdict,
+    ("torch._utils", "_rebuild_tensor"): torch._utils._rebuild_tensor,
+    ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,
+    ("torch", "Size"): torch.Size,
+    ("torch", "device"): torch.device,
+    ("_codecs", "encode"): codecs.encode,
+    **{("builtins", n): v for n, v in _BUILTINS.items()},
+    **{("__builtin__", n): v for n, v in _BUILTINS.items()},
+}
+_NUMPY = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
+          ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
+          ("numpy._core.multiarray", "scalar")}
+
+
+class UnsafePickleError(ValueError):
+    """A pickle that names something loading would run (code, not data)."""
+
+
+class Opaque(dict):
+    """An inert stand-in for a class the loader does not import: whatever the pickle hands it (constructor
+    arguments, ``__setstate__`` state, dict items, list items) is kept; nothing runs. ``ref`` names the class."""
+
+    ref = "?"
+
+    def __new__(cls, *args: Any, **kw: Any) -> Opaque:
+        obj = dict.__new__(cls)
+        obj.args, obj.kwargs, obj.state, obj.items_ = args, kw, None, []
+        return obj
+
+    def __init__(self, *args: Any, **kw: Any) -> None:  # the constructor runs nothing
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def append(self, x: Any) -> None:
+        self.items_.append(x)
+
+    def extend(self, xs: Any) -> None:
+        self.items_.extend(xs)
+
+    def __reduce__(self) -> Any:  # never re-pickled as the class it stands for
+        return (dict, (dict(self),))
+
+    def __repr__(self) -> str:
+        return f"<{self.ref}>"
+
+
+_OPAQUE: dict[str, type[Opaque]] = {}
+
+
+def _opaque(module: str, name: str) -> type[Opaque]:
+    ref = f"{module}.{name}"
+    if ref not in _OPAQUE:
+        _OPAQUE[ref] = types.new_class(name, (Opaque,), {}, lambda ns: ns.update(ref=ref))
+    return _OPAQUE[ref]
+
+
+def _reconstructor(cls: Any, base: Any, state: Any = None) -> Any:
+    """``copyreg._reconstructor`` for the stand-ins only (the real one would call ``base.__new__`` /
+    ``base.__init__`` of the file's choosing)."""
+    if isinstance(cls, type) and issubclass(cls, Opaque):
+        return cls(state)
+    raise UnsafePickleError(f"copyreg._reconstructor of {cls!r}")
+
+
+def resolve_global(module: str, name: str) -> Any:
+    """What the restricted unpickler hands the pickle for ``module.name``; raises UnsafePickleError."""
+    if (module, name) in ALLOWED:
+        return ALLOWED[(module, name)]
+    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    if (module, name) in _NUMPY:
+        return _np(module, name)
+    if (module, name) == ("copyreg", "_reconstructor"):
+        return _reconstructor
+    root = module.split(".")[0]
+    if root not in DENIED_MODULES and name[:1].isupper() and name.isidentifier():
+        return _opaque(module, name)
+    raise UnsafePickleError(f"{module}.{name}")
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return resolve_global(module, name)
+
+
+# What ``torch.load(pickle_module=...)`` needs of a pickle module.
+restricted = types.SimpleNamespace(__name__=__name__, Unpickler=RestrictedUnpickler,
+                                   load=lambda f, **kw: RestrictedUnpickler(f, **kw).load())
+
+
+def load_pickled(path: str | os.PathLike) -> Any:
+    """The contents of a ``torch.save`` file (zip or legacy) on the CPU, through the restricted unpickler.
+
+    Raises UnsafePickleError (one line naming the file and the refused callable) when the file names code."""
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=False, pickle_module=restricted)
+    except UnsafePickleError as e:
+        raise UnsafePickleError(
+            f"{path} names {e}, which loading would call (code, not data): refused; only tensors and the "
+            "references' containers are read from a pickle (use the model's safetensors if it has them)") from None
+
+
+def plain(obj: Any, _seen: frozenset[int] = frozenset()) -> Any:
+    """Plain data (dicts, lists, scalars, strings) of a loaded hyper-parameter tree: OmegaConf containers and
+    nodes and Lightning's ``AttributeDict`` by their content; any other stand-in as ``'<module.Class>'``;
+    tensors left out (``'<tensor>'``)."""
+    if id(obj) in _seen:
+        return "<cycle>"
+    seen = _seen | {id(obj)}
+    if isinstance(obj, Opaque):
+        ref = obj.ref
+        state = obj.state if isinstance(obj.state, dict) else {}
+        if ref.endswith(".DictConfig"):
+            content = state.get("_content")
+            return plain(content, seen) if isinstance(content, dict) else plain(content, seen) if content else {}
+        if ref.endswith(".ListConfig"):
+            content = state.get("_content")
+            return [plain(v, seen) for v in content] if isinstance(content, list) else plain(content, seen)
+        if ref.startswith("omegaconf.nodes."):
+            return plain(state.get("_val"), seen)
+        if ref.endswith("AttributeDict"):
+            return {str(k): plain(v, seen) for k, v in dict.items(obj)}
+        if ref == "argparse.Namespace":  # older Lightning hyper-parameters: its attributes are its state
+            return plain(state, seen)
+        return f"<{ref}>"
+    if isinstance(obj, dict):
+        return {str(k): plain(v, seen) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v, seen) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return "<tensor>"
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return f"<{type(obj).__name__}>"
+
+
+__all__ = ["Opaque", "UnsafePickleError", "load_pickled", "plain", "resolve_global"]

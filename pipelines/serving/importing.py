@@ -1,0 +1,190 @@
+"""The machinery of ``python -m pipelines.import_model`` (README "Released models"): fetch the source (a Hub id
+through ``huggingface_hub``, an object store, a local path), read it with ``adlm_model.reference_layouts`` (no
+code of the checkpoint runs), pick the tokenizer the model was trained with, and register the mapped weights as a
+version like a trained one (``registry.register_checkpoint``), tagged with its provenance. Every refusal is one
+line, raised before anything is written to the registry."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("adlm.import")
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "README.md", "LICENSE*"]
+# The tokenizer a released model was trained with, by its embedding width (vocabulary + appended mask).
+DEFAULT_TOKENIZERS = {50258: "gpt2", 30522: "bert-base-uncased"}
+EXPERIMENT = "imports"
+
+
+class ImportInputError(ValueError):
+    """Bad input to the importer: one line, before any registry write."""
+
+
+def fetch_source(source: str, revision: str | None, tmp: Path) -> tuple[Path, str]:
+    """A local path for ``source`` and what kind it was (``local``, ``uri``, ``hub``)."""
+    from pipelines.storage import StorageError, download_dir, exists, get_fs, hub_errors, is_file, is_uri, local_path
+
+    if is_uri(source):
+        try:
+            if is_file(source):
+                fs, inner = get_fs(source)
+                dst = tmp / Path(inner).name
+                with fs.open_input_stream(inner) as f, open(dst, "wb") as out:
+                    while chunk := f.read(1 << 22):
+                        out.write(chunk)
+                return dst, "uri"
+            if exists(source):
+                return download_dir(source, tmp / "download"), "uri"
+        except (OSError, StorageError) as e:
+            raise ImportInputError(f"cannot read {source} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                                   "check the URI and the object store's credentials") from None
+        raise ImportInputError(f"{source} does not exist in the object store")
+    local = local_path(source)
+    if local is not None and local.exists():
+        if revision:
+            raise ImportInputError("--revision applies to a Hub id only, not to a local path")
+        return local, "local"
+    if source.startswith("file://") or not HUB_ID.match(source):
+        raise ImportInputError(f"{source} is neither a file, a folder, an object-store URI nor a Hub id (owner/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        # the Hugging Face cache (HF_HOME): a second import of the same revision downloads nothing
+        path = snapshot_download(repo_id=source, revision=revision, allow_patterns=HUB_FILES)
+    except hub_errors() as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ImportInputError(f"cannot download {source}{'@' + revision if revision else ''} from the Hugging Face "
+                               f"Hub ({type(e).__name__}: {first[:160]}); with no network, download the folder "
+                               "elsewhere and pass its path") from None
+    return Path(path), "hub"
+
+
+def _sha256(files: list[Path]) -> dict[str, str]:
+    from pipelines.storage import sha256_file
+
+    return {f.name: sha256_file(f) for f in files}
+
+
+def _tokenizer(spec: str | None, src: Any, width: int, local: Path) -> Any:
+    from pipelines.data.tokenizer import TokenizerError, load_tokenizer
+
+    if spec is None and src.layout == "export":
+        spec = str(local / "tokenizer.json")
+    if spec is None:
+        spec = DEFAULT_TOKENIZERS.get(width)
+    if spec is None:
+        raise ImportInputError(f"the checkpoint's embedding has {width} rows, which names no released tokenizer "
+                               "(50258: gpt2 with the mask appended, 30522: bert-base-uncased); pass --tokenizer")
+    try:
+        tok = load_tokenizer(spec)
+    except TokenizerError as e:
+        raise ImportInputError(str(e)) from None
+    if tok.width != width:
+        raise ImportInputError(f"tokenizer {tok.name!r} (vocabulary {tok.vocab_size}, mask {tok.mask_id}: width "
+                               f"{tok.width}) does not fit the checkpoint's embedding of {width} rows; pass the "
+                               "tokenizer the model was trained with (--tokenizer)")
+    return tok
+
+
+def inspect_lines(src: Any, fam: Any | None, files: list[Path]) -> list[str]:
+    from adlm_model.reference_layouts import key_tree
+
+    lines = [f"layout: {src.layout}; files: {', '.join(str(f) for f in files)}",
+             f"family: {fam.name if fam else 'not recognised'}"
+             + (f" (kind {fam.kind or 'from its config'}; layout of {fam.reference})" if fam else ""),
+             f"tensors ({len(src.tensors)}):", *("  " + line for line in key_tree(src.tensors))]
+    if src.ema is not None:
+        lines.append(f"ema: {len(src.ema)} shadow parameters")
+    if src.extra:
+        lines.append(f"lightning: {json.dumps(src.extra, sort_keys=True)}")
+    lines.append("hyper-parameters:")
+    lines += ["  " + line for line in json.dumps(src.hparams, indent=2, sort_keys=True, default=str).splitlines()]
+    return lines
+
+
+def import_model(source: str, *, name: str | None = None, revision: str | None = None, family: str | None = None,
+                 tokenizer: str | None = None, inspect: bool = False, aliases: Sequence[str] | None = None,
+                 workdir: str | None = None, tracking_uri: str | None = None, out: Any = None) -> dict[str, Any]:
+    """Import ``source``; returns what was registered (or, with ``inspect``, what was read). Raises ImportInputError /
+    ImportRefused / UnsafePickleError (one line each) before any registry write."""
+    from adlm_model import reference_layouts as rl
+    from adlm_model.checkpoint import save_checkpoint
+    from adlm_model.kinds import parameter_count
+
+    with tempfile.TemporaryDirectory(prefix="adlm-import-") as tmp_s:
+        tmp = Path(tmp_s)
+        local, where = fetch_source(source, revision, tmp)
+        src = rl.read_source(local)
+        if inspect:
+            try:
+                fam = rl.family(family) if family else rl.detect_family(src)
+            except rl.ImportRefused:
+                fam = None
+            print("\n".join(inspect_lines(src, fam, src.files)), file=out or sys.stdout)
+            return {"inspected": str(local), "family": fam.name if fam else None, "tensors": len(src.tensors)}
+        fam = rl.family(family) if family else rl.detect_family(src)
+        width = rl.embedding_width(src, fam)
+        tok = _tokenizer(tokenizer, src, width, local)
+        model, cfg = rl.convert(src, fam, tok.vocab_size, tok.mask_id)
+        digests = _sha256(src.files)
+        # a Hub snapshot's folder is named after the commit it resolved to: the revision recorded
+        hub_revision = local.name if where == "hub" else (revision or "")
+        provenance = {"source": str(local.resolve()) if where == "local" else source, "source_kind": where, "revision": hub_revision, "family": fam.name,
+                      "reference": fam.reference, "reference_commit": fam.commit, "license": fam.license,
+                      "sha256": digests, "ema": src.ema is not None, **src.extra}
+        # The checkpoint folder in our layout: the weights (EMA already in place), config, tokenizer.
+        ckpt = save_checkpoint(tmp / "checkpoint", model, cfg, meta={
+            "imported": provenance, "tokenizer": tok.name, "tokenizer_hash": tok.content_hash})
+        tok.save(ckpt / "tokenizer.json")
+        return _register(ckpt, cfg, provenance, name=name, aliases=aliases, workdir=workdir,
+                         tracking_uri=tracking_uri, parameters=parameter_count(cfg))
+
+
+def _register(ckpt: Path, cfg: Any, provenance: dict[str, Any], *, name: str | None, aliases: Sequence[str] | None,
+              workdir: str | None, tracking_uri: str | None, parameters: int) -> dict[str, Any]:
+    """An MLflow run in the experiment ``imports`` holding the checkpoint folder, registered as a version. The
+    run is named after the family and the files' sha256: importing the same files again registers nothing new."""
+    from mlflow.entities import Param
+    from mlflow.exceptions import MlflowException
+
+    from pipelines.registry import DEFAULT_MODEL_NAME, register_checkpoint, training_tags
+    from pipelines.storage import resolve_workdir
+    from pipelines.tracking import client, ensure_experiment, find_or_create_run, resolve_tracking_uri
+
+    wd = resolve_workdir(workdir)
+    uri = tracking_uri or resolve_tracking_uri(wd)
+    model_name = name or DEFAULT_MODEL_NAME
+    c = client(uri)
+    exp = ensure_experiment(EXPERIMENT, uri, wd)
+    digest = "-".join(v[:12] for v in provenance["sha256"].values())
+    run_id, created = find_or_create_run(uri, exp, f"import-{provenance['family']}-{digest}",
+                                         tags={"imported_from": provenance["source"]})
+    tags = training_tags(cfg, imported="true", source=provenance["source"], revision=provenance["revision"],
+                         family=provenance["family"], license=provenance["license"],
+                         reference=provenance["reference"], reference_commit=provenance["reference_commit"],
+                         sha256=json.dumps(provenance["sha256"], sort_keys=True), ema=str(provenance["ema"]).lower())
+    try:
+        done = c.search_model_versions(f"name='{model_name}' and run_id='{run_id}'")
+    except MlflowException:  # no such registered model yet
+        done = []
+    if done:  # the same files imported before: that version, nothing new
+        mv = min(done, key=lambda v: int(v.version))
+        log.info(f"{provenance['source']} is already imported as {model_name} v{mv.version}")
+    else:
+        if created:
+            c.log_batch(run_id, params=[Param(f"model.{k}", str(v)) for k, v in cfg.to_dict().items()])
+        c.log_artifacts(run_id, str(ckpt), "checkpoint")
+        mv = register_checkpoint(run_id, model_name, tags, tracking_uri=uri, checkpoint_dir=ckpt,
+                                 aliases=tuple(aliases) if aliases else ("candidate",))
+    c.set_terminated(run_id, "FINISHED")
+    return {"name": model_name, "version": str(mv.version), "uri": f"models:/{model_name}/{mv.version}",
+            "run_id": run_id, "kind": cfg.kind, "family": provenance["family"], "parameters": parameters,
+            "tags": tags, "new": not done}
