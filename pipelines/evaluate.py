@@ -74,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pipelines.data.manifest import DataMismatchError, ManifestError
     from pipelines.data.tokenizer import TokenizerError
     from pipelines.evaluation.eval_lm import EvalLMError
+    from pipelines.evaluation.executors import JobDeadlineError
     from pipelines.evaluation.metrics import MetricError
     from pipelines.evaluation.promotion import PromotionError, stage_all
     from pipelines.evaluation.report import summary_markdown
@@ -108,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except errors as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except JobDeadlineError as e:  # work that started and did not end: not bad input
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({"model": result.model, "run_id": result.run_id, "metrics": result.metrics,
                           "table": result.table}, indent=2, sort_keys=True))
