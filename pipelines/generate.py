@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"top-p at every draw, 1 = off (default {DEFAULT_NUCLEUS_P})")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random, reported with --json)")
     p.add_argument("--num-samples", type=int, default=1, help="samples drawn together (default 1)")
+    p.add_argument("--no-limits", action="store_true",
+                   help="lift the served model's limits on one request's cost, which apply here too: ADLM_MAX_STEPS "
+                        "(default 4096), ADLM_MAX_LENGTH (the model's context), ADLM_MAX_ROWS (samples, default 16), "
+                        "ADLM_MAX_WORK (estimated FLOPs, default 1e12: tens of seconds of a CPU core)")
     p.add_argument("--device", default="auto", help="auto (GPU when there is one), cpu, cuda, cuda:1, ...")
     p.add_argument("--workdir", help="work directory (default: $ADLM_WORKDIR or ./work): tracking store and cache")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the workdir's)")
@@ -83,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.verbose - args.quiet)
     from adlm_model.checkpoint import CheckpointError
     from adlm_model.config import ConfigError
+    from adlm_model.limits import LimitError
     from adlm_model.textgen import GenerationError
     from pipelines.data.tokenizer import TokenizerError
     from pipelines.registry import RegistryError
@@ -97,9 +102,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         validate_request(request)  # what needs no model fails before one is downloaded or loaded
         loaded = open_generator(args.model, tracking_uri=args.tracking_uri, workdir=args.workdir, device=args.device)
-        out = run_generation(loaded, request, progress=not args.quiet)
+        out = run_generation(loaded, request, progress=not args.quiet, limits=not args.no_limits)
     except (GenerationError, RegistryError, CheckpointError, ConfigError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except LimitError as e:
+        print(f"error: {e} (or raise the setting, or pass --no-limits)", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(as_json_rows(loaded, out), indent=2, ensure_ascii=False))
