@@ -566,3 +566,44 @@ def test_mlflow_models_serve_answers_with_text_and_refuses_bad_input(registry, t
         assert status == 200 and body["predictions"][0]["text"] == first["text"]  # same seed, same text
     finally:
         _stop(proc)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The pipeline's summary
+
+
+def test_the_summary_shows_no_empty_sample_and_no_mauve_from_too_few_samples(art, workdir) -> None:
+    """An AR champion that draws EOS right after BOS more often than not (its EOS logit raised): the summary
+    shows and counts only samples with text, drawing more seeded batches for them; a MAUVE measured on 16
+    samples reads n/a with its count, not as a figure."""
+    import types
+
+    import mlflow
+
+    from adlm_model import build_model
+    from pipelines.orchestration.profiles import profile
+    from pipelines.orchestration.summary import champion_samples, summarize, summary_markdown
+
+    tok = art["tok"]
+    cfg = tiny_config(tok, "ar")
+    model = build_model(cfg)
+    with torch.no_grad():
+        model.backbone.output_layer.linear.bias[tok.eos_id] = 6.0  # p(EOS) about 0.5 at every position
+    ck = save_ckpt(workdir / "ck-eos", model, cfg, None, art["ar"] / "tokenizer.json", art["data"])
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    mv = register(ck, uri, kind="ar")
+    client = mlflow.MlflowClient(uri)
+    client.set_registered_model_alias("adlm", "champion", mv.version)
+    for k, v in {"mauve": "0.9997", "mauve.samples": "16", "val_ppl": "300.5", "eval.status": "promoted"}.items():
+        client.set_model_version_tag("adlm", mv.version, k, v)
+    gen = _generator({"ar": ck}, "ar")
+    first = gen.generate(gen.request(length=8, num_samples=2, seed=0))
+    assert any(not g.completion.strip() for g in first)  # the first batch alone would show an empty sample
+    trained = {"AR": types.SimpleNamespace(registered_version=mv.version)}  # what summarize reads of a TrainResult
+    s = summarize(profile("demo"), uri, "adlm", tok.vocab_size, trained, None, {"total": 1.0})
+    s["samples"] = champion_samples(s, str(workdir), uri, length=8, n=2)
+    assert len(s["samples"]) == 2 and all(t.strip() for t in s["samples"])
+    md = summary_markdown(s)
+    assert "| n/a (too few samples: 16) |" in md and "0.9997" not in md and "1.000" not in md
+    assert s["rows"][0]["mauve"] is None and "Champion sample 2: " in md
+    assert all(line.split(": ", 1)[1].strip() for line in md.splitlines() if line.startswith("Champion sample"))
