@@ -17,6 +17,8 @@ class JobDeadlineError(RuntimeError):
     """A Ray task of the evaluation ran past its deadline and was cancelled (work that started, then failed:
     the commands exit 1)."""
 
+    exit_code = 1
+
 
 class LocalExecutor:
     """Runs jobs one after the other in this process, with progress bars."""
