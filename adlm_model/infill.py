@@ -76,9 +76,13 @@ def plan_infill(cfg: ModelConfig, sampler: str, prompt_len: int, new_tokens: int
         raise SamplerError(f"sampler {sampler!r} needs a first token: give a prompt (the tokenizer has no BOS)")
     if layout.total > cfg.seq_len and not s.any_length:
         room = cfg.seq_len - layout.start - layout.suffix
+        # No room left for one new token: only a shorter prompt/suffix helps, and the limit is on their tokens.
+        fix = (f"ask for length <= {room} (or a shorter prompt/suffix)" if room >= 1 else
+               f"the prompt and suffix take {layout.prompt} + {layout.suffix} tokens and leave no room for new ones: "
+               f"shorten them (together at most {cfg.seq_len - int(layout.bos) - 1} tokens for length 1)")
         raise SamplerError(
             f"BOS + prompt + length + suffix = {layout.total} tokens exceeds the model's context of {cfg.seq_len} "
-            f"for sampler {sampler!r}: ask for length <= {max(room, 0)} (or a shorter prompt/suffix)"
+            f"for sampler {sampler!r}: {fix}"
             + ("; the bd3lm sampler generates any length" if cfg.kind == "bd3lm" else ""))
     return layout
 

@@ -148,6 +148,9 @@ class Sampler:
     """Works on a diffusion network (False: AR)."""
     any_length: bool = False
     """Generates beyond the model's training length (block by block with a sliding window)."""
+    steps: bool = True
+    """Runs the ``steps`` of a diffusion grid (False: its iterations are its own, one per token for ``ar``, until
+    every position is decided for ``confidence``; what it reports as steps is the network calls it made)."""
 
 
 def _remdm(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *,
@@ -169,7 +172,7 @@ def _confidence_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor
 
 def _ar_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *,
                 stats: dict | None = None, steps: int = 0, bos_id: int | None = None, **kw: Any) -> torch.Tensor:
-    return ar_sample(model, cfg, tokens, keep, bos_id=bos_id, **kw)
+    return ar_sample(model, cfg, tokens, keep, bos_id=bos_id, stats=stats, **kw)
 
 
 def _bd3lm_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor,
@@ -181,8 +184,8 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     Sampler("mdlm", _mdlm_sampler),
     Sampler("remdm-loop", _remdm, ("eta", "t_on", "t_off", "alpha_on")),
     # Confidence-threshold parallel decoding with the approximate KV cache (confidence.py, block_cache.py).
-    Sampler("confidence", _confidence_sampler, CONFIDENCE_OPTIONS),
-    Sampler("ar", _ar_sampler, ("bos_id",), diffusion=False),
+    Sampler("confidence", _confidence_sampler, CONFIDENCE_OPTIONS, steps=False),
+    Sampler("ar", _ar_sampler, ("bos_id",), diffusion=False, steps=False),
     Sampler("bd3lm", _bd3lm_sampler, ("block_size", "kv_cache", "context", "eos_id", "entropy_threshold",
                                       "entropy_window", "pad_id", "bos_id"), any_length=True),
 )}

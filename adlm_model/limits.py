@@ -13,7 +13,8 @@ and 4.3 GB for minutes after the HTTP layer had given up (504 after 60 s). ``Req
 
 They are settings of the served model, read from the environment of ``mlflow models serve``
 (``ADLM_MAX_STEPS``, ``ADLM_MAX_LENGTH``, ``ADLM_MAX_ROWS``, ``ADLM_MAX_WORK``); a request over one is refused
-with the limit named, the value asked and the setting that raises it.
+with the limit named, the value asked and the setting that raises it. ``python -m pipelines.generate`` runs
+under the same limits (its samples count as rows) unless ``--no-limits`` lifts them.
 """
 
 from __future__ import annotations
@@ -59,17 +60,20 @@ class RequestLimits:
                     raise LimitError(f"{var} must be > 0, got {env[var]}")
         return cls(**values)
 
-    def check_row(self, i: int, steps: int, length: int) -> None:
+    def check_row(self, i: int | None, steps: int, length: int) -> None:
+        """Row ``i`` of a served request (None: the one request of ``pipelines.generate``)."""
+        where = "" if i is None else f"request row {i}: "
         if steps > self.max_steps:
-            raise LimitError(f"request row {i}: steps {steps} exceeds the limit max_steps={self.max_steps} "
+            raise LimitError(f"{where}steps {steps} exceeds the limit max_steps={self.max_steps} "
                              f"({ENV['max_steps']}): ask for fewer steps")
         if length > self.max_length:
-            raise LimitError(f"request row {i}: length {length} exceeds the limit max_length={self.max_length} "
+            raise LimitError(f"{where}length {length} exceeds the limit max_length={self.max_length} "
                              f"({ENV['max_length']}): ask for fewer tokens")
 
-    def check_request(self, rows: int, work: float) -> None:
+    def check_request(self, rows: int, work: float, what: str = "rows") -> None:
+        """``rows`` rows of a served request (``what``: ``samples``, those ``pipelines.generate`` draws)."""
         if rows > self.max_rows:
-            raise LimitError(f"{rows} rows exceed the limit max_rows={self.max_rows} ({ENV['max_rows']}): "
+            raise LimitError(f"{rows} {what} exceed the limit max_rows={self.max_rows} ({ENV['max_rows']}): "
                              "split the request")
         if work > self.max_work:
             raise LimitError(f"the request's work {work:.3g} FLOPs exceeds the limit max_work={self.max_work:.3g} "

@@ -393,9 +393,10 @@ def diffusion_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, k
 
 def ar_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *, nucleus_p: float,
               generator: torch.Generator, progress: Progress | None, cache: bool,
-              bos_id: int | None = None) -> torch.Tensor:
+              bos_id: int | None = None, stats: dict | None = None) -> torch.Tensor:
     """Left to right with nucleus; ``cache`` uses a KV cache (one token per step after the prompt)
-    and gives the same tokens as recomputing the whole prefix every step."""
+    and gives the same tokens as recomputing the whole prefix every step. ``stats['network_calls']``: the
+    forward passes (one per generated token either way: with the cache, the prompt's pass yields the first)."""
     tokens, keep = tokens.clone(), keep.clone()
     if not bool(keep[:, 0].all()):
         if bos_id is None:
@@ -412,16 +413,22 @@ def ar_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: to
         return sample_categorical(probs, generator)
 
     kv = KVCache() if cache else None
+    calls = 0
     if lead < length:
         logits = model(x[:, :lead], cache=kv, cache_mode="append")[:, -1] if cache else None
+        calls += int(cache)
         for i in range(lead, length):
             if not cache:
                 logits = model(x[:, :i])[:, -1]
+                calls += 1
             x[:, i] = torch.where(keep[:, i], tokens[:, i], draw(logits))
             if cache and i + 1 < length:
                 logits = model(x[:, i:i + 1], cache=kv, cache_mode="append")[:, -1]
+                calls += 1
             if progress is not None:
                 progress(i - lead + 1, total)
+    if stats is not None:
+        stats["network_calls"] = calls
     return x
 
 

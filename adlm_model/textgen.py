@@ -32,6 +32,7 @@ import numbers
 import os
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from .confidence import check_options
 from .config import ConfigError, ModelConfig
 from .infill import infill, plan_infill
 from .kinds import count_parameters, get_sampler, model_kind
+from .limits import RequestLimits
 from .samplers import Progress, SamplerError, check_sample_args
 
 SPECIAL_TOKENS_FILE = "special_tokens.json"
@@ -136,10 +138,13 @@ class Generation:
     seed: int
     sampler: str
     steps: int
+    """Diffusion steps T of the sampler's grid (per block for bd3lm); for a sampler without one (ar: one per
+    token; confidence: until every position is decided) the iterations it ran, its network calls."""
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Every setting the sample was drawn with (sampler and its options, steps, nucleus, length, seed, EOS rule)."""
+    """Every setting the sample was drawn with (sampler and its options, steps where the sampler takes them,
+    nucleus, length, seed, EOS rule)."""
     network_calls: int = 0
-    """Forward passes of the batch that produced it."""
+    """Forward passes of the batch that produced it (AR with its KV cache: one per generated token)."""
 
 
 @dataclass(frozen=True)
@@ -260,11 +265,21 @@ class TextGenerator:
         completions = [self.decode_between(c.prompt_ids, self.until_eos(row, r.stop_at_eos), c.suffix_ids)
                        for row in ids.cpu().tolist()]
         seconds = time.perf_counter() - t0
-        settings = {"sampler": c.sampler, "steps": r.steps, "nucleus_p": r.nucleus_p, "length": r.length,
-                    "seed": c.seed, "stop_at_eos": r.stop_at_eos, **c.options}
+        calls = int(stats["network_calls"])
+        # A sampler without a diffusion grid (ar, confidence) takes no ``steps``: it reports the iterations it
+        # ran, and its settings do not list a T it never used.
+        takes_steps = get_sampler(c.sampler).steps
+        settings = {"sampler": c.sampler, **({"steps": r.steps} if takes_steps else {}), "nucleus_p": r.nucleus_p,
+                    "length": r.length, "seed": c.seed, "stop_at_eos": r.stop_at_eos, **c.options}
         return [Generation(text=r.prompt + comp + r.suffix, completion=comp, new_tokens=r.length, seconds=seconds,
-                           seed=c.seed, sampler=c.sampler, steps=r.steps, settings=settings,
-                           network_calls=int(stats.get("network_calls", 0))) for comp in completions]
+                           seed=c.seed, sampler=c.sampler, steps=r.steps if takes_steps else calls, settings=settings,
+                           network_calls=calls) for comp in completions]
+
+    def limits(self, environ: Mapping[str, str] | None = None) -> RequestLimits:
+        """What one request to this model may cost (``adlm_model.limits``; ``ADLM_MAX_*`` from ``environ``,
+        default the process environment): the served model's limits and, unless lifted, the CLI's."""
+        any_length = get_sampler(model_kind(self.cfg.kind).default_sampler).any_length
+        return RequestLimits.for_model(self.cfg.seq_len, any_length=any_length, environ=environ)
 
     def until_eos(self, new_ids: list[int], stop: bool = True) -> list[int]:
         """``new_ids`` up to (without) the first EOS when ``stop``; all of them otherwise."""

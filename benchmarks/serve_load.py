@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -89,8 +90,44 @@ def _rss_mib(pid: int) -> float:
     return total / 2**20
 
 
-def _requests(n: int, bad_share: float, seed: int) -> list[tuple[str, dict]]:
+VALID = {"default sampler": {}, "confidence": {"sampler": "confidence", "threshold": 0.5, "block": 4, "refresh": 2}}
+"""The valid requests' sampler settings (each row: prompt "In the beginning", length 8, steps 8)."""
+
+
+class LoadSetupError(RuntimeError):
+    """The served model refuses the load's valid request: the load would measure nothing but refusals."""
+
+
+def _valid_row(seed: int, variant: str) -> dict:
+    return {"prompt": "In the beginning", "length": 8, "steps": 8, "seed": seed, **VALID[variant]}
+
+
+def _check_valid(url: str) -> tuple[list[str], list[str]]:
+    """The valid variants this model answers, and notes on those it cannot run (a sampler that does not fit its
+    kind: the confidence sampler on an AR model); LoadSetupError when it refuses a valid request for another
+    reason (over ``--max-work``: a model bigger than the tiny default)."""
+    kept, notes = [], []
+    for variant in VALID:
+        status, _, body = _post(url, {"dataframe_records": [_valid_row(0, variant)]})
+        reason = _reason(body.get("message", "")) if status != 200 else ""
+        if status == 200:
+            kept.append(variant)
+        elif status == 400 and "does not run on" in reason:
+            notes.append(f"left out the {variant} requests: {reason}")
+        else:
+            work = re.search(r"work ([0-9.e+]+) FLOPs", reason)
+            hint = (f": raise --max-work (the server's ADLM_MAX_WORK) to at least {float(work.group(1)):.2g}"
+                    if work else "")
+            raise LoadSetupError(f"the model refuses the load's valid {variant} request (HTTP {status}: "
+                                 f"{reason or body}){hint}")
+    if not kept:
+        raise LoadSetupError("the model runs none of the load's valid requests: " + "; ".join(notes))
+    return kept, notes
+
+
+def _requests(n: int, bad_share: float, seed: int, variants: list[str] | None = None) -> list[tuple[str, dict]]:
     rng = random.Random(seed)
+    variants = variants or list(VALID)
     bad = [("over max_steps", {"prompt": "In the", "length": 8, "steps": 100_000_000}),
            ("over max_length", {"prompt": "In the", "length": 100_000}),
            ("over max_rows", None),
@@ -104,15 +141,13 @@ def _requests(n: int, bad_share: float, seed: int) -> list[tuple[str, dict]]:
             rows = [{"prompt": "x", "length": 4}] * 1000 if row is None else [row]
             out.append((name, {"dataframe_records": rows}))
         else:
-            sampler = rng.choice([{}, {"sampler": "confidence", "threshold": 0.5, "block": 4, "refresh": 2}])
-            out.append(("valid", {"dataframe_records": [{"prompt": "In the beginning", "length": 8, "steps": 8,
-                                                         "seed": i, **sampler}]}))
+            out.append(("valid", {"dataframe_records": [_valid_row(i, rng.choice(variants))]}))
     return out
 
 
 def _reason(message: str) -> str:
-    """The model's one-line reason: the scoring server prefixes it with the request's data
-    ("Failed to predict data '...'. Error: <reason>")."""
+    """The model's one-line reason (a version registered before the served errors kept their own line has it
+    prefixed with the request's data: "Failed to predict data '...'. Error: <reason>")."""
     return message.rsplit("Error: ", 1)[-1].strip()
 
 
@@ -138,11 +173,13 @@ def run_load(model: str, *, requests: int = 300, concurrency: int = 4, bad_share
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"mlflow models serve did not come up; log: {log.name}") from None
                 time.sleep(0.5)
-        for i in range(3):  # warm-up: the weights load on the first request
-            _post(url, {"dataframe_records": [{"prompt": "In the", "length": 8, "steps": 8, "seed": i}]})
+        # Warm-up (the weights load on the first request), which also checks that the model answers the load's
+        # valid requests: otherwise every one would count as an error.
+        variants, notes = _check_valid(url)
+        _post(url, {"dataframe_records": [_valid_row(1, variants[0])]})
         time.sleep(1.0)
         mem_before = _rss_mib(proc.pid)
-        load = _requests(requests, bad_share, seed)
+        load = _requests(requests, bad_share, seed, variants)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
             answers = list(pool.map(lambda item: (item[0], *_post(url, item[1])), load))
@@ -175,13 +212,20 @@ def run_load(model: str, *, requests: int = 300, concurrency: int = 4, bad_share
             "max_bad_s": max((a[2] for a in bad), default=float("nan")), "wall_s": wall,
             "memory_before_mib": mem_before, "memory_after_mib": mem_after,
             "memory_back": mem_after <= mem_before + memory_slack, "server_up": up,
-            "bad_kinds": sorted({a[0] for a in bad}),
+            "bad_kinds": sorted({a[0] for a in bad}), "notes": notes,
             "refusals": sorted({(a[0], _reason(a[3].get("message", ""))[:90]) for a in bad if a[1] == 400})}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="an MLflow Model folder or models:/ URI (default: a tiny untrained MDLM)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="The valid requests are length 8, T = 8, half with the confidence sampler (left "
+                                       "out, with a note, for a model whose kind does not run it: AR). --max-work "
+                                       "defaults to 1e9 FLOPs, sized for the tiny built-in model: a real model's "
+                                       "valid requests cost more (2 x parameters x row length x network calls), so "
+                                       "with --model raise it (the check before the load says to what) or every "
+                                       "request is refused.")
+    p.add_argument("--model", help="an MLflow Model folder or models:/ URI (default: a tiny untrained MDLM); "
+                                   "needs --max-work raised for any model bigger than that (see below)")
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--bad-share", type=float, default=0.3, help="share of bad requests (default 0.3)")
@@ -190,8 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(tiny_model(Path(tmp)))
-        r = run_load(model, requests=args.requests, concurrency=args.concurrency, bad_share=args.bad_share,
-                     memory_slack=args.memory_slack, max_work=args.max_work)
+        try:
+            r = run_load(model, requests=args.requests, concurrency=args.concurrency, bad_share=args.bad_share,
+                         memory_slack=args.memory_slack, max_work=args.max_work)
+        except LoadSetupError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    for note in r["notes"]:
+        print(note)
     for kind, msg in r["refusals"]:
         print(f"refused ({kind}): {msg}")
     print(f"requests {r['requests']} ({r['valid']} valid, {r['bad']} bad: {', '.join(r['bad_kinds'])}), "

@@ -72,7 +72,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--write-schemas", action="store_true", help=f"write {SCHEMA_DIR.name}/*.schema.json")
     g.add_argument("--check-schemas", action="store_true", help="exit 1 when a committed schema is out of date")
-    args = ap.parse_args(argv)
+    from pipelines.cli import run_command
+
+    return run_command(ap, _run, argv, environment=False)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.write_schemas:
         for p in write_schemas():
             print(p)

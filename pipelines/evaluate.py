@@ -18,11 +18,12 @@ import json
 import sys
 from collections.abc import Sequence
 
+from pipelines.cli import run_command
 from pipelines.configlib import settings_help
 from pipelines.evaluation.config import EVAL_PROFILES, EvalConfig, EvalError, apply_overrides, eval_profile
 from pipelines.evaluation.promotion import PromotionConfig
 from pipelines.evaluation.suites import suites_help
-from pipelines.logs import add_logging_flags, setup_logging
+from pipelines.logs import add_logging_flags
 
 
 def _config_help() -> str:
@@ -67,47 +68,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging(args.verbose - args.quiet)
     from adlm_model.checkpoint import CheckpointError
     from adlm_model.config import ConfigError
     from pipelines.data.manifest import DataMismatchError, ManifestError
     from pipelines.data.tokenizer import TokenizerError
     from pipelines.evaluation.eval_lm import EvalLMError
+    from pipelines.evaluation.executors import JobDeadlineError
     from pipelines.evaluation.metrics import MetricError
-    from pipelines.evaluation.promotion import PromotionError, stage_all
+    from pipelines.evaluation.promotion import PromotionError
+    from pipelines.registry import RegistryError
+
+    bad_input = (EvalError, RegistryError, CheckpointError, ConfigError, DataMismatchError, ManifestError, EvalLMError,
+                 MetricError, PromotionError, TokenizerError)
+    # JobDeadlineError: work that started and did not end (a Ray task past its deadline), not bad input.
+    return run_command(build_parser(), _run, argv, bad_input=bad_input, failed=(JobDeadlineError,))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pipelines.evaluation.promotion import stage_all
     from pipelines.evaluation.report import summary_markdown
     from pipelines.evaluation.run import evaluate_model
-    from pipelines.registry import RegistryError
-    from pipelines.runtime import quiet_environment
 
-    quiet_environment()
     cfg, promo = (eval_profile(args.profile) if args.profile else EvalConfig()), PromotionConfig()
-    errors = (EvalError, RegistryError, CheckpointError, ConfigError, DataMismatchError, ManifestError, EvalLMError,
-              MetricError, PromotionError, TokenizerError)
-    try:
-        apply_overrides([cfg, promo], args.overrides)
-        if args.data:
-            cfg.data = args.data
-        if args.tasks:
-            cfg.lm_eval_tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
-        if args.name:
-            promo.model_name = args.name
-        if args.stage_all:
-            outcomes = stage_all(promo, cfg, workdir=args.workdir, in_process=args.in_process,
-                                 ray_address=args.ray_address)
-            if args.json:
-                print(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=2))
-            else:
-                from pipelines.evaluation.promotion import outcomes_markdown
+    apply_overrides([cfg, promo], args.overrides)
+    if args.data:
+        cfg.data = args.data
+    if args.tasks:
+        cfg.lm_eval_tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    if args.name:
+        promo.model_name = args.name
+    if args.stage_all:
+        outcomes = stage_all(promo, cfg, workdir=args.workdir, in_process=args.in_process,
+                             ray_address=args.ray_address)
+        if args.json:
+            print(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=2))
+        else:
+            from pipelines.evaluation.promotion import outcomes_markdown
 
-                print(outcomes_markdown(outcomes))
-            return 0
-        result = evaluate_model(args.model, args.suite, cfg, workdir=args.workdir, in_process=args.in_process,
-                                ray_address=args.ray_address)
-    except errors as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+            print(outcomes_markdown(outcomes))
+        return 0
+    result = evaluate_model(args.model, args.suite, cfg, workdir=args.workdir, in_process=args.in_process,
+                            ray_address=args.ray_address)
     if args.json:
         print(json.dumps({"model": result.model, "run_id": result.run_id, "metrics": result.metrics,
                           "table": result.table}, indent=2, sort_keys=True))
@@ -115,7 +116,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(summary_markdown(result))
         print(f"MLflow run: {result.run_id}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -39,24 +39,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from pipelines.logs import setup_logging
-
-    setup_logging(args.verbose - args.quiet)
     from adlm_model.checkpoint import CheckpointError
     from adlm_model.config import ConfigError
+    from pipelines.cli import run_command
     from pipelines.data.tokenizer import TokenizerError
     from pipelines.registry import RegistryError
-    from pipelines.runtime import quiet_environment
-    from pipelines.serving.export import ExportError, export_model
+    from pipelines.serving.export import ExportError
 
-    quiet_environment()
-    try:
-        res = export_model(args.model, args.out, tracking_uri=args.tracking_uri, workdir=args.workdir,
-                           force=args.force)
-    except (ExportError, RegistryError, CheckpointError, ConfigError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_command(build_parser(), _run, argv,
+                       bad_input=(ExportError, RegistryError, CheckpointError, ConfigError, TokenizerError))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pipelines.serving.export import export_model
+
+    res = export_model(args.model, args.out, tracking_uri=args.tracking_uri, workdir=args.workdir, force=args.force)
     if args.json:
         print(json.dumps({"out": str(res.out), "parameters": res.parameters, "figures": res.figures}, indent=2))
     else:
@@ -64,7 +61,6 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{len(res.figures)} evaluation figure(s) in the model card)")
         print(f"upload: huggingface-cli upload <user>/<repo> {res.out} .")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"top-p at every draw, 1 = off (default {DEFAULT_NUCLEUS_P})")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random, reported with --json)")
     p.add_argument("--num-samples", type=int, default=1, help="samples drawn together (default 1)")
+    p.add_argument("--no-limits", action="store_true",
+                   help="lift the served model's limits on one request's cost, which apply here too: ADLM_MAX_STEPS "
+                        "(default 4096), ADLM_MAX_LENGTH (the model's context), ADLM_MAX_ROWS (samples, default 16), "
+                        "ADLM_MAX_WORK (estimated FLOPs, default 1e12: tens of seconds of a CPU core)")
     p.add_argument("--device", default="auto", help="auto (GPU when there is one), cpu, cuda, cuda:1, ...")
     p.add_argument("--workdir", help="work directory (default: $ADLM_WORKDIR or ./work): tracking store and cache")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the workdir's)")
@@ -77,30 +81,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from pipelines.logs import setup_logging
-
-    setup_logging(args.verbose - args.quiet)
     from adlm_model.checkpoint import CheckpointError
     from adlm_model.config import ConfigError
     from adlm_model.textgen import GenerationError
+    from pipelines.cli import run_command
     from pipelines.data.tokenizer import TokenizerError
     from pipelines.registry import RegistryError
-    from pipelines.runtime import quiet_environment
+
+    return run_command(build_parser(), _run, argv,
+                       bad_input=(GenerationError, RegistryError, CheckpointError, ConfigError, TokenizerError))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from adlm_model.limits import LimitError
+    from pipelines.cli import CommandError
     from pipelines.serving.generate import as_json_rows, open_generator, run_generation
 
-    quiet_environment()
     request = GenerationRequest(prompt=args.prompt, suffix=args.suffix, length=args.length, steps=args.steps,
                                 sampler=args.sampler, nucleus_p=args.nucleus_p, seed=args.seed,
                                 num_samples=args.num_samples, threshold=args.threshold, block=args.block,
                                 refresh=args.refresh, kv_cache=args.kv_cache, stop_at_eos=not args.keep_going)
+    validate_request(request)  # what needs no model fails before one is downloaded or loaded
+    loaded = open_generator(args.model, tracking_uri=args.tracking_uri, workdir=args.workdir, device=args.device)
     try:
-        validate_request(request)  # what needs no model fails before one is downloaded or loaded
-        loaded = open_generator(args.model, tracking_uri=args.tracking_uri, workdir=args.workdir, device=args.device)
-        out = run_generation(loaded, request, progress=not args.quiet)
-    except (GenerationError, RegistryError, CheckpointError, ConfigError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        out = run_generation(loaded, request, progress=not args.quiet, limits=not args.no_limits)
+    except LimitError as e:
+        raise CommandError(f"{e} (or raise the setting, or pass --no-limits)") from None
     if args.json:
         print(json.dumps(as_json_rows(loaded, out), indent=2, ensure_ascii=False))
     else:
@@ -109,7 +115,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"--- sample {i + 1} of {len(out)} ---")
             print(g.text)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

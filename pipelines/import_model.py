@@ -53,25 +53,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from pipelines.logs import setup_logging
-
-    setup_logging(args.verbose - args.quiet)
     from adlm_model.checkpoint import CheckpointError
     from adlm_model.config import ConfigError
     from adlm_model.safe_pickle import UnsafePickleError
+    from pipelines.cli import run_command
     from pipelines.registry import RegistryError
-    from pipelines.runtime import quiet_environment
-    from pipelines.serving.importing import ImportInputError, import_model
+    from pipelines.serving.importing import ImportInputError
 
-    quiet_environment()
-    try:
-        res = import_model(args.source, name=args.name, revision=args.revision, family=args.family,
-                           tokenizer=args.tokenizer, inspect=args.inspect, aliases=args.alias,
-                           workdir=args.workdir, tracking_uri=args.tracking_uri)
-    except (ImportInputError, CheckpointError, UnsafePickleError, ConfigError, RegistryError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_command(build_parser(), _run, argv,
+                       bad_input=(ImportInputError, CheckpointError, UnsafePickleError, ConfigError, RegistryError))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pipelines.serving.importing import import_model
+
+    res = import_model(args.source, name=args.name, revision=args.revision, family=args.family,
+                       tokenizer=args.tokenizer, inspect=args.inspect, aliases=args.alias,
+                       workdir=args.workdir, tracking_uri=args.tracking_uri)
     if args.inspect:
         return 0
     if args.json:

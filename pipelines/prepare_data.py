@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pipelines.cli import run_command
 from pipelines.data.detokenizers import DETOKENIZERS
 from pipelines.data.encoder import ENGINES
 from pipelines.data.plan import PrepareConfig, PrepareError
 from pipelines.data.sources import EMBEDDED_TOKENIZER_VOCAB, KNOWN_SOURCES
-from pipelines.logs import add_logging_flags, setup_logging
+from pipelines.logs import add_logging_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,23 +86,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging(args.verbose - args.quiet)
+    from pipelines.data.sources import SourceError
+    from pipelines.data.tokenizer import TokenizerError
+
+    return run_command(build_parser(), _run, argv, bad_input=(PrepareError, SourceError, TokenizerError),
+                       label="prepare_data: error")
+
+
+def _run(args: argparse.Namespace) -> int:
     args.quiet = args.quiet > 0
     del args.verbose
     if args.source is None:
         args.source = ["embedded"]
     from pipelines.data.prepare import prepare
-    from pipelines.data.sources import SourceError
-    from pipelines.data.tokenizer import TokenizerError
 
-    try:
-        prepare(args, shutdown_ray=True)
-    except (PrepareError, SourceError, TokenizerError) as e:
-        print(f"prepare_data: error: {e}", file=sys.stderr)
-        return 2
+    prepare(args, shutdown_ray=True)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

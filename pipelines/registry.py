@@ -135,10 +135,29 @@ def get_version(uri: str, tracking_uri: str | None = None):
         if alias is not None:
             return c.get_model_version_by_alias(name, alias)
         return c.get_model_version(name, version)
-    except MlflowException as e:
+    except MlflowException:
         what = f"alias {alias!r}" if alias else f"version {version}"
-        raise RegistryError(f"registered model {name!r} has no {what} in {redact_uri(tracking_uri) if tracking_uri else 'the tracking store'}: "
-                            f"list versions with `mlflow models` or the UI, or pass a checkpoint directory") from e
+        store = redact_uri(tracking_uri) if tracking_uri else "the tracking store"
+        raise RegistryError(f"registered model {name!r} has no {what} in {store}{_what_exists(c, name)}: name one "
+                            f"of those, or pass a checkpoint directory (the MLflow UI lists every model: mlflow ui "
+                            f"--backend-store-uri TRACKING_URI)") from None
+
+
+def _what_exists(c: Any, name: str) -> str:
+    """`` (it has versions 1-3; aliases champion=2)`` or `` (no model of that name)``: what the message of a
+    missing version offers instead (``mlflow models`` has no list command)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        versions = sorted(int(v.version) for v in c.search_model_versions(f"name='{name}'"))
+        aliases = dict(getattr(c.get_registered_model(name), "aliases", None) or {})
+    except MlflowException:
+        return " (no registered model of that name)"
+    if not versions:
+        return " (it has no versions)"
+    said = ", ".join(map(str, versions)) if len(versions) <= 6 else f"{versions[0]}-{versions[-1]}"
+    alias_text = ", ".join(f"{a}={v}" for a, v in sorted(aliases.items()))
+    return f" (it has versions {said}" + (f"; aliases {alias_text})" if alias_text else ")")
 
 
 def download_version(uri: str, tracking_uri: str | None = None, dst: str | os.PathLike | None = None) -> Path:

@@ -33,7 +33,8 @@ import sys
 import time
 
 from adlm_model.config import ConfigError
-from pipelines.logs import add_logging_flags, setup_logging
+from pipelines.cli import run_command
+from pipelines.logs import add_logging_flags
 from pipelines.orchestration.profiles import PROFILES, prepare_options, profile, validate_profile
 from pipelines.orchestration.summary import write_summary
 from pipelines.runtime import PROJECT_ROOT, init_ray, quiet_environment
@@ -44,6 +45,9 @@ from pipelines.tracking import resolve_tracking_uri
 class Unregistered(RuntimeError):
     """A stage's result that was to be registered is not: the pipeline stops (evaluation would miss it); the
     message is the one line that finishes it (rerun the same command)."""
+
+    exit_code = 3
+    """Trained, not registered: every stage resumes, so the rerun finishes it (``pipelines.cli``)."""
 
 
 def _banner(msg: str) -> None:
@@ -136,19 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging(args.verbose - args.quiet)
-    try:
-        run(args.profile, workdir=args.workdir, skip_sweep=args.skip_sweep)
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Unregistered as e:  # trained, not registered: every stage resumes, so the rerun finishes it
-        print(f"error: {e}", file=sys.stderr)
-        return 3
-    except RuntimeError as e:  # TrainError, TuneError: a stage failed after it started
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    # RuntimeError: TrainError, TuneError, a stage failed after it started (Unregistered carries its own 3).
+    return run_command(build_parser(), _run, argv, bad_input=(ConfigError, ValueError), failed=(RuntimeError,))
+
+
+def _run(args: argparse.Namespace) -> int:
+    run(args.profile, workdir=args.workdir, skip_sweep=args.skip_sweep)
     return 0
 
 

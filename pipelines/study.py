@@ -13,7 +13,8 @@ import argparse
 import sys
 
 from adlm_model.config import ConfigError
-from pipelines.logs import add_logging_flags, setup_logging
+from pipelines.cli import run_command
+from pipelines.logs import add_logging_flags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,29 +27,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="validate the study, count FLOPs and print the plan; "
                                                         "train nothing")
     add_logging_flags(p)
-    args = p.parse_args(argv)
-    setup_logging(args.verbose - args.quiet)
+    return run_command(p, _run, argv, bad_input=(ConfigError,))
+
+
+def _run(args: argparse.Namespace) -> int:
     from pipelines.studies.runner import plan_study, run_study
     from pipelines.studies.spec import load_study
 
-    try:
-        spec = load_study(args.study)
-        if args.check:
-            plan = plan_study(spec, workdir=args.workdir, tracking_uri=args.tracking_uri)
-            for arm in spec.arms:
-                runs = [r for r in plan.runs if r.arm == arm.name]
-                print(f"{arm.name:<22} {plan.params[arm.name] / 1e6:6.2f} M params "
-                      f"{plan.flops_per_step[arm.name] / 1e9:7.2f} GFLOP/step  {len(runs)} runs to "
-                      f"{runs[0].max_steps} steps" + (f"  (equal FLOPs at step {plan.flops_step[arm.name]})"
-                                                      if arm.name in plan.flops_step else ""))
-            print(f"OK: {len(plan.runs)} runs")
-            return 0
-        run_study(spec, workdir=args.workdir, tracking_uri=args.tracking_uri)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    spec = load_study(args.study)
+    if args.check:
+        plan = plan_study(spec, workdir=args.workdir, tracking_uri=args.tracking_uri)
+        for arm in spec.arms:
+            runs = [r for r in plan.runs if r.arm == arm.name]
+            print(f"{arm.name:<22} {plan.params[arm.name] / 1e6:6.2f} M params "
+                  f"{plan.flops_per_step[arm.name] / 1e9:7.2f} GFLOP/step  {len(runs)} runs to "
+                  f"{runs[0].max_steps} steps" + (f"  (equal FLOPs at step {plan.flops_step[arm.name]})"
+                                                  if arm.name in plan.flops_step else ""))
+        print(f"OK: {len(plan.runs)} runs")
+        return 0
+    run_study(spec, workdir=args.workdir, tracking_uri=args.tracking_uri)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,7 +13,8 @@ import json
 import sys
 
 from adlm_model.config import ConfigError
-from pipelines.logs import add_logging_flags, setup_logging
+from pipelines.cli import run_command
+from pipelines.logs import add_logging_flags
 from pipelines.training.config import load_config
 
 
@@ -48,26 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging(args.verbose - args.quiet)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        if args.init:
-            cfg.run.init = args.init
-        if args.print_config:
-            import yaml
+    # ValueError: bad input (ConfigError and the checks before any work); RuntimeError: TrainError, training
+    # failed after it started.
+    return run_command(build_parser(), _run, argv, bad_input=(ConfigError, ValueError), failed=(RuntimeError,))
 
-            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-            return 0
-        from pipelines.training.trainer import train
 
-        res = train(cfg, workdir=args.workdir)
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:  # TrainError: training failed after it started
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+def _run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if args.init:
+        cfg.run.init = args.init
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return 0
+    from pipelines.training.trainer import train
+
+    res = train(cfg, workdir=args.workdir)
     print(json.dumps({"run_id": res.run_id, "step": res.step, "val_ppl": res.val_ppl,
                       "checkpoint_dir": str(res.checkpoint_dir), "registered_version": res.registered_version}))
     if res.unregistered:  # trained, not registered: not a success a script may take for one

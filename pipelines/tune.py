@@ -14,7 +14,8 @@ import json
 import sys
 
 from adlm_model.config import ConfigError
-from pipelines.logs import add_logging_flags, setup_logging
+from pipelines.cli import run_command
+from pipelines.logs import add_logging_flags
 from pipelines.tuning.space import load_space, parse_space
 
 
@@ -46,30 +47,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging(args.verbose - args.quiet)
-    try:
-        space = load_space(args.space)
-        if args.name:
-            space = dataclasses.replace(space, name=args.name)
-            parse_space(space.to_raw(), space.source)
-        if args.num_samples is not None:
-            space = dataclasses.replace(space, num_samples=args.num_samples)
-            parse_space(space.to_raw(), space.source)
-        from pipelines.tuning.sweep import plan_sweep, sweep
+    # ValueError: bad input; RuntimeError: TuneError, the sweep failed while running.
+    return run_command(build_parser(), _run, argv, bad_input=(ConfigError, ValueError), failed=(RuntimeError,))
 
-        if args.check:
-            plan = plan_sweep(space, args.config, args.overrides, workdir=args.workdir)
-            print(f"ok: sweep {space.name}: {space.total_trials} trials over {', '.join(p.name for p in space.params)}"
-                  f"; max_t {plan.max_t} steps")
-            return 0
-        res = sweep(space, args.config, args.overrides, workdir=args.workdir)
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:  # TuneError: the sweep failed while running
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+
+def _run(args: argparse.Namespace) -> int:
+    space = load_space(args.space)
+    if args.name:
+        space = dataclasses.replace(space, name=args.name)
+        parse_space(space.to_raw(), space.source)
+    if args.num_samples is not None:
+        space = dataclasses.replace(space, num_samples=args.num_samples)
+        parse_space(space.to_raw(), space.source)
+    from pipelines.tuning.sweep import plan_sweep, sweep
+
+    if args.check:
+        plan = plan_sweep(space, args.config, args.overrides, workdir=args.workdir)
+        print(f"ok: sweep {space.name}: {space.total_trials} trials over {', '.join(p.name for p in space.params)}"
+              f"; max_t {plan.max_t} steps")
+        return 0
+    res = sweep(space, args.config, args.overrides, workdir=args.workdir)
     print(json.dumps({"sweep": res.name, "parent_run_id": res.parent_run_id, "interrupted": res.interrupted,
                       "best_trial": res.best.trial_id if res.best else None,
                       "best_val_ppl": res.best.selection_ppl if res.best else None,

@@ -173,14 +173,34 @@ def test_confidence_settings_reach_the_sampler_and_come_back_with_the_text(art, 
     req = gen.request(prompt=PROMPT, suffix=SUFFIX, length=8, sampler="confidence", threshold=1.0, block=4,
                       refresh=1, seed=3)
     out = gen.generate(req)[0]
-    assert out.settings == {"sampler": "confidence", "steps": req.steps, "nucleus_p": req.nucleus_p, "length": 8,
+    # No T in the settings: the confidence sampler runs until every position is decided, and says how long.
+    assert out.settings == {"sampler": "confidence", "nucleus_p": req.nucleus_p, "length": 8,
                             "seed": 3, "stop_at_eos": True, "threshold": 1.0, "block": 4, "refresh": 1,
                             "kv_cache": "dual"}
-    assert out.network_calls == 8  # threshold 1: one token a step; refresh 1: the uncached sampler's text
+    assert out.network_calls == out.steps == 8  # threshold 1: one token a step; refresh 1: the uncached text
     exact = gen.generate(dataclasses.replace(req, refresh=None))[0]
     assert exact.text == out.text and exact.settings["kv_cache"] == "off"
     assert gen.generate(gen.request(prompt=PROMPT, length=8, sampler="confidence", threshold=0.0,
                                     seed=3))[0].network_calls == 1
+
+
+@pytest.mark.parametrize("kind", ["mdlm", "ar", "bd3lm"])
+def test_steps_and_network_calls_are_what_the_sampler_ran(art, kind) -> None:
+    """Counted forward passes, not a setting echoed: AR one per new token (its KV cache: the prompt's pass gives
+    the first), the diffusion samplers at most T + 1 (a row that did not change reuses its p_x0), bd3lm per
+    block; ``steps`` is T where a sampler takes it and the iterations it ran where it does not (ar)."""
+    gen = _generator(art, kind)
+    calls = []
+    handle = gen.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        out = gen.generate(gen.request(prompt="In the", length=6, steps=5, seed=2))[0]
+    finally:
+        handle.remove()
+    if kind == "ar":  # the AR network is the model itself: its calls are seen here
+        assert out.network_calls == len(calls) == out.steps == 6 and "steps" not in out.settings
+    else:
+        assert out.steps == 5 and out.settings["steps"] == 5
+        assert 1 <= out.network_calls <= (5 + 1) * (1 if kind == "mdlm" else 6), out
 
 
 def test_text_stops_at_the_first_eos_and_shows_no_special_token(art) -> None:
@@ -309,9 +329,10 @@ def test_pyfunc_predict_equals_pipelines_generate(registry, capsys, monkeypatch)
     assert json.loads(batch["settings"][1])["sampler"] == "mdlm" and json.loads(batch["settings"][0])["steps"] == 8
     fast = model.predict(pd.DataFrame([{"prompt": PROMPT, "length": 8, "sampler": "confidence", "threshold": 0.5,
                                         "block": 4, "refresh": 2, "seed": 1}]))
-    assert json.loads(fast["settings"][0]) == {"sampler": "confidence", "steps": 128, "nucleus_p": 0.9, "length": 8,
+    assert json.loads(fast["settings"][0]) == {"sampler": "confidence", "nucleus_p": 0.9, "length": 8,
                                                "seed": 1, "stop_at_eos": True, "threshold": 0.5, "block": 4,
                                                "refresh": 2, "kv_cache": "dual"}
+    assert 2 <= fast["steps"][0] == fast["network_calls"][0] <= 8  # the passes it made, not the default T of 128
     for bad, reason in (({"prompt": "x", "lenght": 8}, "unknown field(s) lenght; known: prompt, suffix, length"),
                         ({"prompt": "x", "num_samples": 3}, "unknown field(s) num_samples"),
                         ({"prompt": "x", "length": 8, "steps": 100_000_000}, "steps 100000000 exceeds the limit max_steps=4096"),
@@ -322,6 +343,44 @@ def test_pyfunc_predict_equals_pipelines_generate(registry, capsys, monkeypatch)
         assert e.value.error_code == "INVALID_PARAMETER_VALUE" and reason in e.value.message, e.value.message
     with pytest.raises(mlflow.exceptions.MlflowException, match="17 rows exceed the limit max_rows=16"):
         model.predict(pd.DataFrame([{"prompt": "x", "length": 8}] * 17))
+
+    # Through the scoring server's own request handling (what `mlflow models serve` runs for /invocations): a
+    # refusal is the one line, without the request echoed ("Failed to predict data '<DataFrame>'. Error: ...").
+    from mlflow.pyfunc.scoring_server import invocations
+
+    monkeypatch.delenv("ADLM_MAX_WORK")
+
+    def served(payload: dict) -> dict:
+        try:
+            r = invocations(json.dumps(payload), "application/json", model, model.metadata.get_input_schema())
+        except mlflow.exceptions.MlflowException as e:
+            return {"status": e.get_http_status_code(), **json.loads(e.serialize_as_json())}
+        return {"status": r.status, **json.loads(r.response)}
+
+    long_prompt = "And God said " * 30
+    for payload, line in (
+        ({"dataframe_records": [{"prompt": "x", "steps": -2, "length": 8}]}, "request row 0: steps must be >= 1, got -2"),
+        ({"dataframe_records": [{}]}, 'request row 0: prompt is required ("" for text from nothing)'),
+        ({"inputs": [{"length": 4}]}, 'request row 0: prompt is required ("" for text from nothing)'),
+        ({"dataframe_records": [{"prompt": long_prompt, "length": 4}]},
+         "leave no room for new ones: shorten them (together at most 30 tokens for length 1)"),
+        ({"inputs": {"prompt": ["a", "b"], "length": [4, 5, 6]}}, "columns of different lengths (2, 3 values)"),
+        ({"inputs": [3, 4]}, "requests must be records"),
+    ):
+        got = served(payload)
+        assert got["status"] == 400 and got["error_code"] == "INVALID_PARAMETER_VALUE", got
+        assert line in got["message"] and "\n" not in got["message"] and "Failed to predict" not in got["message"]
+        assert got["message"].startswith(("request row 0: ", "columns", "requests")), got
+    # The `inputs` format: records, columns with one value for all, a list of prompts; the same text as the
+    # DataFrame for the same seed.
+    want = model.predict(pd.DataFrame([{"prompt": PROMPT, "length": 4, "steps": 4, "seed": 5}]))["text"][0]
+    for payload in ({"inputs": [{"prompt": PROMPT, "length": 4, "steps": 4, "seed": 5}]},
+                    {"inputs": {"prompt": [PROMPT], "length": 4, "steps": 4, "seed": 5}},
+                    {"inputs": {"prompt": PROMPT, "length": 4, "steps": 4, "seed": 5}}):
+        got = served(payload)
+        assert got["status"] == 200 and [p["text"] for p in got["predictions"]] == [want], (payload, got)
+    got = served({"inputs": ["In the", "And God"]})
+    assert got["status"] == 400 and "request row 0: BOS + prompt + length + suffix" in got["message"]  # length 64
 
 
 def test_the_served_model_loads_its_weights_on_the_first_request_and_keeps_them(registry, monkeypatch,
@@ -363,7 +422,7 @@ def test_generate_cli_shows_a_progress_bar_over_steps(registry, capsys) -> None:
     assert "sampling" not in capsys.readouterr().err
 
 
-def test_generate_cli_help_and_bad_input_exit_codes(registry, capsys) -> None:
+def test_generate_cli_help_and_bad_input_exit_codes(registry, capsys, monkeypatch) -> None:
     from pipelines.generate import main as generate
 
     with pytest.raises(SystemExit) as e:
@@ -376,6 +435,16 @@ def test_generate_cli_help_and_bad_input_exit_codes(registry, capsys) -> None:
     assert "has no alias 'nosuch'" in capsys.readouterr().err
     assert generate(["--model", str(registry["ar"]), "--prompt", "x", "--suffix", "y", "--quiet"]) == 2
     assert "cannot infill" in capsys.readouterr().err
+    # The served model's limits hold here too (a run of 10^8 steps would take most of an hour), unless lifted.
+    assert generate(["--model", "models:/adlm@candidate", "--prompt", "x", "--length", "8", "--steps", "100000000",
+                     "--quiet"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: steps 100000000 exceeds the limit max_steps=4096 (ADLM_MAX_STEPS): ask for fewer steps (or raise "
+        "the setting, or pass --no-limits)"]
+    monkeypatch.setenv("ADLM_MAX_STEPS", "4")
+    args = ["--model", "models:/adlm@candidate", "--prompt", "x", "--length", "4", "--steps", "6", "--quiet"]
+    assert generate(args) == 2 and "max_steps=4 (ADLM_MAX_STEPS)" in capsys.readouterr().err
+    assert generate([*args, "--no-limits"]) == 0
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -491,10 +560,51 @@ def test_mlflow_models_serve_answers_with_text_and_refuses_bad_input(registry, t
                             ({"prompt": "x", "length": 500}, "exceeds the model's context of 32")):
             status, body = _post(url, {"dataframe_records": [bad]})
             assert status == 400 and body["error_code"] == "INVALID_PARAMETER_VALUE", body
-            assert reason in body["message"]
+            assert reason in body["message"] and body["message"].startswith("request row 0: "), body  # no echo
         assert _up(url) and proc.poll() is None
         status, body = _post(url, {"inputs": {"prompt": [PROMPT], "suffix": [SUFFIX], "length": [10], "steps": [16],
                                               "seed": [7]}})
         assert status == 200 and body["predictions"][0]["text"] == first["text"]  # same seed, same text
     finally:
         _stop(proc)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The pipeline's summary
+
+
+def test_the_summary_shows_no_empty_sample_and_no_mauve_from_too_few_samples(art, workdir) -> None:
+    """An AR champion that draws EOS right after BOS more often than not (its EOS logit raised): the summary
+    shows and counts only samples with text, drawing more seeded batches for them; a MAUVE measured on 16
+    samples reads n/a with its count, not as a figure."""
+    import types
+
+    import mlflow
+
+    from adlm_model import build_model
+    from pipelines.orchestration.profiles import profile
+    from pipelines.orchestration.summary import champion_samples, summarize, summary_markdown
+
+    tok = art["tok"]
+    cfg = tiny_config(tok, "ar")
+    model = build_model(cfg)
+    with torch.no_grad():
+        model.backbone.output_layer.linear.bias[tok.eos_id] = 6.0  # p(EOS) about 0.5 at every position
+    ck = save_ckpt(workdir / "ck-eos", model, cfg, None, art["ar"] / "tokenizer.json", art["data"])
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    mv = register(ck, uri, kind="ar")
+    client = mlflow.MlflowClient(uri)
+    client.set_registered_model_alias("adlm", "champion", mv.version)
+    for k, v in {"mauve": "0.9997", "mauve.samples": "16", "val_ppl": "300.5", "eval.status": "promoted"}.items():
+        client.set_model_version_tag("adlm", mv.version, k, v)
+    gen = _generator({"ar": ck}, "ar")
+    first = gen.generate(gen.request(length=8, num_samples=2, seed=0))
+    assert any(not g.completion.strip() for g in first)  # the first batch alone would show an empty sample
+    trained = {"AR": types.SimpleNamespace(registered_version=mv.version)}  # what summarize reads of a TrainResult
+    s = summarize(profile("demo"), uri, "adlm", tok.vocab_size, trained, None, {"total": 1.0})
+    s["samples"] = champion_samples(s, str(workdir), uri, length=8, n=2)
+    assert len(s["samples"]) == 2 and all(t.strip() for t in s["samples"])
+    md = summary_markdown(s)
+    assert "| n/a (too few samples: 16) |" in md and "0.9997" not in md and "1.000" not in md
+    assert s["rows"][0]["mauve"] is None and "Champion sample 2: " in md
+    assert all(line.split(": ", 1)[1].strip() for line in md.splitlines() if line.startswith("Champion sample"))

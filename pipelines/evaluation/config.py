@@ -99,6 +99,9 @@ class EvalConfig:
     """Auto GPUs: networks of at least this many parameters ask for a GPU (the paper's models: 170-293M)."""
     rows_per_task: int = 0
     """Split each dataset into Ray tasks of this many rows (rounded up to whole batches); 0: one task each."""
+    job_timeout_s: float = 10800.0
+    """Deadline of each Ray task, seconds (from its submission or the last task to finish): a task past it is
+    cancelled and the command fails naming it. Default 3 h; raise it for the paper profile on CPUs."""
     experiment: str = EVAL_EXPERIMENT
     """MLflow experiment of the evaluation runs."""
     lm_eval_tasks: tuple[str, ...] = ()
@@ -143,6 +146,8 @@ class EvalConfig:
         need(self.mauve_min_samples >= 2, f"mauve_min_samples must be >= 2, got {self.mauve_min_samples}")
         need(self.cpus_per_task > 0, f"cpus_per_task must be > 0, got {self.cpus_per_task}")
         need(self.rows_per_task >= 0, f"rows_per_task must be >= 0, got {self.rows_per_task}")
+        need(self.job_timeout_s > 0, f"job_timeout_s must be > 0 (every Ray task has a deadline), got "
+                                     f"{self.job_timeout_s}")
         need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
              f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         return self

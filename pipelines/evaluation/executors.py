@@ -1,9 +1,23 @@
-"""Executors of the evaluation's jobs: one after the other in this process, or one Ray task each."""
+"""Executors of the evaluation's jobs: one after the other in this process, or one Ray task each.
+
+Every Ray task has a deadline (``EvalConfig.job_timeout_s``): the driver never waits on a task without one. A
+task still running when no task has finished for that long is cancelled, and ``JobDeadlineError`` says which
+work it was doing and for how long (a job of the in-process executor runs in the caller's thread: nothing can
+stop it there, so it has none).
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
+
+
+class JobDeadlineError(RuntimeError):
+    """A Ray task of the evaluation ran past its deadline and was cancelled (work that started, then failed:
+    the commands exit 1)."""
+
+    exit_code = 1
 
 
 class LocalExecutor:
@@ -50,11 +64,11 @@ class RayExecutor:
 
     name = "ray"
 
-    def __init__(self, cpus: float, gpus: float) -> None:
+    def __init__(self, cpus: float, gpus: float, timeout_s: float = 10800.0) -> None:
         import ray
 
         self.ray = ray
-        self.cpus, self.gpus = cpus, gpus
+        self.cpus, self.gpus, self.timeout_s = cpus, gpus, timeout_s
 
     def gpus_for(self, large: bool) -> float:
         """GPUs a task asks for (class docstring)."""
@@ -74,10 +88,30 @@ class RayExecutor:
         index = {r: i for i, r in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
+        started = last = time.monotonic()
         with tqdm(total=len(refs), desc=desc, unit="task") as bar:
             while pending:
-                done, pending = self.ray.wait(pending, num_returns=1)
+                # The deadline runs from the submission or the last task to finish, whichever is later: a task
+                # queued behind others for a slot is not charged for their time.
+                left = self.timeout_s - (time.monotonic() - last)
+                done, pending = self.ray.wait(pending, num_returns=1, timeout=max(left, 0.0))
+                if not done:
+                    self._cancel(pending)
+                    raise JobDeadlineError(
+                        f"{desc}: {len(pending)} of {len(refs)} Ray task(s) still running after "
+                        f"{time.monotonic() - started:.0f} s, none finished in the last {self.timeout_s:g} s "
+                        f"(job_timeout_s): cancelled; raise it with --set job_timeout_s=SECONDS if the work is "
+                        f"that long, else look for the stuck task in the Ray worker logs")
+                last = time.monotonic()
                 for r in done:
-                    results[index[r]] = self.ray.get(r)
+                    results[index[r]] = self.ray.get(r, timeout=self.timeout_s)
                     bar.update(1)
         return results
+
+    def _cancel(self, refs: list[Any]) -> None:
+        """Stop the tasks (force: a task stuck in native code or a lock ignores a polite cancel)."""
+        for r in refs:
+            try:
+                self.ray.cancel(r, force=True)
+            except Exception:  # noqa: BLE001 - already finished or gone: nothing left to stop
+                pass

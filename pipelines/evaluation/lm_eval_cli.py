@@ -25,6 +25,7 @@ def _precheck(argv: list[str]) -> str | None:
     from pipelines.evaluation.config import EvalConfig, EvalError
     from pipelines.evaluation.lm_eval_model import MODEL_NAME, AdapterSettings
     from pipelines.evaluation.lm_eval_suite import check_lm_eval
+    from pipelines.registry import RegistryError
 
     p = argparse.ArgumentParser(add_help=False)
     for flag in ("--model", "--model_args", "--tasks", "--include_path"):
@@ -33,7 +34,8 @@ def _precheck(argv: list[str]) -> str | None:
     try:
         if known.model == MODEL_NAME:
             args = simple_parse_args_string(known.model_args or "")
-            if not args.get("pretrained"):
+            pretrained, tracking = str(args.get("pretrained") or ""), args.get("tracking_uri")
+            if not pretrained:
                 raise EvalError("--model_args needs pretrained=MODEL (models:/adlm@champion, a checkpoint folder, "
                                 "an export)")
             for k in ("pretrained", "tracking_uri", "max_batch_size"):
@@ -41,10 +43,16 @@ def _precheck(argv: list[str]) -> str | None:
             if str(args.get("batch_size", "")).startswith("auto"):
                 args.pop("batch_size")
             AdapterSettings.from_kwargs(args).validate()
+            if pretrained.startswith("models:/"):  # a missing version: one line before the harness starts
+                from pipelines.registry import get_version
+                from pipelines.storage import resolve_workdir
+                from pipelines.tracking import resolve_tracking_uri
+
+                get_version(pretrained, tracking or resolve_tracking_uri(resolve_workdir(None)))
         if known.tasks:
             check_lm_eval(EvalConfig(lm_eval_tasks=tuple(t for t in known.tasks.split(",") if t),
                                      lm_eval_include_path=known.include_path or ""), None)
-    except EvalError as e:
+    except (EvalError, RegistryError) as e:
         return str(e)
     return None
 
@@ -63,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lm_eval.__main__ import cli_evaluate
 
     from pipelines.evaluation.lm_eval_model import AdapterSettings  # importing it registers the adlm model
-    from pipelines.evaluation.lm_eval_suite import TASK_DIR
+    from pipelines.evaluation.lm_eval_suite import TASK_DIR, single_process_harness
 
     if argv and argv[0] not in ("ls", "validate"):
         if "--include_path" not in argv:
@@ -73,7 +81,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "--batch_size" not in argv:  # the harness's default of 1 would mean one row a forward pass
             argv += ["--batch_size", str(AdapterSettings.batch_size)]
     sys.argv = ["lm-eval", *argv]
-    cli_evaluate()
+    try:
+        with single_process_harness():  # no fork of this multi-threaded process (torch's threads) either
+            cli_evaluate()
+    except ValueError as e:  # ours (a missing version, a bad checkpoint, bad settings) are ValueErrors
+        if type(e).__module__.split(".")[0] not in ("pipelines", "adlm_model"):
+            raise  # the harness's own keep their traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

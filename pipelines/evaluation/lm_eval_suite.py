@@ -9,6 +9,14 @@ version tags; for the diffusion kinds each task also gets the Monte Carlo error 
 (``lm_eval.TASK.mc_stderr``: the root mean square of the per-request standard errors, nats;
 ``lm_eval.TASK.mc_stderr_of_mean``: that of the task's mean log-likelihood; ``lm_eval.TASK.mc_samples`` draws a
 request).
+
+No process pool: the harness's bootstrap standard errors (perplexity and the other non-mean metrics) fork a
+``multiprocessing`` pool unless ``DISABLE_MULTIPROC`` is set, and a fork of a multi-threaded Ray worker can
+deadlock (seen: 20 minutes, a child on a futex). ``single_process_harness`` sets it around every run: the
+harness then draws the same resamples (a ``random.Random(i)`` per chunk of 1,000, ``lm_eval_bootstrap_iters``
+in all) in one loop, so the ``_stderr`` figures are the ones the pool would give (the standard deviation of
+the metric over the resamples), only computed serially (1,000 resamples of a few hundred documents: well
+under a second).
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import difflib
 import math
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +99,26 @@ def check_lm_eval(cfg: EvalConfig, tracking_uri: str | None) -> None:
                         f"from {TASK_DIR.name}/ ({OFFLINE_GROUP}) offline")
 
 
+NO_PROCESS_POOL = {"DISABLE_MULTIPROC": "1", "LMEVAL_DISABLE_MULTIPROC": "1"}
+"""What makes lm-eval 0.4.13 bootstrap in one loop (``lm_eval.api.metrics.bootstrap_stderr`` reads the first;
+``lm_eval.defaults`` the second)."""
+
+
+@contextlib.contextmanager
+def single_process_harness() -> Iterator[None]:
+    """The harness without its process pool while inside (module docstring); the environment restored after."""
+    before = {k: os.environ.get(k) for k in NO_PROCESS_POOL}
+    os.environ.update(NO_PROCESS_POOL)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def lm_eval_job(model: str, settings: Any, adapter: dict[str, Any], tasks: list[str]) -> dict[str, Any]:
     """Load the model into the adapter, run the harness on ``tasks``; figures per task and the adapter's Monte
     Carlo errors (plain JSON types: what a Ray task returns)."""
@@ -97,7 +127,7 @@ def lm_eval_job(model: str, settings: Any, adapter: dict[str, Any], tasks: list[
     cfg = settings.cfg
     lm = ADLMEvalLM(pretrained=model, tracking_uri=settings.tracking_uri, **adapter)
     # The harness prints progress notes on stdout; ours carries only results (``--json``): they go to stderr.
-    with contextlib.redirect_stdout(sys.stderr):
+    with contextlib.redirect_stdout(sys.stderr), single_process_harness():
         out = _evaluate(lm, cfg, tasks)
     figures: dict[str, dict[str, float]] = {}
     for task, res in out["results"].items():

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.evaluation.config import EvalConfig
-from pipelines.evaluation.executors import LocalExecutor, RayExecutor
+from pipelines.evaluation.executors import JobDeadlineError, LocalExecutor, RayExecutor
 from pipelines.evaluation.jobs import JobSettings
 from pipelines.evaluation.plan import Plan, plan_evaluation
 from pipelines.evaluation.report import EvalResult, plots, summary_markdown, version_tags
@@ -54,7 +54,7 @@ def make_executor(cfg: EvalConfig, *, in_process: bool, ray_address: str | None 
     from pipelines.runtime import init_ray
 
     init_ray(ray_address)
-    return RayExecutor(cfg.cpus_per_task, cfg.gpus_per_task)
+    return RayExecutor(cfg.cpus_per_task, cfg.gpus_per_task, cfg.job_timeout_s)
 
 
 def job_settings(plan: Plan) -> JobSettings:
@@ -74,7 +74,10 @@ def run_plan(plan: Plan, executor: Any) -> EvalResult:
     state = RunState(plan=plan, executor=executor, settings=job_settings(plan),
                      large_model=parameter_count(plan.model_cfg) >= cfg.gpu_min_params)
     for name in plan.suite:
-        SUITES[name].run(state)
+        try:
+            SUITES[name].run(state)
+        except JobDeadlineError as e:
+            raise JobDeadlineError(f"evaluation of {plan.ref.uri}, suite {name}: {e}") from None
     settings_out = {**dataclasses.asdict(cfg), "sampler": plan.sampler, "sampler_kwargs": plan.sampler_kwargs,
                     "length": plan.length, "steps": plan.steps}
     settings_out.update({"suite": list(plan.suite), "model": plan.ref.uri, "checkpoint": plan.ref.local_dir,

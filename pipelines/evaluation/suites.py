@@ -381,9 +381,16 @@ def _run_mauve(state: RunState) -> None:
     r = state.executor.run(mauve_job, [{"sample_texts": [s["text"] for s in samples], "reference_texts": refs,
                                         "settings": state.settings}], f"MAUVE ({cfg.mauve_featurizer})",
                            large=is_hub_model(cfg.mauve_featurizer))[0]
-    state.metrics.update({"mauve": r["mauve"], "mauve_frontier_integral": r["frontier_integral"]})
+    from pipelines.evaluation.metrics import MAUVE_MIN_SAMPLES
+
+    state.metrics.update({"mauve": r["mauve"], "mauve_frontier_integral": r["frontier_integral"],
+                          "mauve_samples": float(r["n_samples"])})
+    # Allowed below the floor (mauve_min_samples lowered: the demo's 16) but said: a handful of histogram
+    # buckets over so few points reads near 1 or near 0 by chance (16 samples: 0.9997 and 0.278, seen).
+    few = (f"; too few samples for a meaningful figure (< {MAUVE_MIN_SAMPLES}): a wiring check"
+           if r["n_samples"] < MAUVE_MIN_SAMPLES else "")
     state.row("MAUVE", r["mauve"], f"featurizer {r['featurizer']}; {r['n_samples']} samples vs {r['n_samples']} "
-              f"{name_of(plan.reference_split)} texts; {r['num_buckets']} buckets, c={cfg.mauve_scaling}")
+              f"{name_of(plan.reference_split)} texts; {r['num_buckets']} buckets, c={cfg.mauve_scaling}{few}")
 
 
 register_suite(Suite(
@@ -407,7 +414,8 @@ register_suite(Suite(
 register_suite(Suite(
     "mauve", "MAUVE of the samples against as many validation texts", _run_mauve, implies=("generate",),
     check=_check_mauve, plan=_plan_mauve, headline=("mauve",),
-    tags=lambda result, cfg: {"mauve.featurizer": cfg.mauve_featurizer},
+    tags=lambda result, cfg: {"mauve.featurizer": cfg.mauve_featurizer,
+                              "mauve.samples": f"{result.metrics.get('mauve_samples', 0):.0f}"},
     gates=(Gate("mauve", "min", "mauve_min", "MAUVE"),)))
 
 

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from adlm_model.kinds import KINDS
+from pipelines.evaluation.metrics import MAUVE_MIN_SAMPLES
 from pipelines.logs import get_logger
 from pipelines.orchestration.profiles import DemoGoals, Profile
 from pipelines.storage import join, write_text
@@ -36,10 +37,16 @@ def summarize(prof: Profile, uri: str, model_name: str, vocab_size: int, results
             except (KeyError, ValueError):
                 return None
 
+        # MAUVE from fewer samples than MAUVE_MIN_SAMPLES is no figure (the demo's 16: chance near 1 or 0);
+        # its value stays in the registry, with its count, and the summary says why it shows none.
+        mauve, mauve_n = num("mauve"), num("mauve.samples")
+        too_few = mauve is not None and mauve_n is not None and mauve_n < MAUVE_MIN_SAMPLES
         rows.append({"model": label, "version": version, "kind": tags.get("kind"), "gamma": tags.get("gamma"),
                      "tau": tags.get("tau"), "val_ppl": num("val_ppl"), "gen_ppl": num("gen_ppl"),
                      "gen_ppl_definition": tags.get("gen_ppl.definition"), "entropy": num("entropy"),
-                     "mauve": num("mauve"), "status": tags.get("eval.status"),
+                     "mauve": None if too_few else mauve,
+                     "mauve_note": f"n/a (too few samples: {mauve_n:.0f})" if too_few else None,
+                     "status": tags.get("eval.status"),
                      "reasons": tags.get("eval.reasons", ""), "champion": version == champion})
     sweep = None
     if sweep_res is not None:
@@ -71,20 +78,32 @@ def check_goals(s: dict, goals: DemoGoals) -> list[dict[str, Any]]:
     ]
 
 
+SAMPLE_DRAWS = 4
+"""Batches of ``n`` the summary draws at most to find ``n`` non-empty samples of the champion."""
+
+
 def champion_samples(s: dict, wd: str, uri: str, length: int, n: int = 2) -> list[str]:
-    """``n`` short unconditional samples of the champion, drawn through the same generator as
-    ``pipelines.generate`` and the served model (seeded: a rerun prints the same ones)."""
+    """Up to ``n`` short unconditional samples of the champion with text in them, drawn through the same
+    generator as ``pipelines.generate`` and the served model (seeded: a rerun prints the same ones). A sample
+    that is empty (the model drew EOS first: an AR model may, right after BOS) is neither shown nor counted:
+    further seeded batches are drawn, ``SAMPLE_DRAWS`` at most, and fewer than ``n`` is what the summary says."""
     if not s.get("champion"):
         return []
     from pipelines.serving.generate import open_generator, run_generation
 
+    texts: list[str] = []
     try:
         loaded = open_generator(f"models:/{s['model_name']}@champion", tracking_uri=uri, workdir=wd, device="cpu")
-        req = loaded.generator.request(length=length, steps=length, num_samples=n, seed=0)
-        return [g.completion for g in run_generation(loaded, req, progress=False)]
+        for seed in range(SAMPLE_DRAWS):
+            req = loaded.generator.request(length=length, steps=length, num_samples=n, seed=seed)
+            texts += [g.completion for g in run_generation(loaded, req, progress=False) if g.completion.strip()]
+            if len(texts) >= n:
+                break
     except Exception as e:  # noqa: BLE001 - the summary stands without its samples; say why
         log.warning(f"sampling the champion failed ({type(e).__name__}: {str(e)[:200]})")
-        return []
+    if len(texts) < n:
+        log.warning(f"the champion drew {len(texts)} non-empty samples of {n} in {SAMPLE_DRAWS} batches")
+    return texts[:n]
 
 
 def _fmt(v: Any, spec: str = ".3f") -> str:
@@ -100,7 +119,8 @@ def summary_markdown(s: dict) -> str:
         anchor = (f"{float(r['gamma']):.3g}", _fmt(r["tau"])) if r["gamma"] is not None else ("-", "-")
         bound = "<= " if r["kind"] in KINDS and KINDS[r["kind"]].diffusion and r["val_ppl"] is not None else ""
         out.append(f"| {r['model']} | {_fmt(r['kind'])} | {_fmt(r['version'])} | {anchor[0]} | {anchor[1]} | "
-                   f"{bound}{_fmt(r['val_ppl'])} | {_fmt(r['gen_ppl'])} | {_fmt(r['entropy'])} | {_fmt(r['mauve'])} | "
+                   f"{bound}{_fmt(r['val_ppl'])} | {_fmt(r['gen_ppl'])} | {_fmt(r['entropy'])} | "
+                   f"{r.get('mauve_note') or _fmt(r['mauve'])} | "
                    f"{status} |")
     out.append("")
     for d in sorted({r["gen_ppl_definition"] for r in s["rows"] if r["gen_ppl"] is not None and r["gen_ppl_definition"]}):
@@ -113,6 +133,9 @@ def summary_markdown(s: dict) -> str:
     out.append(f"Champion: {s['model_name']} v{s['champion']}, the {champ['model'] if champ else '?'} run "
                f"(models:/{s['model_name']}@champion)" if s["champion"]
                else "No champion: every candidate was rejected (see the eval.reasons tags).")
+    if any(r.get("mauve_note") for r in s["rows"]):
+        out.append(f"MAUVE: shown only from {MAUVE_MIN_SAMPLES} samples up; below that its few histogram buckets "
+                   "read near 1 or near 0 by chance (the registry keeps the value and its sample count).")
     for i, text in enumerate(s.get("samples") or [], 1):
         out.append(f"Champion sample {i}: " + " ".join(text.split())[:400])
     if s.get("sweep"):

@@ -93,9 +93,17 @@ def progress_bar(enabled: bool) -> tuple[Callable[[int, int], None], Callable[[]
     return update, close
 
 
-def run_generation(loaded: LoadedModel, request: GenerationRequest, *, progress: bool = True) -> list[Generation]:
-    """Check ``request`` (one line on bad input, before any network call), then generate."""
-    checked = loaded.generator.check(request)
+def run_generation(loaded: LoadedModel, request: GenerationRequest, *, progress: bool = True,
+                   limits: bool = True) -> list[Generation]:
+    """Check ``request`` (one line on bad input, before any network call) and, with ``limits``, its cost against
+    the served model's limits (``adlm_model.limits``: ``LimitError``), then generate."""
+    gen = loaded.generator
+    checked = gen.check(request)
+    if limits:
+        bounds = gen.limits()
+        bounds.check_request(request.num_samples, 0.0, what="samples")
+        bounds.check_row(None, request.steps, request.length)
+        bounds.check_request(request.num_samples, gen.cost(checked)[1], what="samples")
     update, close = progress_bar(progress)
     try:
         return loaded.generator.generate(checked, progress=update)

@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from pipelines.cli import run_command
 from pipelines.data.manifest import ManifestError, read_manifest
 from pipelines.data.reader import read_rows
-from pipelines.logs import add_logging_flags, setup_logging
+from pipelines.logs import add_logging_flags
 
 
 def _counts(ids: np.ndarray, mask: np.ndarray | None, width: int, first: int) -> tuple[np.ndarray, np.ndarray]:
@@ -104,13 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alpha", type=float, default=0.5, help="add-alpha smoothing of the train-fitted floors")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_logging_flags(p)
-    args = p.parse_args(argv)
-    setup_logging(args.verbose - args.quiet)
-    try:
-        res = floors(args.split, args.train, args.alpha)
-    except (ManifestError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_command(p, _run, argv, bad_input=(ManifestError, ValueError))
+
+
+def _run(args: argparse.Namespace) -> int:
+    res = floors(args.split, args.train, args.alpha)
     print(json.dumps(res, indent=1) if args.json else table(res))
     for pos in ("all_positions", "skip_first"):
         for k, v in res[pos].items():
