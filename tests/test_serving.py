@@ -3,6 +3,10 @@ with infilling, ``mlflow models serve`` over HTTP, and the Hugging Face-style ex
 
 Everything here is real: tiny models trained for a few steps on the bundled corpora, a 384-entry byte-level
 BPE, a sqlite registry, the evaluation suite tagging a version, and (slow) a ``mlflow models serve`` process.
+
+Longer than 500 lines because every test here shares one module-scoped fixture (``art``: the tiny models of every
+kind, trained and registered once); split across modules, each module would train them again (xdist runs whole
+modules per worker).
 """
 
 from __future__ import annotations
