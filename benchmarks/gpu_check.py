@@ -48,7 +48,8 @@ Items, in this order (``--list`` prints them; ``--only`` / ``--skip`` pick them 
   measured and the datasheet peak.
 - ``train_compiled_<kind>``: the same with every DiT block compiled (``nn.Module.compile``: the blocks carry the
   FLOPs; the loss and the vocabulary projection stay eager), at the eager item's batch; the first step's time
-  (compilation) is reported apart. MDLM and ADLM come right after the eager items, the other kinds last.
+  (compilation) is reported apart, and dynamo's graph breaks in the blocks (0 expected: each break splits a
+  block's graph and the fusion across it). MDLM and ADLM come right after the eager items, the other kinds last.
 - ``adlm_over_mdlm``: ADLM's time per row over MDLM's (eager, and compiled when both ran) against their FLOP
   ratio per row: the share of ADLM's extra cost that is not arithmetic.
 - ``sample_forward``: one denoising forward of MDLM at batch 16, L = 1024 in float32 and in bf16 autocast (the
@@ -158,20 +159,19 @@ class Sizes:
     sample_steps: int
     confidence_block: int
     matmul_n: int
-    compile_need_s: float
-    """Budget that must be left to start a compiled item (compilation takes most of it)."""
-    item_need_s: float
+    need_scale: float
+    """Multiplies each item's ``need_s`` (1 at the papers' sizes; 0 with ``--tiny``: a budget left starts any)."""
 
 
 FULL = Sizes(train={}, micro=dict(hidden=32, heads=2, n_blocks=2, denoiser_blocks=1, cond_dim=16, vocab_size=48,
                                   mask_id=48, seq_len=24, block_size=4, dropout=0.0),
              correct_rows=2, batch_start=8, batch_cap=512, warmup_steps=2, sample_len=1024, sample_batch=16,
-             sample_steps=1024, confidence_block=32, matmul_n=8192, compile_need_s=60.0, item_need_s=5.0)
+             sample_steps=1024, confidence_block=32, matmul_n=8192, need_scale=1.0)
 TINY = dataclasses.replace(
     FULL, train=dict(hidden=32, heads=2, n_blocks=2, denoiser_blocks=1, cond_dim=16, vocab_size=64, mask_id=64,
                      seq_len=32),
     correct_rows=2, batch_start=1, batch_cap=2, warmup_steps=1, sample_len=16, sample_batch=2, sample_steps=16,
-    confidence_block=8, matmul_n=128, compile_need_s=0.0, item_need_s=0.0)
+    confidence_block=8, matmul_n=128, need_scale=0.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,17 +290,17 @@ def correct_bf16(ctx: Ctx, kind: str) -> dict[str, Any]:
             loss = compute_loss(model, x, None, cfg, step=1, generator=ctx.gen(1)).loss
         loss.backward()
         losses[dtype] = float(loss.detach())
-        grads[dtype] = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+        grads[dtype] = torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None])
         if dtype == "bf16":
             opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             params_finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
             with cast:
-                second = float(compute_loss(model, x, None, cfg, step=2, generator=ctx.gen(1)).loss)
+                second = float(compute_loss(model, x, None, cfg, step=2, generator=ctx.gen(1)).loss.detach())
         del model
     rel = abs(losses["bf16"] / losses["fp32"] - 1.0)
-    cos = float(torch.nn.functional.cosine_similarity(grads["bf16"], grads["fp32"], dim=0))
+    cos = float(torch.nn.functional.cosine_similarity(grads["bf16"], grads["fp32"], dim=0))  # float64: no 1.001
     finite = all(math.isfinite(v) for v in losses.values()) and all(bool(torch.isfinite(g).all())
                                                                        for g in grads.values())
     ok = finite and params_finite and math.isfinite(second) and rel <= LOSS_REL_TOL and cos >= GRAD_COSINE_MIN
@@ -580,6 +580,17 @@ class Trainer:
         return int(counter.get_total_flops())
 
 
+def graph_breaks() -> tuple[int, dict[str, int]]:
+    """Dynamo's graph breaks so far, in all and by reason (its counters: a private API, so -1 when absent)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        reasons = dict(counters["graph_break"])
+    except Exception:  # noqa: BLE001 - diagnostics only
+        return -1, {}
+    return sum(reasons.values()), reasons
+
+
 def train_item(ctx: Ctx, kind: str, compiled: bool) -> dict[str, Any]:
     cfg = ctx.train_config(kind)
     tr = Trainer(ctx, cfg, compiled=compiled)
@@ -590,6 +601,7 @@ def train_item(ctx: Ctx, kind: str, compiled: bool) -> dict[str, Any]:
         detail["compile_backend"] = ctx.args.compile_backend
         batch = ctx.shared.get(f"batch_{kind}") or ctx.sizes.batch_start
         x = random_rows(cfg, batch, ctx.device)
+        before = graph_breaks()
         t = time.perf_counter()
         tr.step(x)  # compiles the blocks (forward and backward)
         ctx.sync()
@@ -618,6 +630,11 @@ def train_item(ctx: Ctx, kind: str, compiled: bool) -> dict[str, Any]:
         res[f"train_mfu_{which}_{tag}"] = flops_step / step_s / (peak * 1e12) if flops_step and peak else math.nan
     if not compiled:
         res[f"train_tflop_per_step_{kind}"] = flops_step / 1e12 if flops_step else math.nan
+    else:
+        after = graph_breaks()
+        new = {k: n - before[1].get(k, 0) for k, n in after[1].items() if n > before[1].get(k, 0)}
+        res[f"train_graph_breaks_{tag}"] = after[0] - before[0] if after[0] >= 0 else math.nan
+        detail["graph_break_reasons"] = {k[:300]: n for k, n in new.items()}
     detail.update(step_times_s=times, flops_per_row=flops_row)
     return {"results": res, "detail": detail}
 
@@ -662,6 +679,8 @@ def sample_forward(ctx: Ctx) -> dict[str, Any]:
             "detail": {"batch": x.shape[0], "seq_len": cfg.seq_len}}
 
 
+SAMPLE_NEED_S = {"exact": 40, "cached": 40, "confidence": 15, "bd3lm_kv": 15, "ar_kv": 10}
+"""Estimated seconds of each sampling item on an H100 (``Item.need_s``)."""
 SAMPLE_RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # item: (kind, sampler, options; "T" stands for --tiny's or the full T)
     "exact": ("mdlm", "mdlm", {"cache": False}),
@@ -752,13 +771,15 @@ class Item:
     name: str
     run: Callable[[Ctx], dict[str, Any]]
     results: tuple[str, ...]
-    compile: bool = False
+    need_s: float = 5.0
+    """Seconds the item is expected to take on an H100 (an estimate, none measured yet): it starts only while
+    that much of the budget is left, so that the run ends near the budget instead of a long item past it."""
 
 
 def _train_results(tag: str, compiled: bool) -> tuple[str, ...]:
     names = [f"train_batch_{tag}", f"train_step_s_{tag}", f"train_tokens_per_s_{tag}", f"train_peak_mem_gib_{tag}",
              f"train_mfu_measured_{tag}", f"train_mfu_datasheet_{tag}"]
-    return tuple(names if compiled else [*names, f"train_tflop_per_step_{tag}"])
+    return tuple([*names, f"train_graph_breaks_{tag}"] if compiled else [*names, f"train_tflop_per_step_{tag}"])
 
 
 def _items() -> list[Item]:
@@ -774,28 +795,28 @@ def _items() -> list[Item]:
             items.append(Item(f"sampler_{k}_kv", lambda c, k=k: sampler_kv(c, k), (f"sampler_equal_{k}_kv",)))
     attention_names = tuple(f"attention_train_{k}" for k in KINDS) + (("attention_kv_step_ar",) if "ar" in KINDS
                                                                       else ())
-    items.append(Item("attention", attention_item, attention_names))
+    items.append(Item("attention", attention_item, attention_names, need_s=10))
     items.append(Item("matmul_peak", matmul_peak, ("matmul_peak_tflops", "datasheet_peak_tflops")))
     for k in KINDS:
-        items.append(Item(f"train_{k}", lambda c, k=k: train_item(c, k, False), _train_results(k, False)))
+        items.append(Item(f"train_{k}", lambda c, k=k: train_item(c, k, False), _train_results(k, False), need_s=30))
     first = [k for k in ("mdlm", "adlm") if k in KINDS]
     for k in first:
         items.append(Item(f"train_compiled_{k}", lambda c, k=k: train_item(c, k, True),
-                          _train_results(f"compiled_{k}", True), compile=True))
+                          _train_results(f"compiled_{k}", True), need_s=90))
     if {"mdlm", "adlm"} <= set(KINDS):
         items.append(Item("adlm_over_mdlm", adlm_over_mdlm, ("adlm_over_mdlm_time_ratio",
                                                              "adlm_over_mdlm_time_ratio_compiled",
-                                                             "adlm_over_mdlm_flop_ratio")))
+                                                             "adlm_over_mdlm_flop_ratio"), need_s=0))
     items.append(Item("sample_forward", sample_forward, ("sample_forward_ms_fp32", "sample_forward_ms_bf16")))
     for which, (kind, _, _) in SAMPLE_RUNS.items():
         if kind in KINDS:
             items.append(Item(f"sample_{which}", lambda c, w=which: sample_item(c, w),
                               (f"sample_tokens_per_s_{which}", f"sample_network_calls_{which}",
-                               f"sample_ms_per_call_{which}")))
+                               f"sample_ms_per_call_{which}"), need_s=SAMPLE_NEED_S[which]))
     for k in KINDS:
         if k not in first:
             items.append(Item(f"train_compiled_{k}", lambda c, k=k: train_item(c, k, True),
-                              _train_results(f"compiled_{k}", True), compile=True))
+                              _train_results(f"compiled_{k}", True), need_s=90))
     return items
 
 
@@ -810,6 +831,8 @@ assert len(set(RESULT_NAMES)) == len(RESULT_NAMES), "RESULT names must be unique
 
 
 def fmt(v: Any) -> str:
+    if v is None:  # a nan read back from JSON (--resume)
+        return "nan"
     if isinstance(v, bool):
         return str(int(v))
     if isinstance(v, float):
@@ -842,6 +865,7 @@ def selected(name: str, only: list[str], skip: list[str]) -> bool:
 def run_item(ctx: Ctx, item: Item) -> dict[str, Any]:
     """Runs one item, guarded: a record with status, seconds, results and detail (or the error)."""
     t, cpu = time.perf_counter(), time.process_time()
+    shared_before = dict(ctx.shared)
     rec: dict[str, Any] = {"status": "ok"}
     try:
         if item.name in ctx.args.inject_failure:
@@ -857,6 +881,8 @@ def run_item(ctx: Ctx, item: Item) -> dict[str, Any]:
                    trace=traceback.format_exc(limit=-6).splitlines()[-24:])
     rec["seconds"] = round(time.perf_counter() - t, 3)
     rec["cpu_seconds"] = round(time.process_time() - cpu, 3)  # this process's CPU time (all threads)
+    # What the item handed on to later ones (batch, FLOPs, step time, peaks): --resume hands it on again.
+    rec["shared"] = {k: v for k, v in ctx.shared.items() if k not in shared_before or shared_before[k] != v}
     unknown = set(rec.get("results", {})) - set(item.results)
     if unknown:  # an item printing a name RESULT_NAMES lacks would make the GPU and tiny runs differ
         rec.update(status="failed", error=f"results not declared in the item: {sorted(unknown)}")
@@ -879,6 +905,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--only", default="", help="comma-separated item names or fnmatch patterns to run (env always)")
     ap.add_argument("--skip", default="", help="comma-separated item names or patterns to leave out "
                                                "(e.g. a second try: the items the first one finished)")
+    ap.add_argument("--resume", default=None, metavar="JSON",
+                    help="a gpu_check.json of an earlier run cut short: its ok items are kept (and their RESULT "
+                         "lines printed) instead of run again; the rest run (a second try)")
     ap.add_argument("--compile-backend", default=None,
                     help="torch.compile backend of the compiled items (default inductor; aot_eager on a CPU)")
     ap.add_argument("--threads", type=int, default=None,
@@ -936,6 +965,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.compile_backend is None:
         args.compile_backend = "aot_eager" if device.type == "cpu" else "inductor"
+    previous: dict[str, Any] = {}
+    if args.resume:
+        try:
+            old = json.loads(Path(args.resume).read_text())
+            previous = {n: r for n, r in old["items"].items() if r.get("status") == "ok" and n != "env"}
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            print(f"error: --resume {args.resume}: not a gpu_check.json ({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "gpu_check.json"
@@ -953,10 +990,13 @@ def main(argv: list[str] | None = None) -> int:
         if item.name != "env" and not selected(item.name, args.only, args.skip):
             continue
         elapsed = time.perf_counter() - t0
-        need = ctx.sizes.compile_need_s if item.compile else ctx.sizes.item_need_s
-        if item.name != "env" and args.budget_s - elapsed < max(need, 1e-9):
+        need = item.need_s * ctx.sizes.need_scale
+        if item.name in previous:
+            rec = {**previous[item.name], "resumed_from": args.resume}
+            ctx.shared.update(rec.get("shared", {}))
+        elif item.name != "env" and args.budget_s - elapsed < max(need, 1e-9):
             rec = {"status": "skipped", "reason": f"budget: {elapsed:.0f} of {args.budget_s:.0f} s spent, "
-                                                  f"the item needs {need:.0f} s"}
+                                                  f"the item needs about {need:.0f} s"}
         else:
             print(f"# {item.name} ...", flush=True)
             rec = run_item(ctx, item)

@@ -24,6 +24,8 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 ALLOWED = {"torch", "numpy", "safetensors", "tokenizers", "flash_attn"}
 """What the GPU machine's image has (flash_attn: optional, imported in a try by adlm_model.attention)."""
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the in-process runs (the subprocess: --threads 1)
+
 NAN_ON_CPU = ("datasheet", "peak_mem")
 """RESULT names a CPU run cannot measure: no datasheet peak for a CPU, no CUDA memory statistics."""
 
@@ -67,6 +69,8 @@ def test_the_tiny_cpu_run_passes_and_prints_every_result_name(tmp_path: Path) ->
     for name in results:
         if name.startswith(("correct_bf16_ok_", "sampler_equal_")):
             assert results[name] == "1", name
+        if name.startswith("train_graph_breaks_"):  # a compiled block is one graph
+            assert results[name] == "0", name
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["finished"] and list(report["items"]) == [i.name for i in gpu_check.ITEMS]
     assert all(r["status"] == "ok" for r in report["items"].values())
@@ -210,3 +214,19 @@ def test_the_hook_refuses_a_package_adlm_model_would_import(tmp_path: Path) -> N
     proc = subprocess.run([sys.executable, "-c", HOOK, ",".join(sorted(ALLOWED))], capture_output=True, text=True,
                           env=env, timeout=120, cwd=tmp_path)
     assert proc.returncode != 0 and "adlm_model.bad imports yaml" in proc.stdout + proc.stderr
+
+
+def test_a_second_try_resumes_the_items_the_first_finished(tmp_path: Path, capsys) -> None:
+    """--resume: the earlier run's ok items are kept with their RESULT lines and what they hand on (step times,
+    batches, FLOPs to the ADLM/MDLM ratio), the others run."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(first), "--only", "train_?dlm"]) == 0
+    before = _results(capsys.readouterr().out)
+    assert before["adlm_over_mdlm_time_ratio"] == "nan"  # not selected
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(second), "--only", "train_?dlm,adlm_over_mdlm",
+                           "--resume", str(first / "gpu_check.json")]) == 0
+    after = _results(capsys.readouterr().out)
+    assert after["train_tokens_per_s_mdlm"] == before["train_tokens_per_s_mdlm"]
+    items = json.loads((second / "gpu_check.json").read_text())["items"]
+    assert items["train_adlm"]["resumed_from"] and "resumed_from" not in items["adlm_over_mdlm"]
+    assert items["adlm_over_mdlm"]["status"] == "ok" and float(after["adlm_over_mdlm_flop_ratio"]) > 1
