@@ -679,7 +679,7 @@ def sample_forward(ctx: Ctx) -> dict[str, Any]:
             "detail": {"batch": x.shape[0], "seq_len": cfg.seq_len}}
 
 
-SAMPLE_NEED_S = {"exact": 40, "cached": 40, "confidence": 15, "bd3lm_kv": 15, "ar_kv": 10}
+SAMPLE_NEED_S = {"exact": 30, "cached": 30, "confidence": 15, "bd3lm_kv": 15, "ar_kv": 10}
 """Estimated seconds of each sampling item on an H100 (``Item.need_s``)."""
 SAMPLE_RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # item: (kind, sampler, options; "T" stands for --tiny's or the full T)
@@ -788,21 +788,24 @@ def _items() -> list[Item]:
         items.append(Item(f"correct_bf16_{k}", lambda c, k=k: correct_bf16(c, k),
                           (f"correct_bf16_ok_{k}", f"correct_bf16_loss_rel_diff_{k}", f"correct_bf16_grad_cosine_{k}")))
     for k, kind in KINDS.items():
-        items.append(Item(f"sampler_{k}_cache", lambda c, k=k: sampler_cache(c, k), (f"sampler_equal_{k}_cache",)))
+        items.append(Item(f"sampler_{k}_cache", lambda c, k=k: sampler_cache(c, k), (f"sampler_equal_{k}_cache",),
+                          need_s=3))
         if kind.default_sampler in SAMPLER_OPTIONS:
-            items.append(Item(f"sampler_{k}_dual", lambda c, k=k: sampler_dual(c, k), (f"sampler_equal_{k}_dual",)))
+            items.append(Item(f"sampler_{k}_dual", lambda c, k=k: sampler_dual(c, k), (f"sampler_equal_{k}_dual",),
+                              need_s=3))
         if kind.default_sampler == "bd3lm":
-            items.append(Item(f"sampler_{k}_kv", lambda c, k=k: sampler_kv(c, k), (f"sampler_equal_{k}_kv",)))
+            items.append(Item(f"sampler_{k}_kv", lambda c, k=k: sampler_kv(c, k), (f"sampler_equal_{k}_kv",),
+                              need_s=3))
     attention_names = tuple(f"attention_train_{k}" for k in KINDS) + (("attention_kv_step_ar",) if "ar" in KINDS
                                                                       else ())
     items.append(Item("attention", attention_item, attention_names, need_s=10))
-    items.append(Item("matmul_peak", matmul_peak, ("matmul_peak_tflops", "datasheet_peak_tflops")))
+    items.append(Item("matmul_peak", matmul_peak, ("matmul_peak_tflops", "datasheet_peak_tflops"), need_s=3))
     for k in KINDS:
-        items.append(Item(f"train_{k}", lambda c, k=k: train_item(c, k, False), _train_results(k, False), need_s=30))
+        items.append(Item(f"train_{k}", lambda c, k=k: train_item(c, k, False), _train_results(k, False), need_s=25))
     first = [k for k in ("mdlm", "adlm") if k in KINDS]
     for k in first:
         items.append(Item(f"train_compiled_{k}", lambda c, k=k: train_item(c, k, True),
-                          _train_results(f"compiled_{k}", True), need_s=90))
+                          _train_results(f"compiled_{k}", True), need_s=60))
     if {"mdlm", "adlm"} <= set(KINDS):
         items.append(Item("adlm_over_mdlm", adlm_over_mdlm, ("adlm_over_mdlm_time_ratio",
                                                              "adlm_over_mdlm_time_ratio_compiled",
@@ -816,7 +819,7 @@ def _items() -> list[Item]:
     for k in KINDS:
         if k not in first:
             items.append(Item(f"train_compiled_{k}", lambda c, k=k: train_item(c, k, True),
-                              _train_results(f"compiled_{k}", True), need_s=90))
+                              _train_results(f"compiled_{k}", True), need_s=60))
     return items
 
 

@@ -230,3 +230,24 @@ def test_a_second_try_resumes_the_items_the_first_finished(tmp_path: Path, capsy
     items = json.loads((second / "gpu_check.json").read_text())["items"]
     assert items["train_adlm"]["resumed_from"] and "resumed_from" not in items["adlm_over_mdlm"]
     assert items["adlm_over_mdlm"]["status"] == "ok" and float(after["adlm_over_mdlm_flop_ratio"]) > 1
+
+
+def test_the_readme_runbook_names_what_exists() -> None:
+    """README.md's "On a GPU" commands: the tarball holds what the script imports from the repository, and every
+    gpu_check.py command line parses (a renamed option would leave the runbook wrong on the day it is used)."""
+    import re
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## On a GPU"):]
+    section = section[:section.index("\n## ", 3)]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    archive = next(line for b in blocks for line in b.splitlines() if line.startswith("git archive"))
+    assert {"adlm_model", "benchmarks/gpu_check.py"} <= set(shlex.split(archive))
+    assert _top_level_imports(SCRIPT) - set(sys.stdlib_module_names) - ALLOWED == {"adlm_model"}
+    commands = [line.split("#")[0] for b in blocks for line in b.splitlines() if "gpu_check.py " in line]
+    assert len(commands) >= 2
+    for line in commands:
+        argv = shlex.split(line.replace("$OUT", "out"))
+        args = gpu_check.parse_args(argv[argv.index("benchmarks/gpu_check.py") + 1:])
+        assert args.out
