@@ -52,6 +52,8 @@ Items, in this order (``--list`` prints them; ``--only`` / ``--skip`` pick them 
   FLOPs; the loss and the vocabulary projection stay eager), at the eager item's batch; the first step's time
   (compilation) is reported apart, and dynamo's graph breaks in the blocks (0 expected: each break splits a
   block's graph and the fusion across it). MDLM and ADLM come right after the eager items, the other kinds last.
+  ``--compile-scope loss`` compiles the whole objective instead (the vocabulary projection and SUBS's float32
+  log-softmax over 50,258 entries too; dynamo breaks its graph at each draw from the caller's generator).
 - ``adlm_over_mdlm``: ADLM's time per row over MDLM's (eager, and compiled when both ran) against their FLOP
   ratio per row: the share of ADLM's extra cost that is not arithmetic.
 - ``sample_forward``: one denoising forward of MDLM at batch 16, L = 1024 in float32 and in bf16 autocast (the
@@ -72,7 +74,8 @@ Every item is guarded: an exception or an out-of-memory error is recorded in the
 ``check_failed`` with its figures. ``--budget-s`` (default 420 s: the run fits 8 minutes on an H100 with
 start-up) skips the items left once it is spent, or once an item's expected H100 time (``Item.need_s``, an
 estimate) no longer fits in what is left (status ``skipped``, and why). ``--resume JSON`` keeps the ok items of an
-earlier run cut short and runs the rest (a second try). ``DIR/gpu_check.json`` is
+earlier run (except those ``--only`` names: a rerun with other settings) and runs the rest (a second try), fed
+with what the kept items measured. ``DIR/gpu_check.json`` is
 rewritten after every item, so a run cut short (``timeout``) leaves what it measured. Every RESULT name is printed
 on every run (``nan`` for an item skipped or failed): the same names on a GPU and with ``--tiny``
 (``RESULT_NAMES``; a test compares them).
@@ -534,10 +537,13 @@ class Trainer:
     def __post_init__(self) -> None:
         torch.manual_seed(0)
         self.model = build_model(self.cfg).to(self.ctx.device).train()
-        if self.compiled:
+        self.loss_fn = self._loss
+        if self.compiled and self.ctx.args.compile_scope == "blocks":
             for m in self.model.modules():
                 if type(m).__name__ == "DiTBlock":
                     m.compile(backend=self.ctx.args.compile_backend)
+        elif self.compiled:  # "loss": the whole objective, vocabulary projection and SUBS included
+            self.loss_fn = torch.compile(self._loss, backend=self.ctx.args.compile_backend)
         kw = {"fused": True} if self.ctx.cuda else {"foreach": True}
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-8,
                                      weight_decay=0.0, **kw)
@@ -545,10 +551,13 @@ class Trainer:
         self.gen = self.ctx.gen(0)
         self.n = 0
 
+    def _loss(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        return compute_loss(self.model, x, None, self.cfg, step=step, generator=self.gen).loss
+
     def step(self, x: torch.Tensor) -> None:
         self.n += 1
         with self.ctx.autocast():
-            loss = compute_loss(self.model, x, None, self.cfg, step=self.n, generator=self.gen).loss
+            loss = self.loss_fn(x, self.n)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -605,6 +614,7 @@ def train_item(ctx: Ctx, kind: str, compiled: bool) -> dict[str, Any]:
                               "dtype": "bf16 autocast"}
     if compiled:
         detail["compile_backend"] = ctx.args.compile_backend
+        detail["compile_scope"] = ctx.args.compile_scope
         batch = ctx.shared.get(f"batch_{kind}") or ctx.sizes.batch_start
         x = random_rows(cfg, batch, ctx.device)
         before = graph_breaks()
@@ -918,10 +928,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--skip", default="", help="comma-separated item names or patterns to leave out "
                                                "(e.g. a second try: the items the first one finished)")
     ap.add_argument("--resume", default=None, metavar="JSON",
-                    help="a gpu_check.json of an earlier run cut short: its ok items are kept (and their RESULT "
-                         "lines printed) instead of run again; the rest run (a second try)")
+                    help="a gpu_check.json of an earlier run: its ok items are kept (and their RESULT lines "
+                         "printed) instead of run again, except those --only names; the rest run (a second try), "
+                         "fed with what the kept items measured (the eager batches and FLOPs, the matmul peak)")
     ap.add_argument("--compile-backend", default=None,
                     help="torch.compile backend of the compiled items (default inductor; aot_eager on a CPU)")
+    ap.add_argument("--compile-scope", choices=("blocks", "loss"), default="blocks",
+                    help="what the compiled items compile: every DiT block (default), or the whole training "
+                         "objective, vocabulary projection and SUBS included (dynamo breaks its graph at the "
+                         "noise draws from the caller's generator; a lever for MFU to try with --resume)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's; the suite's test uses 1 on its shared cores)")
     ap.add_argument("--list", action="store_true", help="print the items and their RESULT names, and exit")
@@ -1003,14 +1018,17 @@ def main(argv: list[str] | None = None) -> int:
             report["gpu"] = torch.cuda.get_device_name(device)
     write_report(path, report)
     printed: set[str] = set()
+    for rec in previous.values():  # what the earlier items handed on (batches, FLOPs, peaks), whatever runs now
+        ctx.shared.update(rec.get("shared", {}))
     for item in ITEMS:
-        if item.name != "env" and not selected(item.name, args.only, args.skip):
-            continue
+        chosen = item.name == "env" or selected(item.name, args.only, args.skip)
         elapsed = time.perf_counter() - t0
         need = item.need_s * ctx.sizes.need_scale
-        if item.name in previous:
+        if item.name in previous and not (chosen and args.only):
+            # Kept from the earlier run, unless --only asks for it again (a rerun with other settings).
             rec = {**previous[item.name], "resumed_from": args.resume}
-            ctx.shared.update(rec.get("shared", {}))
+        elif not chosen:
+            continue
         elif item.name != "env" and args.budget_s - elapsed < max(need, 1e-9):
             rec = {"status": "skipped", "reason": f"budget: {elapsed:.0f} of {args.budget_s:.0f} s spent, "
                                                   f"the item needs about {need:.0f} s"}

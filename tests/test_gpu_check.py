@@ -9,6 +9,7 @@ gpu_check.py is what runs on a lent GPU machine, where pytest and the rest of th
 from __future__ import annotations
 
 import ast
+import fnmatch
 import importlib.util
 import json
 import math
@@ -222,18 +223,20 @@ def test_the_hook_refuses_a_package_adlm_model_would_import(tmp_path: Path) -> N
 
 def test_a_second_try_resumes_the_items_the_first_finished(tmp_path: Path, capsys) -> None:
     """--resume: the earlier run's ok items are kept with their RESULT lines and what they hand on (step times,
-    batches, FLOPs to the ADLM/MDLM ratio), the others run."""
+    batches, FLOPs to the ADLM/MDLM ratio); the items --only names run, even one the earlier run finished."""
     first, second = tmp_path / "first", tmp_path / "second"
-    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(first), "--only", "train_?dlm"]) == 0
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(first), "--only", "matmul_peak,train_?dlm"]) == 0
     before = _results(capsys.readouterr().out)
     assert before["adlm_over_mdlm_time_ratio"] == "nan"  # not selected
-    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(second), "--only", "train_?dlm,adlm_over_mdlm",
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(second), "--only", "matmul_peak,adlm_over_mdlm",
                            "--resume", str(first / "gpu_check.json")]) == 0
     after = _results(capsys.readouterr().out)
     assert after["train_tokens_per_s_mdlm"] == before["train_tokens_per_s_mdlm"]
     items = json.loads((second / "gpu_check.json").read_text())["items"]
-    assert items["train_adlm"]["resumed_from"] and "resumed_from" not in items["adlm_over_mdlm"]
+    assert items["train_adlm"]["resumed_from"] and items["train_mdlm"]["resumed_from"]
+    assert "resumed_from" not in items["adlm_over_mdlm"] and "resumed_from" not in items["matmul_peak"]
     assert items["adlm_over_mdlm"]["status"] == "ok" and float(after["adlm_over_mdlm_flop_ratio"]) > 1
+    assert after["train_batch_ar"] == "nan"  # in neither run
 
 
 def test_the_readme_runbook_names_what_exists() -> None:
@@ -249,9 +252,10 @@ def test_the_readme_runbook_names_what_exists() -> None:
     archive = next(line for b in blocks for line in b.splitlines() if line.startswith("git archive"))
     assert {"adlm_model", "benchmarks/gpu_check.py"} <= set(shlex.split(archive))
     assert _top_level_imports(SCRIPT) - set(sys.stdlib_module_names) - ALLOWED == {"adlm_model"}
-    commands = [line.split("#")[0] for b in blocks for line in b.splitlines() if "gpu_check.py " in line]
-    assert len(commands) >= 2
+    commands = [line.split("#")[0] for b in blocks for line in b.replace("\\\n", " ").splitlines()
+                if "gpu_check.py " in line]
+    assert len(commands) >= 3 and any("--only" in c for c in commands)
     for line in commands:
         argv = shlex.split(line.replace("$OUT", "out"))
         args = gpu_check.parse_args(argv[argv.index("benchmarks/gpu_check.py") + 1:])
-        assert args.out
+        assert args.out and all(any(fnmatch.fnmatch(i.name, p) for i in gpu_check.ITEMS) for p in args.only)
