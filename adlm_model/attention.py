@@ -24,8 +24,8 @@ def _load_flash_attn():
 
 FLASH_ATTN = _load_flash_attn()
 """flash-attn's ``flash_attn_func`` or None, resolved once at import. Not at the first call: under
-``torch.compile`` that call is traced, and the failed import inside it broke every compiled block's graph in two
-(a graph break "Import failure", seen with dynamo on torch 2.13) wherever flash-attn is not installed."""
+``torch.compile`` that call is traced, and the failed import inside it breaks the graph (dynamo on torch 2.13:
+"Import failure"), so every compiled block on CUDA would be split in two wherever flash-attn is not installed."""
 
 
 def flash_available(q: torch.Tensor) -> bool:
