@@ -6,14 +6,15 @@ Masks: bidirectional (``mask=None, causal=False``), causal, or an arbitrary bool
 
 from __future__ import annotations
 
-import functools
+import importlib.util
 
 import torch
 import torch.nn.functional as F
 
 
-@functools.lru_cache(maxsize=1)
-def _flash_attn_func():
+def _load_flash_attn():
+    if importlib.util.find_spec("flash_attn") is None:  # the common case, without importing anything
+        return None
     try:  # optional extra `gpu`; never required
         from flash_attn import flash_attn_func  # type: ignore[import-not-found]
     except Exception:  # noqa: BLE001 - any import failure means "not available"
@@ -21,8 +22,14 @@ def _flash_attn_func():
     return flash_attn_func
 
 
+FLASH_ATTN = _load_flash_attn()
+"""flash-attn's ``flash_attn_func`` or None, resolved once at import. Not at the first call: under
+``torch.compile`` that call is traced, and the failed import inside it breaks the graph (dynamo on torch 2.13:
+"Import failure"), so every compiled block on CUDA would be split in two wherever flash-attn is not installed."""
+
+
 def flash_available(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_attn_func() is not None
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and FLASH_ATTN is not None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -34,7 +41,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """
     lq, lk = q.shape[1], k.shape[1]
     if mask is None and flash_available(q):
-        return _flash_attn_func()(q, k, v, causal=causal)
+        return FLASH_ATTN(q, k, v, causal=causal)
     if causal and lq != lk:
         pos_q = torch.arange(lk - lq, lk, device=q.device)
         mask = pos_q[:, None] >= torch.arange(lk, device=q.device)[None, :]

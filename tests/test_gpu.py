@@ -5,6 +5,9 @@ CPU's, a bf16 training step (flash-attn when installed, else SDPA) lowers the lo
 samplers keep their contracts on CUDA generators, and a checkpoint served with ``device="cuda"`` generates.
 
     python -m pytest -m gpu tests/test_gpu.py
+
+On a GPU machine that has only torch (no pytest, no project install), ``benchmarks/gpu_check.py`` checks the same
+ground and measures speed in one command (README.md, "On a GPU").
 """
 
 from __future__ import annotations

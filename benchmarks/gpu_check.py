@@ -1,0 +1,1062 @@
+"""The GPU path measured in one command (issue 37): correctness on the device, training throughput and MFU at the
+papers' sizes, sampling speed at L = 1024; ``gpu_check.json`` and ``RESULT name=value`` lines.
+
+Imports only the standard library, torch and ``adlm_model`` (which needs numpy and safetensors; tokenizers only
+when text is generated, never here), so it runs on a machine that has nothing but torch: copy ``adlm_model/`` and
+this file (README.md, "On a GPU", gives the tarball command). Written for torch 2.11 (the lent GPU machine:
+Python 3.12, CUDA 13) as well as 2.13 (this repository's pin): no API newer than 2.11 is used.
+
+    timeout 480 python benchmarks/gpu_check.py --out DIR       # on a GPU: at most ~8 minutes (--budget-s 420)
+    python benchmarks/gpu_check.py --device cpu --tiny --out DIR   # the same code paths at toy sizes, seconds
+    python benchmarks/gpu_check.py --list                      # the items and their RESULT names
+
+Items, in this order (``--list`` prints them; ``--only`` / ``--skip`` pick them by name or fnmatch pattern):
+
+- ``env``: GPU name, capability, memory, torch / CUDA / cuDNN versions, SDPA back-ends enabled, flash-attn's path
+  and version when importable (the project's ``adlm_model.attention`` uses it for unmasked attention when it is).
+- ``correct_bf16_<kind>`` (every kind of ``adlm_model.kinds.KINDS``, so a kind added later is covered): one
+  training step of a network with random weights (std 0.02 for every parameter, the zero-initialised output and
+  adaLN layers included, so that the step computes something; LayerNorm weights 1) at the paper's size
+  (``small``, L = 1024, 2 rows, dropout off; ``--tiny``: the sampler checks' micro model), in float32 and under
+  bf16 autocast, on the same batch and the same noise draw (one seeded generator). Pass: loss and gradients
+  finite, ``|loss_bf16 / loss_fp32 - 1| <= 0.01``, cosine of the two flattened gradients ``>= 0.995`` (a CPU's
+  bf16 on a 4 x 256 model: 1.4e-4 and 0.99998 at worst over the kinds), and after one AdamW step (clipped at 1,
+  as the training loop) the parameters and a second loss finite. Float32 runs with
+  ``torch.set_float32_matmul_precision('highest')`` (no TF32).
+- ``sampler_<kind>_cache``: the kind's default sampler with ``cache=True`` against ``cache=False`` (the AR
+  sampler: its KV cache against recomputing the prefix), ``sampler_<kind>_dual`` (kinds whose default sampler is
+  MDLM's or ReMDM's): the confidence sampler with the dual approximate KV cache refreshed at every step against no
+  cache, thresholds 0.05 and 1; ``sampler_<kind>_kv`` (kinds whose default sampler is BD3-LM's): the block sampler
+  with its KV cache against recomputing the prefix. The equalities the CPU tests check (tests/test_samplers.py,
+  test_fast_sampling.py, test_bd3lm.py), on the same two-block model with random weights (std 0.3, a 48-token
+  vocabulary, rows of 24), in float32 on the device: the same seed must give the same tokens (and, for the
+  confidence sampler, the same number of network calls). On a GPU a cached pass can run another kernel than the
+  full one (a different batch or length) and round differently: a mismatch is reported with the share of tokens
+  that differ, which tells rounding (a few) from a bug (most).
+- ``attention``: which attention kernel runs, read from the profiler's operator names (``flash``, ``efficient``,
+  ``cudnn``, ``math``, ``flash-attn`` for the package, ``cpu`` for the CPU kernel): a bf16 training forward of each
+  kind at the paper's size and one step of the KV-cached AR decoder; float32 forwards use ``efficient`` or
+  ``math`` (flash needs half precision), masked ones (BD3-LM) cannot use flash.
+- ``matmul_peak``: the measured dense matmul peak: bf16 8192^3 products on a GPU (the dtype training runs its
+  matmuls in), float32 on a CPU; and the datasheet's bf16 dense peak when the GPU is known (H100 SXM and H200:
+  989 TFLOP/s, H100 PCIe 756, A100 312).
+- ``train_<kind>``: training throughput of the paper's size (MDLM and AR 12 x 768, ADLM 12 + 6 blocks, BD3-LM
+  b = 4, GPT-2 vocabulary, L = 1024, dropout 0.1) as the training loop runs it: bf16 autocast, fused AdamW,
+  global-norm clipping, EMA update. The largest batch that fits is found by doubling from 8 (two steps each, a
+  first OOM ends the search; then the midpoint below it is tried); then ``--steps`` timed steps (median).
+  Figures: batch, step time, tokens/s, peak memory (``torch.cuda.max_memory_allocated``), FLOPs per step
+  (``torch.utils.flop_counter`` on one row of the real step, forward and backward, attention included as full
+  attention: a causal kernel does about half of that work, so AR's attention is over-counted), MFU against the
+  measured and the datasheet peak.
+- ``train_compiled_<kind>``: the same with every DiT block compiled (``nn.Module.compile``: the blocks carry the
+  FLOPs; the loss and the vocabulary projection stay eager), at the eager item's batch; the first step's time
+  (compilation) is reported apart, and dynamo's graph breaks in the blocks (0 expected: each break splits a
+  block's graph and the fusion across it). MDLM and ADLM come right after the eager items, the other kinds last.
+  ``--compile-scope loss`` compiles the whole objective instead (the vocabulary projection and SUBS's float32
+  log-softmax over 50,258 entries too; dynamo breaks its graph at each draw from the caller's generator).
+- ``adlm_over_mdlm``: ADLM's time per row over MDLM's (eager, and compiled when both ran) against their FLOP
+  ratio per row: the share of ADLM's extra cost that is not arithmetic.
+- ``sample_forward``: one denoising forward of MDLM at batch 16, L = 1024 in float32 and in bf16 autocast (the
+  served model runs float32: ``adlm_model.textgen`` does not autocast).
+- ``sample_exact``, ``sample_cached``, ``sample_confidence``, ``sample_bd3lm_kv``, ``sample_ar_kv``: batch 16,
+  L = 1024, bf16 autocast, networks at their initial weights (zero output layer: p_x0 uniform, which sets the
+  schedule's behaviour, not the cost of a call), nucleus off (on a uniform p_x0 the nucleus would sort the whole
+  vocabulary at every position, a cost a trained network's peaked p_x0 rarely pays), after a short warm-up run: the
+  MDLM ancestral sampler at T = 1024 without cache,
+  the same with the exact cache, the confidence sampler (threshold 0.9, blocks of 32, dual cache), BD3-LM's
+  block sampler (b = 4, T = 4 a block, KV cache), the AR sampler (KV cache). Figures: wall time, tokens/s,
+  network calls, ms a call, peak memory. The confidence sampler on an untrained network never reaches the
+  threshold, so it unmasks one token a step (its worst case: L calls); its ms a call is the figure that transfers.
+- the remaining ``train_compiled_<kind>`` items.
+
+Every item is guarded: an exception or an out-of-memory error is recorded in the JSON (status ``failed`` or
+``oom``, the error and its last frames) and the run goes on; a correctness check that does not hold gives status
+``check_failed`` with its figures. ``--budget-s`` (default 420 s: the run fits 8 minutes on an H100 with
+start-up) skips the items left once it is spent, or once an item's expected H100 time (``Item.need_s``, an
+estimate) no longer fits in what is left (status ``skipped``, and why). ``--resume JSON`` keeps the ok items of an
+earlier run (except those ``--only`` names: a rerun with other settings) and runs the rest (a second try), fed
+with what the kept items measured. ``DIR/gpu_check.json`` is
+rewritten after every item, so a run cut short (``timeout``) leaves what it measured. Every RESULT name is printed
+on every run (``nan`` for an item skipped or failed): the same names on a GPU and with ``--tiny``
+(``RESULT_NAMES``; a test compares them).
+
+``--tiny`` runs every item at toy sizes (hidden 32, 2 blocks, a 64-token vocabulary, rows of 32; sampling batch
+2 at L = 16): it checks that every code path runs and that the correctness checks hold, not the figures. On a CPU
+it autocasts to bf16 where a GPU does (at toy sizes that costs little; at a real size a bf16 step is ~19x slower
+than float32 on a CPU, which is why the training loop never autocasts there), measures a float32 matmul peak,
+compiles with ``aot_eager`` (dynamo and AOTAutograd, no C++ compilation) unless ``--compile-backend`` says
+otherwise, and measures no peak memory (nan) and no datasheet MFU (nan).
+
+Longer than 500 lines because it is the one file to copy to a GPU machine beside ``adlm_model/``: the items, the
+guarded runner and the report stay together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import datetime
+import fnmatch
+import gc
+import importlib.util
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from adlm_model import EMA, build_model, compute_loss, preset, sample  # noqa: E402
+from adlm_model.attention import flash_available  # noqa: E402
+from adlm_model.config import ModelConfig  # noqa: E402
+from adlm_model.flops import CPU_ATTENTION  # noqa: E402
+from adlm_model.kinds import KINDS, count_parameters  # noqa: E402
+
+DATASHEET_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0), ("A100", 312.0))
+"""Dense bf16 tensor-core peaks by GPU name (first match wins; the SXM parts where no form factor is named)."""
+
+LOSS_REL_TOL = 0.01
+GRAD_COSINE_MIN = 0.995
+SAMPLER_OPTIONS = {"mdlm", "remdm-loop"}
+"""Default samplers whose networks the confidence sampler's dual cache applies to (MDLM-style bidirectional DiTs)."""
+
+ATTENTION_OPS = {
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_efficient_attention": "efficient",
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_scaled_dot_product_attention_math": "math",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "cpu",
+    "flash_attn::_flash_attn_forward": "flash-attn",
+}
+"""Profiler operator names of the attention kernels and the name this script reports them by."""
+
+
+# --------------------------------------------------------------------------------------------
+# Sizes
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What each item runs at: the papers' sizes on a GPU, toy sizes with ``--tiny``."""
+
+    train: dict[str, Any]
+    """Preset overrides of the training / correctness configurations (on the ``small`` preset)."""
+    micro: dict[str, Any]
+    """The sampler equalities' two-block model (tests/support_models.py's ``micro``)."""
+    correct_rows: int
+    batch_start: int
+    batch_cap: int
+    warmup_steps: int
+    sample_len: int
+    sample_batch: int
+    sample_steps: int
+    confidence_block: int
+    matmul_n: int
+    need_scale: float
+    """Multiplies each item's ``need_s`` (1 at the papers' sizes; 0 with ``--tiny``: a budget left starts any)."""
+
+
+FULL = Sizes(train={}, micro=dict(hidden=32, heads=2, n_blocks=2, denoiser_blocks=1, cond_dim=16, vocab_size=48,
+                                  mask_id=48, seq_len=24, block_size=4, dropout=0.0),
+             correct_rows=2, batch_start=8, batch_cap=512, warmup_steps=2, sample_len=1024, sample_batch=16,
+             sample_steps=1024, confidence_block=32, matmul_n=8192, need_scale=1.0)
+TINY = dataclasses.replace(
+    FULL, train=dict(hidden=32, heads=2, n_blocks=2, denoiser_blocks=1, cond_dim=16, vocab_size=64, mask_id=64,
+                     seq_len=32),
+    correct_rows=2, batch_start=1, batch_cap=2, warmup_steps=1, sample_len=16, sample_batch=2, sample_steps=16,
+    confidence_block=8, matmul_n=128, need_scale=0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# The run's context
+
+
+class CheckFailed(Exception):
+    """A correctness check that did not hold (the item's figures are kept)."""
+
+
+@dataclass
+class Ctx:
+    args: argparse.Namespace
+    device: torch.device
+    sizes: Sizes
+    t0: float
+    shared: dict[str, Any] = field(default_factory=dict)
+    """Figures items hand on (the eager batch to the compiled item, step times to the ratio)."""
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def gen(self, seed: int) -> torch.Generator:
+        return torch.Generator(self.device).manual_seed(seed)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast: the training loop's on CUDA; on a CPU only at ``--tiny``'s toy sizes, where it costs
+        little and runs the bf16 code paths (at a real size a bf16 step is ~19x slower than float32 there)."""
+        if self.cuda or self.args.tiny:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_config(self, kind: str, **kw: Any) -> ModelConfig:
+        return preset("small", kind=kind, **{**self.sizes.train, **kw})
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_gib(self) -> float:
+        return torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else math.nan
+
+
+@contextlib.contextmanager
+def matmul_precision(p: str) -> Iterator[None]:
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(p)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def randomize(model: nn.Module, std: float, seed: int = 0) -> nn.Module:
+    """Every parameter drawn N(0, std^2) from a CPU generator (the same weights on every device): the
+    zero-initialised output and adaLN layers would otherwise make every loss log V."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+def random_rows(cfg: ModelConfig, rows: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len), generator=g)
+    x[x == cfg.mask_id] = (cfg.mask_id + 1) % cfg.vocab_size  # data never holds the mask token
+    return x.to(device)
+
+
+def is_oom(e: BaseException) -> bool:
+    """Out of device memory, also where a kernel reports it as a plain RuntimeError (cuBLAS, cuDNN workspaces)."""
+    msg = str(e)
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in msg or "ALLOC_FAILED" in msg
+
+
+def free_memory(ctx: Ctx) -> None:
+    """Give the device's cached memory back between items (an item's reference cycles first). Not on a CPU:
+    nothing to give back, and a full collection with torch loaded costs tenths of a second."""
+    if ctx.cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------
+# Correctness
+
+
+def correct_bf16(ctx: Ctx, kind: str) -> dict[str, Any]:
+    """bf16 training step against float32 on one fixed batch and noise draw (module docstring)."""
+    cfg = ctx.train_config(kind, dropout=0.0)
+    if ctx.args.tiny:
+        cfg = cfg.replace(**{k: v for k, v in ctx.sizes.micro.items() if k != "dropout"})
+    torch.manual_seed(0)
+    base = randomize(build_model(cfg), std=0.02)
+    # LayerNorm weights drawn around 0 would scale the residual stream down to nothing; keep them at 1.
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("norm_final.weight"):
+                p.fill_(1.0)
+    x = random_rows(cfg, ctx.sizes.correct_rows, ctx.device)
+    out: dict[str, Any] = {}
+    grads: dict[str, torch.Tensor] = {}
+    losses: dict[str, float] = {}
+    for dtype in ("fp32", "bf16"):
+        model = copy.deepcopy(base).to(ctx.device).train()
+        # On a CPU the bf16 step is autocast too: at these micro sizes it costs milliseconds.
+        cast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16) if dtype == "bf16"
+                else contextlib.nullcontext())
+        with matmul_precision("highest"), cast:
+            loss = compute_loss(model, x, None, cfg, step=1, generator=ctx.gen(1)).loss
+        loss.backward()
+        losses[dtype] = float(loss.detach())
+        grads[dtype] = torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None])
+        if dtype == "bf16":
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            params_finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+            with cast:
+                second = float(compute_loss(model, x, None, cfg, step=2, generator=ctx.gen(1)).loss.detach())
+        del model
+    rel = abs(losses["bf16"] / losses["fp32"] - 1.0)
+    cos = float(torch.nn.functional.cosine_similarity(grads["bf16"], grads["fp32"], dim=0))  # float64: no 1.001
+    finite = all(math.isfinite(v) for v in losses.values()) and all(bool(torch.isfinite(g).all())
+                                                                       for g in grads.values())
+    ok = finite and params_finite and math.isfinite(second) and rel <= LOSS_REL_TOL and cos >= GRAD_COSINE_MIN
+    out = {f"correct_bf16_ok_{kind}": int(ok), f"correct_bf16_loss_rel_diff_{kind}": rel,
+           f"correct_bf16_grad_cosine_{kind}": cos}
+    detail = {"loss_fp32": losses["fp32"], "loss_bf16": losses["bf16"], "loss_after_step_bf16": second,
+              "finite": finite, "params_finite_after_step": params_finite, "rows": ctx.sizes.correct_rows,
+              "seq_len": cfg.seq_len, "parameters": count_parameters(base),
+              "tolerances": {"loss_rel": LOSS_REL_TOL, "grad_cosine_min": GRAD_COSINE_MIN}}
+    if not ok:
+        raise CheckFailed(json.dumps({"results": out, "detail": detail}))
+    return {"results": out, "detail": detail}
+
+
+def _equal_runs(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
+    return bool(torch.equal(a, b)), float((a != b).float().mean())
+
+
+def _micro(ctx: Ctx, kind: str) -> tuple[ModelConfig, nn.Module]:
+    cfg = preset("tiny", kind=kind, **ctx.sizes.micro)
+    return cfg, randomize(build_model(cfg), std=0.3).to(ctx.device).eval()
+
+
+def sampler_cache(ctx: Ctx, kind: str) -> dict[str, Any]:
+    """The default sampler, cached against uncached (the AR sampler: KV cache against recomputation)."""
+    cfg, model = _micro(ctx, kind)
+    name = KINDS[kind].default_sampler
+    prefix = random_rows(cfg, 1, ctx.device, seed=5)[0, :2]  # AR needs a first token; the others keep it
+    steps = 8 if name == "bd3lm" else 64  # the CPU tests' T (per block for BD3-LM)
+    runs = {}
+    with matmul_precision("highest"):
+        for cache in (True, False):
+            stats: dict = {}
+            runs[cache] = sample(model, cfg, batch_size=2, length=cfg.seq_len, steps=steps, sampler=name,
+                                 nucleus_p=0.9, generator=ctx.gen(3), cache=cache, prefix=prefix, stats=stats), stats
+    equal, frac = _equal_runs(runs[True][0], runs[False][0])
+    calls = {str(c): runs[c][1].get("network_calls") for c in runs}
+    res = {f"sampler_equal_{kind}_cache": int(equal)}
+    detail = {"sampler": name, "differing_token_share": frac, "network_calls": calls, "steps": steps}
+    if not equal:
+        raise CheckFailed(json.dumps({"results": res, "detail": detail}))
+    return {"results": res, "detail": detail}
+
+
+def sampler_dual(ctx: Ctx, kind: str) -> dict[str, Any]:
+    """The confidence sampler with the dual cache refreshed every step against no cache (test_fast_sampling)."""
+    cfg, model = _micro(ctx, kind)
+    n = cfg.seq_len
+    tokens = random_rows(cfg, 1, ctx.device, seed=5)
+    keep = torch.zeros(1, n, dtype=torch.bool, device=ctx.device)
+    keep[0, :4] = keep[0, -2:] = True  # a prompt and a suffix: the span is the 18 positions between
+    detail: dict[str, Any] = {}
+    equal_all = True
+    with matmul_precision("highest"):
+        for threshold in (0.05, 1.0):
+            runs = {}
+            for kv in ("off", "dual"):
+                stats: dict = {}
+                opts = {"refresh": 1, "kv_cache": kv} if kv != "off" else {}
+                runs[kv] = sample(model, cfg, batch_size=3, length=n, steps=1, sampler="confidence", nucleus_p=0.9,
+                                  generator=ctx.gen(1), stats=stats, prefix=(tokens, keep), threshold=threshold,
+                                  block=6, **opts), stats["network_calls"]
+            equal, frac = _equal_runs(runs["off"][0], runs["dual"][0])
+            equal = equal and runs["off"][1] == runs["dual"][1]
+            equal_all &= equal
+            detail[f"threshold_{threshold}"] = {"equal": equal, "differing_token_share": frac,
+                                                "network_calls": {k: v[1] for k, v in runs.items()}}
+    res = {f"sampler_equal_{kind}_dual": int(equal_all)}
+    if not equal_all:
+        raise CheckFailed(json.dumps({"results": res, "detail": detail}))
+    return {"results": res, "detail": detail}
+
+
+def sampler_kv(ctx: Ctx, kind: str) -> dict[str, Any]:
+    """BD3-LM's block sampler with the KV cache against recomputing the prefix (test_bd3lm)."""
+    cfg, model = _micro(ctx, kind)
+    runs = {}
+    with matmul_precision("highest"):
+        for kv in (True, False):
+            stats: dict = {}
+            runs[kv] = sample(model, cfg, batch_size=2, length=cfg.seq_len, steps=8, sampler="bd3lm", nucleus_p=0.9,
+                              generator=ctx.gen(7), kv_cache=kv, stats=stats)
+    equal, frac = _equal_runs(runs[True], runs[False])
+    res = {f"sampler_equal_{kind}_kv": int(equal)}
+    detail = {"differing_token_share": frac, "steps_per_block": 8, "block_size": cfg.block_size}
+    if not equal:
+        raise CheckFailed(json.dumps({"results": res, "detail": detail}))
+    return {"results": res, "detail": detail}
+
+
+# --------------------------------------------------------------------------------------------
+# Attention kernels
+
+
+def attention_ops(fn: Callable[[], object]) -> list[str]:
+    """The attention kernels ``fn`` runs, by the profiler's operator names (``ATTENTION_OPS``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = {e.key for e in prof.key_averages()}
+    seen = sorted({v for k, v in ATTENTION_OPS.items() if k in names})
+    other = sorted(n for n in names if ("attention" in n.lower() or "flash" in n.lower()) and n not in ATTENTION_OPS
+                   and not n.startswith("aten::scaled_dot_product_attention"))
+    return seen + [f"other:{n}" for n in other]
+
+
+def attention_item(ctx: Ctx) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    detail: dict[str, Any] = {}
+    for kind in KINDS:
+        cfg = ctx.train_config(kind)
+        model = build_model(cfg).to(ctx.device).train()
+        x = random_rows(cfg, 1, ctx.device)
+
+        def fwd(model: nn.Module = model, x: torch.Tensor = x, cfg: ModelConfig = cfg) -> None:
+            with ctx.autocast():
+                compute_loss(model, x, None, cfg, step=1, generator=ctx.gen(0))
+
+        fwd()  # warm (lazy initialisation stays out of the profile)
+        ops = attention_ops(fwd)
+        res[f"attention_train_{kind}"] = "+".join(o for o in ops if not o.startswith("other:")) or "none"
+        detail[f"train_{kind}"] = ops
+        del model
+    if "ar" in KINDS:
+        from adlm_model.backbone import KVCache
+
+        cfg = ctx.train_config("ar")
+        model = build_model(cfg).to(ctx.device).eval()
+        x = random_rows(cfg, 1, ctx.device)[:, :16]
+        with torch.no_grad(), ctx.autocast():
+            kv = KVCache()
+            model(x[:, :15], cache=kv, cache_mode="append")
+            ops = attention_ops(lambda: model(x[:, 15:16], cache=kv, cache_mode="append"))
+        res["attention_kv_step_ar"] = "+".join(o for o in ops if not o.startswith("other:")) or "none"
+        detail["kv_step_ar"] = ops
+    q = torch.zeros(1, 4, 2, 32, device=ctx.device, dtype=torch.bfloat16)
+    detail["flash_attn_used_for_unmasked_bf16"] = flash_available(q)
+    detail["dtype"] = "bf16 autocast"
+    return {"results": res, "detail": detail}
+
+
+# --------------------------------------------------------------------------------------------
+# Matmul peak
+
+
+def datasheet_tflops(name: str) -> float | None:
+    for key, tflops in DATASHEET_BF16_TFLOPS:
+        if key.lower() in name.lower():
+            return tflops
+    return None
+
+
+def timed(ctx: Ctx, fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall seconds of each of ``repeats`` calls (synchronised on CUDA)."""
+    for _ in range(warmup):
+        fn()
+    ctx.sync()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ctx.sync()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def matmul_peak(ctx: Ctx) -> dict[str, Any]:
+    n = ctx.sizes.matmul_n
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    a = torch.randn(n, n, device=ctx.device, dtype=dtype)
+    b = torch.randn(n, n, device=ctx.device, dtype=dtype)
+    inner = 10 if ctx.cuda else 3
+
+    def run() -> None:
+        for _ in range(inner):
+            torch.mm(a, b)
+
+    best = min(timed(ctx, run, repeats=5, warmup=2)) / inner
+    measured = 2 * n**3 / best / 1e12
+    name = torch.cuda.get_device_name(ctx.device) if ctx.cuda else platform.processor() or "cpu"
+    sheet = datasheet_tflops(name) if ctx.cuda else None
+    ctx.shared["peak_measured"] = measured
+    ctx.shared["peak_datasheet"] = sheet
+    return {"results": {"matmul_peak_tflops": measured,
+                        "datasheet_peak_tflops": sheet if sheet is not None else math.nan},
+            "detail": {"n": n, "dtype": str(dtype).removeprefix("torch."), "best_of": 5, "products_per_timing": inner,
+                       "device_name": name}}
+
+
+# --------------------------------------------------------------------------------------------
+# Training throughput
+
+
+def largest_batch(fits: Callable[[int], bool], start: int, cap: int) -> tuple[int, list[int]]:
+    """The largest batch for which ``fits`` holds, searched by doubling from ``start`` up to ``cap``; after the
+    first failure the midpoint between the last fit and it is tried once. Returns ``(batch, tried)``; batch 0
+    when ``start`` does not fit."""
+    tried: list[int] = []
+    good, b = 0, start
+    while b <= cap:
+        tried.append(b)
+        if not fits(b):
+            mid = (good + b) // 2
+            if good and good < mid < b and mid % 2 == 0:
+                tried.append(mid)
+                if fits(mid):
+                    good = mid
+            break
+        good, b = b, b * 2
+    return good, tried
+
+
+@dataclass
+class Trainer:
+    """One training configuration on the device: the loop's step (autocast, fused AdamW, clip, EMA)."""
+
+    ctx: Ctx
+    cfg: ModelConfig
+    compiled: bool = False
+    model: nn.Module = field(init=False)
+    opt: torch.optim.Optimizer = field(init=False)
+    ema: EMA = field(init=False)
+
+    def __post_init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = build_model(self.cfg).to(self.ctx.device).train()
+        self.loss_fn = self._loss
+        if self.compiled and self.ctx.args.compile_scope == "blocks":
+            for m in self.model.modules():
+                if type(m).__name__ == "DiTBlock":
+                    m.compile(backend=self.ctx.args.compile_backend)
+        elif self.compiled:  # "loss": the whole objective, vocabulary projection and SUBS included
+            self.loss_fn = torch.compile(self._loss, backend=self.ctx.args.compile_backend)
+        kw = {"fused": True} if self.ctx.cuda else {"foreach": True}
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-8,
+                                     weight_decay=0.0, **kw)
+        self.ema = EMA(self.model)
+        self.gen = self.ctx.gen(0)
+        self.n = 0
+
+    def _loss(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        return compute_loss(self.model, x, None, self.cfg, step=step, generator=self.gen).loss
+
+    def step(self, x: torch.Tensor) -> None:
+        self.n += 1
+        with self.ctx.autocast():
+            loss = self.loss_fn(x, self.n)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.ema.update(self.model)
+
+    def fits(self, batch: int) -> bool:
+        """Two steps at ``batch`` (the first allocates the optimiser's state); False on out-of-memory."""
+        oom = False
+        try:
+            x = random_rows(self.cfg, batch, self.ctx.device)
+            for _ in range(2):
+                self.step(x)
+            self.ctx.sync()
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+            if not is_oom(e):
+                raise
+            oom = True
+        if oom:  # out of the except block: the traceback's frames (and their tensors) are gone
+            self.opt.zero_grad(set_to_none=True)
+            free_memory(self.ctx)
+        return not oom
+
+    def flops_per_row(self) -> int:
+        """FLOPs of one row's forward and backward pass of this step (eager; attention counted as full)."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        x = random_rows(self.cfg, 1, self.ctx.device)
+        counter = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION)
+        with counter:
+            with self.ctx.autocast():
+                loss = compute_loss(self.model, x, None, self.cfg, step=1, generator=self.ctx.gen(0)).loss
+            loss.backward()
+        self.opt.zero_grad(set_to_none=True)
+        return int(counter.get_total_flops())
+
+
+def graph_breaks() -> tuple[int, dict[str, int]]:
+    """Dynamo's graph breaks so far, in all and by reason (its counters: a private API, so -1 when absent)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        reasons = dict(counters["graph_break"])
+    except Exception:  # noqa: BLE001 - diagnostics only
+        return -1, {}
+    return sum(reasons.values()), reasons
+
+
+def train_item(ctx: Ctx, kind: str, compiled: bool) -> dict[str, Any]:
+    cfg = ctx.train_config(kind)
+    tr = Trainer(ctx, cfg, compiled=compiled)
+    tag = f"compiled_{kind}" if compiled else kind
+    detail: dict[str, Any] = {"seq_len": cfg.seq_len, "parameters": count_parameters(tr.model),
+                              "dtype": "bf16 autocast"}
+    if compiled:
+        detail["compile_backend"] = ctx.args.compile_backend
+        detail["compile_scope"] = ctx.args.compile_scope
+        batch = ctx.shared.get(f"batch_{kind}") or ctx.sizes.batch_start
+        x = random_rows(cfg, batch, ctx.device)
+        before = graph_breaks()
+        t = time.perf_counter()
+        tr.step(x)  # compiles the blocks (forward and backward)
+        ctx.sync()
+        detail["first_step_s"] = time.perf_counter() - t
+    else:
+        batch, tried = largest_batch(tr.fits, ctx.sizes.batch_start, ctx.sizes.batch_cap)
+        detail["batches_tried"] = tried
+        if batch == 0:
+            raise torch.cuda.OutOfMemoryError(f"batch {ctx.sizes.batch_start} does not fit")
+        ctx.shared[f"batch_{kind}"] = batch
+        flops_row = tr.flops_per_row()
+        ctx.shared[f"flops_row_{kind}"] = flops_row
+        x = random_rows(cfg, batch, ctx.device)
+    flops_row = ctx.shared.get(f"flops_row_{kind}")
+    ctx.reset_peak()
+    step = tr.step
+    times = timed(ctx, lambda: step(x), repeats=ctx.args.steps, warmup=ctx.sizes.warmup_steps)
+    step_s = statistics.median(times)
+    ctx.shared[f"step_s_{tag}"] = step_s
+    tokens_s = batch * cfg.seq_len / step_s
+    res: dict[str, Any] = {f"train_batch_{tag}": batch, f"train_step_s_{tag}": step_s,
+                           f"train_tokens_per_s_{tag}": tokens_s, f"train_peak_mem_gib_{tag}": ctx.peak_gib()}
+    flops_step = flops_row * batch if flops_row else None
+    for which in ("measured", "datasheet"):
+        peak = ctx.shared.get(f"peak_{which}")
+        res[f"train_mfu_{which}_{tag}"] = flops_step / step_s / (peak * 1e12) if flops_step and peak else math.nan
+    if not compiled:
+        res[f"train_tflop_per_step_{kind}"] = flops_step / 1e12 if flops_step else math.nan
+    else:
+        after = graph_breaks()
+        new = {k: n - before[1].get(k, 0) for k, n in after[1].items() if n > before[1].get(k, 0)}
+        res[f"train_graph_breaks_{tag}"] = after[0] - before[0] if after[0] >= 0 else math.nan
+        detail["graph_break_reasons"] = {k[:300]: n for k, n in new.items()}
+    detail.update(step_times_s=times, flops_per_row=flops_row)
+    return {"results": res, "detail": detail}
+
+
+def adlm_over_mdlm(ctx: Ctx) -> dict[str, Any]:
+    s = ctx.shared
+    need = ("flops_row_adlm", "flops_row_mdlm", "step_s_adlm", "step_s_mdlm", "batch_adlm", "batch_mdlm")
+    if not all(k in s for k in need):
+        raise RuntimeError("needs train_mdlm and train_adlm to have run: " + ", ".join(k for k in need if k not in s))
+
+    def per_row(tag: str, kind: str) -> float | None:
+        return s[f"step_s_{tag}"] / s[f"batch_{kind}"] if f"step_s_{tag}" in s else None
+
+    flop_ratio = s["flops_row_adlm"] / s["flops_row_mdlm"]
+    eager = per_row("adlm", "adlm") / per_row("mdlm", "mdlm")
+    comp_a, comp_m = per_row("compiled_adlm", "adlm"), per_row("compiled_mdlm", "mdlm")
+    comp = comp_a / comp_m if comp_a and comp_m else math.nan
+    return {"results": {"adlm_over_mdlm_time_ratio": eager, "adlm_over_mdlm_time_ratio_compiled": comp,
+                        "adlm_over_mdlm_flop_ratio": flop_ratio},
+            "detail": {"per_row": "time per row (step time / batch); each kind at its own largest batch"}}
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling
+
+
+def _sample_model(ctx: Ctx, kind: str) -> tuple[ModelConfig, nn.Module]:
+    cfg = ctx.train_config(kind, seq_len=ctx.sizes.sample_len, dropout=0.0)
+    torch.manual_seed(0)
+    return cfg, build_model(cfg).to(ctx.device).eval()
+
+
+def sample_forward(ctx: Ctx) -> dict[str, Any]:
+    cfg, model = _sample_model(ctx, "mdlm")
+    x = random_rows(cfg, ctx.sizes.sample_batch, ctx.device)
+    sigma = torch.zeros(x.shape[0], device=ctx.device)
+    out: dict[str, float] = {}
+    for name, cast in (("fp32", contextlib.nullcontext()), ("bf16", ctx.autocast())):
+        with torch.no_grad(), cast:
+            out[name] = statistics.median(timed(ctx, lambda: model.denoiser_logits(x, sigma), repeats=5, warmup=2))
+    return {"results": {"sample_forward_ms_fp32": out["fp32"] * 1e3, "sample_forward_ms_bf16": out["bf16"] * 1e3},
+            "detail": {"batch": x.shape[0], "seq_len": cfg.seq_len}}
+
+
+SAMPLE_NEED_S = {"exact": 30, "cached": 30, "confidence": 15, "bd3lm_kv": 15, "ar_kv": 10}
+"""Estimated seconds of each sampling item on an H100 (``Item.need_s``)."""
+SAMPLE_RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # item: (kind, sampler, options; "T" stands for --tiny's or the full T)
+    "exact": ("mdlm", "mdlm", {"cache": False}),
+    "cached": ("mdlm", "mdlm", {"cache": True}),
+    "confidence": ("mdlm", "confidence", {"threshold": 0.9, "kv_cache": "dual"}),
+    "bd3lm_kv": ("bd3lm", "bd3lm", {"kv_cache": True}),
+    "ar_kv": ("ar", "ar", {"cache": True}),
+}
+
+
+def sample_item(ctx: Ctx, which: str) -> dict[str, Any]:
+    kind, sampler, opts = SAMPLE_RUNS[which]
+    cfg, model = _sample_model(ctx, kind)
+    sz = ctx.sizes
+    opts = dict(opts)
+    steps = sz.sample_steps
+    if sampler == "confidence":
+        opts["block"] = sz.confidence_block
+    if sampler == "bd3lm":
+        steps = cfg.block_size  # T = b a block: one token a step on average
+    if sampler == "ar":
+        opts["bos_id"] = 0
+    with ctx.autocast():  # warm-up: a short run (64 positions, 2 steps) takes the lazy initialisations
+        sample(model, cfg, batch_size=sz.sample_batch, length=min(sz.sample_len, 64), steps=2, sampler=sampler,
+               nucleus_p=1.0, generator=ctx.gen(1), **opts)
+    stats: dict = {}
+    ctx.reset_peak()
+    ctx.sync()
+    t = time.perf_counter()
+    with ctx.autocast():
+        x = sample(model, cfg, batch_size=sz.sample_batch, length=sz.sample_len, steps=steps, sampler=sampler,
+                   nucleus_p=1.0, generator=ctx.gen(0), stats=stats, **opts)
+    ctx.sync()
+    wall = time.perf_counter() - t
+    if bool((x == cfg.mask_id).any()):
+        raise CheckFailed(json.dumps({"error": "masks left in the sample"}))
+    calls = stats.get("network_calls", sz.sample_len - 1 if sampler == "ar" else math.nan)
+    tokens = sz.sample_batch * sz.sample_len
+    return {"results": {f"sample_tokens_per_s_{which}": tokens / wall, f"sample_network_calls_{which}": calls,
+                        f"sample_ms_per_call_{which}": wall / calls * 1e3 if calls else math.nan},
+            "detail": {"kind": kind, "sampler": sampler, "options": {k: v for k, v in opts.items()}, "steps": steps,
+                       "batch": sz.sample_batch, "length": sz.sample_len, "wall_s": wall,
+                       "peak_mem_gib": ctx.peak_gib(), "dtype": "bf16 autocast", "nucleus_p": 1.0,
+                       "calls_note": "AR: one call a token after the first (the KV cache)" if sampler == "ar" else ""}}
+
+
+# --------------------------------------------------------------------------------------------
+# Environment
+
+
+def env_item(ctx: Ctx) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "platform": platform.platform(), "cpu_count": os.cpu_count(), "device": str(ctx.device),
+        "tiny": ctx.args.tiny, "compile_backend": ctx.args.compile_backend,
+    }
+    if ctx.cuda:
+        p = torch.cuda.get_device_properties(ctx.device)
+        d.update(gpu=p.name, capability=f"{p.major}.{p.minor}", gpu_memory_gib=p.total_memory / 2**30,
+                 multiprocessors=p.multi_processor_count, cudnn=torch.backends.cudnn.version(),
+                 sdpa_enabled={"flash": torch.backends.cuda.flash_sdp_enabled(),
+                               "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                               "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+                               "math": torch.backends.cuda.math_sdp_enabled()})
+        with contextlib.suppress(Exception):
+            d["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                         capture_output=True, text=True, timeout=10).stdout.strip()
+    spec = importlib.util.find_spec("flash_attn")
+    d["flash_attn"] = None
+    if spec is not None:
+        from importlib.metadata import version
+
+        d["flash_attn"] = {"path": spec.origin, "version": None}
+        with contextlib.suppress(Exception):
+            d["flash_attn"]["version"] = version("flash_attn")
+    with contextlib.suppress(Exception):
+        d["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                     timeout=10).stdout.strip() or None
+    name = d.get("gpu", "cpu")
+    return {"results": {"env_gpu": name.replace(" ", "_"), "env_torch": torch.__version__,
+                        "env_cuda": torch.version.cuda or "none", "env_flash_attn": int(spec is not None)},
+            "detail": d}
+
+
+# --------------------------------------------------------------------------------------------
+# The items
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    run: Callable[[Ctx], dict[str, Any]]
+    results: tuple[str, ...]
+    need_s: float = 5.0
+    """Seconds the item is expected to take on an H100 (an estimate, none measured yet): it starts only while
+    that much of the budget is left, so that the run ends near the budget instead of a long item past it."""
+
+
+def _train_results(tag: str, compiled: bool) -> tuple[str, ...]:
+    names = [f"train_batch_{tag}", f"train_step_s_{tag}", f"train_tokens_per_s_{tag}", f"train_peak_mem_gib_{tag}",
+             f"train_mfu_measured_{tag}", f"train_mfu_datasheet_{tag}"]
+    return tuple([*names, f"train_graph_breaks_{tag}"] if compiled else [*names, f"train_tflop_per_step_{tag}"])
+
+
+def _items() -> list[Item]:
+    items = [Item("env", env_item, ("env_gpu", "env_torch", "env_cuda", "env_flash_attn"))]
+    for k in KINDS:
+        items.append(Item(f"correct_bf16_{k}", lambda c, k=k: correct_bf16(c, k),
+                          (f"correct_bf16_ok_{k}", f"correct_bf16_loss_rel_diff_{k}", f"correct_bf16_grad_cosine_{k}")))
+    for k, kind in KINDS.items():
+        items.append(Item(f"sampler_{k}_cache", lambda c, k=k: sampler_cache(c, k), (f"sampler_equal_{k}_cache",),
+                          need_s=3))
+        if kind.default_sampler in SAMPLER_OPTIONS:
+            items.append(Item(f"sampler_{k}_dual", lambda c, k=k: sampler_dual(c, k), (f"sampler_equal_{k}_dual",),
+                              need_s=3))
+        if kind.default_sampler == "bd3lm":
+            items.append(Item(f"sampler_{k}_kv", lambda c, k=k: sampler_kv(c, k), (f"sampler_equal_{k}_kv",),
+                              need_s=3))
+    attention_names = tuple(f"attention_train_{k}" for k in KINDS) + (("attention_kv_step_ar",) if "ar" in KINDS
+                                                                      else ())
+    items.append(Item("attention", attention_item, attention_names, need_s=10))
+    items.append(Item("matmul_peak", matmul_peak, ("matmul_peak_tflops", "datasheet_peak_tflops"), need_s=3))
+    for k in KINDS:
+        items.append(Item(f"train_{k}", lambda c, k=k: train_item(c, k, False), _train_results(k, False), need_s=25))
+    first = [k for k in ("mdlm", "adlm") if k in KINDS]
+    for k in first:
+        items.append(Item(f"train_compiled_{k}", lambda c, k=k: train_item(c, k, True),
+                          _train_results(f"compiled_{k}", True), need_s=60))
+    if {"mdlm", "adlm"} <= set(KINDS):
+        items.append(Item("adlm_over_mdlm", adlm_over_mdlm, ("adlm_over_mdlm_time_ratio",
+                                                             "adlm_over_mdlm_time_ratio_compiled",
+                                                             "adlm_over_mdlm_flop_ratio"), need_s=0))
+    items.append(Item("sample_forward", sample_forward, ("sample_forward_ms_fp32", "sample_forward_ms_bf16")))
+    for which, (kind, _, _) in SAMPLE_RUNS.items():
+        if kind in KINDS:
+            items.append(Item(f"sample_{which}", lambda c, w=which: sample_item(c, w),
+                              (f"sample_tokens_per_s_{which}", f"sample_network_calls_{which}",
+                               f"sample_ms_per_call_{which}"), need_s=SAMPLE_NEED_S[which]))
+    for k in KINDS:
+        if k not in first:
+            items.append(Item(f"train_compiled_{k}", lambda c, k=k: train_item(c, k, True),
+                              _train_results(f"compiled_{k}", True), need_s=60))
+    return items
+
+
+ITEMS: tuple[Item, ...] = tuple(_items())
+RESULT_NAMES: tuple[str, ...] = tuple(n for item in ITEMS for n in item.results)
+"""Every RESULT name a run prints, on a GPU and with ``--tiny`` alike (``nan`` where an item did not run)."""
+assert len(set(RESULT_NAMES)) == len(RESULT_NAMES), "RESULT names must be unique"
+
+
+# --------------------------------------------------------------------------------------------
+# The runner
+
+
+def fmt(v: Any) -> str:
+    if v is None:  # a nan read back from JSON (--resume)
+        return "nan"
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.4g}"
+    return str(v)
+
+
+def jsonable(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no nan: null
+    if isinstance(v, dict):
+        return {str(k): jsonable(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [jsonable(x) for x in v]
+    return v
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(jsonable(report), indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)  # never a half-written file, even when the run is killed mid-write
+
+
+def selected(name: str, only: list[str], skip: list[str]) -> bool:
+    if only and not any(fnmatch.fnmatch(name, p) for p in only):
+        return False
+    return not any(fnmatch.fnmatch(name, p) for p in skip)
+
+
+def run_item(ctx: Ctx, item: Item) -> dict[str, Any]:
+    """Runs one item, guarded: a record with status, seconds, results and detail (or the error)."""
+    t, cpu = time.perf_counter(), time.process_time()
+    shared_before = dict(ctx.shared)
+    rec: dict[str, Any] = {"status": "ok"}
+    try:
+        if item.name in ctx.args.inject_failure:
+            raise RuntimeError(f"failure injected by --inject-failure {item.name}")
+        out = item.run(ctx)
+        rec["results"], rec["detail"] = out["results"], out.get("detail", {})
+    except CheckFailed as e:
+        rec["status"] = "check_failed"
+        with contextlib.suppress(Exception):
+            rec.update(json.loads(str(e)))
+    except Exception as e:  # noqa: BLE001 - every failure is recorded and the run goes on
+        rec.update(status="oom" if is_oom(e) else "failed", error=f"{type(e).__name__}: {str(e)[:1000]}",
+                   trace=traceback.format_exc(limit=-6).splitlines()[-24:])
+    rec["seconds"] = round(time.perf_counter() - t, 3)
+    rec["cpu_seconds"] = round(time.process_time() - cpu, 3)  # this process's CPU time (all threads)
+    # What the item handed on to later ones (batch, FLOPs, step time, peaks): --resume hands it on again.
+    rec["shared"] = {k: v for k, v in ctx.shared.items() if k not in shared_before or shared_before[k] != v}
+    unknown = set(rec.get("results", {})) - set(item.results)
+    if unknown:  # an item printing a name RESULT_NAMES lacks would make the GPU and tiny runs differ
+        rec.update(status="failed", error=f"results not declared in the item: {sorted(unknown)}")
+    free_memory(ctx)
+    return rec
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="gpu_check_out",
+                    help="folder for gpu_check.json (created; the file is rewritten after every item)")
+    ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu (only with --tiny)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="toy sizes: every code path in seconds (module docstring says what it checks)")
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="seconds after which the items left are skipped (default 420: fits 8 minutes on an H100 "
+                         "with start-up; give the outer `timeout` a minute more). 0: only env runs")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed training steps a configuration (median reported; default 8, tiny 2)")
+    ap.add_argument("--only", default="", help="comma-separated item names or fnmatch patterns to run (env always)")
+    ap.add_argument("--skip", default="", help="comma-separated item names or patterns to leave out "
+                                               "(e.g. a second try: the items the first one finished)")
+    ap.add_argument("--resume", default=None, metavar="JSON",
+                    help="a gpu_check.json of an earlier run: its ok items are kept (and their RESULT lines "
+                         "printed) instead of run again, except those --only names; the rest run (a second try), "
+                         "fed with what the kept items measured (the eager batches and FLOPs, the matmul peak)")
+    ap.add_argument("--compile-backend", default=None,
+                    help="torch.compile backend of the compiled items (default inductor; aot_eager on a CPU)")
+    ap.add_argument("--compile-scope", choices=("blocks", "loss"), default="blocks",
+                    help="what the compiled items compile: every DiT block (default), or the whole training "
+                         "objective, vocabulary projection and SUBS included (dynamo breaks its graph at the "
+                         "noise draws from the caller's generator; a lever for MFU to try with --resume)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: torch's; the suite's test uses 1 on its shared cores)")
+    ap.add_argument("--list", action="store_true", help="print the items and their RESULT names, and exit")
+    ap.add_argument("--strict", action="store_true",
+                    help="exit 1 unless every selected item has status ok (the suite's test uses it)")
+    ap.add_argument("--inject-failure", default="",
+                    help="comma-separated item names made to raise at their start (checks the guard; tests)")
+    args = ap.parse_args(argv)
+    args.only = [s for s in args.only.split(",") if s]
+    args.skip = [s for s in args.skip.split(",") if s]
+    args.inject_failure = [s for s in args.inject_failure.split(",") if s]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        for item in ITEMS:
+            print(f"{item.name}: {', '.join(item.results)}")
+        return 0
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        print(f"error: --device {args.device!r} is not a device: use cuda, cuda:N or cpu", file=sys.stderr)
+        return 2
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: CUDA is not available here (torch " f"{torch.__version__}): run with --device cpu --tiny to "
+              "check the code paths", file=sys.stderr)
+        return 2
+    if device.type not in ("cuda", "cpu"):
+        print(f"error: --device {args.device!r}: use cuda, cuda:N or cpu", file=sys.stderr)
+        return 2
+    if device.type == "cpu" and not args.tiny:
+        print("error: --device cpu needs --tiny (the papers' sizes take hours on a CPU)", file=sys.stderr)
+        return 2
+    unknown = [p for p in args.only + args.skip + args.inject_failure
+               if not any(fnmatch.fnmatch(i.name, p) for i in ITEMS)]
+    if unknown:
+        print(f"error: no item matches {', '.join(unknown)}: --list names them", file=sys.stderr)
+        return 2
+    if args.budget_s < 0:
+        print(f"error: --budget-s must be >= 0, got {args.budget_s}", file=sys.stderr)
+        return 2
+    if args.steps is None:
+        args.steps = 2 if args.tiny else 8
+    if args.steps < 1:
+        print(f"error: --steps must be >= 1, got {args.steps}", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
+    if args.compile_backend is None:
+        args.compile_backend = "aot_eager" if device.type == "cpu" else "inductor"
+    previous: dict[str, Any] = {}
+    if args.resume:
+        try:
+            old = json.loads(Path(args.resume).read_text())
+            previous = {n: r for n, r in old["items"].items() if r.get("status") == "ok" and n != "env"}
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            print(f"error: --resume {args.resume}: not a gpu_check.json ({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "gpu_check.json"
+
+    t0 = time.perf_counter()
+    ctx = Ctx(args=args, device=device, sizes=TINY if args.tiny else FULL, t0=t0)
+    report: dict[str, Any] = {
+        "schema": 1, "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "argv": sys.argv[1:] if argv is None else argv, "budget_s": args.budget_s, "finished": False,
+        "sizes": dataclasses.asdict(ctx.sizes), "items": {},
+        # The three facts every row of the README's table needs, outside any item (the env item adds the rest).
+        "torch": torch.__version__, "cuda": torch.version.cuda, "gpu": None,
+    }
+    if ctx.cuda:
+        with contextlib.suppress(Exception):
+            report["gpu"] = torch.cuda.get_device_name(device)
+    write_report(path, report)
+    printed: set[str] = set()
+    for rec in previous.values():  # what the earlier items handed on (batches, FLOPs, peaks), whatever runs now
+        ctx.shared.update(rec.get("shared", {}))
+    for item in ITEMS:
+        chosen = item.name == "env" or selected(item.name, args.only, args.skip)
+        elapsed = time.perf_counter() - t0
+        need = item.need_s * ctx.sizes.need_scale
+        if item.name in previous and not (chosen and args.only):
+            # Kept from the earlier run, unless --only asks for it again (a rerun with other settings).
+            rec = {**previous[item.name], "resumed_from": args.resume}
+        elif not chosen:
+            continue
+        elif item.name != "env" and args.budget_s - elapsed < max(need, 1e-9):
+            rec = {"status": "skipped", "reason": f"budget: {elapsed:.0f} of {args.budget_s:.0f} s spent, "
+                                                  f"the item needs about {need:.0f} s"}
+        else:
+            print(f"# {item.name} ...", flush=True)
+            rec = run_item(ctx, item)
+            if rec["status"] != "ok":
+                print(f"# {item.name}: {rec['status']} {rec.get('error', '')}", flush=True)
+        report["items"][item.name] = rec
+        if item.name == "env" and "detail" in rec:
+            report["env"] = rec["detail"]
+        for name in item.results:
+            v = rec.get("results", {}).get(name, math.nan)
+            print(f"RESULT {name}={fmt(v)}", flush=True)
+            printed.add(name)
+        report["elapsed_s"] = round(time.perf_counter() - t0, 2)
+        write_report(path, report)
+    for name in RESULT_NAMES:  # items not selected: their names all the same, so every run prints the whole set
+        if name not in printed:
+            print(f"RESULT {name}=nan", flush=True)
+    report["finished"] = True
+    report["elapsed_s"] = round(time.perf_counter() - t0, 2)
+    statuses = [r["status"] for r in report["items"].values()]
+    report["summary"] = {s: statuses.count(s) for s in sorted(set(statuses))}
+    write_report(path, report)
+    print(f"# {path}: {report['summary']} in {report['elapsed_s']:.1f} s", flush=True)
+    return 1 if args.strict and any(s != "ok" for s in statuses) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
