@@ -12,9 +12,12 @@ import difflib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-MODEL_KINDS = ("mdlm", "adlm", "ar", "bd3lm")
+if TYPE_CHECKING:
+    from .kinds import ModelKind
+
+MODEL_KINDS = ("mdlm", "adlm", "ar", "bd3lm", "sedd")
 
 
 class ConfigError(ValueError):
@@ -26,7 +29,8 @@ class ModelConfig:
     """Architecture and objective of one model."""
 
     kind: str = "adlm"
-    """Model kind: ``mdlm``, ``adlm`` (anchor + denoiser), ``ar`` (causal) or ``bd3lm`` (blocks)."""
+    """Model kind: ``mdlm``, ``adlm`` (anchor + denoiser), ``ar`` (causal), ``bd3lm`` (blocks) or ``sedd`` (score
+    entropy, METHOD.md section 8's baseline)."""
     vocab_size: int = 50257
     """Tokenizer vocabulary size (GPT-2: 50257, bert-base-uncased: 30522)."""
     mask_id: int = 50257
@@ -47,8 +51,9 @@ class ModelConfig:
     """MLP hidden size as a multiple of ``hidden``."""
     dropout: float = 0.1
     """Dropout after attention and MLP (reference 0.1)."""
-    time_conditioning: bool = False
-    """Feed sigma(t) to adaLN. Off (the ADLM reference) feeds sigma = 0: a learned constant."""
+    time_conditioning: bool | None = None
+    """Feed sigma(t) to adaLN. Off (the ADLM reference) feeds sigma = 0: a learned constant. None: the kind's
+    reference (SEDD: on, its DiT is time-conditioned; the others: off)."""
     gamma: float = 3e-3
     """ADLM only: the anchor loss weight gamma (METHOD.md section 2)."""
     tau: int = 5
@@ -79,11 +84,16 @@ class ModelConfig:
 
     @property
     def uses_adaln(self) -> bool:
-        return self.adaln if self.adaln is not None else self.kind != "ar"
+        return self.adaln if self.adaln is not None else _kind(self.kind).adaln
 
     @property
     def skips_bos(self) -> bool:
-        return self.ignore_bos if self.ignore_bos is not None else self.kind == "bd3lm"
+        return self.ignore_bos if self.ignore_bos is not None else _kind(self.kind).skips_bos
+
+    @property
+    def conditions_on_time(self) -> bool:
+        """Whether the network sees sigma(t) (``time_conditioning``, or the kind's reference when None)."""
+        return self.time_conditioning if self.time_conditioning is not None else _kind(self.kind).time_conditioned
 
     @property
     def width(self) -> int:
@@ -134,6 +144,14 @@ class ModelConfig:
     def replace(self, **kw: Any) -> ModelConfig:
         check_keys(type(self), kw, "model")
         return dataclasses.replace(self, **kw).validate()
+
+
+def _kind(name: str) -> ModelKind:
+    """The kinds table's entry: the per-kind defaults live there, never as kind names compared here (``kinds``
+    imports this module, so the import is deferred)."""
+    from .kinds import model_kind
+
+    return model_kind(name)
 
 
 def check_keys(cls: type, d: dict[str, Any], where: str) -> dict[str, Any]:

@@ -143,7 +143,7 @@ def model_nll_fn(model: nn.Module, cfg: ModelConfig) -> NLLFn:
     from .samplers import denoiser_fn
 
     zeros = lambda z: torch.zeros(z.shape[0], device=z.device)  # noqa: E731 - sigma: the learned constant
-    if cfg.time_conditioning:
+    if cfg.conditions_on_time:
         raise LikelihoodError("the continuation ELBO runs models with time conditioning off (sigma = 0, the "
                               "reference setting); this checkpoint conditions on time")
     if cfg.kind == "bd3lm":
