@@ -9,6 +9,9 @@
   any-order NLL, so with the exact conditionals of a known distribution every draw's expectation is exactly
   ``-log p(y | c)``). For BD3-LM the draw is made per block of the continuation, each block conditioned on
   the clean blocks before it (METHOD.md section 3), and the blocks' terms add up.
+- **SEDD**: the same draws with its score entropy in place of ``-log p`` (``sedd.continuation_fns``: an upper bound
+  on the NLL of its normalised score, equal to it with the exact score), the time-conditioned network at the sigma
+  whose masking rate is the row's masked fraction.
 
 The draws of ``l`` over the ``K`` samples of one request are ``plain`` (independent), ``antithetic`` (pairs
 ``l, n + 1 - l``) or ``stratified`` (``l_k = ceil(n (k + U_k) / K)``: one draw in each of ``K`` equal slices of
@@ -143,6 +146,10 @@ def model_nll_fn(model: nn.Module, cfg: ModelConfig) -> NLLFn:
     from .samplers import denoiser_fn
 
     zeros = lambda z: torch.zeros(z.shape[0], device=z.device)  # noqa: E731 - sigma: the learned constant
+    if hasattr(model, "log_score"):  # SEDD: its score entropy, the network at the masked fraction's sigma
+        from .sedd import continuation_fns
+
+        return continuation_fns(model, cfg)[0]
     if cfg.conditions_on_time:
         raise LikelihoodError("the continuation ELBO runs models with time conditioning off (sigma = 0, the "
                               "reference setting); this checkpoint conditions on time")
@@ -199,6 +206,10 @@ def model_logp_fn(model: nn.Module, cfg: ModelConfig) -> Callable[[torch.Tensor,
     from .samplers import denoiser_fn
 
     zeros = lambda z: torch.zeros(z.shape[0], device=z.device)  # noqa: E731
+    if hasattr(model, "log_score"):
+        from .sedd import continuation_fns
+
+        return continuation_fns(model, cfg)[1]
     if cfg.kind == "bd3lm":
         return lambda z, x: torch.log_softmax(suppress_mask(
             block_diffusion_logits(model, z, x, zeros(z), cfg.block_size), cfg.mask_id), -1)

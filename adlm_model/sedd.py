@@ -125,6 +125,33 @@ def sedd_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tens
     return LossOutput(loss=total / n.clamp(min=1), nll_sum=total.detach().double(), n_tokens=n)
 
 
+def masked_fraction_sigma(z_t: torch.Tensor, mask_id: int, schedule: LogLinearSchedule) -> torch.Tensor:
+    """sigma at the time whose masking rate is each row's masked fraction (B,): what a time-conditioned score sees
+    when the mask pattern, not a time, is given (the continuation likelihood)."""
+    frac = (z_t == mask_id).double().mean(-1)
+    return schedule.sigma((frac / (1 - schedule.eps)).clamp(1e-3, 1.0)).float()
+
+
+def continuation_fns(model: nn.Module, cfg: ModelConfig) -> tuple[Any, Any]:
+    """``(nll_fn, logp_fn)`` of ``likelihood.py`` for a SEDD model. ``nll_fn(z, x)``: the per-token score entropy
+    times ``e^sigma - 1`` (so ``dsigma`` times it is ``(1/t)`` times it: the any-order estimator's weight takes the
+    place of ``1/t``), i.e. ``Z - 1 - log p(x^l | z)`` in the module docstring's terms, an upper bound on the SUBS
+    NLL of the normalised score (equal with the exact score). ``logp_fn(z, x)``: log of the normalised score. The
+    network sees ``masked_fraction_sigma``."""
+    schedule = LogLinearSchedule(cfg.noise_eps)
+
+    def nll(z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        sigma = masked_fraction_sigma(z, cfg.mask_id, schedule)
+        se = score_entropy(model.log_score(z, sigma), sigma, z, x, cfg.mask_id)
+        return expm1_sigma(sigma)[:, None] * se
+
+    def logp(z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        s = model.log_score(z, masked_fraction_sigma(z, cfg.mask_id, schedule))
+        return torch.log_softmax(s.index_fill(-1, torch.tensor([cfg.mask_id], device=z.device), float("-inf")), -1)
+
+    return nll, logp
+
+
 # --------------------------------------------------------------------------------------------
 # Sampling
 
@@ -189,5 +216,5 @@ def sedd_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: 
     return x
 
 
-__all__ = ["PREDICTORS", "SEDD", "expm1_sigma", "log_score_from_output", "rate_sigma", "score_entropy",
+__all__ = ["PREDICTORS", "SEDD", "continuation_fns", "expm1_sigma", "masked_fraction_sigma", "log_score_from_output", "rate_sigma", "score_entropy",
            "sedd_objective", "sedd_sample"]

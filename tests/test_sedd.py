@@ -178,3 +178,28 @@ def test_analytic_step_with_the_exact_score_is_the_reverse_process():
     torch.testing.assert_close(w[..., :8], p[..., :8].double() * (1 - stay)[:, None, None], rtol=1e-9, atol=1e-12)
     e = jump_weights(score, z, 8, dt * rate_sigma(sch, t), 1.0)
     torch.testing.assert_close(e[..., 8], w[..., 8], rtol=0, atol=5 * dt ** 2 / 0.1 ** 2)
+
+
+def test_continuation_likelihood_reads_the_score_entropy():
+    """The lm-eval adapter's per-token term for SEDD (likelihood.model_nll_fn): with the exact score it is the exact
+    -log p(x^l | z) at every masked position, whatever sigma the masked fraction gives; a score whose total rate is
+    off pays Z - 1 - log Z on top. Its greedy log-probabilities are the normalised score."""
+    from adlm_model.likelihood import model_logp_fn, model_nll_fn
+
+    tb = Testbed(TestbedConfig(length=10, content_vocab=6, n_classes=3, n_states=3, seed=6))
+    cfg = ModelConfig(kind="sedd", vocab_size=tb.vocab_size, mask_id=MASK_ID, seq_len=tb.length, hidden=8, heads=2)
+    x = tb.sample(4, seed=2)
+    z = x.clone()
+    z[0, 3:] = MASK_ID
+    z[1, 5] = MASK_ID
+    z[2, 1:] = MASK_ID
+    z[3] = MASK_ID
+    logp = OracleDenoiser(tb)(z)
+    exact = -logp.gather(-1, x[..., None]).squeeze(-1)
+    m = z == MASK_ID
+    got = model_nll_fn(ExactScore(tb, logp=logp), cfg)(z, x)
+    torch.testing.assert_close(got[m], exact[m], rtol=1e-4, atol=1e-4)
+    off = model_nll_fn(ExactScore(tb, 2.0, logp), cfg)(z, x)
+    torch.testing.assert_close(off[m] - got[m], torch.full_like(got[m], 1 - math.log(2)), rtol=1e-4, atol=1e-4)
+    greedy = model_logp_fn(ExactScore(tb, 2.0, logp), cfg)(z, x)
+    torch.testing.assert_close(greedy[m], logp.float()[m].index_fill(-1, torch.tensor([MASK_ID]), float("-inf")))
