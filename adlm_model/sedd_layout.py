@@ -39,6 +39,8 @@ def _get(d: Mapping[str, Any], path: str) -> Any:
 
 def sedd_config(config: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     """Our ModelConfig for the reference's run config (``overrides``: fields it does not fix, e.g. ``dropout``)."""
+    if "tokens" not in config and isinstance(config.get("config"), Mapping):
+        config = config["config"]  # a Hub mixin's config.json may nest the init argument under its name
     graph, noise = _get(config, "graph.type"), _get(config, "noise.type")
     if graph != "absorb":
         raise ConfigError(f"SEDD graph {graph!r}: only the absorbing graph is the sedd kind (uniform is not supported)")

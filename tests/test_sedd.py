@@ -78,6 +78,7 @@ def test_reference_layout_is_checked():
     # DDP's prefix (a local run's checkpoint) maps the same
     cfg, mapped = sedd_from_reference({"module." + k: v for k, v in state.items()}, prov["config"])
     assert cfg.kind == "sedd" and cfg.conditions_on_time and cfg.width == 51 and len(mapped) == len(state) - 1
+    assert sedd_from_reference(state, {"config": prov["config"]})[0] == cfg  # config.json nesting its init argument
 
 
 class ExactScore(torch.nn.Module):
