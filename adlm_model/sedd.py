@@ -158,9 +158,10 @@ def continuation_fns(model: nn.Module, cfg: ModelConfig) -> tuple[Any, Any]:
 
 def jump_weights(score: torch.Tensor, x: torch.Tensor, mask_id: int, move: torch.Tensor,
                  nucleus_p: float) -> torch.Tensor:
-    """Unnormalised transition weights (B, L, width) of one step at the masked positions: ``move`` (B,) times the
-    score toward each non-mask state, and staying masked with what is left (clamped at 0: a step longer than the
-    rates allow jumps surely, as the reference's draw does). Nucleus filters the jump distribution."""
+    """The transition weights (B, L, width) of one step, written out in full (the tests compare them with the
+    reference's; ``sedd_step`` draws them): at a masked position ``move`` (B,) times the score toward each non-mask
+    state, and staying masked with what is left (clamped at 0: a step longer than the rates allow jumps surely, as
+    the reference's Gumbel draw does with its negative weight). Nucleus filters the jump distribution."""
     s = score.index_fill(-1, torch.tensor([mask_id], device=x.device), 0.0).double()
     total = s.sum(-1, keepdim=True)
     if nucleus_p < 1.0:
@@ -168,6 +169,29 @@ def jump_weights(score: torch.Tensor, x: torch.Tensor, mask_id: int, move: torch
     w = move.double()[:, None, None] * s
     stay = (1 - w.sum(-1)).clamp_min(0.0)
     return w.index_copy(-1, torch.tensor([mask_id], device=x.device), stay[..., None])
+
+
+def sedd_step(score: torch.Tensor, x: torch.Tensor, mask_id: int, move: torch.Tensor, nucleus_p: float,
+              generator: torch.Generator) -> torch.Tensor:
+    """Draw one step of ``jump_weights`` in two stages, as MDLM's ``diffusion_step``: one float64 uniform per masked
+    position decides whether it jumps (probability ``min(move sum_y s_y, 1)``), then a float64 Gumbel categorical
+    over the score, only at the positions that jump. The same law as one categorical over ``jump_weights`` (the clamp
+    included: ``test_sedd``), without ``B x L x width`` float64 draws at every step."""
+    masked = x == mask_id
+    idx = masked.nonzero(as_tuple=True)
+    if not idx[0].numel():
+        return x
+    s = score[idx].index_fill(-1, torch.tensor([mask_id], device=x.device), 0.0)  # (N, width)
+    total = s.sum(-1, dtype=torch.float64)
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=x.device)
+    jump = (u < move[idx[0]] * total) | torch.isinf(move[idx[0]])  # inf: the denoiser, every mask jumps
+    x_new = x.clone()
+    if bool(jump.any()):
+        rows = s[jump].double() / total[jump, None].clamp_min(1e-300)
+        if nucleus_p < 1.0:
+            rows = nucleus(rows, nucleus_p)
+        x_new[idx[0][jump], idx[1][jump]] = sample_categorical(rows, generator)
+    return x_new
 
 
 def sedd_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *, steps: int,
@@ -197,18 +221,16 @@ def sedd_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: 
         if bool((x == m).any()):  # no mask left: nothing can move, the network is not called
             t = ts[i]
             if predictor == "euler":
-                move = dt * rate_sigma(schedule, t) * torch.ones(b, dtype=torch.float64)
+                move = dt * rate_sigma(schedule, t)
             else:
-                move = torch.expm1(schedule.sigma(t) - schedule.sigma(t - dt)) * torch.ones(b, dtype=torch.float64)
-            w = jump_weights(score(float(t)), x, m, move.to(device), nucleus_p)
-            x = torch.where(x == m, sample_categorical(w, generator), x)
+                move = torch.expm1(schedule.sigma(t) - schedule.sigma(t - dt))
+            x = sedd_step(score(float(t)), x, m, torch.full((b,), float(move), dtype=torch.float64, device=device),
+                          nucleus_p, generator)
         if progress is not None:
             progress(i + 1, steps + 1)
-    if bool((x == m).any()):  # the final denoiser: draw every mask left from the normalised score
-        s = score(float(ts[-1])).index_fill(-1, torch.tensor([m], device=device), 0.0).double()
-        if nucleus_p < 1.0:
-            s = nucleus(s / s.sum(-1, keepdim=True).clamp_min(1e-300), nucleus_p)
-        x = torch.where(x == m, sample_categorical(s, generator), x)
+    if bool((x == m).any()):  # the final denoiser: every mask left jumps, drawn from the normalised score
+        x = sedd_step(score(float(ts[-1])), x, m, torch.full((b,), math.inf, dtype=torch.float64, device=device),
+                      nucleus_p, generator)
     if progress is not None:
         progress(steps + 1, steps + 1)
     if stats is not None:
@@ -217,4 +239,4 @@ def sedd_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: 
 
 
 __all__ = ["PREDICTORS", "SEDD", "continuation_fns", "expm1_sigma", "masked_fraction_sigma", "log_score_from_output", "rate_sigma", "score_entropy",
-           "sedd_objective", "sedd_sample"]
+           "sedd_objective", "sedd_sample", "sedd_step"]

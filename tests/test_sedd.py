@@ -16,7 +16,7 @@ from adlm_model import ModelConfig, build_model, compute_loss, sample
 from adlm_model.config import ConfigError
 from adlm_model.losses import mdlm_objective
 from adlm_model.schedule import LogLinearSchedule
-from adlm_model.sedd import expm1_sigma, jump_weights, rate_sigma, sedd_objective
+from adlm_model.sedd import expm1_sigma, jump_weights, rate_sigma, sedd_objective, sedd_step
 from adlm_model.sedd_layout import sedd_from_reference
 from adlm_model.testbed import MASK_ID, OracleDenoiser, Testbed, TestbedConfig
 
@@ -204,3 +204,24 @@ def test_continuation_likelihood_reads_the_score_entropy():
     torch.testing.assert_close(off[m] - got[m], torch.full_like(got[m], 1 - math.log(2)), rtol=1e-4, atol=1e-4)
     greedy = model_logp_fn(ExactScore(tb, 2.0, logp), cfg)(z, x)
     torch.testing.assert_close(greedy[m], logp.float()[m].index_fill(-1, torch.tensor([MASK_ID]), float("-inf")))
+
+
+def test_the_two_stage_draw_has_the_law_of_the_written_out_weights():
+    """``sedd_step`` (jump or not, then which token) draws ``jump_weights``' distribution, the clamp at 0 included
+    (position 1 below: its total jump weight exceeds 1), and never moves an unmasked position."""
+    n = 20000
+    score = torch.tensor([[[0.5, 1.0, 0.0, 2.0, 0.5], [3.0, 1.0, 7.0, 2.0, 1.0], [1.0, 1.0, 1.0, 1.0, 1.0]]])
+    x = torch.tensor([[4, 4, 1]])
+    move = torch.tensor([0.1])
+    w = jump_weights(score, x, 4, move, 1.0)[0]
+    p = w / w.sum(-1, keepdim=True)
+    got = sedd_step(score.expand(n, -1, -1), x.expand(n, -1), 4, move.expand(n), 1.0,
+                    torch.Generator().manual_seed(0))
+    assert (got[:, 2] == 1).all()
+    for pos in (0, 1):
+        freq = torch.bincount(got[:, pos], minlength=5).double() / n
+        se = (p[pos] * (1 - p[pos]) / n).sqrt()
+        assert ((freq - p[pos]).abs() <= 4 * se + 1e-12).all(), (pos, freq, p[pos])
+    assert p[1, 4] == 0 and p[0, 4] > 0.5  # the clamp is exercised; position 0 mostly stays masked
+    final = sedd_step(score, x, 4, torch.tensor([math.inf]), 1.0, torch.Generator().manual_seed(0))
+    assert not (final == 4).any()
