@@ -12,10 +12,7 @@ import difflib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .kinds import ModelKind
+from typing import Any
 
 MODEL_KINDS = ("mdlm", "adlm", "ar", "bd3lm", "sedd")
 
@@ -146,12 +143,16 @@ class ModelConfig:
         return dataclasses.replace(self, **kw).validate()
 
 
-def _kind(name: str) -> ModelKind:
-    """The kinds table's entry: the per-kind defaults live there, never as kind names compared here (``kinds``
-    imports this module, so the import is deferred)."""
-    from .kinds import model_kind
+KIND_TABLE: dict[str, Any] = {}
+"""The kinds table (``kinds.KINDS``: name -> ``ModelKind``), registered by ``kinds`` when it is imported (the package
+imports it). The per-kind defaults (``uses_adaln``, ``skips_bos``, ``conditions_on_time``) are its fields, read here
+without this module importing ``kinds`` (which imports this one) and without kind names compared here."""
 
-    return model_kind(name)
+
+def _kind(name: str) -> Any:
+    if name not in KIND_TABLE:
+        raise ConfigError(f"unknown model kind {name!r}: use one of {', '.join(MODEL_KINDS)}")
+    return KIND_TABLE[name]
 
 
 def check_keys(cls: type, d: dict[str, Any], where: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from .bd3lm import bd3lm_objective, sample_blocks
 from .confidence import OPTIONS as CONFIDENCE_OPTIONS
 from .confidence import check_options as check_confidence_options
 from .confidence import confidence_sample
-from .config import MODEL_KINDS, ModelConfig
+from .config import KIND_TABLE, MODEL_KINDS, ModelConfig
 from .losses import LossOutput, adlm_objective, ar_objective, mdlm_objective
 from .models import ADLM, AR, MDLM
 from .samplers import (
@@ -114,6 +114,7 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
     ModelKind("sedd", SEDD, _sedd, _sedd, "sedd-analytic", time_conditioned=True),
 )}
 assert tuple(KINDS) == MODEL_KINDS, "config.MODEL_KINDS and the KINDS table must list the same kinds"
+KIND_TABLE.update(KINDS)  # ModelConfig's per-kind defaults read the table through config (no import circle)
 
 
 def model_kind(name: str) -> ModelKind:
