@@ -114,7 +114,7 @@ class ModelConfig:
         need(self.hidden % self.heads == 0, f"hidden {self.hidden} must be divisible by heads {self.heads}")
         need(self.head_dim % 2 == 0, f"head_dim {self.head_dim} must be even for rotary embeddings")
         need(self.n_blocks >= 1, f"n_blocks must be >= 1, got {self.n_blocks}")
-        need(self.kind != "adlm" or self.denoiser_blocks >= 1, "ADLM needs denoiser_blocks >= 1")
+        need(not _kind(self.kind).anchored or self.denoiser_blocks >= 1, "ADLM needs denoiser_blocks >= 1")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         need(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
         need(self.tau >= 0, f"tau must be >= 0, got {self.tau}")
@@ -123,7 +123,7 @@ class ModelConfig:
         need(0 < self.noise_eps < 1, f"noise_eps must be in (0, 1), got {self.noise_eps}")
         need(0 <= self.sampling_eps < 1, f"sampling_eps must be in [0, 1), got {self.sampling_eps}")
         need(0 <= self.clip_low < self.clip_high <= 1, "need 0 <= clip_low < clip_high <= 1")
-        if self.kind == "bd3lm":
+        if _kind(self.kind).block_diffusion:
             need(self.block_size >= 1 and self.seq_len % self.block_size == 0,
                  f"block_size {self.block_size} must divide seq_len {self.seq_len}")
         return self

@@ -66,6 +66,9 @@ class ModelKind:
     """The reference leaves the BOS position out of the loss and the bound (``ModelConfig.ignore_bos`` None)."""
     time_conditioned: bool = False
     """The reference's network sees sigma(t) (``ModelConfig.time_conditioning`` None): SEDD's DiT does."""
+    block_diffusion: bool = False
+    """Runs block by block (``ModelConfig.block_size`` applies: block-diffusion attention in the bound and the
+    continuation likelihood, the block sampler generates any length): BD3-LM."""
 
 
 Mask = torch.Tensor | None
@@ -109,7 +112,8 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
     ModelKind("adlm", ADLM, _adlm_train, _mdlm, "remdm-loop", anchored=True),
     ModelKind("ar", AR, _ar, _ar, "ar", diffusion=False, adaln=False),
     # BD3-LM shares MDLM's network; it differs in attention masks, objective and sampler.
-    ModelKind("bd3lm", MDLM, _bd3lm_train, _bd3lm_eval, "bd3lm", clipped_schedule=True, skips_bos=True),
+    ModelKind("bd3lm", MDLM, _bd3lm_train, _bd3lm_eval, "bd3lm", clipped_schedule=True, skips_bos=True,
+              block_diffusion=True),
     # SEDD: the same DiT, time-conditioned, read as a score; its loss (the score entropy) is its bound too.
     ModelKind("sedd", SEDD, _sedd, _sedd, "sedd-analytic", time_conditioned=True),
 )}

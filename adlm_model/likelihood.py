@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .config import ModelConfig
+from .config import KIND_TABLE, ModelConfig
 from .losses import subs_nll, suppress_mask
 
 MASK_DRAWS = ("plain", "antithetic", "stratified")
@@ -153,7 +153,7 @@ def model_nll_fn(model: nn.Module, cfg: ModelConfig) -> NLLFn:
     if cfg.conditions_on_time:
         raise LikelihoodError("the continuation ELBO runs models with time conditioning off (sigma = 0, the "
                               "reference setting); this checkpoint conditions on time")
-    if cfg.kind == "bd3lm":
+    if KIND_TABLE[cfg.kind].block_diffusion:
         return lambda z, x: subs_nll(block_diffusion_logits(model, z, x, zeros(z), cfg.block_size), x, z, cfg.mask_id)
     fn = denoiser_fn(model)
     return lambda z, x: subs_nll(fn(z, zeros(z)), x, z, cfg.mask_id)
@@ -210,7 +210,7 @@ def model_logp_fn(model: nn.Module, cfg: ModelConfig) -> Callable[[torch.Tensor,
         from .sedd import continuation_fns
 
         return continuation_fns(model, cfg)[1]
-    if cfg.kind == "bd3lm":
+    if KIND_TABLE[cfg.kind].block_diffusion:
         return lambda z, x: torch.log_softmax(suppress_mask(
             block_diffusion_logits(model, z, x, zeros(z), cfg.block_size), cfg.mask_id), -1)
     fn = denoiser_fn(model)
