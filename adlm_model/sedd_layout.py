@@ -5,7 +5,8 @@ state dict: on the Hub (``louaaron/sedd-small``, ``louaaron/sedd-medium``, writt
 ``model.safetensors`` or ``pytorch_model.bin`` beside a ``config.json`` holding the whole run config (``tokens``,
 ``graph.type``, ``noise.type``, ``model.{hidden_size, cond_dim, length, n_blocks, n_heads, scale_by_sigma,
 dropout}``); a local run's ``checkpoints-meta/checkpoint.pth`` holds it under ``model`` (DDP's ``module.`` prefix)
-and its EMA separately. Reading those files is the importer's; this module maps what they hold.
+and its EMA separately. Reading those files is the importer's; this module maps what they hold. The tokenizer is
+GPT-2's (the reference's ``GPT2TokenizerFast.from_pretrained('gpt2')``, 50,257 tokens; the mask is id 50,257).
 
 Its network is our DiT one for one (embedding, sigma timestep embedder, rotary with the values unrotated,
 adaLN-modulated blocks, the final adaLN layer, output width ``tokens + 1``): only the embedding's name differs
