@@ -5,9 +5,10 @@ No Ray or MLflow here; ``pipelines/`` orchestrates. See METHOD.md for the specif
 One concept a file: ``config`` (typed configs, presets), ``schedule`` (noise schedule, times),
 ``attention`` (flash-attn / SDPA), ``backbone`` (the DiT), ``models`` (MDLM, ADLM, AR networks),
 ``losses`` (SUBS, NELBO, ANELBO, AR NLL), ``samplers`` (MDLM, ReMDM-loop, AR), ``bd3lm`` (block
-diffusion), ``kinds`` (the table of model kinds and samplers: ``build_model``, ``compute_loss``,
-``sample``), ``block_attention`` (BD3-LM's masks and pass), ``ema``, ``checkpoint`` (safetensors + JSON),
-``infill`` (prompt / suffix infilling at the token level), ``textgen`` (text in, text out: what
+diffusion), ``sedd`` (SEDD: the score network, its score-entropy loss and predictors), ``sedd_layout`` (the SEDD
+reference's released layout mapped to ours), ``kinds`` (the table of model kinds and samplers: ``build_model``,
+``compute_loss``, ``sample``), ``block_attention`` (BD3-LM's masks and pass), ``ema``, ``checkpoint`` (safetensors +
+JSON), ``infill`` (prompt / suffix infilling at the token level), ``textgen`` (text in, text out: what
 ``pipelines.generate`` and the served model run; uses ``tokenizers``), ``pretrained`` (the Hugging Face-style
 export folder). ``configuration_adlm`` and ``modeling_adlm`` are the ``transformers`` wrappers an export ships
 beside the network's modules: ``transformers`` imports them from the folder; this package never does.
@@ -32,6 +33,8 @@ from .models import ADLM, AR, MDLM
 from .pretrained import load_pretrained, save_pretrained
 from .samplers import ReMDMLoop, SamplerError, nucleus, sample_categorical, transition_probs, unigram_entropy
 from .schedule import LogLinearSchedule, antithetic_times, mask_tokens
+from .sedd import SEDD, sedd_objective
+from .sedd_layout import sedd_from_reference
 from .textgen import Generation, GenerationError, GenerationRequest, SpecialTokens, TextGenerator, load_generator
 
 __version__ = "0.1.0"
@@ -39,10 +42,10 @@ __version__ = "0.1.0"
 __all__ = [
     "ADLM", "AR", "EMA", "KINDS", "MDLM", "MODEL_KINDS", "PRESETS", "SAMPLERS", "BlockSample", "CheckpointError",
     "ClipSearchResult", "ConfigError", "Generation", "GenerationError", "GenerationRequest", "InfillLayout",
-    "LogLinearSchedule", "LossOutput", "ModelConfig", "ReMDMLoop", "SamplerError", "SpecialTokens", "TextGenerator",
+    "LogLinearSchedule", "LossOutput", "ModelConfig", "ReMDMLoop", "SEDD", "SamplerError", "SpecialTokens", "TextGenerator",
     "__version__", "anchor_mask", "antithetic_times", "bd3lm_objective", "block_diff_mask", "build_model",
     "clip_intervals", "compute_loss", "count_parameters", "gamma_at", "infill", "load_checkpoint", "load_generator",
     "load_pretrained", "load_state", "mask_tokens", "model_kind", "nucleus", "plan_infill", "preset", "sample",
     "sample_blocks", "sample_categorical", "save_checkpoint", "save_pretrained", "save_state",
-    "search_clipped_schedule", "subs_log_probs", "subs_nll", "transition_probs", "unigram_entropy",
+    "search_clipped_schedule", "sedd_from_reference", "sedd_objective", "subs_log_probs", "subs_nll", "transition_probs", "unigram_entropy",
 ]

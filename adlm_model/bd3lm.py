@@ -124,7 +124,7 @@ def block_nelbo(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor 
         z_t, _ = mask_tokens(x, schedule.move_chance(t_tok), cfg.mask_id, generator)
     # adaLN takes one condition per row: the mean of the blocks' sigmas (the reference's rule);
     # with time conditioning off (the default) it is the learned constant sigma = 0.
-    sigma = conditioning_sigma(cfg, schedule, t).mean(-1) if cfg.time_conditioning else torch.zeros(
+    sigma = conditioning_sigma(cfg, schedule, t).mean(-1) if cfg.conditions_on_time else torch.zeros(
         batch, device=x.device)
     logits = block_diffusion_logits(model, z_t, x, sigma, b)
     valid = valid_positions(x, attention_mask, cfg)
@@ -363,7 +363,7 @@ def sample_blocks(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep
         tok[:, 0] = torch.where(kp[:, 0], tok[:, 0], torch.full_like(tok[:, 0], bos_id))
         kp[:, 0] = True
     x = torch.where(kp, tok, torch.full_like(tok, m))
-    ctxt = BlockContext(model, b, ctx, kv_cache, fold=not cfg.time_conditioning)
+    ctxt = BlockContext(model, b, ctx, kv_cache, fold=not cfg.conditions_on_time)
     ts = torch.linspace(1.0, T_MIN, steps + 1, dtype=torch.float64).tolist()
     dt = (1.0 - T_MIN) / steps
     schedule = LogLinearSchedule(cfg.noise_eps)
@@ -381,7 +381,7 @@ def sample_blocks(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep
         def p_x0(z: torch.Tensor, t: float, rows: torch.Tensor | None, s0: int = s0) -> torch.Tensor:
             return subs_probs(ctxt.logits(z, s0, sigma_at(t, z.shape[0]), rows), z, m, nucleus_p)
 
-        rc = _RowCache(p_x0, batch, cache and not cfg.time_conditioning, device)
+        rc = _RowCache(p_x0, batch, cache and not cfg.conditions_on_time, device)
         t_last = ts[0]
         for i in range(steps):
             if not bool((blk == m).any()):

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-MODEL_KINDS = ("mdlm", "adlm", "ar", "bd3lm")
+MODEL_KINDS = ("mdlm", "adlm", "ar", "bd3lm", "sedd")
 
 
 class ConfigError(ValueError):
@@ -26,7 +26,8 @@ class ModelConfig:
     """Architecture and objective of one model."""
 
     kind: str = "adlm"
-    """Model kind: ``mdlm``, ``adlm`` (anchor + denoiser), ``ar`` (causal) or ``bd3lm`` (blocks)."""
+    """Model kind: ``mdlm``, ``adlm`` (anchor + denoiser), ``ar`` (causal), ``bd3lm`` (blocks) or ``sedd`` (score
+    entropy, METHOD.md section 8's baseline)."""
     vocab_size: int = 50257
     """Tokenizer vocabulary size (GPT-2: 50257, bert-base-uncased: 30522)."""
     mask_id: int = 50257
@@ -47,8 +48,9 @@ class ModelConfig:
     """MLP hidden size as a multiple of ``hidden``."""
     dropout: float = 0.1
     """Dropout after attention and MLP (reference 0.1)."""
-    time_conditioning: bool = False
-    """Feed sigma(t) to adaLN. Off (the ADLM reference) feeds sigma = 0: a learned constant."""
+    time_conditioning: bool | None = None
+    """Feed sigma(t) to adaLN. Off (the ADLM reference) feeds sigma = 0: a learned constant. None: the kind's
+    reference (SEDD: on, its DiT is time-conditioned; the others: off)."""
     gamma: float = 3e-3
     """ADLM only: the anchor loss weight gamma (METHOD.md section 2)."""
     tau: int = 5
@@ -79,11 +81,16 @@ class ModelConfig:
 
     @property
     def uses_adaln(self) -> bool:
-        return self.adaln if self.adaln is not None else self.kind != "ar"
+        return self.adaln if self.adaln is not None else _kind(self.kind).adaln
 
     @property
     def skips_bos(self) -> bool:
-        return self.ignore_bos if self.ignore_bos is not None else self.kind == "bd3lm"
+        return self.ignore_bos if self.ignore_bos is not None else _kind(self.kind).skips_bos
+
+    @property
+    def conditions_on_time(self) -> bool:
+        """Whether the network sees sigma(t) (``time_conditioning``, or the kind's reference when None)."""
+        return self.time_conditioning if self.time_conditioning is not None else _kind(self.kind).time_conditioned
 
     @property
     def width(self) -> int:
@@ -107,7 +114,7 @@ class ModelConfig:
         need(self.hidden % self.heads == 0, f"hidden {self.hidden} must be divisible by heads {self.heads}")
         need(self.head_dim % 2 == 0, f"head_dim {self.head_dim} must be even for rotary embeddings")
         need(self.n_blocks >= 1, f"n_blocks must be >= 1, got {self.n_blocks}")
-        need(self.kind != "adlm" or self.denoiser_blocks >= 1, "ADLM needs denoiser_blocks >= 1")
+        need(not _kind(self.kind).anchored or self.denoiser_blocks >= 1, "ADLM needs denoiser_blocks >= 1")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         need(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
         need(self.tau >= 0, f"tau must be >= 0, got {self.tau}")
@@ -116,7 +123,7 @@ class ModelConfig:
         need(0 < self.noise_eps < 1, f"noise_eps must be in (0, 1), got {self.noise_eps}")
         need(0 <= self.sampling_eps < 1, f"sampling_eps must be in [0, 1), got {self.sampling_eps}")
         need(0 <= self.clip_low < self.clip_high <= 1, "need 0 <= clip_low < clip_high <= 1")
-        if self.kind == "bd3lm":
+        if _kind(self.kind).block_diffusion:
             need(self.block_size >= 1 and self.seq_len % self.block_size == 0,
                  f"block_size {self.block_size} must divide seq_len {self.seq_len}")
         return self
@@ -134,6 +141,18 @@ class ModelConfig:
     def replace(self, **kw: Any) -> ModelConfig:
         check_keys(type(self), kw, "model")
         return dataclasses.replace(self, **kw).validate()
+
+
+KIND_TABLE: dict[str, Any] = {}
+"""The kinds table (``kinds.KINDS``: name -> ``ModelKind``), registered by ``kinds`` when it is imported (the package
+imports it). The per-kind defaults (``uses_adaln``, ``skips_bos``, ``conditions_on_time``) are its fields, read here
+without this module importing ``kinds`` (which imports this one) and without kind names compared here."""
+
+
+def _kind(name: str) -> Any:
+    if name not in KIND_TABLE:
+        raise ConfigError(f"unknown model kind {name!r}: use one of {', '.join(MODEL_KINDS)}")
+    return KIND_TABLE[name]
 
 
 def check_keys(cls: type, d: dict[str, Any], where: str) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .config import ModelConfig
+from .config import KIND_TABLE, ModelConfig
 from .kinds import check_sampler_options, model_kind, sample
 from .samplers import Progress, SamplerError
 
@@ -83,7 +83,7 @@ def plan_infill(cfg: ModelConfig, sampler: str, prompt_len: int, new_tokens: int
         raise SamplerError(
             f"BOS + prompt + length + suffix = {layout.total} tokens exceeds the model's context of {cfg.seq_len} "
             f"for sampler {sampler!r}: {fix}"
-            + ("; the bd3lm sampler generates any length" if cfg.kind == "bd3lm" else ""))
+            + ("; the bd3lm sampler generates any length" if KIND_TABLE[cfg.kind].block_diffusion else ""))
     return layout
 
 

@@ -20,7 +20,7 @@ from .bd3lm import bd3lm_objective, sample_blocks
 from .confidence import OPTIONS as CONFIDENCE_OPTIONS
 from .confidence import check_options as check_confidence_options
 from .confidence import confidence_sample
-from .config import MODEL_KINDS, ModelConfig
+from .config import KIND_TABLE, MODEL_KINDS, ModelConfig
 from .losses import LossOutput, adlm_objective, ar_objective, mdlm_objective
 from .models import ADLM, AR, MDLM
 from .samplers import (
@@ -33,6 +33,7 @@ from .samplers import (
     reject_unknown,
     resolve_prefix,
 )
+from .sedd import SEDD, sedd_objective, sedd_sample
 
 Objective = Callable[..., LossOutput]
 """``(model, x, attention_mask, cfg, *, step, t, generator) -> LossOutput``."""
@@ -58,6 +59,16 @@ class ModelKind:
     clipped_schedule: bool = False
     """Trains on a data-driven clipped masking schedule, searched at each validation (BD3-LM, METHOD.md
     section 3); evaluation stays on the full schedule."""
+    adaln: bool = True
+    """The reference's blocks are adaLN-conditioned (``ModelConfig.adaln`` None reads it); the AR baseline's are
+    plain pre-LayerNorm blocks."""
+    skips_bos: bool = False
+    """The reference leaves the BOS position out of the loss and the bound (``ModelConfig.ignore_bos`` None)."""
+    time_conditioned: bool = False
+    """The reference's network sees sigma(t) (``ModelConfig.time_conditioning`` None): SEDD's DiT does."""
+    block_diffusion: bool = False
+    """Runs block by block (``ModelConfig.block_size`` applies: block-diffusion attention in the bound and the
+    continuation likelihood, the block sampler generates any length): BD3-LM."""
 
 
 Mask = torch.Tensor | None
@@ -79,6 +90,11 @@ def _ar(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: 
     return ar_objective(model, x, am, cfg)
 
 
+def _sedd(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
+          t: torch.Tensor | None = None, generator: Gen = None) -> LossOutput:
+    return sedd_objective(model, x, am, cfg, t=t, generator=generator)
+
+
 def _bd3lm_train(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
                  t: torch.Tensor | None = None, generator: Gen = None) -> LossOutput:
     return bd3lm_objective(model, x, am, cfg, t=t, generator=generator, train=True)
@@ -94,11 +110,15 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
     # Evaluation of ADLM runs the denoiser NELBO through the same network (MDLM's objective reads
     # model.denoiser_logits, which ADLM composes as psi(phi(z_t))).
     ModelKind("adlm", ADLM, _adlm_train, _mdlm, "remdm-loop", anchored=True),
-    ModelKind("ar", AR, _ar, _ar, "ar", diffusion=False),
+    ModelKind("ar", AR, _ar, _ar, "ar", diffusion=False, adaln=False),
     # BD3-LM shares MDLM's network; it differs in attention masks, objective and sampler.
-    ModelKind("bd3lm", MDLM, _bd3lm_train, _bd3lm_eval, "bd3lm", clipped_schedule=True),
+    ModelKind("bd3lm", MDLM, _bd3lm_train, _bd3lm_eval, "bd3lm", clipped_schedule=True, skips_bos=True,
+              block_diffusion=True),
+    # SEDD: the same DiT, time-conditioned, read as a score; its loss (the score entropy) is its bound too.
+    ModelKind("sedd", SEDD, _sedd, _sedd, "sedd-analytic", time_conditioned=True),
 )}
 assert tuple(KINDS) == MODEL_KINDS, "config.MODEL_KINDS and the KINDS table must list the same kinds"
+KIND_TABLE.update(KINDS)  # ModelConfig's per-kind defaults read the table through config (no import circle)
 
 
 def model_kind(name: str) -> ModelKind:
@@ -180,6 +200,16 @@ def _bd3lm_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, kee
     return sample_blocks(model, cfg, tokens, keep, **kw).tokens
 
 
+def _sedd_euler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor,
+                **kw: Any) -> torch.Tensor:
+    return sedd_sample(model, cfg, tokens, keep, predictor="euler", **kw)
+
+
+def _sedd_analytic(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor,
+                   **kw: Any) -> torch.Tensor:
+    return sedd_sample(model, cfg, tokens, keep, predictor="analytic", **kw)
+
+
 SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     Sampler("mdlm", _mdlm_sampler),
     Sampler("remdm-loop", _remdm, ("eta", "t_on", "t_off", "alpha_on")),
@@ -188,6 +218,9 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     Sampler("ar", _ar_sampler, ("bos_id",), diffusion=False, steps=False),
     Sampler("bd3lm", _bd3lm_sampler, ("block_size", "kv_cache", "context", "eos_id", "entropy_threshold",
                                       "entropy_window", "pad_id", "bos_id"), any_length=True),
+    # SEDD's predictors with the final denoising step (sedd.py); they read the score, so SEDD models only.
+    Sampler("sedd-euler", _sedd_euler),
+    Sampler("sedd-analytic", _sedd_analytic),
 )}
 
 
@@ -216,7 +249,8 @@ def sample(model: nn.Module, cfg: ModelConfig, *, batch_size: int, length: int, 
     """Generate token ids ``(batch_size, length)`` (METHOD.md section 4).
 
     - ``sampler``: ``mdlm`` (ancestral), ``remdm-loop``, ``confidence`` (threshold parallel decoding, blocks
-      and the approximate KV cache: ``confidence.py``), ``ar``, ``bd3lm`` (block by block). An
+      and the approximate KV cache: ``confidence.py``), ``ar``, ``bd3lm`` (block by block), ``sedd-euler`` and
+      ``sedd-analytic`` (SEDD's predictors, ``sedd.py``). An
       ADLM model runs the diffusion samplers on its composed network (fused projection).
     - ``steps``: ``T`` of the diffusion grid (per block for ``bd3lm``; ignored by ``ar``, which
       takes one step per token).

@@ -9,6 +9,9 @@
   any-order NLL, so with the exact conditionals of a known distribution every draw's expectation is exactly
   ``-log p(y | c)``). For BD3-LM the draw is made per block of the continuation, each block conditioned on
   the clean blocks before it (METHOD.md section 3), and the blocks' terms add up.
+- **SEDD**: the same draws with its score entropy in place of ``-log p`` (``sedd.continuation_fns``: an upper bound
+  on the NLL of its normalised score, equal to it with the exact score), the time-conditioned network at the sigma
+  whose masking rate is the row's masked fraction.
 
 The draws of ``l`` over the ``K`` samples of one request are ``plain`` (independent), ``antithetic`` (pairs
 ``l, n + 1 - l``) or ``stratified`` (``l_k = ceil(n (k + U_k) / K)``: one draw in each of ``K`` equal slices of
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .config import ModelConfig
+from .config import KIND_TABLE, ModelConfig
 from .losses import subs_nll, suppress_mask
 
 MASK_DRAWS = ("plain", "antithetic", "stratified")
@@ -143,10 +146,14 @@ def model_nll_fn(model: nn.Module, cfg: ModelConfig) -> NLLFn:
     from .samplers import denoiser_fn
 
     zeros = lambda z: torch.zeros(z.shape[0], device=z.device)  # noqa: E731 - sigma: the learned constant
-    if cfg.time_conditioning:
+    if hasattr(model, "log_score"):  # SEDD: its score entropy, the network at the masked fraction's sigma
+        from .sedd import continuation_fns
+
+        return continuation_fns(model, cfg)[0]
+    if cfg.conditions_on_time:
         raise LikelihoodError("the continuation ELBO runs models with time conditioning off (sigma = 0, the "
                               "reference setting); this checkpoint conditions on time")
-    if cfg.kind == "bd3lm":
+    if KIND_TABLE[cfg.kind].block_diffusion:
         return lambda z, x: subs_nll(block_diffusion_logits(model, z, x, zeros(z), cfg.block_size), x, z, cfg.mask_id)
     fn = denoiser_fn(model)
     return lambda z, x: subs_nll(fn(z, zeros(z)), x, z, cfg.mask_id)
@@ -199,7 +206,11 @@ def model_logp_fn(model: nn.Module, cfg: ModelConfig) -> Callable[[torch.Tensor,
     from .samplers import denoiser_fn
 
     zeros = lambda z: torch.zeros(z.shape[0], device=z.device)  # noqa: E731
-    if cfg.kind == "bd3lm":
+    if hasattr(model, "log_score"):
+        from .sedd import continuation_fns
+
+        return continuation_fns(model, cfg)[1]
+    if KIND_TABLE[cfg.kind].block_diffusion:
         return lambda z, x: torch.log_softmax(suppress_mask(
             block_diffusion_logits(model, z, x, zeros(z), cfg.block_size), cfg.mask_id), -1)
     fn = denoiser_fn(model)

@@ -34,7 +34,7 @@ class LossOutput:
 
 def conditioning_sigma(cfg: ModelConfig, schedule: LogLinearSchedule, t: torch.Tensor) -> torch.Tensor:
     """sigma(t) with time conditioning on; zeros (a learned constant condition) with it off."""
-    return schedule.sigma(t) if cfg.time_conditioning else torch.zeros_like(t)
+    return schedule.sigma(t) if cfg.conditions_on_time else torch.zeros_like(t)
 
 
 def suppress_mask(logits: torch.Tensor, mask_id: int) -> torch.Tensor:

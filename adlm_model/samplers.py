@@ -357,7 +357,7 @@ def diffusion_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, k
     def p_x0(z: torch.Tensor, t: float, rows: torch.Tensor | None) -> torch.Tensor:
         return subs_probs(fn(z, _sigma(cfg, t, z.shape[0], device)), z, m, nucleus_p)
 
-    rc = _RowCache(p_x0, b, cache and not cfg.time_conditioning, device)
+    rc = _RowCache(p_x0, b, cache and not cfg.conditions_on_time, device)
     ts = torch.linspace(1.0, T_MIN, steps + 1, dtype=torch.float64).tolist()
     dt = (1.0 - T_MIN) / steps
     for i in range(steps):

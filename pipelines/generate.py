@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                    help=f"diffusion steps T (per block for bd3lm; ignored by ar; default {DEFAULT_STEPS})")
     p.add_argument("--sampler", default=None,
-                   help="mdlm, remdm-loop, confidence, ar or bd3lm (default: the model kind's own: remdm-loop for "
-                        "MDLM/ADLM, ar, bd3lm)")
+                   help="mdlm, remdm-loop, confidence, ar, bd3lm, sedd-euler or sedd-analytic (default: the model "
+                        "kind's own: remdm-loop for MDLM/ADLM, ar, bd3lm, sedd-analytic for SEDD)")
     p.add_argument("--threshold", type=float, default=None,
                    help="confidence sampler: unmask every position whose top probability exceeds it, at least one "
                         "a step; in [0, 1] (default 0.9; 1 = one token a step, 0 = all at once)")

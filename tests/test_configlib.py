@@ -81,7 +81,7 @@ def test_every_shipped_space_loads_to_its_values_over_the_defaults(path: Path) -
 
 
 def test_the_shipped_studies_load_to_known_values() -> None:
-    assert {p.name for p in STUDIES} == {"laptop.yaml", "testbed.yaml"}
+    assert {p.name for p in STUDIES} == {"laptop.yaml", "testbed.yaml", "testbed_sedd.yaml"}
     tb = load_study(ROOT / "studies" / "testbed.yaml")
     assert (tb.name, tb.config, tb.steps, tb.seeds, tb.data) == (
         "testbed", "configs/testbed_adlm.yaml", 1200, [0, 1, 2, 3, 4], {"source": "testbed", "out": "data/testbed"})
@@ -95,6 +95,13 @@ def test_the_shipped_studies_load_to_known_values() -> None:
     assert tb.comparisons == [Comparison("adlm", "adlm-gamma0", "steps", True), Comparison("adlm", "mdlm-params", "flops"),
                               Comparison("adlm", "mdlm", "steps"), Comparison("adlm", "mdlm", "flops")]
     assert tb.hypothesis.startswith("Written and committed before any run")
+    sedd = load_study(ROOT / "studies" / "testbed_sedd.yaml")
+    assert (sedd.config, sedd.steps, sedd.seeds, sedd.data, sedd.flops_reference, sedd.baseline) == (
+        "configs/testbed_sedd.yaml", 1200, five, tb.data, "mdlm", "mdlm")
+    assert sedd.arms == [Arm("sedd", {}, five, True), Arm("mdlm", {"model.kind": "mdlm"}, five, True),
+                         Arm("mdlm-time", {"model.kind": "mdlm", "model.time_conditioning": True}, three, True)]
+    assert sedd.comparisons[0] == Comparison("mdlm", "sedd", "steps", True)
+    assert sedd.hypothesis.startswith("Written and committed before any run")
     lap = load_study(ROOT / "studies" / "laptop.yaml")
     raw = yaml.safe_load((ROOT / "studies" / "laptop.yaml").read_text())
     grid = [a for a in lap.arms if a.name not in {x["name"] for x in raw["arms"]}]

@@ -12,6 +12,15 @@ from typing import Any
 from pipelines.studies.stats import Summary
 
 
+def _scores_every_position(kind: str) -> bool:
+    """A diffusion kind whose bound counts all L positions (the floor line drawn is theirs; the kinds table decides,
+    not kind names)."""
+    from adlm_model.kinds import model_kind
+
+    k = model_kind(kind)
+    return k.diffusion and not k.skips_bos
+
+
 @dataclass
 class ArmResult:
     name: str
@@ -159,7 +168,8 @@ def plot_curves(spec: Any, arms: list[ArmResult], out: Path) -> Path | None:
         left.axvline(spec.steps, color="grey", ls="--", lw=1)
         if budget:
             right.axvline(budget / 1e12, color="grey", ls="--", lw=1)
-        floor = next((a.floor_excess for a in arms if a.floor_excess is not None and a.kind in ("mdlm", "adlm")), None)
+        floor = next((a.floor_excess for a in arms if a.floor_excess is not None and _scores_every_position(a.kind)),
+                     None)
         if which and floor:
             for ax in (left, right):
                 ax.axhline(floor, color="black", ls=":", lw=1)
