@@ -3,7 +3,8 @@ models").
 
 A *family* is one table entry (:data:`FAMILIES`): the model kind it becomes, the reference repository and commit
 whose layout it follows, how to recognise it, how to read its hyper-parameters and one function mapping a
-reference state-dict key to ours. Adding a family (SEDD, say) is one entry plus one mapping function.
+reference state-dict key to ours. Adding a family is one entry plus one mapping function (SEDD's: ``map_sedd``,
+with ``sedd_layout`` reading its run config).
 
 Reading (:func:`read_source`) takes a Lightning ``.ckpt`` (through :mod:`adlm_model.safe_pickle`: never plain
 pickle), a Hub-layout folder (``config.json`` + safetensors, or a ``pytorch_model.bin``; remote code is never
@@ -38,9 +39,11 @@ import torch.nn as nn
 from safetensors.torch import load_file
 
 from .checkpoint import CheckpointError
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .kinds import build_model
 from .safe_pickle import load_pickled, plain
+from .sedd_layout import PREFIXES as SEDD_PREFIXES
+from .sedd_layout import sedd_config
 
 DROP = ""
 """What a mapping function returns for a reference key that is a derived constant, checked and not loaded."""
@@ -172,6 +175,13 @@ def map_backbone(key: str) -> str | None:
     return _dit_key(key[len("backbone."):], "backbone.") if key.startswith("backbone.") else None
 
 
+def map_sedd(key: str) -> str | None:
+    """SEDD's Hub layout (louaaron/sedd-*): its DiT's keys bare, without a prefix (``sedd_layout``)."""
+    for p in SEDD_PREFIXES:
+        key = key.removeprefix(p)
+    return _dit_key(key, "backbone.")
+
+
 def map_identity(key: str) -> str | None:
     """This project's own export: our keys already."""
     return key
@@ -270,6 +280,32 @@ def config_adlm(src: Source) -> dict[str, Any]:
     return f
 
 
+def config_sedd(src: Source) -> dict[str, Any]:
+    """SEDD's run config (``config.json`` of the Hub model: graph, noise, model): only the absorbing graph with the
+    log-linear noise and the scaled score is the ``sedd`` kind (``sedd_layout.sedd_config`` refuses the rest)."""
+    try:
+        d = sedd_config(src.hparams).to_dict()
+    except ConfigError as e:
+        raise ImportRefused(str(e)) from None
+    d.pop("vocab_size")
+    d.pop("mask_id")
+    return d
+
+
+def config_mdlm_sedd(src: Source) -> dict[str, Any]:
+    """MDLM's SEDD baseline (.ckpt of its Diffusion module, ``parameterization: sedd``): MDLM's DiT, time-conditioned,
+    read through the SEDD score (the same shift by log(e^sigma - 1) + log(V - 1) as the SEDD reference)."""
+    f = _dit_fields(src, "backbone.", "backbone.vocab_embed.embedding")
+    f["time_conditioning"] = True
+    return dict(kind="sedd", **f)
+
+
+def _sedd_hub(src: Source) -> bool:
+    cfg = src.hparams.get("config") if isinstance(src.hparams.get("config"), dict) else src.hparams
+    return src.layout == "hub" and isinstance(cfg.get("graph"), dict) and "vocab_embed.embedding" in {
+        normalise_key(k).removeprefix("score_model.") for k in src.tensors}
+
+
 def config_export(src: Source) -> dict[str, Any]:
     d = dict(src.hparams["model"])
     d.pop("vocab_size", None)
@@ -316,6 +352,7 @@ class Family:
 MDLM_COMMIT = "c112c526d193436838c98d81455ee51f90309470"
 BD3LMS_COMMIT = "1c3e8f43d88dfbcee5ff2aa6932a9e74b31ae1d7"
 REMDM_COMMIT = "f830d659fb98d9b2c79ff71bfa12d578312b688a"
+SEDD_COMMIT = "0605786da5ccb5747545e26d66fdf477187598b6"
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mdlm", "mdlm", "kuleshov-group/mdlm", MDLM_COMMIT, "apache-2.0",
@@ -333,6 +370,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            lambda s: (s.layout == "hub" and s.hparams.get("model_type") == "bd3lm")
            or (s.layout == "lightning" and s.find("cross_attn") is True and s.find("block_size") is not None),
            config_bd3lm, map_backbone, note="its models/hf Hub layout (kuleshov-group/bd3lm-owt-block_size*)"),
+    Family("sedd", "sedd", "louaaron/Score-Entropy-Discrete-Diffusion", SEDD_COMMIT, "mit", _sedd_hub,
+           config_sedd, map_sedd, note="its Hub layout (louaaron/sedd-small, louaaron/sedd-medium: config.json + "
+                                       "model.safetensors or pytorch_model.bin)"),
+    Family("mdlm-sedd", "sedd", "kuleshov-group/mdlm", MDLM_COMMIT, "apache-2.0",
+           lambda s: s.layout == "lightning" and _lightning_kind(s) == "sedd"
+           and _has("backbone.vocab_embed.embedding", "backbone.sigma_map.mlp.0.weight")(s),
+           config_mdlm_sedd, map_backbone, note="MDLM's SEDD baseline (.ckpt, parameterization sedd)"),
     Family("adlm", "adlm", "kuleshov-group/remdm (Lightning module; ADLM's layout assumed)", REMDM_COMMIT, "unknown",
            _adlm_like,
            config_adlm, map_adlm, note="assumed layout: anchor under backbone., denoiser under denoiser."),

@@ -343,3 +343,29 @@ def test_object_store_sources_are_read(tmp_path: Path, capsys: pytest.CaptureFix
         assert main([f"s3://{srv.bucket}/nothing.ckpt", "--workdir", str(tmp_path / "wd")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and "nothing.ckpt" in err[0]
+
+
+def test_sedd_hub_layout_equals_reference(tmp_path: Path, one_torch_thread) -> None:
+    """SEDD's Hub layout (louaaron/sedd-*: the run config as config.json, the SEDD module's bare keys in
+    model.safetensors), written from the SEDD fixture the reference made, imports as the sedd kind with the
+    reference's log-scores and loss (tests/fixtures/reference/sedd/provenance.json)."""
+    from adlm_model.schedule import LogLinearSchedule
+    from adlm_model.sedd import sedd_objective
+
+    ref_dir = FIXTURES / "sedd"
+    prov = json.loads((ref_dir / "provenance.json").read_text())
+    save_file(load_file(str(ref_dir / "weights.safetensors")), str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(prov["config"]))
+    model, cfg, fam = _import(tmp_path)
+    assert (fam.name, cfg.kind, cfg.conditions_on_time, cfg.width) == ("sedd", "sedd", True, 51)
+    exp = load_file(str(ref_dir / "outputs.safetensors"))
+    with torch.no_grad():
+        log_score = model.log_score(exp["z_t"], LogLinearSchedule(cfg.noise_eps).sigma(exp["t"]))
+        out = sedd_objective(model, exp["x"], None, cfg, t=exp["t"], z_t=exp["z_t"])
+    torch.testing.assert_close(log_score, exp["log_score"], **TOL)
+    torch.testing.assert_close(out.nll_sum.float(), exp["loss"].sum(), rtol=1e-5, atol=1e-4)
+    # a uniform-graph SEDD is not the sedd kind: refused in one line
+    (tmp_path / "config.json").write_text(json.dumps({**prov["config"], "graph": {"type": "uniform"}}))
+    with pytest.raises(rl.ImportRefused, match="uniform"):
+        _import(tmp_path)
