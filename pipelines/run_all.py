@@ -36,6 +36,7 @@ from adlm_model.config import ConfigError
 from pipelines.logs import add_logging_flags, setup_logging
 from pipelines.orchestration.profiles import PROFILES, prepare_options, profile, validate_profile
 from pipelines.orchestration.summary import write_summary
+from pipelines.placement import placement_deadline
 from pipelines.runtime import PROJECT_ROOT, init_ray, quiet_environment
 from pipelines.storage import join, resolve_workdir
 from pipelines.tracking import resolve_tracking_uri
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose - args.quiet)
     try:
-        run(args.profile, workdir=args.workdir, skip_sweep=args.skip_sweep)
+        with placement_deadline():  # a wait Ray cannot satisfy fails in one line
+            run(args.profile, workdir=args.workdir, skip_sweep=args.skip_sweep)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

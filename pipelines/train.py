@@ -14,6 +14,7 @@ import sys
 
 from adlm_model.config import ConfigError
 from pipelines.logs import add_logging_flags, setup_logging
+from pipelines.placement import placement_deadline
 from pipelines.training.config import load_config
 
 
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from pipelines.training.trainer import train
 
-        res = train(cfg, workdir=args.workdir)
+        with placement_deadline():  # a wait Ray cannot satisfy fails in one line
+            res = train(cfg, workdir=args.workdir)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

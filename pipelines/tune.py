@@ -15,6 +15,7 @@ import sys
 
 from adlm_model.config import ConfigError
 from pipelines.logs import add_logging_flags, setup_logging
+from pipelines.placement import placement_deadline
 from pipelines.tuning.space import load_space, parse_space
 
 
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ok: sweep {space.name}: {space.total_trials} trials over {', '.join(p.name for p in space.params)}"
                   f"; max_t {plan.max_t} steps")
             return 0
-        res = sweep(space, args.config, args.overrides, workdir=args.workdir)
+        with placement_deadline():  # a wait Ray cannot satisfy fails in one line
+            res = sweep(space, args.config, args.overrides, workdir=args.workdir)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -41,6 +41,7 @@ import yaml
 
 from adlm_model.config import ConfigError
 from adlm_model.kinds import model_kind
+from pipelines import placement
 from pipelines.logs import get_logger, verbosity
 from pipelines.runtime import driver_resources, init_ray, quiet_environment
 from pipelines.storage import join, publish_dir, resolve_workdir, temp_dir, warn_if_node_local
@@ -412,6 +413,7 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     except Exception as e:  # re-raised with the rerun line: anything a trial or Tune raises ends here
         raise TuneError(f"sweep {space.name!r} failed: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}; "
                         f"rerun the same command to resume from {exp_dir}") from e
+    placement.check()  # Tune stops on the interrupt of a wait that cannot end (pipelines.placement): say which
     rows = _rows(grid, space, plan.max_t)
     interrupted = grid.num_terminated + grid.num_errors < space.total_trials
     finished = [r for r in rows if r.status == "finished" and r.selection_ppl is not None]

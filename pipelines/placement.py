@@ -1,0 +1,193 @@
+"""A deadline on Ray's waits: work that Ray cannot place fails in one line instead of waiting for ever.
+
+Ray waits without end for a task, actor or placement group that no node can take now, and says so only in
+``ray status`` ("Pending Demands"). On an autoscaling cluster the wait ends when a node is launched; on a fixed
+cluster (a laptop head, KubeRay without autoscaling, nodes whose CPUs placement groups hold in part) it never
+does (issue 38: a sweep that waited 15 minutes for a 1-CPU task until killed).
+
+``placement_deadline`` watches the cluster's pending demands from the driver (the GCS's view, what ``ray status``
+prints). When the same demands have been pending, with nothing else on the cluster changing (no node added or
+lost, no resource taken or freed), for ``ADLM_PLACEMENT_TIMEOUT_S`` seconds (default 900), nothing is going to
+change: it names the demand and the fix in one line and interrupts the driver, whose entry point turns that into
+``error: ...`` (exit 1). A wait for a running job's resources to free (a trial queued behind another) is not
+stuck: the running work takes and frees resources meanwhile (Ray Data's read tasks come and go).
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from pipelines.logs import get_logger
+
+log = get_logger(__name__)
+
+TIMEOUT_ENV = "ADLM_PLACEMENT_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 900.0
+POLL_S = 5.0
+
+
+class PlacementError(RuntimeError):
+    """Work that Ray could not place within the deadline (the message is the one line to print)."""
+
+
+def _demands(status: Any) -> list[tuple[tuple[tuple[str, float], ...], int]]:
+    """The pending demands of a ``ClusterStatus``: (bundle, count), tasks and actors, placement groups and
+    constraints alike, sorted."""
+    out = []
+    rd = status.resource_demands
+    for group in [*rd.ray_task_actor_demand, *rd.placement_group_demand, *rd.cluster_constraint_demand]:
+        for by_count in group.bundles_by_count:
+            out.append((tuple(sorted((k, float(v)) for k, v in by_count.bundle.items())), int(by_count.count)))
+    return sorted(out)
+
+
+def _usage(status: Any) -> tuple:
+    """Every live node and what of its schedulable resources is in use (memory and Ray's per-group and per-node
+    bookkeeping resources left out): a change here is work starting or ending, or a node coming or going."""
+    rows = []
+    for n in status.active_nodes:
+        for u in n.resource_usage.usage:
+            name = u.resource_name
+            if name.startswith("node:") or "_group_" in name or name in ("memory", "object_store_memory"):
+                continue
+            rows.append((n.node_id, name, round(float(u.used), 4)))
+    pending = (len(status.pending_launches), len(status.pending_nodes))
+    return tuple(sorted(rows)), pending
+
+
+def _free(status: Any) -> str:
+    """Each node's free CPU and GPU (and custom resources), for the error line."""
+    parts = []
+    for n in status.active_nodes:
+        free = {}
+        for u in n.resource_usage.usage:
+            name = u.resource_name
+            if name.startswith("node:") or "_group_" in name or name in ("memory", "object_store_memory"):
+                continue
+            free[name] = round(float(u.total) - float(u.used), 3)
+        parts.append("{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(free.items())) + "}")
+    return "; ".join(parts) or "none"
+
+
+def describe(demands: list, status: Any, seconds: float) -> str:
+    """The one line: what waits, for how long, what the nodes have free, what to do."""
+    what = ", ".join(f"{dict(b)} x{c}" for b, c in demands)
+    return (f"Ray could not place {what} for {seconds:.0f} s with nothing on the cluster changing (the nodes have "
+            f"free: {_free(status)}): no node can take it, and without an autoscaler none will; give the cluster a "
+            "node that fits, or ask less (data.read_cpus, scaling.cpus_per_worker, the sweep's max_concurrent or "
+            f"resources.trial_cpu, the evaluation's cpus_per_task), or wait longer with {TIMEOUT_ENV}")
+
+
+class PlacementWatch:
+    """Polls the GCS every ``poll`` seconds; sets ``message`` (the one line) and calls ``on_stuck(self)`` once
+    when the same demands have been pending with an unchanged cluster for ``timeout`` seconds."""
+
+    def __init__(self, timeout: float, on_stuck: Callable[[PlacementWatch], None], poll: float = POLL_S) -> None:
+        self.timeout, self.on_stuck, self.poll = timeout, on_stuck, poll
+        self.message: str | None = None
+        self.handled = threading.Event()
+        """Set once the driver has turned the interrupt into its error (the last resort then stands down)."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="adlm-placement-watch", daemon=True)
+
+    def start(self) -> PlacementWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.poll)
+
+    def _status(self) -> Any | None:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        from ray.autoscaler.v2.sdk import get_cluster_status
+
+        try:
+            return get_cluster_status(ray.get_runtime_context().gcs_address, timeout=10)
+        except Exception:  # noqa: BLE001 - the GCS busy or going away: no reading this time
+            return None
+
+    def _run(self) -> None:
+        since, last = None, None
+        while not self._stop.wait(self.poll):
+            st = self._status()
+            if st is None:
+                since, last = None, None
+                continue
+            demands = _demands(st)
+            state = (demands, _usage(st))
+            if not demands or state != last:
+                since, last = (time.monotonic() if demands else None), state
+                continue
+            if since is not None and time.monotonic() - since >= self.timeout:
+                self.message = describe(demands, st, time.monotonic() - since)
+                self.on_stuck(self)
+                return
+
+
+def _interrupt_driver(watch: PlacementWatch) -> None:
+    """Say it, then interrupt the driver's main thread (Tune stops its experiment on that, saved; a ``ray.get``
+    returns with KeyboardInterrupt); if the driver has not turned it into its error a minute later (stuck in
+    code that never sees the interrupt), end the process with the line."""
+    log.error(watch.message)
+    _thread.interrupt_main()
+
+    def last_resort() -> None:
+        if not watch.handled.wait(60):
+            print(f"error: {watch.message}", flush=True)
+            os._exit(1)
+
+    threading.Thread(target=last_resort, daemon=True).start()
+
+
+_active: list[PlacementWatch] = []
+
+
+def timeout_s() -> float:
+    """``ADLM_PLACEMENT_TIMEOUT_S`` (seconds; 0 turns the deadline off), else 900."""
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        return float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds (0 turns the deadline off)") from None
+
+
+@contextlib.contextmanager
+def placement_deadline() -> Iterator[PlacementWatch | None]:
+    """Around an entry point's work (its main thread): the watch runs while Ray is up; a stuck wait interrupts
+    the work, and the KeyboardInterrupt that results leaves this block as a ``PlacementError`` (one line)."""
+    t = timeout_s()
+    if t <= 0:
+        yield None
+        return
+    watch = PlacementWatch(t, _interrupt_driver).start()
+    _active.append(watch)
+    try:
+        yield watch
+        check()
+    except KeyboardInterrupt:
+        if watch.message:
+            watch.handled.set()
+            raise PlacementError(watch.message) from None
+        raise
+    finally:
+        _active.remove(watch)
+        watch.stop()
+
+
+def check() -> None:
+    """Raise the ``PlacementError`` of a watch that fired (work that swallowed the interrupt, e.g. a Tune
+    experiment that stopped on it and returned)."""
+    for w in _active:
+        if w.message:
+            w.handled.set()
+            raise PlacementError(w.message)
