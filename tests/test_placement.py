@@ -31,6 +31,7 @@ def test_the_split_is_read_where_only_a_sliver_of_cpu_is_free(ray_session, tiny_
     """A placement group holds 1.9 of the 2 CPUs (as trials' drivers and workers hold a cluster's nodes): the split
     still reads, in its manifest's order, through read tasks of 0.05 CPU."""
     import ray
+    import ray.data
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from pipelines.data.manifest import read_manifest
@@ -38,6 +39,9 @@ def test_the_split_is_read_where_only_a_sliver_of_cpu_is_free(ray_session, tiny_
     from pipelines.data.reader import read_rows
 
     m = read_manifest(tiny_data / "train")
+    ctx = ray.data.DataContext.get_current()
+    saved = ctx.execution_options.preserve_order
+    ctx.execution_options.preserve_order = True  # as training reads it (pipelines.training.trainer)
     pg = placement_group([{"CPU": 1.9}])
     ray.get(pg.ready(), timeout=60)
     try:
@@ -46,6 +50,7 @@ def test_the_split_is_read_where_only_a_sliver_of_cpu_is_free(ray_session, tiny_
                                                                                  batch_format="numpy")])
     finally:
         remove_placement_group(pg)
+        ctx.execution_options.preserve_order = saved
     want, _ = read_rows(str(tiny_data / "train"))
     assert ids.shape == want.shape and (ids == want).all()
 
@@ -104,3 +109,37 @@ def test_work_that_runs_resets_the_clock() -> None:
     time.sleep(2.5)
     watch.stop()
     assert len(fired) == 1 and "{'CPU': 1.0} x2" in fired[0] and "{CPU: 0.99}" in fired[0], fired
+
+
+def test_a_group_whose_creating_actor_died_is_released_and_no_other(ray_session) -> None:
+    """Ray keeps a placement group an actor created until its job ends, even after the actor is killed (what a Tune
+    trial's Ray Train controller, stopped by ASHA, left reserved; the control below): ``release_orphaned_groups``
+    removes that one, and neither the driver's own group nor a live actor's."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    @ray.remote(num_cpus=0)
+    class Creator:
+        def make(self) -> str:
+            pg = placement_group([{"CPU": 0.01}])
+            ray.get(pg.ready(), timeout=60)
+            return pg.id.hex()
+
+    dead, alive = Creator.remote(), Creator.remote()
+    orphan, kept = ray.get(dead.make.remote(), timeout=120), ray.get(alive.make.remote(), timeout=120)
+    own = placement_group([{"CPU": 0.01}])
+    ray.get(own.ready(), timeout=60)
+    ray.kill(dead)
+    time.sleep(2)
+    try:
+        assert ray.util.placement_group_table()[orphan]["state"] == "CREATED"  # Ray keeps it: the leak
+        released = placement.release_orphaned_groups()
+        assert released == [orphan], released
+        table = ray.util.placement_group_table()
+        assert table[orphan]["state"] == "REMOVED"
+        assert table[kept]["state"] == table[own.id.hex()]["state"] == "CREATED"
+    finally:
+        remove_placement_group(own)
+        ray.kill(alive)
+        time.sleep(1)
+        placement.release_orphaned_groups()

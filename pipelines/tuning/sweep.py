@@ -414,6 +414,9 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
         raise TuneError(f"sweep {space.name!r} failed: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}; "
                         f"rerun the same command to resume from {exp_dir}") from e
     placement.check()  # Tune stops on the interrupt of a wait that cannot end (pipelines.placement): say which
+    # A stopped trial's Ray Train controller, killed while restarting its workers, can leave a worker group's
+    # placement group that Ray keeps until this job ends: nothing of the sweep may outlive it.
+    placement.release_orphaned_groups()
     rows = _rows(grid, space, plan.max_t)
     interrupted = grid.num_terminated + grid.num_errors < space.total_trials
     finished = [r for r in rows if r.status == "finished" and r.selection_ppl is not None]
