@@ -227,3 +227,66 @@ def release_orphaned_groups() -> list[str]:
         log.warning(f"released {len(released)} placement group(s) left reserved by dead actors of this job "
                     f"({', '.join(r[:12] for r in released)}): Ray keeps them until the job ends")
     return released
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pre-flight: what a recipe or a sweep asks for, placed with the autoscaler's own bin packing
+
+
+def run_demand(cfg: Any) -> list[dict[str, float]]:
+    """What one training run asks Ray for at once (a ``TrainConfig``): its worker group's bundles
+    (``scaling.num_workers`` x ``cpus_per_worker`` CPUs, a GPU each with ``use_gpu``; Ray Train's PACK group, which
+    the autoscaler flattens into single bundles) and one Ray Data read task of ``data.read_cpus``. Local mode
+    (``num_workers`` 0) trains in its driver: the read task only. The Ray Train controller asks for nothing."""
+    s = cfg.scaling
+    bundle = {"CPU": float(s.cpus_per_worker), **({"GPU": 1.0} if s.use_gpu else {})}
+    return [dict(bundle) for _ in range(s.num_workers)] + [{"CPU": float(cfg.data.read_cpus)}]
+
+
+def sweep_demand(cfg: Any, trial: dict[str, float], concurrent: int) -> list[dict[str, float]]:
+    """``concurrent`` trials at once: each its driver's ``trial`` resources plus its run's demand."""
+    return [b for _ in range(concurrent) for b in [dict(trial), *run_demand(cfg)]]
+
+
+def node_types(cluster: dict[str, Any]) -> list[dict[str, float]]:
+    """Every node a cluster.yaml-shaped config can have at once: the head, and each worker type ``max_workers``
+    times, with the resources it declares."""
+    nodes = []
+    for name, t in cluster["available_node_types"].items():
+        count = 1 if name == cluster["head_node_type"] else int(t.get("max_workers", 0))
+        nodes += [{k: float(v) for k, v in t.get("resources", {}).items()} for _ in range(count)]
+    return nodes
+
+
+def unplaceable(demands: list[dict[str, float]], nodes: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The demands that fit on none of ``nodes`` together (Ray's autoscaler's bin packing:
+    ``resource_demand_scheduler.get_bin_pack_residual``, what it leaves unfulfilled); zero amounts left out."""
+    from ray.autoscaler._private.resource_demand_scheduler import get_bin_pack_residual
+
+    clean = [{k: v for k, v in d.items() if v} for d in demands]
+    residual, _ = get_bin_pack_residual(nodes, [d for d in clean if d])
+    return residual
+
+
+def fit_concurrency(cfg: Any, trial: dict[str, float], wanted: int, nodes: list[dict[str, float]]) -> int:
+    """How many of ``wanted`` concurrent trials ``nodes`` (a fixed cluster's, all of it) can run at once, each with
+    its driver's ``trial`` resources and its run's demand; raises ``PlacementError`` (one line) when not even one
+    trial fits."""
+    for k in range(wanted, 0, -1):
+        if not unplaceable(sweep_demand(cfg, trial, k), nodes):
+            return k
+    left = unplaceable(sweep_demand(cfg, trial, 1), nodes)
+    raise PlacementError(f"one trial asks for {dict(trial)} and {run_demand(cfg)} together, but this Ray's nodes "
+                         f"({nodes}) cannot place {left}: ask less (scaling.cpus_per_worker, scaling.num_workers, "
+                         "data.read_cpus, resources.trial_cpu) or run on a bigger machine or cluster")
+
+
+def local_nodes() -> list[dict[str, float]] | None:
+    """The nodes of the Ray this process started itself (no ``$RAY_ADDRESS``: a fixed cluster, nothing will be
+    added), as their total resources; None on a cluster that may autoscale."""
+    import ray
+
+    if os.environ.get("RAY_ADDRESS") or not ray.is_initialized():
+        return None
+    return [{k: float(v) for k, v in (n.get("Resources") or {}).items() if not k.startswith("node:")}
+            for n in ray.nodes() if n.get("Alive")]

@@ -244,19 +244,22 @@ def _recipes() -> list[Path]:
 
 @pytest.mark.parametrize("recipe", _recipes(), ids=lambda p: p.name)
 def test_every_recipe_fits_one_node_type_of_the_cluster(recipe: Path) -> None:
-    """A trainer's worker group packs onto one node with the CPUs and GPUs it asks for (plus the CPUs its Ray
-    Data read tasks take), so the autoscaler can launch a node that runs it."""
+    """A trainer's worker group (and a Ray Data read task beside it) placed on cluster.yaml's node types by Ray's
+    autoscaler's own bin packing (``pipelines.placement.unplaceable``): nothing left over, so the autoscaler can
+    launch what runs it. Its worker bundles also share one node type (Ray Train packs them)."""
+    from pipelines.placement import node_types, run_demand, unplaceable
     from pipelines.training.config import load_config
 
     cfg = load_config(recipe)
-    s = cfg.scaling
-    workers = max(1, s.num_workers)
-    need_cpu = workers * s.cpus_per_worker + cfg.data.read_cpus
-    need_gpu = workers if s.use_gpu else 0
-    nodes = _cluster()["available_node_types"]
-    fits = [name for name, n in nodes.items()
-            if n["resources"].get("CPU", 0) >= need_cpu and n["resources"].get("GPU", 0) >= need_gpu]
-    assert fits, f"{recipe.name}: {workers} workers x {s.cpus_per_worker} CPU (+ reads) and {need_gpu} GPUs fit no node"
+    cluster = _cluster()
+    assert not unplaceable(run_demand(cfg), node_types(cluster)), recipe.name
+    one_type = [t for name, t in cluster["available_node_types"].items()
+                if not unplaceable(run_demand(cfg), [{k: float(v) for k, v in t["resources"].items()}])]
+    assert one_type, f"{recipe.name}: its workers and a read task fit on no single node type"
+    # The control: ask for more GPUs than every gpu_worker together has, and the packing refuses it.
+    over = copy.deepcopy(cfg)
+    over.scaling.num_workers, over.scaling.use_gpu = 65, True
+    assert unplaceable(run_demand(over), node_types(cluster))
 
 
 def test_no_credential_travels_in_the_job_runtime_env_or_the_cluster_config() -> None:
@@ -350,22 +353,27 @@ def test_kuberay_cluster_has_a_0_cpu_head_and_autoscaling_gpu_and_cpu_groups() -
     assert job["spec"]["entrypoint"].startswith("python -m pipelines.")
 
 
+def _kuberay_nodes(cluster: dict) -> list[dict[str, float]]:
+    """Every pod the RayCluster can have at once, as Ray resources: the head's rayStartParams, each worker group's
+    container limits, maxReplicas times."""
+    spec = cluster["spec"]
+    head = spec["headGroupSpec"]["rayStartParams"]
+    nodes = [{"CPU": float(head["num-cpus"]), **json.loads(json.loads(head["resources"]))}]
+    for g in spec["workerGroupSpecs"]:
+        limits = g["template"]["spec"]["containers"][0]["resources"]["limits"]
+        node = {"CPU": _quantity(limits["cpu"]), "GPU": _quantity(limits.get("nvidia.com/gpu", 0))}
+        nodes += [dict(node) for _ in range(g["maxReplicas"])]
+    return nodes
+
+
 @pytest.mark.parametrize("recipe", _recipes(), ids=lambda p: p.name)
 def test_every_recipe_fits_a_kuberay_worker_group(recipe: Path) -> None:
+    from pipelines.placement import run_demand, unplaceable
     from pipelines.training.config import load_config
 
     cfg = load_config(recipe)
-    s = cfg.scaling
-    workers = max(1, s.num_workers)
-    need_cpu = workers * s.cpus_per_worker + cfg.data.read_cpus
-    need_gpu = workers if s.use_gpu else 0
     cluster, _ = _kuberay()
-    fits = []
-    for g in cluster["spec"]["workerGroupSpecs"]:
-        limits = g["template"]["spec"]["containers"][0]["resources"]["limits"]
-        if _quantity(limits["cpu"]) >= need_cpu and _quantity(limits.get("nvidia.com/gpu", 0)) >= need_gpu:
-            fits.append(g["groupName"])
-    assert fits, f"{recipe.name}: {need_cpu} CPUs and {need_gpu} GPUs fit no worker group"
+    assert not unplaceable(run_demand(cfg), _kuberay_nodes(cluster)), recipe.name
 
 
 KUBERAY_TOKEN_KEY = "auth_token"

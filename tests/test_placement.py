@@ -143,3 +143,35 @@ def test_a_group_whose_creating_actor_died_is_released_and_no_other(ray_session)
         ray.kill(alive)
         time.sleep(1)
         placement.release_orphaned_groups()
+
+
+def test_the_smoke_sweep_fits_where_it_ran_and_not_on_a_one_cpu_head() -> None:
+    """The pre-flight's packing (Ray's autoscaler's) on the fixed clusters of issue 38: the smoke sweep's two trials
+    (a 0.5-CPU worker and a 0.25-CPU read task each) fit two 1-CPU nodes with their drivers on them (0.01 CPU
+    each, no adlm_driver on the head) or on the head's adlm_driver; on a head of one CPU with adlm_driver and no
+    other node, two trials' workers fill the CPU and their reads are left over: refused (it waited for good)."""
+    from pipelines.orchestration.profiles import profile
+    from pipelines.placement import sweep_demand, unplaceable
+    from pipelines.training.config import load_config
+    from pipelines.tuning.space import load_space
+
+    root = Path(__file__).resolve().parents[1]
+    space = load_space(root / "tune_spaces" / "smoke.yaml")
+    cfg = load_config(root / "configs" / "demo.yaml", [*profile("smoke").sweep_overrides,
+                                                       *(f"{k}={v}" for k, v in space.overrides.items())])
+    two_nodes = [{"CPU": 0.0}, {"CPU": 1.0}, {"CPU": 1.0}]
+    assert not unplaceable(sweep_demand(cfg, {"CPU": space.trial_cpu}, space.max_concurrent), two_nodes)
+    assert not unplaceable(sweep_demand(cfg, {"adlm_driver": 0.01}, space.max_concurrent),
+                           [{"CPU": 0.0, "adlm_driver": 100.0}, {"CPU": 1.0}, {"CPU": 1.0}])
+    left = unplaceable(sweep_demand(cfg, {"adlm_driver": 0.01}, space.max_concurrent),
+                       [{"CPU": 1.0, "adlm_driver": 100.0}])
+    assert left and all(set(d) == {"CPU"} for d in left), left
+    assert not unplaceable(sweep_demand(cfg, {"adlm_driver": 0.01}, 1), [{"CPU": 1.0, "adlm_driver": 100.0}])
+    # A Ray of this process alone: the sweep runs as many trials at once as it places, and refuses in one line a
+    # trial that fits nowhere, before Tune starts.
+    one_cpu = [{"CPU": 1.0, "adlm_driver": 100.0}]
+    assert placement.fit_concurrency(cfg, {"adlm_driver": 0.01}, space.max_concurrent, one_cpu) == 1
+    assert placement.fit_concurrency(cfg, {"CPU": 0.01}, 2, [{"CPU": 2.0}]) == 2
+    with pytest.raises(placement.PlacementError) as e:
+        placement.fit_concurrency(cfg, {"CPU": 0.5}, 2, [{"CPU": 0.5}])
+    assert "\n" not in str(e.value) and "cannot place" in str(e.value)

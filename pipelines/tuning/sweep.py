@@ -389,6 +389,15 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
                                     driver_resources(space.trial_cpu))
     from ray.tune import FailureConfig, RunConfig, TuneConfig, Tuner
 
+    nodes = placement.local_nodes()
+    if nodes is not None and not Tuner.can_restore(exp_dir):
+        # A Ray of this process alone is all there will be: as many trials at once as it can place, each with its
+        # workers and a read task (more would wait on each other's reads for good), said once.
+        fitted = placement.fit_concurrency(plan.base, driver_resources(space.trial_cpu), space.max_concurrent, nodes)
+        if fitted < space.max_concurrent:
+            log.warning(f"[sweep {space.name}] {fitted} trial(s) at a time, not max_concurrent {space.max_concurrent}: "
+                        f"this machine's Ray ({nodes}) cannot place more with their workers and reads")
+            space = dataclasses.replace(space, max_concurrent=fitted)
     if Tuner.can_restore(exp_dir):
         if not quiet:
             log.info(f"[sweep {space.name}] resuming from {exp_dir}: finished trials are not rerun")
