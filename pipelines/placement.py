@@ -51,7 +51,7 @@ def _usage(status: Any) -> tuple:
     """Every live node and what of its schedulable resources is in use (memory and Ray's per-group and per-node
     bookkeeping resources left out): a change here is work starting or ending, or a node coming or going."""
     rows = []
-    for n in status.active_nodes:
+    for n in [*status.active_nodes, *getattr(status, "idle_nodes", [])]:
         for u in n.resource_usage.usage:
             name = u.resource_name
             if name.startswith("node:") or "_group_" in name or name in ("memory", "object_store_memory"):
@@ -64,7 +64,7 @@ def _usage(status: Any) -> tuple:
 def _free(status: Any) -> str:
     """Each node's free CPU and GPU (and custom resources), for the error line."""
     parts = []
-    for n in status.active_nodes:
+    for n in [*status.active_nodes, *getattr(status, "idle_nodes", [])]:
         free = {}
         for u in n.resource_usage.usage:
             name = u.resource_name
