@@ -1,4 +1,10 @@
-"""A deadline on Ray's waits: work that Ray cannot place fails in one line instead of waiting for ever.
+"""Where the pipeline's Ray work can go: a deadline on waits that cannot end, the release of reservations a dead
+actor left, and a pre-flight placement with the autoscaler's own bin packing.
+
+- ``placement_deadline`` (below): work Ray cannot place fails in one line instead of waiting for ever.
+- ``release_orphaned_groups``: a job's placement groups whose creating actor died (Ray keeps them to the job's end).
+- ``run_demand`` / ``sweep_demand`` / ``unplaceable`` / ``fit_concurrency``: what a run or a sweep asks for at
+  once, placed on a cluster's nodes (or cluster.yaml's node types) with ``get_bin_pack_residual``.
 
 Ray waits without end for a task, actor or placement group that no node can take now, and says so only in
 ``ray status`` ("Pending Demands"). On an autoscaling cluster the wait ends when a node is launched; on a fixed
