@@ -1,6 +1,7 @@
 # The cluster's images (cluster.yaml): Ray of the pinned version, torch==2.13.0, the project's dependencies, the
 # Optuna extra and the offline evaluation LM, so that no node installs torch or compiles anything at boot. The
-# checkout itself arrives with the cluster's file mounts and is installed at node start (pip install --no-deps -e).
+# project itself is not in the image and no node installs it: a job's code is its working_dir (ray job submit
+# --working-dir .; the RayJob's zip), the same copy for the driver and every task and actor.
 #   docker build -f configs/gpu.Dockerfile --target gpu -t <registry>/adlm:gpu-0.1.0 . && docker push <registry>/adlm:gpu-0.1.0
 #   docker build -f configs/gpu.Dockerfile --target cpu -t <registry>/adlm:cpu-0.1.0 . && docker push <registry>/adlm:cpu-0.1.0
 #

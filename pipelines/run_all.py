@@ -37,6 +37,7 @@ from pipelines.cli import run_command
 from pipelines.logs import add_logging_flags
 from pipelines.orchestration.profiles import PROFILES, prepare_options, profile, validate_profile
 from pipelines.orchestration.summary import write_summary
+from pipelines.placement import placement_deadline
 from pipelines.runtime import PROJECT_ROOT, init_ray, quiet_environment
 from pipelines.storage import join, resolve_workdir
 from pipelines.tracking import resolve_tracking_uri
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    run(args.profile, workdir=args.workdir, skip_sweep=args.skip_sweep)
+    with placement_deadline():  # a wait Ray cannot satisfy fails in one line
+        run(args.profile, workdir=args.workdir, skip_sweep=args.skip_sweep)
     return 0
 
 

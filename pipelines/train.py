@@ -15,6 +15,7 @@ import sys
 from adlm_model.config import ConfigError
 from pipelines.cli import run_command
 from pipelines.logs import add_logging_flags
+from pipelines.placement import placement_deadline
 from pipelines.training.config import load_config
 
 
@@ -65,7 +66,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     from pipelines.training.trainer import train
 
-    res = train(cfg, workdir=args.workdir)
+    with placement_deadline():  # a wait Ray cannot satisfy fails in one line
+        res = train(cfg, workdir=args.workdir)
     print(json.dumps({"run_id": res.run_id, "step": res.step, "val_ppl": res.val_ppl,
                       "checkpoint_dir": str(res.checkpoint_dir), "registered_version": res.registered_version}))
     if res.unregistered:  # trained, not registered: not a success a script may take for one

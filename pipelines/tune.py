@@ -16,6 +16,7 @@ import sys
 from adlm_model.config import ConfigError
 from pipelines.cli import run_command
 from pipelines.logs import add_logging_flags
+from pipelines.placement import placement_deadline
 from pipelines.tuning.space import load_space, parse_space
 
 
@@ -66,7 +67,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"ok: sweep {space.name}: {space.total_trials} trials over {', '.join(p.name for p in space.params)}"
               f"; max_t {plan.max_t} steps")
         return 0
-    res = sweep(space, args.config, args.overrides, workdir=args.workdir)
+    with placement_deadline():  # a wait Ray cannot satisfy fails in one line
+        res = sweep(space, args.config, args.overrides, workdir=args.workdir)
     print(json.dumps({"sweep": res.name, "parent_run_id": res.parent_run_id, "interrupted": res.interrupted,
                       "best_trial": res.best.trial_id if res.best else None,
                       "best_val_ppl": res.best.selection_ppl if res.best else None,

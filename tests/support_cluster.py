@@ -352,3 +352,44 @@ def outage_step_rates(tracking_uri: str, run_id: str, outage: Outage) -> tuple[l
     up = [m.value for m in rate if not outage.start - 1 < m.timestamp / 1000 < outage.end + 5]
     down = [m.value for m in rate if outage.start + 5 < m.timestamp / 1000 < outage.end]
     return up, down
+
+
+RAY_OWN_ACTORS = ("_StatsActor", "_StatsSummaryActor", "AutoscalingRequester", "_AutoscalingCoordinatorActor",
+                  "ActorLocationTracker", "_UsageCollectionActor", "JobSupervisor")
+"""Actors Ray keeps for the cluster itself (Ray Data's detached statistics, usage and autoscaling-coordination
+actors, one each per cluster; the job API's supervisors, which end with their jobs): not work of the pipeline's."""
+
+
+def leftovers(dashboard: str, token: str | None = None, timeout: float = 60.0) -> tuple[list[dict], list[dict]]:
+    """The placement groups not removed and the live actors of the pipeline's work on the cluster whose state API
+    is at ``dashboard`` (``token``: a token-authenticated cluster's), once both are empty or after ``timeout``
+    seconds (a finished driver's groups and actors go within seconds: its job's end removes them)."""
+    import requests
+
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+
+    def rows(kind: str) -> list[dict]:
+        r = requests.get(f"{dashboard}/api/v0/{kind}", params={"limit": 10000, "detail": "1"}, headers=headers,
+                         timeout=30)
+        r.raise_for_status()
+        return r.json()["data"]["result"]["result"]
+
+    deadline = time.time() + timeout
+    while True:
+        groups = [g for g in rows("placement_groups") if g.get("state") != "REMOVED"]
+        actors = [a for a in rows("actors") if a.get("state") != "DEAD"
+                  and not str(a.get("class_name", "")).endswith(RAY_OWN_ACTORS)]
+        if (not groups and not actors) or time.time() > deadline:
+            return groups, actors
+        time.sleep(2)
+
+
+def describe_leftovers(groups: list[dict], actors: list[dict]) -> str:
+    """One line per leftover (for an assertion's message): a group's job, state, bundles and whether detached; an
+    actor's class, job, state, node and whether detached."""
+    rows = [f"group {g.get('placement_group_id', '')[:12]} job {g.get('creator_job_id')} {g.get('state')} detached="
+            f"{g.get('is_detached')} bundles={[b.get('unit_resources') for b in g.get('bundles') or []]}"
+            for g in groups]
+    rows += [f"actor {a.get('class_name')} job {a.get('job_id')} {a.get('state')} detached={a.get('is_detached')} "
+             f"node {str(a.get('node_id'))[:12]} pid {a.get('pid')}" for a in actors]
+    return "\n".join(rows)

@@ -2,8 +2,9 @@
 
 On this machine (tests/support_cluster.py): an S3 server on loopback, an MLflow tracking server whose
 artifacts live in that bucket, a Ray cluster of a 0-CPU head and two worker nodes. The whole smoke pipeline
-runs as a `ray job submit` job with ADLM_WORKDIR=s3://... on a cluster with token authentication, submitted with
-README.md's client settings (less of them is refused); a node dies under a sweep whose runs live in the bucket;
+runs as a `ray job submit` job with ADLM_WORKDIR=s3://... on a cluster with token authentication whose head does not
+offer the trial-driver resource, submitted with README.md's client settings (less of them is refused), and leaves
+nothing reserved or running; a node dies under a sweep whose runs live in the bucket;
 bad storage inputs fail in one line before any work.
 """
 
@@ -23,7 +24,9 @@ from tests.conftest import away_from_session_ray
 from tests.support_cluster import (
     BIN,
     ROOT,
+    describe_leftovers,
     job_submit_command,
+    leftovers,
     mlflow_server,
     ray_cluster,
     ray_cluster_process,
@@ -68,17 +71,18 @@ TOKEN = "0123456789abcdef0123456789abcdef"
 
 @pytest.fixture()
 def auth_cloud(_module_s3, tmp_path: Path, request: pytest.FixtureRequest):
-    """``cloud`` with Ray's token authentication on, as cluster.yaml's nodes run: every node reads the token from a
-    file (never a command line). Run by a process of its own (tests/cluster_process.py): Ray reads its
-    authentication settings once per process, and this one runs local Rays without."""
-    from pipelines.runtime import DRIVER_RESOURCE
-
+    """A 0-CPU head and two 1-CPU nodes with Ray's token authentication on, as cluster.yaml's nodes run: every node
+    reads the token from a file (never a command line). Its head does NOT offer cluster.yaml's trial-driver
+    resource, as on any cluster not started from this project's cluster.yaml or manifests: the trials' drivers
+    then hold a sliver of a worker node's CPU, and every task must still find what it asks for (issue 38: Ray
+    Data's 1-CPU file sampling never started there). Run by a process of its own (tests/cluster_process.py): Ray
+    reads its authentication settings once per process, and this one runs local Rays without."""
     token_file = tmp_path / "auth_token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
     env = {**_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file)), **_module_s3.env,
            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]}
-    with ray_cluster_process(env, tmp_path / "cluster.log", nodes=2, head_resources={DRIVER_RESOURCE: 100}) as rc:
+    with ray_cluster_process(env, tmp_path / "cluster.log", nodes=2) as rc:
         yield _module_s3.new_bucket(_bucket_name(request)), rc
 
 
@@ -204,6 +208,9 @@ def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(t
         assert len(client.search_model_versions("name='adlm'")) == 2
         assert client.get_model_version_by_alias("adlm", "champion").version == champion.version
         assert "already registered" in log2
+        # Nothing of the finished jobs outlives them: no placement group still reserved, no actor of theirs alive.
+        groups, actors = leftovers(rc.dashboard, TOKEN)
+        assert not groups and not actors, describe_leftovers(groups, actors)
 
 
 @pytest.mark.parametrize("case, message", [
@@ -328,6 +335,10 @@ def test_a_node_lost_under_a_sweep_completes_it_from_the_bucket_with_the_undistu
         t.join(timeout=10)
         # This cluster runs work off the head: a path on the driver's disk is worth a warning there.
         assert warn_if_node_local([str(tmp_path)], "a local folder")
+        # Nothing of the finished sweep outlives it (its driver still connected): no trial's or Ray Train's placement
+        # group still reserved, no trial, controller or training worker alive.
+        groups, actors = leftovers(rc.dashboard)
+        assert not groups and not actors, describe_leftovers(groups, actors)
     finally:
         os.environ.pop("RAY_ADDRESS", None)
         ray.shutdown()

@@ -155,7 +155,18 @@ def test_head_and_workers_carry_their_own_roles_with_the_shipped_policies(aws: d
         want = json.loads((ROOT / "deploy" / "iam" / doc).read_text())
         assert [s["Sid"] for s in got["Statement"]] == [s["Sid"] for s in want["Statement"]]
         assert "${" not in json.dumps(got)  # account, region, bucket, cluster all filled
+        if doc == "head.json":  # launches from the provisioned image, subnets and group only
+            launch = {r for st in got["Statement"] if st["Action"] == "ec2:RunInstances" for r in st["Resource"]
+                      if isinstance(st["Resource"], list)}
+            assert f"arn:aws:ec2:{REGION}::image/{aws['ami']}" in launch
+            assert {r.rsplit("/", 1)[1] for r in launch if ":subnet/" in r} == set(aws["subnets"])
+            assert {r.rsplit("/", 1)[1] for r in launch if ":security-group/" in r} == set(
+                boot["available_node_types"][boot["head_node_type"]]["node_config"]["SecurityGroupIds"])
     assert not [r for r in iam.list_roles()["Roles"] if r["RoleName"] == "ray-autoscaler-v1"]
+    # The Spot service-linked role AWS needs before it takes a spot worker's request.
+    # (AWS names it AWSServiceRoleForEC2Spot, moto otherwise: it is found by its path.)
+    spot = iam.list_roles(PathPrefix="/aws-service-role/spot.amazonaws.com/")["Roles"]
+    assert len(spot) == 1, spot
 
 
 def test_provisioning_is_idempotent_and_refuses_an_open_ssh_range(aws: dict, booted: dict, tmp_path: Path,
@@ -169,3 +180,29 @@ def test_provisioning_is_idempotent_and_refuses_an_open_ssh_range(aws: dict, boo
     assert err[0].startswith("error: --ssh-cidr 0.0.0.0/0 opens SSH to the internet")
     assert err[1].startswith("error: AMI ami-00000000000000000 is not available") and "aws ssm get-parameter" in err[1]
     assert not (tmp_path / "open.yaml").exists()
+
+
+def test_the_kuberay_pods_get_a_role_of_their_own_that_only_their_service_account_assumes(aws: dict, booted: dict,
+                                                                                        tmp_path: Path) -> None:
+    """IRSA: ``--eks-oidc-provider`` adds ``adlm-ray-pods``, the role deploy/k8s/serviceaccount.yaml names, with
+    worker.json's permissions and a trust in that OIDC provider for the adlm-ray service account only (the VMs'
+    worker role trusts EC2 alone: a pod could not assume it)."""
+    iam = aws["iam"]
+    oidc = "oidc.eks.us-west-2.amazonaws.com/id/EXAMPLED539D4633E53DE1B71EXAMPLE"
+    assert _provision(aws, tmp_path / "k8s.yaml", **{"--eks-oidc-provider": f"https://{oidc}",
+                                                     "--namespace": "ml"}) == 0
+    role = iam.get_role(RoleName="adlm-ray-pods")["Role"]
+    trust = role["AssumeRolePolicyDocument"]
+    trust = json.loads(trust) if isinstance(trust, str) else trust
+    [st] = trust["Statement"]
+    assert st["Principal"] == {"Federated": f"arn:aws:iam::123456789012:oidc-provider/{oidc}"}
+    assert st["Action"] == "sts:AssumeRoleWithWebIdentity"
+    assert st["Condition"]["StringEquals"][f"{oidc}:sub"] == "system:serviceaccount:ml:adlm-ray"
+    got = iam.get_role_policy(RoleName="adlm-ray-pods", PolicyName="adlm-ray-pods")["PolicyDocument"]
+    got = json.loads(got) if isinstance(got, str) else got
+    want = json.loads((ROOT / "deploy" / "iam" / "worker.json").read_text())
+    assert [s["Sid"] for s in got["Statement"]] == [s["Sid"] for s in want["Statement"]]
+    account = yaml.safe_load((ROOT / "deploy" / "k8s" / "serviceaccount.yaml").read_text())
+    assert account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"].endswith(":role/adlm-ray-pods")
+    worker_trust = iam.get_role(RoleName="adlm-ray-worker")["Role"]["AssumeRolePolicyDocument"]
+    assert "Federated" not in json.dumps(worker_trust)

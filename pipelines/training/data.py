@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from adlm_model.config import ConfigError
-from pipelines.data.manifest import ManifestError, read_manifest
+from pipelines.data.manifest import Manifest, ManifestError, read_manifest
 from pipelines.storage import exists, is_file
 from pipelines.training.config import TrainConfig
 
@@ -33,6 +33,8 @@ class DataPlan:
     val_rows: int
     tokenizer_hash: str = ""
     """The tokenizer's identity (``TokenizerInfo.content_hash``): two tokenizers of one size differ here."""
+    train_manifest: Manifest | None = None
+    """The training split's manifest (its shards' rows: Ray Data reads them without sampling the files)."""
 
 
 def plan_data(cfg: TrainConfig, workdir: str) -> DataPlan:
@@ -69,4 +71,5 @@ def plan_data(cfg: TrainConfig, workdir: str) -> DataPlan:
     return DataPlan(train_uris=tr.shard_uris(), val_split=va.split_dir, columns=cols,
                     manifest_hash=tr.content_hash(), tokenizer_spec=str(tok_path or tr.tokenizer.get("name")),
                     tokenizer_path=tok_path if tok_path and is_file(tok_path) else None,
-                    train_rows=tr.rows, val_rows=va.rows, tokenizer_hash=str(tr.tokenizer.get("hash") or ""))
+                    train_rows=tr.rows, val_rows=va.rows, tokenizer_hash=str(tr.tokenizer.get("hash") or ""),
+                    train_manifest=tr)

@@ -7,8 +7,8 @@ shard of the training split), then per optimiser step ``optimiser_step``; every 
 and a report to Ray Train. Each step is a function of a ``Worker`` (the live objects) and plain
 arguments, so it can run and be tested without Ray.
 
-Data order and exact resume. The training split is read with Ray Data (``read_parquet`` of the
-shards, a seeded block order) and split across workers by ``get_dataset_shard`` with
+Data order and exact resume. The training split is read with Ray Data (its shards, read from the manifest by
+``pipelines.data.ray_source``, a seeded block order) and split across workers by ``get_dataset_shard`` with
 ``preserve_order=True``: Ray's output splitter then hands blocks to workers deterministically and
 equally, so every worker sees the same number of rows and batches, and the same rows on every rerun.
 Each worker iterates its shard with ``iter_torch_batches`` and a local shuffle buffer seeded by

@@ -231,14 +231,15 @@ def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, 
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # deterministic order (the driver's context: local mode)
     ctx.enable_progress_bars = verbosity() > 0  # Ray Data's bars only with -v: the loop prints its own progress
-    # Ray 2.60's default Parquet path lists files in a task of a whole CPU that no setting lowers: on nodes whose
-    # CPUs the trainers hold in part (fractional workers, a trial's driver) it never starts and the read starves
-    # (seen on a cluster of 1-CPU nodes). The other path lists on the driver and reads in tasks of data.read_cpus.
-    ctx.use_datasource_v2 = False
+    # Ray Data's read_parquet samples the files in tasks of a whole CPU that no argument lowers (either datasource
+    # of Ray 2.60): on nodes whose CPUs placement groups hold in part (a trial's driver, fractional workers) they
+    # never start and the run waits for good (issue 38). The split is read from its manifest instead: read tasks of
+    # data.read_cpus and nothing else (pipelines.data.ray_source).
+    from pipelines.data.ray_source import split_dataset
+
     exec_opts = ray.data.ExecutionOptions(preserve_order=True)
-    train_ds = ray.data.read_parquet(plan.train_uris, num_cpus=cfg.data.read_cpus,
-                                     override_num_blocks=max(len(plan.train_uris), 2 * cfg.world))
-    train_ds = train_ds.select_columns(plan.columns)
+    train_ds = split_dataset(plan.train_manifest, plan.columns, blocks=max(len(plan.train_uris), 2 * cfg.world),
+                             num_cpus=cfg.data.read_cpus)
     train_ds = train_ds.randomize_block_order(seed=cfg.run.seed)
 
     crash_at = fault("train.crash_at_step")

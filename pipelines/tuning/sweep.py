@@ -41,6 +41,7 @@ import yaml
 
 from adlm_model.config import ConfigError
 from adlm_model.kinds import model_kind
+from pipelines import placement
 from pipelines.logs import get_logger, verbosity
 from pipelines.runtime import driver_resources, init_ray, quiet_environment
 from pipelines.storage import join, publish_dir, resolve_workdir, temp_dir, warn_if_node_local
@@ -388,6 +389,15 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
                                     driver_resources(space.trial_cpu))
     from ray.tune import FailureConfig, RunConfig, TuneConfig, Tuner
 
+    nodes = placement.local_nodes()
+    if nodes is not None and not Tuner.can_restore(exp_dir):
+        # A Ray of this process alone is all there will be: as many trials at once as it can place, each with its
+        # workers and a read task (more would wait on each other's reads for good), said once.
+        fitted = placement.fit_concurrency(plan.base, driver_resources(space.trial_cpu), space.max_concurrent, nodes)
+        if fitted < space.max_concurrent:
+            log.warning(f"[sweep {space.name}] {fitted} trial(s) at a time, not max_concurrent {space.max_concurrent}: "
+                        f"this machine's Ray ({nodes}) cannot place more with their workers and reads")
+            space = dataclasses.replace(space, max_concurrent=fitted)
     if Tuner.can_restore(exp_dir):
         if not quiet:
             log.info(f"[sweep {space.name}] resuming from {exp_dir}: finished trials are not rerun")
@@ -412,6 +422,10 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     except Exception as e:  # re-raised with the rerun line: anything a trial or Tune raises ends here
         raise TuneError(f"sweep {space.name!r} failed: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}; "
                         f"rerun the same command to resume from {exp_dir}") from e
+    placement.check()  # Tune stops on the interrupt of a wait that cannot end (pipelines.placement): say which
+    # A stopped trial's Ray Train controller, killed while restarting its workers, can leave a worker group's
+    # placement group that Ray keeps until this job ends: nothing of the sweep may outlive it.
+    placement.release_orphaned_groups()
     rows = _rows(grid, space, plan.max_t)
     interrupted = grid.num_terminated + grid.num_errors < space.total_trials
     finished = [r for r in rows if r.status == "finished" and r.selection_ppl is not None]

@@ -1,0 +1,298 @@
+"""Where the pipeline's Ray work can go: a deadline on waits that cannot end, the release of reservations a dead
+actor left, and a pre-flight placement with the autoscaler's own bin packing.
+
+- ``placement_deadline`` (below): work Ray cannot place fails in one line instead of waiting for ever.
+- ``release_orphaned_groups``: a job's placement groups whose creating actor died (Ray keeps them to the job's end).
+- ``run_demand`` / ``sweep_demand`` / ``unplaceable`` / ``fit_concurrency``: what a run or a sweep asks for at
+  once, placed on a cluster's nodes (or cluster.yaml's node types) with ``get_bin_pack_residual``.
+
+Ray waits without end for a task, actor or placement group that no node can take now, and says so only in
+``ray status`` ("Pending Demands"). On an autoscaling cluster the wait ends when a node is launched; on a fixed
+cluster (a laptop head, KubeRay without autoscaling, nodes whose CPUs placement groups hold in part) it never
+does (issue 38: a sweep that waited 15 minutes for a 1-CPU task until killed).
+
+``placement_deadline`` watches the cluster's pending demands from the driver (the GCS's view, what ``ray status``
+prints). When the same demands have been pending, with nothing else on the cluster changing (no node added or
+lost, no resource taken or freed), for ``ADLM_PLACEMENT_TIMEOUT_S`` seconds (default 900), nothing is going to
+change: it names the demand and the fix in one line and interrupts the driver, whose entry point turns that into
+``error: ...`` (exit 1). A wait for a running job's resources to free (a trial queued behind another) is not
+stuck: the running work takes and frees resources meanwhile (Ray Data's read tasks come and go).
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from pipelines.logs import get_logger
+
+log = get_logger(__name__)
+
+TIMEOUT_ENV = "ADLM_PLACEMENT_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 900.0
+POLL_S = 5.0
+
+
+class PlacementError(RuntimeError):
+    """Work that Ray could not place within the deadline (the message is the one line to print)."""
+
+
+def _demands(status: Any) -> list[tuple[tuple[tuple[str, float], ...], int]]:
+    """The pending demands of a ``ClusterStatus``: (bundle, count), tasks and actors, placement groups and
+    constraints alike, sorted."""
+    out = []
+    rd = status.resource_demands
+    for group in [*rd.ray_task_actor_demand, *rd.placement_group_demand, *rd.cluster_constraint_demand]:
+        for by_count in group.bundles_by_count:
+            out.append((tuple(sorted((k, float(v)) for k, v in by_count.bundle.items())), int(by_count.count)))
+    return sorted(out)
+
+
+def _usage(status: Any) -> tuple:
+    """Every live node and what of its schedulable resources is in use (memory and Ray's per-group and per-node
+    bookkeeping resources left out): a change here is work starting or ending, or a node coming or going."""
+    rows = []
+    for n in [*status.active_nodes, *getattr(status, "idle_nodes", [])]:
+        for u in n.resource_usage.usage:
+            name = u.resource_name
+            if name.startswith("node:") or "_group_" in name or name in ("memory", "object_store_memory"):
+                continue
+            rows.append((n.node_id, name, round(float(u.used), 4)))
+    pending = (len(status.pending_launches), len(status.pending_nodes))
+    return tuple(sorted(rows)), pending
+
+
+def _free(status: Any) -> str:
+    """Each node's free CPU and GPU (and custom resources), for the error line."""
+    parts = []
+    for n in [*status.active_nodes, *getattr(status, "idle_nodes", [])]:
+        free = {}
+        for u in n.resource_usage.usage:
+            name = u.resource_name
+            if name.startswith("node:") or "_group_" in name or name in ("memory", "object_store_memory"):
+                continue
+            free[name] = round(float(u.total) - float(u.used), 3)
+        parts.append("{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(free.items())) + "}")
+    return "; ".join(parts) or "none"
+
+
+def describe(demands: list, status: Any, seconds: float) -> str:
+    """The one line: what waits, for how long, what the nodes have free, what to do."""
+    what = ", ".join(f"{dict(b)} x{c}" for b, c in demands)
+    return (f"Ray could not place {what} for {seconds:.0f} s with nothing on the cluster changing (the nodes have "
+            f"free: {_free(status)}): no node can take it, and without an autoscaler none will; give the cluster a "
+            "node that fits, or ask less (data.read_cpus, scaling.cpus_per_worker, the sweep's max_concurrent or "
+            f"resources.trial_cpu, the evaluation's cpus_per_task), or wait longer with {TIMEOUT_ENV}")
+
+
+class PlacementWatch:
+    """Polls the GCS every ``poll`` seconds; sets ``message`` (the one line) and calls ``on_stuck(self)`` once
+    when the same demands have been pending with an unchanged cluster for ``timeout`` seconds."""
+
+    def __init__(self, timeout: float, on_stuck: Callable[[PlacementWatch], None], poll: float = POLL_S) -> None:
+        self.timeout, self.on_stuck, self.poll = timeout, on_stuck, poll
+        self.message: str | None = None
+        self.handled = threading.Event()
+        """Set once the driver has turned the interrupt into its error (the last resort then stands down)."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="adlm-placement-watch", daemon=True)
+
+    def start(self) -> PlacementWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.poll)
+
+    def _status(self) -> Any | None:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        from ray.autoscaler.v2.sdk import get_cluster_status
+
+        try:
+            return get_cluster_status(ray.get_runtime_context().gcs_address, timeout=10)
+        except Exception:  # noqa: BLE001 - the GCS busy or going away: no reading this time
+            return None
+
+    def _run(self) -> None:
+        since, last = None, None
+        while not self._stop.wait(self.poll):
+            st = self._status()
+            if st is None:
+                since, last = None, None
+                continue
+            demands = _demands(st)
+            state = (demands, _usage(st))
+            if not demands or state != last:
+                since, last = (time.monotonic() if demands else None), state
+                continue
+            if since is not None and time.monotonic() - since >= self.timeout:
+                self.message = describe(demands, st, time.monotonic() - since)
+                self.on_stuck(self)
+                return
+
+
+def _interrupt_driver(watch: PlacementWatch) -> None:
+    """Say it, then interrupt the driver's main thread (Tune stops its experiment on that, saved; a ``ray.get``
+    returns with KeyboardInterrupt); if the driver has not turned it into its error a minute later (stuck in
+    code that never sees the interrupt), end the process with the line."""
+    log.error(watch.message)
+    _thread.interrupt_main()
+
+    def last_resort() -> None:
+        if not watch.handled.wait(60):
+            print(f"error: {watch.message}", flush=True)
+            os._exit(1)
+
+    threading.Thread(target=last_resort, daemon=True).start()
+
+
+_active: list[PlacementWatch] = []
+
+
+def timeout_s() -> float:
+    """``ADLM_PLACEMENT_TIMEOUT_S`` (seconds; 0 turns the deadline off), else 900."""
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        return float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds (0 turns the deadline off)") from None
+
+
+@contextlib.contextmanager
+def placement_deadline() -> Iterator[PlacementWatch | None]:
+    """Around an entry point's work (its main thread): the watch runs while Ray is up; a stuck wait interrupts
+    the work, and the KeyboardInterrupt that results leaves this block as a ``PlacementError`` (one line)."""
+    t = timeout_s()
+    if t <= 0:
+        yield None
+        return
+    watch = PlacementWatch(t, _interrupt_driver).start()
+    _active.append(watch)
+    try:
+        yield watch
+        check()
+    except KeyboardInterrupt:
+        if watch.message:
+            watch.handled.set()
+            raise PlacementError(watch.message) from None
+        raise
+    finally:
+        _active.remove(watch)
+        watch.stop()
+
+
+def check() -> None:
+    """Raise the ``PlacementError`` of a watch that fired (work that swallowed the interrupt, e.g. a Tune
+    experiment that stopped on it and returned)."""
+    for w in _active:
+        if w.message:
+            w.handled.set()
+            raise PlacementError(w.message)
+
+
+def release_orphaned_groups() -> list[str]:
+    """Remove this job's placement groups whose creating actor is dead; returns their ids.
+
+    Ray removes a group an actor created only once both that actor and its job are dead, so one that a killed
+    actor leaves holds its resources until the job ends (a whole ``run_all`` job: the evaluation then runs with
+    half a node's CPU reserved for no one). Ray Train's controller, killed with its Tune trial (ASHA's stop, a lost
+    node) while it restarts its worker group, can leave such a group unknown to its own cleaner; and one
+    registered in the moment after its creator died is never marked so, and outlives the job (seen: a smoke job's
+    trial group still reserved after the job ended). Nothing can use a group whose creator is gone (its workers die
+    with it): removing it is safe while other work runs."""
+    import ray
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    if not ray.is_initialized():
+        return []
+    job = ray.get_runtime_context().get_job_id()
+    released = []
+    accessor = state._connect_and_get_accessor()
+    for raw in accessor.get_placement_group_table():
+        pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
+        if (pg.state == gcs_pb2.PlacementGroupTableData.REMOVED or pg.is_detached or pg.creator_job_id.hex() != job
+                or not pg.creator_actor_id or ray.ActorID(pg.creator_actor_id).is_nil()):
+            continue  # removed, detached, another job's, or the driver's own
+        creator = state.actor_table(pg.creator_actor_id.hex())
+        if creator and creator.get("State") != "DEAD":
+            continue
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
+        released.append(pg.placement_group_id.hex())
+    if released:
+        log.warning(f"released {len(released)} placement group(s) left reserved by dead actors of this job "
+                    f"({', '.join(r[:12] for r in released)}): Ray keeps them until the job ends")
+    return released
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pre-flight: what a recipe or a sweep asks for, placed with the autoscaler's own bin packing
+
+
+def run_demand(cfg: Any) -> list[dict[str, float]]:
+    """What one training run asks Ray for at once (a ``TrainConfig``): its worker group's bundles
+    (``scaling.num_workers`` x ``cpus_per_worker`` CPUs, a GPU each with ``use_gpu``; Ray Train's PACK group, which
+    the autoscaler flattens into single bundles) and one Ray Data read task of ``data.read_cpus``. Local mode
+    (``num_workers`` 0) trains in its driver: the read task only. The Ray Train controller asks for nothing."""
+    s = cfg.scaling
+    bundle = {"CPU": float(s.cpus_per_worker), **({"GPU": 1.0} if s.use_gpu else {})}
+    return [dict(bundle) for _ in range(s.num_workers)] + [{"CPU": float(cfg.data.read_cpus)}]
+
+
+def sweep_demand(cfg: Any, trial: dict[str, float], concurrent: int) -> list[dict[str, float]]:
+    """``concurrent`` trials at once: each its driver's ``trial`` resources plus its run's demand."""
+    return [b for _ in range(concurrent) for b in [dict(trial), *run_demand(cfg)]]
+
+
+def node_types(cluster: dict[str, Any]) -> list[dict[str, float]]:
+    """Every node a cluster.yaml-shaped config can have at once: the head, and each worker type ``max_workers``
+    times, with the resources it declares."""
+    nodes = []
+    for name, t in cluster["available_node_types"].items():
+        count = 1 if name == cluster["head_node_type"] else int(t.get("max_workers", 0))
+        nodes += [{k: float(v) for k, v in t.get("resources", {}).items()} for _ in range(count)]
+    return nodes
+
+
+def unplaceable(demands: list[dict[str, float]], nodes: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The demands that fit on none of ``nodes`` together (Ray's autoscaler's bin packing:
+    ``resource_demand_scheduler.get_bin_pack_residual``, what it leaves unfulfilled); zero amounts left out."""
+    from ray.autoscaler._private.resource_demand_scheduler import get_bin_pack_residual
+
+    clean = [{k: v for k, v in d.items() if v} for d in demands]
+    residual, _ = get_bin_pack_residual(nodes, [d for d in clean if d])
+    return residual
+
+
+def fit_concurrency(cfg: Any, trial: dict[str, float], wanted: int, nodes: list[dict[str, float]]) -> int:
+    """How many of ``wanted`` concurrent trials ``nodes`` (a fixed cluster's, all of it) can run at once, each with
+    its driver's ``trial`` resources and its run's demand; raises ``PlacementError`` (one line) when not even one
+    trial fits."""
+    for k in range(wanted, 0, -1):
+        if not unplaceable(sweep_demand(cfg, trial, k), nodes):
+            return k
+    left = unplaceable(sweep_demand(cfg, trial, 1), nodes)
+    raise PlacementError(f"one trial asks for {dict(trial)} and {run_demand(cfg)} together, but this Ray's nodes "
+                         f"({nodes}) cannot place {left}: ask less (scaling.cpus_per_worker, scaling.num_workers, "
+                         "data.read_cpus, resources.trial_cpu) or run on a bigger machine or cluster")
+
+
+def local_nodes() -> list[dict[str, float]] | None:
+    """The nodes of the Ray this process started itself (no ``$RAY_ADDRESS``: a fixed cluster, nothing will be
+    added), as their total resources; None on a cluster that may autoscale."""
+    import ray
+
+    if os.environ.get("RAY_ADDRESS") or not ray.is_initialized():
+        return None
+    return [{k: float(v) for k, v in (n.get("Resources") or {}).items() if not k.startswith("node:")}
+            for n in ray.nodes() if n.get("Alive")]
