@@ -177,9 +177,7 @@ def map_backbone(key: str) -> str | None:
 
 def map_sedd(key: str) -> str | None:
     """SEDD's Hub layout (louaaron/sedd-*): its DiT's keys bare, without a prefix (``sedd_layout``)."""
-    for p in SEDD_PREFIXES:
-        key = key.removeprefix(p)
-    return _dit_key(key, "backbone.")
+    return _dit_key(re.sub(rf"^({'|'.join(map(re.escape, SEDD_PREFIXES))})+", "", key), "backbone.")
 
 
 def map_identity(key: str) -> str | None:
@@ -287,9 +285,7 @@ def config_sedd(src: Source) -> dict[str, Any]:
         d = sedd_config(src.hparams).to_dict()
     except ConfigError as e:
         raise ImportRefused(str(e)) from None
-    d.pop("vocab_size")
-    d.pop("mask_id")
-    return d
+    return {k: v for k, v in d.items() if k not in ("vocab_size", "mask_id")}
 
 
 def config_mdlm_sedd(src: Source) -> dict[str, Any]:
