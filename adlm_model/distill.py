@@ -91,6 +91,9 @@ def divergence(student_log_p: torch.Tensor, target_log_p: torch.Tensor, kind: st
     (the mask) count as zero."""
     a, b = student_log_p.float(), target_log_p.float()
     both = torch.isinf(a) & torch.isinf(b)
+    # Zero the shared -inf columns before any arithmetic: a -inf - -inf would make the backward pass NaN even
+    # where the forward pass discards it.
+    a, b = a.masked_fill(both, 0.0), b.masked_fill(both, 0.0)
     if kind == "kl-bwd":
         term = a.exp() * (a - b)
     elif kind == "kl-fwd":

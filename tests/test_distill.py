@@ -41,6 +41,7 @@ def test_gradient_reaches_every_student_parameter(kind: str) -> None:
     out.loss.backward()
     missing = [n for n, p in student.named_parameters() if p.grad is None or float(p.grad.abs().sum()) == 0.0]
     assert not missing, missing
+    assert all(bool(torch.isfinite(p.grad).all()) for p in student.parameters())  # the -inf mask column
     assert all(p.grad is None for p in teacher.parameters())
     if kind == "adlm":
         names = [n for n, _ in student.named_parameters()]

@@ -173,7 +173,7 @@ def test_confidence_settings_reach_the_sampler_and_come_back_with_the_text(art, 
     req = gen.request(prompt=PROMPT, suffix=SUFFIX, length=8, sampler="confidence", threshold=1.0, block=4,
                       refresh=1, seed=3)
     out = gen.generate(req)[0]
-    assert out.settings == {"sampler": "confidence", "steps": req.steps, "nucleus_p": req.nucleus_p, "length": 8,
+    assert out.settings == {"sampler": "confidence", "steps": gen.default_steps, "nucleus_p": req.nucleus_p, "length": 8,
                             "seed": 3, "stop_at_eos": True, "threshold": 1.0, "block": 4, "refresh": 1,
                             "kv_cache": "dual"}
     assert out.network_calls == 8  # threshold 1: one token a step; refresh 1: the uncached sampler's text
