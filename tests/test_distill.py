@@ -81,3 +81,32 @@ def test_divergences_and_the_round_arithmetic() -> None:
         divergence(p, q, "js")
     assert student_steps(64, 3) == 8 and student_steps(64, 0) == 64
     assert round_dt(64, 1) == pytest.approx(2 * round_dt(64, 0))
+
+
+def test_evaluation_samples_a_distilled_version_at_its_own_step_count_unless_told() -> None:
+    from pipelines.evaluation.config import DEFAULT_EVAL_STEPS, EvalConfig, eval_profile, sampling_steps
+
+    student = {"sampler_steps": 8}
+    assert sampling_steps(EvalConfig(), "mdlm", student) == 8
+    assert sampling_steps(EvalConfig(), "mdlm", {}) == DEFAULT_EVAL_STEPS
+    assert sampling_steps(EvalConfig(steps=32), "mdlm", student) == 32  # the user's (or a profile's) T wins
+    assert sampling_steps(eval_profile("paper"), "adlm", student) == 4096
+
+
+def test_the_distill_command_is_a_train_recipe_and_refuses_bad_rounds_in_one_line(capsys) -> None:
+    import yaml
+
+    from pipelines.distill import main
+    from tests.conftest import ROOT
+
+    demo = str(ROOT / "configs" / "demo.yaml")
+    assert main(["--teacher", "models:/adlm@candidate", "--config", demo, "--rounds", "2", "--steps-per-round", "5",
+                 "--teacher-steps", "64", "--print-config"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["run"]["name"] == "distill-adlm-candidate" and cfg["run"]["init"] == "models:/adlm@candidate"
+    assert cfg["run"]["max_steps"] == 10 and cfg["distill"]["teacher_steps"] == 64
+    assert main(["--teacher", "models:/adlm/1", "--config", demo, "--rounds", "3", "--teacher-steps", "12"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: distill.teacher_steps 12 must divide by substeps**rounds = 8") and "\n" not in err
+    assert main(["--teacher", "models:/adlm/1", "--config", demo, "--set", "model.kind=ar"]) == 2
+    assert "SDTT distils the ancestral sampler of mdlm or adlm" in capsys.readouterr().err

@@ -100,6 +100,7 @@ def test_a_distilled_mdlm_and_adlm_are_versions_with_their_teacher_and_step_coun
     _check_version(uri, res, f"models:/adlm/{src.registered_version}", "adlm", 2)
 
 
+@pytest.mark.slow
 def test_a_distillation_killed_mid_round_resumes_in_that_round_and_ends_as_the_uninterrupted_one(env) -> None:
     """The process is killed at step 5 (round 2, its teacher promoted at step 3); the rerun resumes from step 4
     with round 2's teacher, and every loss and the final weights equal the uninterrupted run's."""
@@ -126,3 +127,45 @@ def test_a_distillation_killed_mid_round_resumes_in_that_round_and_ends_as_the_u
         wa = load_checkpoint(full.checkpoint_dir, use_ema=ema)[0].state_dict()
         wb = load_checkpoint(resumed.checkpoint_dir, use_ema=ema)[0].state_dict()
         assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_checkpoint_mid_round_carries_that_round_teacher_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """The loop's steps without Ray: ADLM (dropout, masking noise, the teacher's draws), rounds of 2 steps; the
+    student becomes the teacher at step 2; a checkpoint at step 3 (mid round 2) read back by a fresh worker holds
+    that teacher and round, and the next step equals the uninterrupted one."""
+    import dataclasses
+
+    from pipelines.training.distill import advance
+    from pipelines.training.loop import optimiser_step, write_checkpoint
+    from pipelines.training.worker import resume
+    from tests.test_loop_steps import _cfg as loop_cfg
+    from tests.test_loop_steps import _params, _stream, _worker
+
+    def cfg():
+        c = loop_cfg("adlm", "distill.teacher=models:/adlm/1", "distill.rounds=2", "distill.steps_per_round=2",
+                     "distill.teacher_steps=8")
+        return dataclasses.replace(c, run=dataclasses.replace(c.run, init=""))  # the seeded init: no registry
+
+    def step(w) -> None:
+        advance(w)
+        optimiser_step(w, _stream(w, 4))
+
+    a = _worker(cfg())
+    start = _params(a)
+    for _ in range(2):
+        step(a)
+    assert a.teacher.round == 0 and all(torch.equal(start[k], v) for k, v in a.teacher.net.state_dict().items())
+    step(a)  # step index 2 opens round 2: the student's weights after 2 steps teach
+    assert a.teacher.round == 1 and not all(torch.equal(start[k], v) for k, v in a.teacher.net.state_dict().items())
+    write_checkpoint(a, tmp_path, {"val_ppl": 1.0})
+    step(a)
+
+    torch.manual_seed(123)
+    b = _worker(cfg())
+    assert resume(b, str(tmp_path), 3) == 3 and b.teacher.round == 1
+    ta = a.teacher.net.state_dict()
+    assert all(torch.equal(ta[k], v) for k, v in b.teacher.net.state_dict().items())
+    step(b)
+    pa, pb = _params(a), _params(b)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)

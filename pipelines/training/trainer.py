@@ -314,6 +314,10 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         raise ConfigError(f"run {cfg.run.name!r} was trained on data of another tokenizer (hash "
                           f"{prev_meta['tokenizer_hash'][:12]}) than data.train's ({plan.tokenizer_hash[:12]}); resume "
                           "it on its own data or start a new run.name")
+    if prev and bool(cfg.distill.teacher) != bool(prev_meta.get("teacher")):  # a distillation resumes only one
+        raise ConfigError(f"run {cfg.run.name!r} holds a {'training' if cfg.distill.teacher else 'distillation'} "
+                          f"run (step {prev[0]}), not a {'distillation' if cfg.distill.teacher else 'training'}; "
+                          "give this one another run.name")
     # Start from a version (run.init): pinned and checked before Ray starts; a resume keeps its own lineage.
     cfg = pin_init(cfg, prev_meta if prev else None, uri, plan.tokenizer_hash)
     if cfg.distill.teacher:  # a distillation's teacher is the version its student started from, pinned
