@@ -100,8 +100,9 @@ class GenerationRequest:
     """Text the output ends with (infilling; not for AR)."""
     length: int = DEFAULT_LENGTH
     """Tokens generated between prompt and suffix."""
-    steps: int = DEFAULT_STEPS
-    """Diffusion steps T (per block for bd3lm; ignored by ar)."""
+    steps: int | None = None
+    """Diffusion steps T (per block for bd3lm; ignored by ar); None: the model's default (``TextGenerator.
+    default_steps``: a distilled version's ``sampler_steps``, else ``DEFAULT_STEPS``)."""
     sampler: str | None = None
     """A sampler of ``adlm_model.SAMPLERS``; None: the model kind's default."""
     nucleus_p: float = DEFAULT_NUCLEUS_P
@@ -185,11 +186,14 @@ def _load_tokenizer(path: Path) -> Any:
 class TextGenerator:
     """A model, its tokenizer and special ids; ``check`` and ``generate`` requests (module docstring)."""
 
-    def __init__(self, model: nn.Module, cfg: ModelConfig, tokenizer: Any, specials: SpecialTokens) -> None:
+    def __init__(self, model: nn.Module, cfg: ModelConfig, tokenizer: Any, specials: SpecialTokens,
+                 default_steps: int = DEFAULT_STEPS) -> None:
         if specials.mask_id != cfg.mask_id:
             raise CheckpointError(f"tokenizer mask id {specials.mask_id} differs from the model's {cfg.mask_id}: "
                                   "the tokenizer.json does not belong to this checkpoint")
         self.model, self.cfg, self.tokenizer, self.specials = model.eval(), cfg, tokenizer, specials
+        self.default_steps = default_steps
+        """The steps of a request that names none: a distilled version's ``sampler_steps``, else DEFAULT_STEPS."""
         self.device = next(model.parameters()).device
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.parameters = count_parameters(model)
@@ -213,8 +217,15 @@ class TextGenerator:
             raise CheckpointError(f"{d} names no special tokens ({SPECIAL_TOKENS_FILE} or config.json "
                                   "*_token_id): pass specials=SpecialTokens(...)")
         dev = resolve_device(device)
-        model, cfg, _ = load_checkpoint(d, map_location=dev)
-        return cls(model, cfg, _load_tokenizer(d / "tokenizer.json"), specials)
+        model, cfg, meta = load_checkpoint(d, map_location=dev)
+        return cls(model, cfg, _load_tokenizer(d / "tokenizer.json"), specials, cls.default_steps_of(meta))
+
+    @staticmethod
+    def default_steps_of(meta: dict[str, Any]) -> int:
+        """The sampler's default step count a checkpoint's meta names (``sampler_steps``: a distilled student's,
+        ``pipelines/training/distill.py``), else ``DEFAULT_STEPS``."""
+        steps = meta.get("sampler_steps")
+        return int(steps) if isinstance(steps, int) and steps >= 1 else DEFAULT_STEPS
 
     # -- requests -------------------------------------------------------------------------------------
     def request(self, *, exclude: tuple[str, ...] = (), **fields: Any) -> GenerationRequest:
@@ -225,6 +236,8 @@ class TextGenerator:
     def check(self, req: GenerationRequest) -> _Checked:
         """Validate and encode ``req`` (no network call); GenerationError names the problem and the fix."""
         validate_request(req)
+        if req.steps is None:
+            req = dataclasses.replace(req, steps=self.default_steps)
         sampler = req.sampler or model_kind(self.cfg.kind).default_sampler
         options = sampler_settings(req, sampler)
         prompt_ids, suffix_ids = self._encode(req.prompt, "prompt"), self._encode(req.suffix, "suffix")
@@ -348,7 +361,8 @@ def validate_request(req: GenerationRequest) -> GenerationRequest:
     if req.seed is not None and not 0 <= req.seed < MAX_SEED:
         raise GenerationError(f"seed must lie in [0, 2**53), got {req.seed}")
     try:
-        check_sample_args(ModelConfig(), req.num_samples, req.length, req.steps, req.nucleus_p, torch.Generator())
+        check_sample_args(ModelConfig(), req.num_samples, req.length,
+                          DEFAULT_STEPS if req.steps is None else req.steps, req.nucleus_p, torch.Generator())
         if req.sampler is not None:
             get_sampler(req.sampler)
     except SamplerError as e:

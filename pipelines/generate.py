@@ -44,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--length", type=int, default=DEFAULT_LENGTH,
                    help=f"tokens to generate between prompt and suffix (default {DEFAULT_LENGTH}); prompt, length "
                         "and suffix must fit the model's context unless the sampler is bd3lm")
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                   help=f"diffusion steps T (per block for bd3lm; ignored by ar; default {DEFAULT_STEPS})")
+    p.add_argument("--steps", type=int, default=None,
+                   help="diffusion steps T (per block for bd3lm; ignored by ar; default: the version's sampler_steps "
+                        f"when it is a distilled student, else {DEFAULT_STEPS})")
     p.add_argument("--sampler", default=None,
                    help="mdlm, remdm-loop, confidence, ar, bd3lm, sedd-euler or sedd-analytic (default: the model "
                         "kind's own: remdm-loop for MDLM/ADLM, ar, bd3lm, sedd-analytic for SEDD)")

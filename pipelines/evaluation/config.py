@@ -57,8 +57,9 @@ class EvalConfig:
     sampler: str = "auto"
     """``mdlm``, ``remdm-loop``, ``ar``, ``bd3lm``; ``auto``: ``ar`` for AR, ``bd3lm`` for BD3-LM, else
     ``remdm-loop`` (the ADLM reference). Options: ``--set sampler.eta=0.02`` etc."""
-    steps: int = 128
-    """Sampling steps T (the ADLM reference uses 4096; baselines 1024)."""
+    steps: int = 0
+    """Sampling steps T (the ADLM reference uses 4096; baselines 1024); 0: the version's own default (a distilled
+    student's ``sampler_steps``: ``pipelines/training/distill.py``), else ``DEFAULT_EVAL_STEPS`` (128)."""
     steps_by_kind: dict[str, int] = field(default_factory=dict)
     """Sampling steps per model kind, over ``steps`` (``--set steps.adlm=4096``; the paper profile's)."""
     profile: str = ""
@@ -136,7 +137,7 @@ class EvalConfig:
         need(self.max_rows >= 0, f"max_rows must be >= 0, got {self.max_rows}")
         need(self.num_samples >= 1, f"num_samples must be >= 1, got {self.num_samples}")
         need(self.sample_batch_size >= 1, f"sample_batch_size must be >= 1, got {self.sample_batch_size}")
-        need(self.steps >= 1, f"steps must be >= 1, got {self.steps}")
+        need(self.steps >= 0, f"steps must be >= 1 (0: the version's default), got {self.steps}")
         need(0.0 < self.nucleus_p <= 1.0, f"nucleus_p must be in (0, 1], got {self.nucleus_p}")
         need(self.sample_length >= 0, f"sample_length must be >= 0, got {self.sample_length}")
         need(self.eval_lm_batch_size >= 1, f"eval_lm_batch_size must be >= 1, got {self.eval_lm_batch_size}")
@@ -179,6 +180,21 @@ EVAL_PROFILES: dict[str, dict[str, Any]] = {
                  nucleus_p=1.0, mauve_min_samples=16, sampler="auto", max_rows=256, batch_size=16,
                  cpus_per_task=1.0),
 }
+
+
+DEFAULT_EVAL_STEPS = 128
+"""Sampling steps of an evaluation that sets none, of a version that names none (``sampling_steps``)."""
+
+
+def sampling_steps(cfg: EvalConfig, kind: str | None, meta: dict[str, Any] | None = None) -> int:
+    """T for a model of ``kind``: ``steps.KIND``, else ``steps``, else the checkpoint meta's ``sampler_steps`` (a
+    distilled student's step count), else ``DEFAULT_EVAL_STEPS``."""
+    if kind and kind in cfg.steps_by_kind:
+        return int(cfg.steps_by_kind[kind])
+    if cfg.steps:
+        return int(cfg.steps)
+    named = (meta or {}).get("sampler_steps")
+    return int(named) if isinstance(named, int) and named >= 1 else DEFAULT_EVAL_STEPS
 
 
 def eval_profile(name: str) -> EvalConfig:

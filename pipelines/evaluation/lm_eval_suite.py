@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.evaluation.config import EvalConfig, EvalError
+from pipelines.evaluation.config import EvalConfig, EvalError, sampling_steps
 
 TASK_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 """The offline tasks (YAML over local files made by ``lm_eval_data``)."""
@@ -51,7 +51,7 @@ def adapter_settings(cfg: EvalConfig, kind: str | None = None) -> dict[str, Any]
     """The adapter's ``--model_args`` from the evaluation's settings (one source for both CLIs)."""
     from pipelines.evaluation.lm_eval_model import AdapterSettings
 
-    steps = int(cfg.steps_by_kind.get(kind, cfg.steps)) if kind else cfg.steps
+    steps = sampling_steps(cfg, kind)
     s = AdapterSettings(mc_samples=cfg.lm_eval_mc_samples, mask_draws=cfg.lm_eval_mask_draws,
                         batch_size=cfg.lm_eval_batch_size, device=cfg.device, dtype=cfg.lm_eval_dtype, seed=cfg.seed,
                         use_ema=cfg.use_ema, greedy_max_tokens=cfg.lm_eval_greedy_max_tokens, t_draws=cfg.t_draws,

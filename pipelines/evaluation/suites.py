@@ -287,7 +287,7 @@ def _zero_shot_tags(result: Any, cfg: EvalConfig) -> dict[str, str]:
 def _plan_generate(plan: Any) -> None:
     from adlm_model.kinds import check_sampler_options
     from adlm_model.samplers import SamplerError
-    from pipelines.evaluation.config import resolve_sampler, sampler_options
+    from pipelines.evaluation.config import resolve_sampler, sampler_options, sampling_steps
     from pipelines.evaluation.eval_lm import checkpoint_tokenizer
 
     cfg, model_cfg = plan.cfg, plan.model_cfg
@@ -299,7 +299,7 @@ def _plan_generate(plan: Any) -> None:
     except SamplerError as e:
         raise EvalError(f"{e} (sampler=auto picks the model kind's default)") from e
     plan.sampler_kwargs = sampler_options(plan.sampler, cfg.sampler_kwargs, plan.tokenizer)
-    plan.steps = int(cfg.steps_by_kind.get(model_cfg.kind, cfg.steps))
+    plan.steps = sampling_steps(cfg, model_cfg.kind, plan.meta)  # a distilled version's own T unless set
     if not sampler.any_length and plan.length > model_cfg.seq_len:
         raise EvalError(f"sample_length {plan.length} exceeds the model's seq_len {model_cfg.seq_len}; only the "
                         "bd3lm sampler generates beyond it")

@@ -16,6 +16,7 @@ that lists the known ones.
     failure: {max_failures: 0}
     ema: 0.9999
     mlflow:  {experiment: adlm, registered_model: adlm, register: true}
+    distill: {teacher: models:/adlm/3, rounds: 3, steps_per_round: 1000, teacher_steps: 1024}  # SDTT mode
 """
 
 from __future__ import annotations
@@ -167,9 +168,31 @@ class MLflowSection:
     the command."""
 
 
+@dataclass
+class DistillSection:
+    """Self-distillation through time (SDTT; ``pipelines/training/distill.py``): set ``teacher`` to make the run a
+    distillation of that version. The student starts from the teacher's EMA weights (``run.init`` is set to it),
+    trains ``rounds x steps_per_round`` steps (``run.max_steps`` is set to it) and registers with the tags
+    ``teacher`` (the pinned version) and ``sampler_steps`` (``teacher_steps / substeps**rounds``)."""
+
+    teacher: str = ""
+    """The version to distil: ``models:/NAME/VERSION``, ``models:/NAME@ALIAS`` (pinned at the start) or a checkpoint
+    folder; empty: an ordinary training run."""
+    rounds: int = 3
+    """Rounds; after each the student becomes the teacher and its step count halves (reference: 7, 1024 -> 8)."""
+    steps_per_round: int = 1000
+    """Optimiser steps of each round (reference 10,000)."""
+    teacher_steps: int = 1024
+    """T0: the sampling steps of the first teacher (reference 1024); it must divide by ``substeps**rounds``."""
+    substeps: int = 2
+    """Teacher steps the student learns to take in one (reference 2)."""
+    divergence: str = "kl-bwd"
+    """``kl-bwd`` (KL(student || teacher), the reference's default), ``kl-fwd``, ``tvd`` or ``mse``."""
+
+
 SECTIONS: dict[str, type] = {
     "data": DataSection, "optim": OptimSection, "batch": BatchSection, "run": RunSection,
-    "scaling": ScalingSection, "failure": FailureSection, "mlflow": MLflowSection,
+    "scaling": ScalingSection, "failure": FailureSection, "mlflow": MLflowSection, "distill": DistillSection,
 }
 TOP_KEYS = ("model", *SECTIONS, "ema", "ema_warmup")
 
@@ -190,6 +213,7 @@ class TrainConfig:
     ema_warmup: bool = True
     """The references' EMA warm-up, ``min(ema, (1 + n) / (10 + n))`` at update ``n`` (``adlm_model.ema``)."""
     mlflow: MLflowSection = field(default_factory=MLflowSection)
+    distill: DistillSection = field(default_factory=DistillSection)
 
     # ----- derived -----
     @property
@@ -240,7 +264,30 @@ class TrainConfig:
         need(not self.data.source or self.data.source in KNOWN_SOURCES,
              f"data.source {self.data.source!r} is no named source; use one of {', '.join(KNOWN_SOURCES)} or leave it empty")
         need(self.run.clip_search_batches >= 1, "run.clip_search_batches must be >= 1")
+        if self.distill.teacher:
+            self._validate_distill(need)
         return self
+
+    def _validate_distill(self, need: Any) -> None:
+        from adlm_model.distill import DIVERGENCES
+
+        d = self.distill
+        need(self.model.kind in ("mdlm", "adlm"), f"distill: SDTT distils the ancestral sampler of mdlm or adlm "
+             f"models, not {self.model.kind}; set model.kind to the teacher's")
+        need(d.rounds >= 1 and d.steps_per_round >= 1 and d.substeps >= 2,
+             "distill.rounds and distill.steps_per_round must be >= 1 and distill.substeps >= 2")
+        need(d.teacher_steps % d.substeps ** d.rounds == 0,
+             f"distill.teacher_steps {d.teacher_steps} must divide by substeps**rounds = {d.substeps ** d.rounds}; "
+             f"e.g. teacher_steps {d.substeps ** d.rounds * max(1, d.teacher_steps // d.substeps ** d.rounds)}")
+        need(d.divergence in DIVERGENCES, f"distill.divergence must be one of {', '.join(DIVERGENCES)}, "
+             f"got {d.divergence!r}")
+        need(self.run.init in ("", d.teacher),
+             f"distill: the student starts from the teacher; run.init {self.run.init!r} names another model")
+        need(self.run.max_steps == d.rounds * d.steps_per_round,
+             f"distill: run.max_steps {self.run.max_steps} must be rounds x steps_per_round = "
+             f"{d.rounds * d.steps_per_round}")
+        need(self.scaling.strategy == "ddp", "distill: the teacher is a full copy of the student; use "
+             "scaling.strategy=ddp")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -263,6 +310,9 @@ class TrainConfig:
         if "ema_warmup" in raw:
             kw["ema_warmup"] = coerce(raw["ema_warmup"], bool, "ema_warmup")
         cfg = cls(**kw)
+        if cfg.distill.teacher:  # a distillation: the student starts from the teacher, its length is its rounds'
+            cfg.run.init = cfg.run.init or cfg.distill.teacher
+            cfg.run.max_steps = cfg.distill.rounds * cfg.distill.steps_per_round
         if cfg.model.gamma_horizon == 0:  # the reference's K: the run's length
             cfg.model = cfg.model.replace(gamma_horizon=cfg.run.max_steps)
         return cfg.validate()

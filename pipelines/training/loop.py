@@ -141,6 +141,10 @@ def log_window(w: Worker) -> dict[str, float]:
         metrics["train/anchor_loss"] = tot[3] / max(tot[2], 1.0)
         metrics["train/anchor_frac"] = tot[4] / max(tot[2], 1.0)
         metrics["train/gamma_k"] = gamma_at(w.step - 1, mc.gamma, mc.gamma_beta, mc.gamma_horizon)
+    if w.teacher is not None:  # a distillation: train/loss is SDTT's divergence; its round, dt, step count
+        from pipelines.training import distill
+
+        metrics.update(distill.metrics(w))
     reset_window(w)
     return metrics
 
@@ -219,6 +223,10 @@ def _write_weights(w: Worker, directory: Path, model_sd: dict | None, ema_sd: di
             "world": w.world, "ema_updates": w.ema.num_updates, **meta}
     if cfg.run.init:  # the lineage (pipelines/training/init.py): what the run started from, pinned
         meta["init_from"] = cfg.run.init
+    if cfg.distill.teacher:  # a distillation's teacher (lineage) and the student's default step count
+        from pipelines.training.distill import version_facts
+
+        meta.update(version_facts(cfg))
     save_checkpoint(directory, w.raw, cfg.model, ema_state=ema_sd, meta=meta)
     if model_sd is not None:
         from adlm_model.checkpoint import _atomic_safetensors
@@ -253,6 +261,10 @@ def write_checkpoint(w: Worker, directory: Path, metrics: dict[str, Any]) -> Non
                                "world": w.world, "data": {"epoch": w.epoch, "position": w.position},
                                "ema_updates": w.ema.num_updates, "best_val": w.best_val,
                                "clip": list(w.clip) if w.clip else None}, TRAINER_STATE)
+        if w.teacher is not None:
+            from pipelines.training.distill import save_teacher
+
+            save_teacher(w, directory)
     rng = {"torch": torch.get_rng_state(), "noise": w.noise.get_state().cpu(),
            "cuda": torch.cuda.get_rng_state() if w.use_gpu else None}
     save_state(directory, rng, f"rng_rank{w.rank}")
@@ -413,6 +425,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         api.report(last)
     while w.step < r.max_steps:
         _maybe_crash(w)
+        if w.teacher is not None:  # a distillation: a new round's first step promotes the student to teacher
+            from pipelines.training.distill import advance
+
+            advance(w)
         optimiser_step(w, stream)
         step = w.step
         if step % r.log_every == 0 or step == r.max_steps:

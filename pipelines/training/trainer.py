@@ -16,6 +16,7 @@ What ``train`` does, in order:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -58,6 +59,9 @@ from pipelines.training.loop import TrialSession, train_loop_per_worker
 from pipelines.training.worker import LoopConfig
 
 log = get_logger(__name__)
+
+DISTILL_TAGS = ("teacher", "sampler_steps", "distill_rounds", "distill_divergence")
+"""What a distillation's registered version carries from its checkpoint's meta (``training/distill.py``)."""
 
 
 class TrainError(RuntimeError):
@@ -311,8 +315,14 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         raise ConfigError(f"run {cfg.run.name!r} was trained on data of another tokenizer (hash "
                           f"{prev_meta['tokenizer_hash'][:12]}) than data.train's ({plan.tokenizer_hash[:12]}); resume "
                           "it on its own data or start a new run.name")
+    if prev and bool(cfg.distill.teacher) != bool(prev_meta.get("teacher")):  # a distillation resumes only one
+        raise ConfigError(f"run {cfg.run.name!r} holds a {'training' if cfg.distill.teacher else 'distillation'} "
+                          f"run (step {prev[0]}), not a {'distillation' if cfg.distill.teacher else 'training'}; "
+                          "give this one another run.name")
     # Start from a version (run.init): pinned and checked before Ray starts; a resume keeps its own lineage.
     cfg = pin_init(cfg, prev_meta if prev else None, uri, plan.tokenizer_hash)
+    if cfg.distill.teacher:  # a distillation's teacher is the version its student started from, pinned
+        cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, teacher=cfg.run.init))
     prev_id = prev_meta.get("mlflow_run_id")
     run_id = open_run(cfg, plan, uri, wd, prev_id, parent_run_id, extra_tags)
     if run_id is None:
@@ -339,7 +349,9 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         raise TrainError(f"training run {cfg.run.name!r} finished without a checkpoint in {run_dir}")
     # What the run exports and registers: its best checkpoint by validation bound (METHOD.md section 7); the
     # latest one stays in the run folder for resuming.
-    best = best_checkpoint(run_dir)  # complete or None: a best cut short mid-upload is never named
+    # A best cut short mid-upload is never named (complete or None). A distillation registers its last round's
+    # student: the NELBO bound is not what it was trained for.
+    best = best_checkpoint(run_dir) if not cfg.distill.teacher else None
     chosen = best or final[1]
     local_export = fetch_export(chosen, temp_dir("adlm-export-") / cfg.run.name)
     chosen_meta = json.loads((local_export / "config.json").read_text()).get("meta", {})
@@ -361,7 +373,8 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         try:
             version = _finish_tracking(cfg, plan, uri, wd, run_dir, run_id, local_export, do_register, {
                 **(extra_tags or {}), "step": best_step, "val_ppl": best_val, "final_step": final[0],
-                "checkpoint": which, **({INIT_TAG: lineage} if lineage else {})})
+                "checkpoint": which, **({INIT_TAG: lineage} if lineage else {}),
+                **{k: chosen_meta[k] for k in DISTILL_TAGS if k in chosen_meta}})
         except RegistrationError as e:
             unregistered = str(e)
     elif unregistered is None:

@@ -147,6 +147,8 @@ class Worker:
     """The best validation bound so far (its checkpoint is ``<run_dir>/best``: what the run registers)."""
     clip: tuple[float, float] | None = None
     """BD3-LM: the masking-rate interval training draws block times from (the last search's choice)."""
+    teacher: Any = None
+    """A distillation run's ``training.distill.Teacher`` (None: an ordinary run)."""
     window: Window = field(init=False)
     """Running sums since the last log line (a fresh one after each, ``reset_window``)."""
 
@@ -195,7 +197,14 @@ def build(lc: LoopConfig, rank: int, world: int, device: torch.device) -> Worker
         from pipelines.training.init import load_init
 
         load_init(raw, r.init, lc.tracking_uri)
-    module = LossModule(raw, cfg.model)
+    teacher = None
+    if cfg.distill.teacher:  # SDTT (training/distill.py): the round-0 teacher is the student as initialised
+        from pipelines.training.distill import DistillLoss, make_teacher
+
+        teacher = make_teacher(raw)
+        module: torch.nn.Module = DistillLoss(raw, cfg.model, teacher, cfg.distill)
+    else:
+        module = LossModule(raw, cfg.model)
     fsdp = distributed and cfg.scaling.strategy == "fsdp"
     if fsdp:
         from torch.distributed.fsdp import fully_shard
@@ -219,7 +228,7 @@ def build(lc: LoopConfig, rank: int, world: int, device: torch.device) -> Worker
     noise.manual_seed(derive_seed(r.seed, TRAIN_NOISE, rank))
     torch.manual_seed(derive_seed(r.seed, TRAIN_DROPOUT, rank))  # dropout differs per rank, reproducibly
     w = Worker(lc=lc, rank=rank, world=world, device=device, raw=raw, net=net, ema=ema, opt=opt, sched=sched,
-               noise=noise, distributed=distributed, fsdp=fsdp, use_gpu=use_gpu)
+               noise=noise, distributed=distributed, fsdp=fsdp, use_gpu=use_gpu, teacher=teacher)
     return w
 
 
@@ -244,6 +253,10 @@ def resume(w: Worker, ray_checkpoint_dir: str | None, ray_checkpoint_step: int =
     if state.get("clip"):
         set_training_clip(w, tuple(state["clip"]))
     w.step, w.epoch, w.position = int(state["step"]), int(state["data"]["epoch"]), int(state["data"]["position"])
+    if w.teacher is not None:  # a distillation: the teacher of the round the checkpoint is in
+        from pipelines.training.distill import load_teacher
+
+        load_teacher(w, d)
     rng_file = d / f"rng_rank{w.rank}.json"
     if rng_file.is_file() and int(state.get("world", w.world)) == w.world:
         rng = load_state(d, f"rng_rank{w.rank}")
