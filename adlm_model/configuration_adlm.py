@@ -11,11 +11,12 @@ the network) and the provenance under ``meta``; the Hugging Face keys beside the
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from transformers import PretrainedConfig
 
-from .config import ModelConfig
+from .config import KIND_TABLE, ModelConfig
 
 
 class AdlmConfig(PretrainedConfig):
@@ -24,14 +25,18 @@ class AdlmConfig(PretrainedConfig):
     model_type = "adlm"
 
     def __init__(self, model: dict[str, Any] | None = None, meta: dict[str, Any] | None = None,
-                 adlm_kind: str | None = None, **kwargs: Any) -> None:
+                 adlm_kind: str | None = None, kind_fields: dict[str, bool] | None = None, **kwargs: Any) -> None:
         self.model = dict(model or {})
         self.meta = dict(meta or {})
         self.adlm_kind = adlm_kind or self.model.get("kind")
+        self.kind_fields = dict(kind_fields or {})
         super().__init__(**kwargs)
 
     def model_config(self) -> ModelConfig:
-        """The network's ``ModelConfig`` (validated)."""
+        """The network's ``ModelConfig`` (validated). In an export folder the kinds table is not shipped: the kind's
+        fields the export wrote (``kind_fields``: its defaults and capabilities) stand in for its entry."""
+        if self.adlm_kind not in KIND_TABLE and self.kind_fields:
+            KIND_TABLE[self.adlm_kind] = SimpleNamespace(**self.kind_fields)
         return ModelConfig.from_dict(self.model)
 
 

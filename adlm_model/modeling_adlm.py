@@ -26,6 +26,7 @@ passed; on, ``timesteps`` is required.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -35,12 +36,15 @@ from transformers.modeling_outputs import MaskedLMOutput
 
 from .backbone import Rotary
 from .block_attention import block_causal_mask, block_diffusion_pass
+from .config import KIND_TABLE
 from .configuration_adlm import AdlmConfig
 from .models import ADLM, AR, MDLM
 
-NETWORKS: dict[str, type[nn.Module]] = {"mdlm": MDLM, "adlm": ADLM, "ar": AR, "bd3lm": MDLM}
-"""The network of each kind: ``adlm_model.kinds.KINDS``'s (a test checks they agree); ``kinds`` itself pulls in
-the samplers and objectives, which the network does not need."""
+NETWORKS: dict[str, type[nn.Module]] = {"mdlm": MDLM, "adlm": ADLM, "ar": AR, "bd3lm": MDLM, "sedd": MDLM}
+"""The network of each kind, with the parameters of ``adlm_model.kinds.KINDS``'s (a test checks the names and
+shapes agree); ``kinds`` itself pulls in the samplers and objectives, which the network does not need. SEDD's
+score network is MDLM's DiT: its logits here are the raw output ``o`` (log-score = ``o - log(e^sigma - 1) -
+log(V - 1)``, 0 at the input token: ``adlm_model/sedd.py``)."""
 
 
 class AdlmForMaskedLM(PreTrainedModel):
@@ -54,6 +58,10 @@ class AdlmForMaskedLM(PreTrainedModel):
 
     def __init__(self, config: AdlmConfig) -> None:
         super().__init__(config)
+        # transformers may import configuration_adlm and this module from two copies of the folder, each with its
+        # own shipped ``config``: the kind's fields go into this copy's table too.
+        if config.adlm_kind not in KIND_TABLE and config.kind_fields:
+            KIND_TABLE[config.adlm_kind] = SimpleNamespace(**config.kind_fields)
         cfg = config.model_config()
         network = NETWORKS[cfg.kind](cfg)
         # The network's children become this model's: the parameter names are the network's own (the keys of
@@ -84,7 +92,8 @@ class AdlmForMaskedLM(PreTrainedModel):
             raise ValueError("attention_mask hides positions, which these networks cannot do: pass rows without "
                              "padding (or pad with the tokenizer's pad id and ignore those logits)")
         sigma = self._sigma(input_ids, timesteps)
-        if cfg.kind == "bd3lm":
+        kind = KIND_TABLE[cfg.kind]  # the kinds table, or the export's kind_fields (configuration_adlm)
+        if kind.block_diffusion:
             net = self.network.backbone
             if sample_mode:
                 mask = block_causal_mask(input_ids.shape[1], cfg.block_size, input_ids.device)
@@ -95,7 +104,7 @@ class AdlmForMaskedLM(PreTrainedModel):
                                      "pass sample_mode=True for one sequence under the block-causal mask")
                 z_t, x0 = input_ids.chunk(2, dim=1)
                 logits = block_diffusion_pass(net, z_t, x0, sigma, cfg.block_size)
-        elif cfg.kind == "ar":
+        elif not kind.diffusion:
             logits = self.network(input_ids)
         else:
             logits = self.network.denoiser_logits(input_ids, sigma)
@@ -105,7 +114,7 @@ class AdlmForMaskedLM(PreTrainedModel):
 
     def _sigma(self, input_ids: torch.Tensor, timesteps: torch.Tensor | float | None) -> torch.Tensor:
         batch, device = input_ids.shape[0], input_ids.device
-        if not self.network.cfg.time_conditioning:
+        if not self.network.cfg.conditions_on_time:
             return torch.zeros(batch, device=device)
         if timesteps is None:
             raise ValueError("this model is time-conditioned: pass timesteps= (sigma(t) per row)")

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from .checkpoint import CheckpointError, _atomic_json, _atomic_safetensors, load_checkpoint
 from .config import ModelConfig
+from .kinds import model_kind
 
 PRETRAINED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 MODEL_TYPE = "adlm"
@@ -38,6 +39,8 @@ HF_CODE = ("configuration_adlm.py", "modeling_adlm.py", "config.py", "attention.
            "block_attention.py")
 """The modules an export ships for ``transformers``: the two wrappers and the network's own modules (torch only),
 copied from this package; ``transformers`` follows their relative imports."""
+KIND_FIELDS = ("diffusion", "anchored", "adaln", "skips_bos", "time_conditioned", "block_diffusion")
+"""The ``kinds.ModelKind`` fields an export's config.json carries for its shipped network (``kind_fields``)."""
 AUTO_MAP = {"AutoConfig": "configuration_adlm.AdlmConfig", "AutoModelForMaskedLM": "modeling_adlm.AdlmForMaskedLM"}
 
 
@@ -62,6 +65,9 @@ def save_pretrained(directory: str | os.PathLike, model: nn.Module, cfg: ModelCo
         "torch_dtype": dtypes.pop() if len(dtypes) == 1 else "float32",
         **{f"{k.removesuffix('_id')}_token_id": v for k, v in special_tokens.items()},
         "model": cfg.to_dict(),
+        # The kind's fields of the kinds table (its defaults and capabilities): the shipped modules cannot import
+        # ``kinds`` (it pulls in the samplers and objectives), so the export carries what its network reads.
+        "kind_fields": {f: getattr(model_kind(cfg.kind), f) for f in KIND_FIELDS},
         "meta": meta or {},
     }
     _atomic_json(d / "config.json", config)

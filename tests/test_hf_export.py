@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from adlm_model.bd3lm import block_causal_mask, block_diffusion_logits
+from adlm_model.config import ModelConfig
 from adlm_model.kinds import KINDS
 from adlm_model.pretrained import HF_CODE, load_pretrained, save_pretrained
 from tests.support_models import micro, randomized
@@ -81,6 +82,9 @@ def test_transformers_loads_every_kind_with_our_logits(tmp_path, kind, one_torch
             assert torch.equal(hf(x0, sample_mode=True).logits, ours.backbone(x0, zeros, mask=mask))
         elif kind == "ar":
             want, got = ours(z), hf(input_ids=z).logits
+        elif cfg.conditions_on_time:  # SEDD: the raw score-network output at the sigma given
+            sigma = torch.tensor([0.3, 1.2])
+            want, got = ours.denoiser_logits(z, sigma), hf(input_ids=z, timesteps=sigma).logits
         else:
             want, got = ours.denoiser_logits(z, zeros), hf(input_ids=z).logits
     assert got.shape == (2, cfg.seq_len, cfg.width) and torch.equal(got, want)
@@ -139,7 +143,13 @@ def test_the_shipped_code_is_the_packages_and_imports_only_torch() -> None:
                 mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
                 bad = [m for m in mods if m.split(".")[0] not in allowed]
                 assert not bad, f"{name} imports {bad}: an export could not load it with torch alone"
-    assert NETWORKS == {k: kind.network for k, kind in KINDS.items()}
+    assert set(NETWORKS) == set(KINDS)
+    for k, kind in KINDS.items():  # the same parameters (names and shapes) as the kinds table's network
+        cfg = ModelConfig(kind=k, vocab_size=16, mask_id=16, seq_len=8, hidden=16, heads=2, n_blocks=1,
+                          denoiser_blocks=1, cond_dim=8, block_size=4)
+        with torch.device("meta"):
+            ours, shipped = kind.network(cfg).state_dict(), NETWORKS[k](cfg).state_dict()
+        assert {n: t.shape for n, t in ours.items()} == {n: t.shape for n, t in shipped.items()}, k
 
 
 def test_device_map_and_bfloat16_loads(tmp_path, one_torch_thread) -> None:
