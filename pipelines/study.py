@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="validate the study, count FLOPs and print the plan; "
                                                         "train nothing")
     add_logging_flags(p)
-    return run_command(p, _run, argv, bad_input=(ConfigError,))
+    from pipelines.tracking import TrackingAuthError
+
+    return run_command(p, _run, argv, bad_input=(ConfigError, TrackingAuthError), failed=(RuntimeError,))
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -40,7 +40,15 @@ from pipelines.studies.comparisons import compare, comparisons_markdown, excess_
 from pipelines.studies.report import ArmResult, plot_curves, results_csv, table_markdown
 from pipelines.studies.spec import StudySpec, validate_arms
 from pipelines.studies.stats import relative_gain, summarise
-from pipelines.tracking import RUN_NAME_TAG, client, ensure_experiment, resolve_tracking_uri
+from pipelines.tracking import (
+    RUN_NAME_TAG,
+    best_effort,
+    client,
+    ensure_experiment,
+    require_tracking,
+    resolve_tracking_uri,
+    tracking_reachable,
+)
 from pipelines.training.config import TrainConfig
 
 log = get_logger(__name__)
@@ -157,7 +165,8 @@ def _mlflow_runs(plan: StudyPlan) -> tuple[str | None, dict[str, str | None]]:
     from pipelines.tracking import find_or_create_run, log_params_once
 
     spec = plan.spec
-    try:
+    with best_effort(plan.tracking_uri, "the study runs without its parent and arm runs"):  # refused: stops here
+        require_tracking(plan.tracking_uri)
         exp = ensure_experiment(plan.configs[spec.arms[0].name].mlflow.experiment, plan.tracking_uri, plan.workdir)
         parent, _ = find_or_create_run(plan.tracking_uri, exp, f"study-{spec.name}",
                                        tags={"study": spec.name, "adlm.study_parent": "true"})
@@ -177,10 +186,7 @@ def _mlflow_runs(plan: StudyPlan) -> tuple[str | None, dict[str, str | None]]:
                 "max_steps": max(r.max_steps for r in plan.runs if r.arm == arm.name)})
             arms[arm.name] = rid
         return parent, arms
-    except Exception as e:  # noqa: BLE001 - a tracking outage must not stop the study; the runs spool their metrics
-        log.warning(f"MLflow unavailable ({type(e).__name__}: {str(e)[:200]}); the study runs without its "
-                    "parent and arm runs")
-        return None, {a.name: None for a in spec.arms}
+    return None, {a.name: None for a in spec.arms}  # the runs spool their metrics
 
 
 def _history(plan: StudyPlan, rp: RunPlan) -> dict[int, float]:
@@ -212,6 +218,7 @@ def run_study(spec: StudySpec, *, workdir: str | os.PathLike | None = None, trac
     quiet_environment()
     t0 = time.time()
     plan = plan_study(spec, workdir=workdir, tracking_uri=tracking_uri, root=root)
+    tracking_reachable(plan.tracking_uri)  # refused credentials (401/403) stop here in one line, before Ray starts
     wd = plan.workdir
     # The trials get ``plan.workdir`` as an argument (TrialContext): none reads $ADLM_WORKDIR.
     log.info(f"[study {spec.name}] {len(spec.arms)} arms, {len(plan.runs)} runs; equal steps {spec.steps}"
@@ -347,7 +354,9 @@ def _log_results(plan: StudyPlan, parent: str | None, arms: list[ArmResult], loc
 
     if parent is None:
         return
-    try:
+    # After the runs: the table is on disk and stays; refused credentials are a warning here.
+    with best_effort(plan.tracking_uri, "the study's results are not logged to MLflow (the table is on disk)",
+                     stop_on_refusal=False):
         c = client(plan.tracking_uri)
         for a in arms:
             found = c.search_runs([c.get_run(parent).info.experiment_id],
@@ -370,5 +379,3 @@ def _log_results(plan: StudyPlan, parent: str | None, arms: list[ArmResult], loc
         for f in local_files:
             log_artifact_safely(plan.tracking_uri, parent, f, "study")
         c.set_terminated(parent, "FINISHED")
-    except Exception as e:  # noqa: BLE001 - the table is on disk; say so
-        log.warning(f"logging the study to MLflow failed ({type(e).__name__}: {str(e)[:200]})")

@@ -192,9 +192,10 @@ class SweepResult:
 
 
 def _parent_run(plan: SweepPlan) -> str | None:
-    from pipelines.tracking import find_or_create_run, log_params_once
+    from pipelines.tracking import best_effort, find_or_create_run, log_params_once, require_tracking
 
-    try:
+    with best_effort(plan.tracking_uri, "sweeping without a parent run"):  # refused credentials stop it here
+        require_tracking(plan.tracking_uri)
         exp = ensure_experiment(plan.base.mlflow.experiment, plan.tracking_uri, plan.workdir)
         rid, _ = find_or_create_run(plan.tracking_uri, exp, f"sweep-{plan.space.name}",
                                     tags={"sweep": plan.space.name, "adlm.sweep_parent": "true"})
@@ -207,9 +208,7 @@ def _parent_run(plan: SweepPlan) -> str | None:
                   "model.kind": plan.base.model.kind, "base.max_steps": plan.base.run.max_steps}
         log_params_once(plan.tracking_uri, rid, params)
         return rid
-    except Exception as e:  # noqa: BLE001 - a tracking outage must not stop the sweep
-        log.warning(f"MLflow unavailable ({type(e).__name__}: {str(e)[:200]}); sweeping without a parent run")
-        return None
+    return None
 
 
 def _search_alg(space: SearchSpace) -> Any:
@@ -308,11 +307,12 @@ def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: Trial
     import mlflow
 
     from pipelines.registry import register_checkpoint, training_tags
-    from pipelines.tracking import log_artifact_safely
+    from pipelines.tracking import best_effort, log_artifact_safely
 
     c = client(plan.tracking_uri)
     version = None
-    try:
+    # After the trials: their results are on disk and stay; refused credentials are a warning here.
+    with best_effort(plan.tracking_uri, "the sweep's MLflow bookkeeping is incomplete", stop_on_refusal=False):
         children = _child_runs(plan, parent)
         for r in rows:
             run = children.get(r.trial_id)
@@ -357,8 +357,6 @@ def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: Trial
                 c.set_tag(parent, "registered_version", version)
         if not interrupted:
             c.set_terminated(parent, "FINISHED")
-    except Exception as e:  # noqa: BLE001 - the sweep's results are on disk; say what failed
-        log.warning(f"MLflow bookkeeping of the sweep failed ({type(e).__name__}: {str(e)[:300]})")
     return version
 
 
