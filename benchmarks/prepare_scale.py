@@ -138,7 +138,7 @@ def main() -> None:
            "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
            "ADLM_WORKDIR": str(work), "PYTHONPATH": str(ROOT)}
     lines = corpus_lines()
-    base = dict(tokenizer="gpt2", length=args.length, quiet=True, overwrite=True, actors=2, min_actors=2)
+    base = dict(tokenizer="gpt2", length=args.length, overwrite=True, actors=2, min_actors=2)
     runs: dict[tuple[str, int], dict] = {}
     print(f"GPT-2, wrap L={args.length}, {os.cpu_count()} CPUs; corpus {args.size_mb:g} MB and "
           f"{4 * args.size_mb:g} MB; 2 tokenizer actors unless said")

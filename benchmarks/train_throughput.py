@@ -71,7 +71,7 @@ def prepare_demo_data(workdir: Path) -> Path:
 
     out = workdir / "data" / "embedded"
     # Ray (if this has to start it) stops again: the plain loops run without it, the Ray loop starts its own.
-    prepare(dict(source=["embedded"], out=str(out), workdir=str(workdir), quiet=True), shutdown_ray=True)
+    prepare(dict(source=["embedded"], out=str(out), workdir=str(workdir)), shutdown_ray=True)
     return out
 
 

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         for keep in (True, False):
             out = Path(tmp) / ("keep" if keep else "drop")
             m = prepare(dict(source=[f"test={src}"], out=str(out), tokenizer=str(tokenizer), length=model_cfg.seq_len,
-                             mode="wrap", detokenizer="wikitext", keep_empty=keep, quiet=True))["test"]
+                             mode="wrap", detokenizer="wikitext", keep_empty=keep))["test"]
             res = evaluate_model(args.model, "ppl", EvalConfig(data=str(out)), workdir=wd, tracking_uri=uri,
                                  in_process=True, log=False)
             key = next(k for k in res.metrics if k.endswith("ppl") and "test" in k)

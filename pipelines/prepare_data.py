@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--source testbed only: a field of the synthetic language (adlm_model.testbed.TestbedConfig: "
                    "seed, length, n_classes, ...) or rows of a split (train_rows, validation_rows, test_rows); "
                    "repeatable")
-    add_logging_flags(p)  # -q: no progress lines (the summary still prints)
+    add_logging_flags(p)  # -q: no progress lines (the result still prints)
     return p
 
 
@@ -94,13 +94,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    args.quiet = args.quiet > 0
-    del args.verbose
-    if args.source is None:
-        args.source = ["embedded"]
+    import dataclasses
+
     from pipelines.data.prepare import prepare
 
-    prepare(args, shutdown_ray=True)
+    cfg = PrepareConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PrepareConfig)
+                           if getattr(args, f.name, None) is not None})
+    for split, m in prepare(cfg, shutdown_ray=True).items():  # the result; progress went to the log
+        print(f"{split}: {m.rows:,} rows x {m.length} tokens in {len(m.shards)} shards ({m.tokens:,} tokens)")
     return 0
 
 if __name__ == "__main__":

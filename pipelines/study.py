@@ -47,7 +47,7 @@ def _run(args: argparse.Namespace) -> int:
                                                   if arm.name in plan.flops_step else ""))
         print(f"OK: {len(plan.runs)} runs")
         return 0
-    run_study(spec, workdir=args.workdir, tracking_uri=args.tracking_uri)
+    print(run_study(spec, workdir=args.workdir, tracking_uri=args.tracking_uri).markdown, flush=True)
     return 0
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ def make_tiny_data(root: Path, train_chars: int = 120_000, val_chars: int = 12_0
     files = embedded_slices(root, {"train": train_chars, "validation": val_chars})
     out_dir = root / "data"
     prepare(dict(source=[f"{split}={p}" for split, p in files.items()], out=str(out_dir), train_tokenizer=512,
-                 length=length, quiet=True))
+                 length=length))
     return out_dir
 
 

@@ -193,3 +193,31 @@ def test_the_readme_layout_table_names_every_module() -> None:
                 missing.append(f"{folder}: {f}")
     assert not unnamed, f"modules the README's layout table does not name: {', '.join(unnamed)}"
     assert not missing, f"files the README's layout table names that do not exist: {', '.join(missing)}"
+
+
+PRINTS_RESULTS = {("pipelines.cli", "run_command"),  # the one `error:` line of every command
+                  ("pipelines.evaluation.eval_lm", "run"),  # the eval-LM command's body (`--prepare` prints a path)
+                  ("pipelines.run_all", "run"), ("pipelines.run_all", "_banner")}  # the demo's stage titles and tables
+"""Functions outside a command's ``main``/``_run`` that print: the result-printing ones, named one by one."""
+
+
+def test_library_code_never_prints() -> None:
+    """One output channel: progress and warnings go to the logger, results alone on stdout from the command
+    (its ``main``/``_run``, or a function in ``PRINTS_RESULTS``). A ``print(`` anywhere else in ``adlm_model`` or
+    ``pipelines`` is a second channel that ``-q`` cannot silence and a pipe of the results would mix in."""
+    found, printing = [], set()
+
+    def walk(name: str, node: ast.AST, function: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else function
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Name) and child.func.id == "print":
+                printing.add((name, function))
+                if function not in ("main", "_run") and (name, function) not in PRINTS_RESULTS:
+                    found.append(f"{name}:{child.lineno} (in {function or 'the module'})")
+            walk(name, child, inner)
+
+    for name, path in MODULES.items():
+        walk(name, ast.parse(path.read_text()), None)
+    assert not found, "print( outside a command's main/_run: log it (pipelines.logs.get_logger) or return it: " + \
+        ", ".join(found)
+    assert PRINTS_RESULTS <= printing, f"allowed but printing nothing (drop them): {PRINTS_RESULTS - printing}"

@@ -12,7 +12,7 @@ from pipelines.studies.floors import floors, main
 @pytest.fixture(scope="module")
 def split(tmp_path_factory):
     out = tmp_path_factory.mktemp("floors") / "testbed"
-    prepare({"source": "testbed", "out": str(out), "quiet": True, "split": ["train", "validation"],
+    prepare({"source": "testbed", "out": str(out), "split": ["train", "validation"],
              "testbed": {"length": 16, "entropy_rows": 300, "train_rows": 20000, "validation_rows": 4000}})
     return out
 

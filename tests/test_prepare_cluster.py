@@ -73,7 +73,7 @@ def test_a_hub_dataset_prepared_into_s3_on_a_cluster_survives_a_node_loss(tmp_pa
     with s3_server() as s3, ray_cluster(nodes=2) as rc:
         mirror = f"s3://{s3.bucket}/hub"
         write_stand_in(mirror, docs, files=FILES, row_group=5)
-        opts = dict(source=["standin"], hub_mirror=mirror, ray_address=rc.address, quiet=True)
+        opts = dict(source=["standin"], hub_mirror=mirror, ray_address=rc.address)
         try:
             READS.update(units=0, max_rows=0)
             m = prepare({**opts, "out": f"s3://{s3.bucket}/out"})["train"]
@@ -88,7 +88,7 @@ def test_a_hub_dataset_prepared_into_s3_on_a_cluster_survives_a_node_loss(tmp_pa
 
             # The local path over the same files with the same settings: the same shards, byte for byte.
             local = prepare(dict(source=[f"train={tmp_path / 'local' / REPO / 'plain_text'}"], tokenizer="gpt2",
-                                 length=64, out=str(tmp_path / "local_out"), ray_address=rc.address, quiet=True))["train"]
+                                 length=64, out=str(tmp_path / "local_out"), ray_address=rc.address))["train"]
             assert local.content_hash() == m.content_hash() and local.token_frequency == m.token_frequency
             assert {s.name: (tmp_path / "local_out" / "train" / s.name).read_bytes() for s in local.shards} == hub
 

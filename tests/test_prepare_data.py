@@ -73,7 +73,7 @@ def _expected_wrap(opts: dict, length: int, keep_empty: bool = False) -> tuple[n
 
 def test_wrap_rows_decode_to_the_documents(ray_session, tmp_path: Path, corpus: Path, docs: list[str]) -> None:
     out = tmp_path / "wrap"
-    opts = dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=64, quiet=True)
+    opts = dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=64)
     ms = prepare(opts)
     m = ms["train"]
     tok = load_tokenizer("gpt2")
@@ -114,7 +114,7 @@ def test_keep_empty_gives_every_empty_document_its_eos(ray_session, tmp_path: Pa
     """The zero-shot convention of the references (their loader appends EOS to every row, empty rows
     included): with keep_empty the two empty documents become two extra EOS tokens in the stream."""
     out = tmp_path / "keep"
-    opts = dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=64, keep_empty=True, quiet=True)
+    opts = dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=64, keep_empty=True)
     m = prepare(opts)["train"]
     tok = load_tokenizer("gpt2")
     ids, _, _ = _rows(out / "train")
@@ -135,7 +135,7 @@ def test_row_indices_read_the_same_rows_as_a_range(ray_session, tmp_path: Path, 
     from pipelines.data.reader import read_row_indices, read_rows
 
     out = tmp_path / "rows"
-    prepare(dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=32, quiet=True))
+    prepare(dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=32))
     every, _ = read_rows(str(out / "train"))
     assert len(read_manifest(out / "train").shards) >= 3
     idx = np.linspace(0, len(every) - 1, 9).round().astype(np.int64)
@@ -149,7 +149,7 @@ def test_row_indices_read_the_same_rows_as_a_range(ray_session, tmp_path: Path, 
 def test_pad_rows_are_exact(ray_session, tmp_path: Path, corpus: Path, docs: list[str]) -> None:
     out = tmp_path / "pad"
     ms = prepare(dict(source=[str(corpus)], out=str(out), tokenizer="bert-base-uncased", mode="pad", length=48,
-                      max_truncated=1.0, quiet=True))
+                      max_truncated=1.0))
     m = ms["train"]
     tok = load_tokenizer("bert-base-uncased")
     ids, mask, tabs = _rows(out / "train")
@@ -179,7 +179,7 @@ def test_killed_run_resumes_to_identical_shards(ray_session, tmp_path: Path, cor
     """A run that dies before its manifest resumes at unit granularity: the units whose shard matches its record
     are kept (not even rewritten), a lost shard's unit is done again, and every shard equals an undisturbed run's
     byte for byte."""
-    opts = dict(source=[str(corpus)], tokenizer="gpt2", length=32, quiet=True)
+    opts = dict(source=[str(corpus)], tokenizer="gpt2", length=32)
     ref = prepare({**opts, "out": str(tmp_path / "ref")})["train"]
     assert len(ref.shards) >= 4
     out = tmp_path / "killed"
@@ -217,7 +217,7 @@ def test_splits_trained_tokenizer_and_uri_output(ray_session, tmp_path: Path, do
     (tmp_path / "val.txt").write_text("\n".join(docs[50:]), encoding="utf-8")
     out_uri = (tmp_path / "out").as_uri()  # file:// goes through the pyarrow filesystem path, as s3:// does
     ms = prepare(dict(source=[f"train={src}", f"validation={tmp_path / 'val.txt'}"], out=out_uri,
-                      train_tokenizer=400, text_field="body", length=40, quiet=True))
+                      train_tokenizer=400, text_field="body", length=40))
     tok_file = tmp_path / "out" / "tokenizer.json"
     assert tok_file.is_file()
     tok = load_tokenizer(str(tok_file))
@@ -284,12 +284,12 @@ def test_cli_help_and_error_line(capsys: pytest.CaptureFixture[str], tmp_path: P
 def test_embedded_default_fits_the_tiny_model(ray_session, tmp_path: Path) -> None:
     from adlm_model import preset
 
-    ms = prepare(dict(source=["embedded"], out=str(tmp_path / "emb"), quiet=True))
+    ms = prepare(dict(source=["embedded"], out=str(tmp_path / "emb")))
     assert set(ms) == {"train", "validation", "test"}
     m = ms["train"]
     assert m.vocab_size == 8192 and m.length == 128 and m.rows > 10_000 and m.source == "embedded"
     m.check_fits(preset("tiny", **m.model_overrides()))
     assert (tmp_path / "emb" / "tokenizer.json").is_file()
     # Rerun: verified and reused, not recomputed.
-    again = prepare(dict(source=["embedded"], out=str(tmp_path / "emb"), quiet=True))
+    again = prepare(dict(source=["embedded"], out=str(tmp_path / "emb")))
     assert {s: x.content_hash() for s, x in again.items()} == {s: x.content_hash() for s, x in ms.items()}

@@ -23,7 +23,7 @@ OPTS = {"length": 16, "entropy_rows": 400, "train_rows": 300, "validation_rows":
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     out = tmp_path_factory.mktemp("testbed") / "data"
-    ms = prepare({"source": "testbed", "out": str(out), "testbed": {**OPTS, "shard_rows": 128}, "quiet": True})
+    ms = prepare({"source": "testbed", "out": str(out), "testbed": {**OPTS, "shard_rows": 128}})
     return out, ms
 
 
@@ -50,11 +50,11 @@ def test_shards_are_the_languages_rows_and_the_manifest_carries_the_truth(prepar
 def test_rerun_reuses_and_other_options_are_refused(prepared, tmp_path):
     out, ms = prepared
     before = (out / "train" / "part-00000.parquet").stat().st_mtime_ns
-    again = prepare({"source": "testbed", "out": str(out), "testbed": {**OPTS, "shard_rows": 128}, "quiet": True})
+    again = prepare({"source": "testbed", "out": str(out), "testbed": {**OPTS, "shard_rows": 128}})
     assert (out / "train" / "part-00000.parquet").stat().st_mtime_ns == before
     assert again["train"].content_hash() == ms["train"].content_hash()
     with pytest.raises(PrepareError, match="made with other options; pass --overwrite"):
-        prepare({"source": "testbed", "out": str(out), "testbed": {**OPTS, "seed": 6, "shard_rows": 128}, "quiet": True})
+        prepare({"source": "testbed", "out": str(out), "testbed": {**OPTS, "seed": 6, "shard_rows": 128}})
     with pytest.raises(PrepareError, match="unknown testbed config key"):
         prepare({"source": "testbed", "out": str(tmp_path), "testbed": ["n_clases=3"]})
     with pytest.raises(PrepareError, match="brings its own tokenizer"):
@@ -64,7 +64,7 @@ def test_rerun_reuses_and_other_options_are_refused(prepared, tmp_path):
 def test_same_options_same_bytes(prepared, tmp_path):
     out, ms = prepared
     other = prepare({"source": "testbed", "out": str(tmp_path / "d"), "testbed": [f"{k}={v}" for k, v in {**OPTS, "shard_rows": 128}.items()],
-                     "quiet": True, "split": ["validation"]})
+                     "split": ["validation"]})
     assert other["validation"].content_hash() == ms["validation"].content_hash()
     freq = ms["validation"].token_frequency
     assert sum(freq.values()) == 64 * 16 and np.isclose(freq["1"], 64)

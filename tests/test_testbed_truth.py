@@ -24,7 +24,7 @@ OPTS = {"length": 16, "entropy_rows": 1500, "train_rows": 512, "validation_rows"
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     out = tmp_path_factory.mktemp("truth") / "testbed"
-    prepare({"source": "testbed", "out": str(out), "testbed": OPTS, "quiet": True, "split": ["train", "validation"]})
+    prepare({"source": "testbed", "out": str(out), "testbed": OPTS, "split": ["train", "validation"]})
     return out
 
 

@@ -142,8 +142,7 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
         # its tracker, which are the same in a Ray Train worker, not Ray Train's 20 s of start-up. (Each epoch's
         # reread of the shards shows in no window's pace: 1.007 measured alone.) The outage starts after a few
         # windows and ends with training still running.
-        res = train(_cfg(tiny_data, "long", STEPS, micro=64), workdir=str(wd), tracking_uri=server.url,
-                    quiet=True)
+        res = train(_cfg(tiny_data, "long", STEPS, micro=64), workdir=str(wd), tracking_uri=server.url)
         outage.thread.join(timeout=OUTAGE_S + 60)
         assert outage.end, "the outage never happened"
         assert time.time() > outage.end, "training ended before the server was back: lengthen STEPS"
@@ -169,11 +168,11 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
         # same command (server back) trains nothing, sends the metrics it kept and registers. In-process (Ray Train
         # is not what this part tests; one epoch of data, so no reread either).
         server.stop()
-        short = train(_cfg(tiny_data, "short", 60), workdir=str(wd), tracking_uri=server.url, quiet=True)
+        short = train(_cfg(tiny_data, "short", 60), workdir=str(wd), tracking_uri=server.url)
         assert short.registered_version is None
         assert "is unreachable: the run is trained" in capfd.readouterr().err  # a log line: WARNING on stderr
         server.start()
-        again = train(_cfg(tiny_data, "short", 60), workdir=str(wd), tracking_uri=server.url, quiet=True)
+        again = train(_cfg(tiny_data, "short", 60), workdir=str(wd), tracking_uri=server.url)
         assert again.registered_version is not None and again.step == 60
         steps = [m.step for m in client.get_metric_history(again.run_id, "train/loss")]
         assert sorted(steps) == list(range(LOG_EVERY, 61, LOG_EVERY))

@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,8 +121,6 @@ class PrepareConfig:
     """Ray cluster address (default: ``$RAY_ADDRESS`` or a new local Ray)."""
     progress_interval: float = 2.0
     """Seconds between progress lines."""
-    quiet: bool = False
-    """No progress lines (the summary still prints)."""
     testbed: Any = None
     """The ``testbed`` source only: ``TestbedConfig`` fields and rows per split (``train_rows``, ...), as a mapping
     or ``KEY=VALUE`` strings (``pipelines.data.synthetic``)."""
@@ -157,12 +154,9 @@ class Plan:
 
 
 def log(cfg: PrepareConfig, msg: str, force: bool = False) -> None:
-    """A progress line (a log line, none with ``quiet``), or with ``force`` a line of the command's summary (always
-    printed: what was prepared, reused or resumed)."""
-    if force:
-        print(f"[prepare_data] {msg}", file=sys.stderr, flush=True)
-    elif not cfg.quiet:
-        logger.info(msg)
+    """A progress line, or with ``force`` a line of the run's summary (what was prepared, reused or resumed): both
+    log lines (``-q`` hides them; the command prints its result on stdout)."""
+    logger.info(msg)
 
 
 def _unit_bytes(total: int, unit_mb: float) -> int:

@@ -148,7 +148,7 @@ def run_one(config: dict[str, Any], *, ctx: TrialContext) -> None:
     cfg = TrainConfig.from_dict(rp.raw)
     tags = {"study": ctx.study, "study.arm": rp.arm, "study.seed": str(rp.seed)}
     res = train(cfg, workdir=ctx.workdir, tracking_uri=ctx.tracking_uri, parent_run_id=ctx.arm_runs.get(rp.arm),
-                extra_tags=tags, register=False, quiet=True)
+                extra_tags=tags, register=False)
     tune.report({"step": res.step, "val_ppl": res.val_ppl, "mlflow_run_id": res.run_id})
 
 
@@ -208,6 +208,8 @@ class StudyResult:
     out_dir: str
     seconds: float
     artifacts: dict[str, str] = field(default_factory=dict)
+    markdown: str = ""
+    """The results table (``table.md``): what the command prints."""
 
 
 def run_study(spec: StudySpec, *, workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
@@ -344,9 +346,8 @@ def _tabulate(plan: StudyPlan, parent: str | None, seconds: float) -> StudyResul
             write_bytes_atomic(join(out, "curves.png"), png.read_bytes())
         artifacts["curves.png"] = join(out, "curves.png")
     _log_results(plan, parent, arms, local_files=[Path(p) for p in (artifacts.values()) if not is_uri(p)])
-    print(md, flush=True)
     log.info(f"[study {spec.name}] {seconds / 60:.1f} min; table and curves in {out}")
-    return StudyResult(spec.name, arms, parent, out, seconds, artifacts)
+    return StudyResult(spec.name, arms, parent, out, seconds, artifacts, md)
 
 
 def _log_results(plan: StudyPlan, parent: str | None, arms: list[ArmResult], local_files: list[Path]) -> None:

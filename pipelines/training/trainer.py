@@ -272,7 +272,7 @@ def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, 
 
 def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
           callbacks: list | None = None, parent_run_id: str | None = None, extra_tags: dict[str, str] | None = None,
-          register: bool | None = None, quiet: bool = False) -> TrainResult:
+          register: bool | None = None) -> TrainResult:
     """Train ``cfg`` with Ray Train, track it in MLflow and register the final checkpoint.
 
     Rerunning with the same ``run.name`` (and storage) resumes the run from its latest checkpoint.
@@ -304,11 +304,12 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     run_id = open_run(cfg, plan, uri, wd, prev_id, parent_run_id, extra_tags,
                       without=f"training without a run: the metrics wait in {join(run_dir, SPOOL)} and the next run "
                               "of this command sends them and registers")
-    if not quiet:
-        log.info(f"[{cfg.run.name}] {cfg.model.kind} model, {cfg.world} worker(s) x micro-batch {cfg.batch.micro_batch} "
-                 f"x accumulation {cfg.accumulation} = global batch {cfg.batch.global_batch}; data {plan.train_rows} "
-                 f"train rows; storage {run_dir}; MLflow run {run_id} at {redact_uri(uri)}"
-                 + (f"; resuming from step {prev[0]}" if prev else ""))
+    # A Tune trial's run lines are detail (Tune's status table shows the trials): -v shows them.
+    say = log.debug if _in_tune() else log.info
+    say(f"[{cfg.run.name}] {cfg.model.kind} model, {cfg.world} worker(s) x micro-batch {cfg.batch.micro_batch} "
+        f"x accumulation {cfg.accumulation} = global batch {cfg.batch.global_batch}; data {plan.train_rows} "
+        f"train rows; storage {run_dir}; MLflow run {run_id} at {redact_uri(uri)}"
+        + (f"; resuming from step {prev[0]}" if prev else ""))
 
     if prev is not None and prev[0] >= cfg.run.max_steps and not _in_tune():
         # A rerun of a finished run: nothing to train, so no Ray and no Ray Train worker group (20-30 s of start-up
@@ -363,10 +364,9 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         unregistered = None
     export = publish_dir(local_export, join(wd, "checkpoints", cfg.run.name))
     shutil.rmtree(local_export.parent, ignore_errors=True)
-    if not quiet:
-        log.info(f"[{cfg.run.name}] done: step {final[0]}, validation PPL <= {val_ppl}; best step {best_step} (PPL <= "
-                 f"{best_val}) exported to {export}"
-                 + (f", registered {cfg.mlflow.registered_model} v{version} @candidate" if version else ""))
+    say(f"[{cfg.run.name}] done: step {final[0]}, validation PPL <= {val_ppl}; best step {best_step} (PPL <= "
+        f"{best_val}) exported to {export}"
+        + (f", registered {cfg.mlflow.registered_model} v{version} @candidate" if version else ""))
     return TrainResult(run_id=run_id or "", run_name=cfg.run.name, step=final[0], val_ppl=val_ppl,
                        checkpoint_dir=export, registered_version=version,
                        model_name=cfg.mlflow.registered_model if version else None, metrics=metrics,
