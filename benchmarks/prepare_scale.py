@@ -49,7 +49,7 @@ def sample():
         peak["mb"] = max(peak["mb"], rss_mb())
         time.sleep(0.02)
 from pipelines.runtime import init_ray
-from pipelines.data.prepare import prepare
+from pipelines.data.prepare import PrepareConfig, prepare
 from pipelines.data.sources import NAMED_SOURCES
 from tests.support_hub import stand_in_source
 NAMED_SOURCES["standin"] = stand_in_source()
@@ -58,7 +58,7 @@ before = rss_mb()
 sampler = threading.Thread(target=sample, daemon=True)
 sampler.start()
 t = time.perf_counter()
-m = prepare(args["opts"])["train"]
+m = prepare(PrepareConfig.from_dict(args["opts"]))["train"]
 dt = time.perf_counter() - t
 done.set()
 sampler.join()

@@ -109,14 +109,14 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> PreparedData:
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_runs_on_tiny_data_prepared_by_its_own_definition(recipe: Path, tmp_path: Path, ray_session,
                                                                   one_torch_thread, prepared: PreparedData) -> None:
-    from pipelines.data.prepare import prepare
+    from pipelines.data.prepare import PrepareConfig, prepare
     from pipelines.training.trainer import train
 
     raw = yaml.safe_load(recipe.read_text())
     cfg = load_config(recipe)
     if cfg.data.source == "testbed":
         prepared.copy_to(tmp_path / "work" / Path(cfg.data.train).parent, ("testbed",), lambda out: prepare(
-            dict(source=["testbed"], out=str(out),
+            PrepareConfig(source=["testbed"], out=str(out),
                  testbed=dict(train_rows=64, validation_rows=8, test_rows=8, entropy_rows=200))))
         uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
         res = train(load_config(recipe, SCALED + [f"run.name=recipe-{recipe.stem}"]), workdir=str(tmp_path / "work"),
@@ -132,8 +132,8 @@ def test_recipe_runs_on_tiny_data_prepared_by_its_own_definition(recipe: Path, t
 
     def make(out: Path) -> dict:
         texts = _texts(out.parent / f"{out.name}-text", mode)
-        return prepare(dict(source=[f"{s}={texts['train' if s == 'train' else 'validation']}" for s in splits],
-                            out=str(out), mode=mode, length=cfg.model.seq_len, shard_rows=64, **tokenizer))
+        return prepare(PrepareConfig(source=[f"{s}={texts['train' if s == 'train' else 'validation']}" for s in splits],
+                                  out=str(out), mode=mode, length=cfg.model.seq_len, **tokenizer))
 
     key = (cfg.data.source, tuple(splits), mode, cfg.model.seq_len, tuple(sorted(tokenizer.items())))
     vocab = prepared.copy_to(data_dir, key, make)

@@ -235,13 +235,11 @@ def run_study(spec: StudySpec, *, workdir: str | os.PathLike | None = None, trac
 
     warn_if_node_local([plan.workdir], "the study's work directory")
     if spec.data is not None:
+        import dataclasses
+
         from pipelines.data.prepare import prepare
 
-        d = dict(spec.data)
-        d["source"] = d.get("source", "embedded")
-        d["source"] = d["source"] if isinstance(d["source"], list) else [d["source"]]
-        d["out"] = join(wd, d["out"])
-        prepare(d)
+        prepare(dataclasses.replace(spec.data, out=join(wd, spec.data.out)))
     parent, arm_runs = _mlflow_runs(plan)
     todo = [rp for rp in plan.runs if not _trained(plan, rp)]
     if todo:
