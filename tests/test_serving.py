@@ -235,8 +235,8 @@ def test_a_registered_version_is_an_mlflow_model(registry) -> None:
     import mlflow
     import yaml
 
+    from pipelines.mlflow_model import pip_requirements
     from pipelines.registry import download_version, get_version, resolve_model
-    from pipelines.serving.mlflow_model import pip_requirements
 
     mv = get_version("models:/adlm@candidate", registry["uri"])
     assert mv.run_id == registry["run_id"] and mv.tags["kind"] == "mdlm" and "checkpoint_uri" in mv.tags

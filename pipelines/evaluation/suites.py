@@ -6,7 +6,11 @@ planned datasets, the samples), how it is reported and tagged (its headline figu
 definitions printed next to its figures) and whether, and in which direction, it may gate promotion
 (``Gate``). The planner (``plan.py``), the runner (``run.py``), the report (``report.py``) and promotion
 (``promotion.py``) read this table and nothing else: adding a metric is one ``register_suite`` call plus its
-function. Every figure keeps its single definition in ``metrics.py`` (METHOD.md section 6).
+function. Every figure keeps its single definition in ``metrics.py`` (METHOD.md section 6), and its one description
+(``Figure``: label, summary column, definition, settings tags) here, which the model card and the summary read.
+
+Longer than 500 lines because it is the one table: every suite's entry (its checks, run, tags and figures) sits
+beside the others, so that a new metric is one place to read and one to add.
 """
 
 from __future__ import annotations
