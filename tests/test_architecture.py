@@ -239,3 +239,30 @@ def test_library_code_never_prints() -> None:
     assert not found, "print( outside a command's main/_run: log it (pipelines.logs.get_logger) or return it: " + \
         ", ".join(found)
     assert PRINTS_RESULTS <= printing, f"allowed but printing nothing (drop them): {PRINTS_RESULTS - printing}"
+
+
+TABLE_ENTRIES = {  # what makes a new one, and the README's word for it
+    "metric": lambda n: isinstance(n, ast.Call) and getattr(n.func, "id", "") in ("register_suite", "Suite", "Figure"),
+    "sampler": lambda n: isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Sampler",
+    "model kind": lambda n: isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ModelKind",
+    "store": lambda n: isinstance(n, ast.Constant) and n.value in ("s3", "gs"),  # a scheme named in code
+}
+
+
+def test_the_readme_says_which_files_a_new_metric_sampler_kind_and_store_touch() -> None:
+    """The README's paragraph after the layout table names, for each of a metric, a sampler, a model kind and a
+    store, the file of its table (the first file of its line); a table's entries are made there and nowhere else
+    in ``adlm_model`` or ``pipelines``, so that adding one is the change the README says."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    layout = layout[:layout.index("\n## ", 1)]
+    nodes = {str(path.relative_to(ROOT)): list(ast.walk(ast.parse(path.read_text()))) for path in MODULES.values()}
+    for what, is_entry in TABLE_ENTRIES.items():
+        line = re.search(rf"^- a \*\*{what}\*\*[^`]*`([^`]+)`", layout, re.M)
+        assert line, f"the README's layout section says nothing of a new {what}"
+        table = line.group(1)
+        assert (ROOT / table).is_file(), f"the README names {table} for a new {what}: no such file"
+        where = {f for f, found in nodes.items() if any(is_entry(n) for n in found)}
+        assert where == {table}, f"a {what}'s table entries are made in {sorted(where)}, the README says {table}"
