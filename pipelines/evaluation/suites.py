@@ -94,7 +94,8 @@ class Suite:
     plan: Callable[[Any], None] | None = None
     """Checks against the resolved model that fill the plan (``plan.Plan``: datasets, sampler, ...)."""
     headline: tuple[str, ...] = ()
-    """Figures tagged on the registry version (``%.6g``) and shown in promotion's outcome."""
+    """Figures tagged on the registry version (``%.6g``) and shown in promotion's outcome; empty: its single
+    ``figures`` (what the card and the summary describe is what the version is tagged with)."""
     tags: Callable[[Any, EvalConfig], dict[str, str]] | None = None
     """More version tags (``result, cfg``): the settings its figures were measured with."""
     definitions: Callable[[EvalConfig], dict[str, str]] | None = None
@@ -108,6 +109,10 @@ class Suite:
     """Joins the chosen suites on its own when this says True of the plan (``truth``: on testbed data)."""
     figures: tuple[Figure, ...] = ()
     """The figures it records on a version, described once (the model card and the summary list them)."""
+
+    def __post_init__(self) -> None:
+        if not self.headline:
+            object.__setattr__(self, "headline", tuple(f.tag for f in self.figures if not f.family))
 
 
 SUITES: dict[str, Suite] = {}
@@ -449,7 +454,7 @@ def _run_mauve(state: RunState) -> None:
 register_suite(Suite(
     "ppl", "NELBO perplexity bound on prepared splits (AR: exact)",
     lambda state: state.report_ppl(lambda label: not _is_zero_shot(label)),
-    plan=_plan_ppl, headline=("val_ppl", "test_ppl"), tags=_ppl_tags,
+    plan=_plan_ppl, tags=_ppl_tags,
     figures=(Figure("val_ppl", "Validation perplexity", "validation PPL (bound)",
                     settings=("val_ppl.settings", "eval.val_key")),
              Figure("test_ppl", "Test perplexity"))))
@@ -460,13 +465,13 @@ register_suite(Suite(
     figures=(Figure(r"zero_shot\.(.+)_ppl", "Zero-shot perplexity ({})", settings=("eval.val_key",), family=True),)))
 register_suite(Suite(
     "generate", "num_samples samples with the sampler; mean unigram entropy", _run_generate, plan=_plan_generate,
-    headline=("entropy",), tags=_generate_tags,
+    tags=_generate_tags,
     gates=(Gate("entropy", "min", "entropy_min", "entropy"), Gate("entropy", "max", "entropy_max", "entropy")),
     figures=(Figure("entropy", "Unigram entropy", "entropy", "The mean unigram entropy of samples (per sample, "
                     "entropy of its token-id histogram, in nats).", ("gen.settings",)),)))
 register_suite(Suite(
     "gen_ppl", "generative perplexity of the samples under eval_lm", _run_gen_ppl, implies=("generate",),
-    check=_check_gen_ppl, headline=("gen_ppl",),
+    check=_check_gen_ppl,
     tags=lambda result, cfg: {"gen_ppl.eval_lm": cfg.eval_lm, "gen_ppl.definition": gen_ppl_definition(cfg)},
     definitions=lambda cfg: {"gen_ppl": gen_ppl_definition(cfg)},
     gates=(Gate("gen_ppl", "max", "gen_ppl_max", "gen-PPL"),),
@@ -477,7 +482,7 @@ register_suite(Suite(
                     ("gen_ppl.definition", "gen.settings", "gen_ppl.eval_lm")),)))
 register_suite(Suite(
     "mauve", "MAUVE of the samples against as many validation texts", _run_mauve, implies=("generate",),
-    check=_check_mauve, plan=_plan_mauve, headline=("mauve",),
+    check=_check_mauve, plan=_plan_mauve,
     tags=lambda result, cfg: {"mauve.featurizer": cfg.mauve_featurizer,
                               "mauve.samples": f"{result.metrics.get('mauve_samples', 0):.0f}"},
     gates=(Gate("mauve", "min", "mauve_min", "MAUVE"),),
@@ -527,7 +532,13 @@ def _run_truth(state: RunState) -> None:
 
 register_suite(Suite(
     "truth", "on testbed data: the bound's excess over the exact entropy, the samples' true NLL (joins on its own)",
-    _run_truth, plan=_plan_truth, headline=("val_excess_nats", "true_nll"), auto=_auto_truth, in_stage2=False))
+    _run_truth, plan=_plan_truth, auto=_auto_truth, in_stage2=False,
+    figures=(Figure("val_excess_nats", "Validation bound's excess over the exact entropy", definition="On testbed "
+                    "data: the validation bound (nats per token) minus the ground-truth language's exact entropy on "
+                    "the positions the kind scores.", settings=("val_ppl.settings",)),
+             Figure("true_nll", "Samples' true NLL", definition="On testbed data: the negative log-likelihood of the "
+                    "samples under the ground-truth language's exact likelihood (nats per token).",
+                    settings=("gen.settings",)))))
 
 
 def _lm_eval(fn: str) -> Callable[..., Any]:
