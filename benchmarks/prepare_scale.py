@@ -49,7 +49,7 @@ def sample():
         peak["mb"] = max(peak["mb"], rss_mb())
         time.sleep(0.02)
 from pipelines.runtime import init_ray
-from pipelines.data.prepare import prepare
+from pipelines.data.prepare import PrepareConfig, prepare
 from pipelines.data.sources import NAMED_SOURCES
 from tests.support_hub import stand_in_source
 NAMED_SOURCES["standin"] = stand_in_source()
@@ -58,7 +58,7 @@ before = rss_mb()
 sampler = threading.Thread(target=sample, daemon=True)
 sampler.start()
 t = time.perf_counter()
-m = prepare(args["opts"])["train"]
+m = prepare(PrepareConfig.from_dict(args["opts"]))["train"]
 dt = time.perf_counter() - t
 done.set()
 sampler.join()
@@ -138,7 +138,7 @@ def main() -> None:
            "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
            "ADLM_WORKDIR": str(work), "PYTHONPATH": str(ROOT)}
     lines = corpus_lines()
-    base = dict(tokenizer="gpt2", length=args.length, quiet=True, overwrite=True, actors=2, min_actors=2)
+    base = dict(tokenizer="gpt2", length=args.length, overwrite=True, actors=2, min_actors=2)
     runs: dict[tuple[str, int], dict] = {}
     print(f"GPT-2, wrap L={args.length}, {os.cpu_count()} CPUs; corpus {args.size_mb:g} MB and "
           f"{4 * args.size_mb:g} MB; 2 tokenizer actors unless said")

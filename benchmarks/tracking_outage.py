@@ -67,7 +67,7 @@ def main() -> None:
     try:
         outage = tracking_outage(server, "outage", args.outage_s, after_windows=args.warmup_windows)
         t0 = time.time()
-        res = train(cfg, workdir=str(args.workdir / "work"), tracking_uri=server.url, quiet=True)
+        res = train(cfg, workdir=str(args.workdir / "work"), tracking_uri=server.url)
         outage.thread.join(timeout=args.outage_s + 60)
         if not outage.end or time.time() < outage.end:
             raise SystemExit("the run ended before the outage did: raise --steps")

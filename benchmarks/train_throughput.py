@@ -67,11 +67,11 @@ EXPERIMENT = "bench-train-throughput"
 
 def prepare_demo_data(workdir: Path) -> Path:
     """The embedded demo data under ``workdir/data/embedded`` (where the demo recipe looks); reused if complete."""
-    from pipelines.data.prepare import prepare
+    from pipelines.data.prepare import PrepareConfig, prepare
 
     out = workdir / "data" / "embedded"
     # Ray (if this has to start it) stops again: the plain loops run without it, the Ray loop starts its own.
-    prepare(dict(source=["embedded"], out=str(out), workdir=str(workdir), quiet=True), shutdown_ray=True)
+    prepare(PrepareConfig(source=["embedded"], out=str(out), workdir=str(workdir)), shutdown_ray=True)
     return out
 
 

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from adlm_model.checkpoint import read_config
-    from pipelines.data.prepare import prepare
+    from pipelines.data.prepare import PrepareConfig, prepare
     from pipelines.evaluation.config import EvalConfig
     from pipelines.evaluation.run import evaluate_model
     from pipelines.registry import resolve_model_ref
@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         src.write_text("\n".join(rows) + "\n", encoding="utf-8")
         for keep in (True, False):
             out = Path(tmp) / ("keep" if keep else "drop")
-            m = prepare(dict(source=[f"test={src}"], out=str(out), tokenizer=str(tokenizer), length=model_cfg.seq_len,
-                             mode="wrap", detokenizer="wikitext", keep_empty=keep, quiet=True))["test"]
+            m = prepare(PrepareConfig(source=[f"test={src}"], out=str(out), tokenizer=str(tokenizer), length=model_cfg.seq_len,
+                             mode="wrap", detokenizer="wikitext", keep_empty=keep))["test"]
             res = evaluate_model(args.model, "ppl", EvalConfig(data=str(out)), workdir=wd, tracking_uri=uri,
                                  in_process=True, log=False)
             key = next(k for k in res.metrics if k.endswith("ppl") and "test" in k)

@@ -71,6 +71,7 @@ def _run(args: argparse.Namespace) -> int:
                        tokenizer=args.tokenizer, inspect=args.inspect, aliases=args.alias,
                        workdir=args.workdir, tracking_uri=args.tracking_uri)
     if args.inspect:
+        print("\n".join(res["lines"]))
         return 0
     if args.json:
         print(json.dumps(res, indent=2, default=str))

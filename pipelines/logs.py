@@ -103,6 +103,13 @@ def verbosity() -> int:
         return 0
 
 
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The first line of an error's message (at most ``limit`` characters; its class name when it has none): what a
+    one-line message or a warning quotes of an error from a library (MLflow's and boto's run to many lines)."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else type(e).__name__
+
+
 def get_logger(area: str) -> logging.Logger:
     """The project's logger of one area: ``get_logger(__name__)`` in ``pipelines.training.trainer`` is
     ``adlm.training.trainer`` (``get_logger("tracking")`` is ``adlm.tracking``). Sets up logging at the

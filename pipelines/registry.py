@@ -5,7 +5,7 @@ Contract shared by training, tuning, evaluation and serving:
 - Training logs its exported checkpoint folder (``adlm_model.checkpoint`` layout: ``config.json``,
   ``model.safetensors``, ``ema.safetensors``, ``tokenizer.json``) as the run artifact ``checkpoint``.
 - ``register_checkpoint`` turns it into an MLflow Model logged into that run (pyfunc, models-from-code:
-  ``pipelines.serving.mlflow_model``) and registers that model as a new version, with the run id, tags
+  ``pipelines.mlflow_model``) and registers that model as a new version, with the run id, tags
   (``kind``, ``gamma``, ``tau``, ``data_manifest_hash``, ``val_ppl``, ``checkpoint_uri``, ...) and aliases
   (``candidate``, ``champion``); stages are never used. ``mlflow.pyfunc.load_model("models:/adlm@champion")``
   and ``mlflow models serve`` work on every version.
@@ -65,7 +65,7 @@ def register_checkpoint(run_id: str, name: str, tags: dict[str, Any], *, trackin
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from pipelines.serving.mlflow_model import ModelPackagingError, log_text_model, using_tracking_uri
+    from pipelines.mlflow_model import ModelPackagingError, log_text_model, using_tracking_uri
     from pipelines.tracking import resolve_tracking_uri
 
     uri = tracking_uri or resolve_tracking_uri()
@@ -174,7 +174,7 @@ def download_version(uri: str, tracking_uri: str | None = None, dst: str | os.Pa
 
 def checkpoint_of(local: str | os.PathLike) -> Path:
     """The checkpoint folder of a downloaded version (``download_version``), or RegistryError."""
-    from pipelines.serving.mlflow_model import checkpoint_in_model
+    from pipelines.mlflow_model import checkpoint_in_model
 
     root = Path(local)
     inner = checkpoint_in_model(root)

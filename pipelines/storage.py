@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipelines.logs import get_logger
+from pipelines.logs import first_line, get_logger
 
 log = get_logger(__name__)
 
@@ -156,7 +156,7 @@ def delete_dir(path: str | os.PathLike) -> None:
         pass
     except OSError as e:  # an object store may say "does not exist" as a plain OSError: only a folder left is one
         if fs.get_file_info(p).type != pafs.FileType.NotFound:
-            raise StorageError(f"cannot delete {path} ({_first_line(e)}); remove it by hand or fix its "
+            raise StorageError(f"cannot delete {path} ({first_line(e)}); remove it by hand or fix its "
                                "permissions") from e
 
 
@@ -314,7 +314,7 @@ def check_location(uri: str) -> None:
     except StorageError:
         raise
     except (OSError, ArrowException) as e:  # ArrowInvalid (a bad URI) / OSError, with multi-line texts
-        raise StorageError(f"{uri}: cannot open the store ({_first_line(e)}); check the URI") from None
+        raise StorageError(f"{uri}: cannot open the store ({first_line(e)}); check the URI") from None
     if scheme == "s3" and not _aws_credentials():
         raise StorageError(f"{uri}: no AWS credentials: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or a profile) "
                            "on this node, or give the node an instance role; never put them in a job's runtime env")
@@ -323,11 +323,11 @@ def check_location(uri: str) -> None:
         info = fs.get_file_info(bucket)
     except (OSError, ArrowException) as e:  # endpoint down, credentials refused, ...
         if re.search(r"ACCESS_DENIED|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|\b403\b", str(e)):
-            raise StorageError(f"{uri}: the {scheme} store refused this node's credentials ({_first_line(e)}); set "
+            raise StorageError(f"{uri}: the {scheme} store refused this node's credentials ({first_line(e)}); set "
                                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to credentials allowed on "
                                "the bucket, or grant the node's instance role the bucket prefix "
                                "(deploy/iam/worker.json)") from None
-        raise StorageError(f"{uri}: the {scheme} store does not answer ({_first_line(e)}); check the endpoint "
+        raise StorageError(f"{uri}: the {scheme} store does not answer ({first_line(e)}); check the endpoint "
                            "(AWS_ENDPOINT_URL), the network and the credentials (AWS_ACCESS_KEY_ID / "
                            "AWS_SECRET_ACCESS_KEY, or the node's instance role)") from None
     if info.type == pafs.FileType.NotFound:
@@ -344,11 +344,6 @@ def _aws_credentials() -> bool:
     session.set_config_variable("metadata_service_timeout", 1)
     session.set_config_variable("metadata_service_num_attempts", 1)
     return session.get_credentials() is not None
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 def hub_errors() -> tuple[type[BaseException], ...]:

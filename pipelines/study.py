@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="validate the study, count FLOPs and print the plan; "
                                                         "train nothing")
     add_logging_flags(p)
-    return run_command(p, _run, argv, bad_input=(ConfigError,))
+    from pipelines.tracking import TrackingAuthError
+
+    return run_command(p, _run, argv, bad_input=(ConfigError, TrackingAuthError), failed=(RuntimeError,))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -45,7 +47,7 @@ def _run(args: argparse.Namespace) -> int:
                                                   if arm.name in plan.flops_step else ""))
         print(f"OK: {len(plan.runs)} runs")
         return 0
-    run_study(spec, workdir=args.workdir, tracking_uri=args.tracking_uri)
+    print(run_study(spec, workdir=args.workdir, tracking_uri=args.tracking_uri).markdown, flush=True)
     return 0
 
 if __name__ == "__main__":

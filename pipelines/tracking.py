@@ -12,6 +12,9 @@
 - ``tracking_reachable``: a quick probe of a tracking server before the first (retrying) MLflow call. A
   server that refuses this client's credentials (401/403) is not an outage: ``TrackingAuthError``, one line
   naming what to set, before any training (an outage, by contrast, leaves training going and the spool).
+- ``best_effort``: the one way a command makes MLflow calls that a tracking outage must not stop (a run's
+  bookkeeping, a sweep's or a study's parent run): an outage is one warning saying what goes on without
+  MLflow; refused credentials are said as such (``TrackingAuthError`` before the work, a warning after it).
 - ``plot_loss_curve``: the loss-curve artifact, drawn from the run's stored metric history.
 """
 
@@ -27,7 +30,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from pipelines.logs import get_logger
+from pipelines.logs import first_line, get_logger
 from pipelines.storage import StorageError, delete_dir, is_uri, join, list_dir, read_text, resolve_workdir, write_text
 
 log = get_logger("tracking")  # has a handler in a Ray worker too (the metric sender runs there)
@@ -197,6 +200,63 @@ def is_auth_refusal(e: BaseException) -> bool:
             or bool(re.search(r"error code 40[13]\b", str(e))))
 
 
+class TrackingUnavailable(RuntimeError):
+    """The tracking server gave no answer to the quick probe (``require_tracking``): an outage."""
+
+
+def require_tracking(tracking_uri: str, timeout: float = 5.0) -> None:
+    """``tracking_reachable`` as the first call of a ``best_effort`` block: a server that does not answer raises
+    ``TrackingUnavailable`` (an outage, so the block is skipped at once instead of in MLflow's 4 minutes of
+    retries); one that refuses the credentials raises ``TrackingAuthError``."""
+    if not tracking_reachable(tracking_uri, timeout=timeout):
+        raise TrackingUnavailable(f"no answer within {timeout:g} s")
+
+
+class best_effort:
+    """A block of MLflow calls that a tracking outage must not stop (what the command does goes on without them):
+
+        with best_effort(uri, "sweeping without a parent run") as t:
+            require_tracking(uri)
+            ...
+        if t.failed: ...
+
+    - an outage (no answer, a 5xx, MLflow's retries run out, any other error of the store) leaves the block with
+      one warning, ``MLflow at <uri> is unavailable (<first line of the error>); <without>``, and ``failed`` set;
+    - a server that refuses this client's credentials (HTTP 401/403, ``UNAUTHENTICATED``) is not an outage: no
+      retry fixes it. With ``stop_on_refusal`` (before the work: nothing is lost) ``TrackingAuthError`` names what
+      to set and stops the command; without it (after the work: its results are kept) the warning says so;
+    - ``without=None``: no warning (the caller says what follows), the reason at debug level.
+    """
+
+    def __init__(self, tracking_uri: str, without: str | None, *, stop_on_refusal: bool = True) -> None:
+        self.tracking_uri, self.without, self.stop_on_refusal = tracking_uri, without, stop_on_refusal
+        self.failed = False
+        self.refused = False
+
+    def __enter__(self) -> best_effort:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: Any) -> bool:
+        if e is None or not isinstance(e, Exception):
+            return False  # success, or KeyboardInterrupt / SystemExit: not ours to swallow
+        self.failed = True
+        where = f"MLflow at {redact_uri(self.tracking_uri)}"
+        if isinstance(e, TrackingAuthError) or is_auth_refusal(e):
+            self.refused = True
+            what = str(e) if isinstance(e, TrackingAuthError) else (
+                f"the MLflow tracking server at {redact_uri(self.tracking_uri)} refused this client's credentials "
+                f"({first_line(e)}): {AUTH_HINT}")
+            if self.stop_on_refusal:
+                raise TrackingAuthError(what) from None
+            log.warning(what + (f"; {self.without}" if self.without else ""))
+            return True
+        if self.without is None:
+            log.debug(f"{where} is unavailable ({first_line(e)})")
+        else:
+            log.warning(f"{where} is unavailable ({first_line(e)}); {self.without}")
+        return True
+
+
 class ResilientLogger:
     """Asynchronous MLflow metric logging that never stalls training (rank 0 of a training run).
 
@@ -335,7 +395,7 @@ class ResilientLogger:
                     self._in_flight = 0
                     self.failures += 1
                     if not self._warned:
-                        log.warning(f"MLflow logging failed ({_first_line(e)}); {len(self._queue)} metrics "
+                        log.warning(f"MLflow logging failed ({first_line(e)}); {len(self._queue)} metrics "
                                     "queued, training goes on; retrying")
                         self._warned = True
                     self._cond.notify_all()
@@ -349,11 +409,6 @@ class ResilientLogger:
                     log.info("MLflow logging recovered; queued metrics sent")
                 self._warned, self.failures, delay = False, 0, self.retry_s
                 self._cond.notify_all()
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 def last_logged_step(tracking_uri: str, run_id: str, key: str = "train/loss") -> int:
@@ -429,17 +484,15 @@ def plot_loss_curve(tracking_uri: str, run_id: str, out: str | os.PathLike) -> P
 
 
 def log_artifact_safely(tracking_uri: str, run_id: str, local: str | os.PathLike, artifact_path: str | None = None) -> bool:
-    try:
+    """Log a file or folder to the run; False (and a warning) when the store is out or refuses: an artifact must
+    not fail the run, the caller decides what follows."""
+    with best_effort(tracking_uri, f"{local} is not logged to run {run_id}", stop_on_refusal=False) as t:
         c = client(tracking_uri)
         if Path(local).is_dir():
             c.log_artifacts(run_id, str(local), artifact_path)
         else:
             c.log_artifact(run_id, str(local), artifact_path)
-        return True
-    except Exception as e:  # noqa: BLE001 - an artifact the store refuses (outage, permissions) must not fail the run: the caller decides
-        log.warning("could not log artifact %s: %s", local, e)
-        log.warning(f"could not log artifact {local} to MLflow: {type(e).__name__}")
-        return False
+    return not t.failed
 
 
 def temp_dir() -> Path:

@@ -69,6 +69,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     with placement_deadline():  # a wait Ray cannot satisfy fails in one line
         res = sweep(space, args.config, args.overrides, workdir=args.workdir)
+    from pipelines.tuning.report import table_markdown
+
+    print(table_markdown(res.trials, res.best), flush=True)
     print(json.dumps({"sweep": res.name, "parent_run_id": res.parent_run_id, "interrupted": res.interrupted,
                       "best_trial": res.best.trial_id if res.best else None,
                       "best_val_ppl": res.best.selection_ppl if res.best else None,

@@ -13,12 +13,12 @@ def make_tiny_data(root: Path, train_chars: int = 120_000, val_chars: int = 12_0
     """Slices of the embedded corpus' train/validation text, tokenised by the real prepare_data with a
     512-entry BPE trained on the slice, rows of ``length``. Returns the output folder."""
     from pipelines.data.embedded import embedded_slices
-    from pipelines.data.prepare import prepare
+    from pipelines.data.prepare import PrepareConfig, prepare
 
     files = embedded_slices(root, {"train": train_chars, "validation": val_chars})
     out_dir = root / "data"
-    prepare(dict(source=[f"{split}={p}" for split, p in files.items()], out=str(out_dir), train_tokenizer=512,
-                 length=length, quiet=True))
+    prepare(PrepareConfig(source=[f"{split}={p}" for split, p in files.items()], out=str(out_dir), train_tokenizer=512,
+                 length=length))
     return out_dir
 
 

@@ -82,7 +82,25 @@ def test_every_project_import_names_something_that_exists() -> None:
 
 
 def test_no_import_circle() -> None:
+    """No circle between modules, nor between the packages and shared modules of ``pipelines``
+    (``pipelines.registry`` and ``pipelines.serving`` once imported each other inside functions: the registry
+    packaged versions with ``serving``'s module, ``serving`` resolved them with the registry's; the packaging now
+    sits beside the registry, ``pipelines.mlflow_model``)."""
     graph = _graph()
+    cycles = _cycles(graph)
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+    def unit(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    packages: dict[str, set[str]] = {}
+    for n, targets in graph.items():
+        packages.setdefault(unit(n), set()).update(unit(t) for t in targets if unit(t) != unit(n))
+    cycles = _cycles(packages)
+    assert not cycles, "circles between packages: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     state: dict[str, int] = {}
     stack: list[str] = []
     cycles: list[list[str]] = []
@@ -101,7 +119,7 @@ def test_no_import_circle() -> None:
     for n in sorted(graph):
         if not state.get(n):
             visit(n)
-    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+    return cycles
 
 
 def test_the_circle_detector_sees_through_a_package(tmp_path: Path) -> None:
@@ -193,3 +211,58 @@ def test_the_readme_layout_table_names_every_module() -> None:
                 missing.append(f"{folder}: {f}")
     assert not unnamed, f"modules the README's layout table does not name: {', '.join(unnamed)}"
     assert not missing, f"files the README's layout table names that do not exist: {', '.join(missing)}"
+
+
+PRINTS_RESULTS = {("pipelines.cli", "run_command"),  # the one `error:` line of every command
+                  ("pipelines.evaluation.eval_lm", "run"),  # the eval-LM command's body (`--prepare` prints a path)
+                  ("pipelines.run_all", "run"), ("pipelines.run_all", "_banner")}  # the demo's stage titles and tables
+"""Functions outside a command's ``main``/``_run`` that print: the result-printing ones, named one by one."""
+
+
+def test_library_code_never_prints() -> None:
+    """One output channel: progress and warnings go to the logger, results alone on stdout from the command
+    (its ``main``/``_run``, or a function in ``PRINTS_RESULTS``). A ``print(`` anywhere else in ``adlm_model`` or
+    ``pipelines`` is a second channel that ``-q`` cannot silence and a pipe of the results would mix in."""
+    found, printing = [], set()
+
+    def walk(name: str, node: ast.AST, function: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else function
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Name) and child.func.id == "print":
+                printing.add((name, function))
+                if function not in ("main", "_run") and (name, function) not in PRINTS_RESULTS:
+                    found.append(f"{name}:{child.lineno} (in {function or 'the module'})")
+            walk(name, child, inner)
+
+    for name, path in MODULES.items():
+        walk(name, ast.parse(path.read_text()), None)
+    assert not found, "print( outside a command's main/_run: log it (pipelines.logs.get_logger) or return it: " + \
+        ", ".join(found)
+    assert PRINTS_RESULTS <= printing, f"allowed but printing nothing (drop them): {PRINTS_RESULTS - printing}"
+
+
+TABLE_ENTRIES = {  # what makes a new one, and the README's word for it
+    "metric": lambda n: isinstance(n, ast.Call) and getattr(n.func, "id", "") in ("register_suite", "Suite", "Figure"),
+    "sampler": lambda n: isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Sampler",
+    "model kind": lambda n: isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ModelKind",
+    "store": lambda n: isinstance(n, ast.Constant) and n.value in ("s3", "gs"),  # a scheme named in code
+}
+
+
+def test_the_readme_says_which_files_a_new_metric_sampler_kind_and_store_touch() -> None:
+    """The README's paragraph after the layout table names, for each of a metric, a sampler, a model kind and a
+    store, the file of its table (the first file of its line); a table's entries are made there and nowhere else
+    in ``adlm_model`` or ``pipelines``, so that adding one is the change the README says."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    layout = layout[:layout.index("\n## ", 1)]
+    nodes = {str(path.relative_to(ROOT)): list(ast.walk(ast.parse(path.read_text()))) for path in MODULES.values()}
+    for what, is_entry in TABLE_ENTRIES.items():
+        line = re.search(rf"^- a \*\*{what}\*\*[^`]*`([^`]+)`", layout, re.M)
+        assert line, f"the README's layout section says nothing of a new {what}"
+        table = line.group(1)
+        assert (ROOT / table).is_file(), f"the README names {table} for a new {what}: no such file"
+        where = {f for f, found in nodes.items() if any(is_entry(n) for n in found)}
+        assert where == {table}, f"a {what}'s table entries are made in {sorted(where)}, the README says {table}"

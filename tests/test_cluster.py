@@ -306,7 +306,7 @@ def test_a_node_lost_under_a_sweep_completes_it_from_the_bucket_with_the_undistu
             cfg = load_config(ROOT / "configs" / "demo.yaml", [
                 *sets, *(f"{k}={v}" for k, v in overrides.items()), f"model.tau={tau}", f"run.name=calm-tau{tau}",
                 "scaling.num_workers=0", "scaling.threads=1"])
-            calm[tau] = train(cfg, workdir=tmp_path / "calm", tracking_uri=uri, register=False, quiet=True)
+            calm[tau] = train(cfg, workdir=tmp_path / "calm", tracking_uri=uri, register=False)
 
         def kill_a_trials_node() -> None:
             # Once both trials have a checkpoint in the bucket (Ray Train's controller registers one within a poll,
@@ -331,7 +331,7 @@ def test_a_node_lost_under_a_sweep_completes_it_from_the_bucket_with_the_undistu
         t.start()
         storm = sweep(load_space(space_file), ROOT / "configs" / "demo.yaml",
                       [*sets, "data.train=data/tiny/train", "data.validation=data/tiny/validation"],
-                      workdir=f"{bucket}/run", tracking_uri=uri, quiet=True)
+                      workdir=f"{bucket}/run", tracking_uri=uri)
         t.join(timeout=10)
         # This cluster runs work off the head: a path on the driver's disk is worth a warning there.
         assert warn_if_node_local([str(tmp_path)], "a local folder")

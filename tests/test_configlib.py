@@ -15,6 +15,7 @@ import yaml
 from adlm_model.config import PRESETS, ConfigError, ModelConfig
 from pipelines import config_schemas, configlib
 from pipelines.configlib import settings_help
+from pipelines.data.plan import PrepareConfig
 from pipelines.evaluation.config import EvalConfig, apply_overrides
 from pipelines.studies.comparisons import Comparison
 from pipelines.studies.spec import Arm, load_study, parse_study
@@ -84,7 +85,7 @@ def test_the_shipped_studies_load_to_known_values() -> None:
     assert {p.name for p in STUDIES} == {"laptop.yaml", "testbed.yaml", "testbed_sedd.yaml"}
     tb = load_study(ROOT / "studies" / "testbed.yaml")
     assert (tb.name, tb.config, tb.steps, tb.seeds, tb.data) == (
-        "testbed", "configs/testbed_adlm.yaml", 1200, [0, 1, 2, 3, 4], {"source": "testbed", "out": "data/testbed"})
+        "testbed", "configs/testbed_adlm.yaml", 1200, [0, 1, 2, 3, 4], PrepareConfig(source=["testbed"], out="data/testbed"))
     assert (tb.flops_reference, tb.baseline, tb.max_concurrent, tb.trial_cpu, tb.overrides) == (
         "adlm", "mdlm", 2, 0.75, {})
     five, three = [0, 1, 2, 3, 4], [0, 1, 2]

@@ -231,14 +231,15 @@ def test_cli_help_documents_every_setting():
 
 def test_a_metric_registered_in_one_place_reaches_the_plan_run_report_tags_and_gate(art, workdir, monkeypatch):
     """One ``Suite`` entry (and its function) is all a new metric needs: the planner checks it, the runner runs
-    it, the summary shows it, the registry version is tagged with it and promotion can gate on it."""
+    it, the summary shows it, the registry version is tagged with it, promotion can gate on it, and its ``Figure``
+    reaches the model card and the pipeline's summary (the README's layout section: a metric touches suites.py)."""
     import mlflow
 
     from pipelines.evaluation import suites
     from pipelines.evaluation.plan import plan_evaluation
     from pipelines.evaluation.promotion import PromotionConfig, gate_reasons
     from pipelines.evaluation.report import summary_markdown
-    from pipelines.evaluation.suites import Gate, Suite
+    from pipelines.evaluation.suites import Figure, Gate, Suite
 
     seen = {}
 
@@ -257,7 +258,8 @@ def test_a_metric_registered_in_one_place_reaches_the_plan_run_report_tags_and_g
     monkeypatch.setitem(suites.SUITES, "toy", Suite(
         "toy", "a toy metric", run, implies=("ppl",), check=check, plan=plan, headline=("toy_score",),
         tags=lambda result, cfg: {"toy.settings": f"seed={cfg.seed}"},
-        gates=(Gate("toy_score", "max", "toy_score_max", "toy score"),), in_stage2=False))
+        gates=(Gate("toy_score", "max", "toy_score_max", "toy score"),), in_stage2=False,
+        figures=(Figure("toy_score", "Toy score", "toy", "Twice the validation NELBO per token.", ("toy.settings",)),)))
 
     tracking = f"sqlite:///{workdir / 'mlflow.db'}"
     mv = register(art["mdlm"], tracking)
@@ -273,6 +275,19 @@ def test_a_metric_registered_in_one_place_reaches_the_plan_run_report_tags_and_g
     assert float(tags["toy_score"]) == pytest.approx(r.metrics["toy_score"], rel=1e-5)
     assert tags["toy.settings"] == "seed=0" and "val_ppl" in tags
     assert mlflow.MlflowClient(tracking).get_run(r.run_id).data.metrics["toy_score"] == pytest.approx(r.metrics["toy_score"])
+    from adlm_model.checkpoint import read_config
+    from pipelines.orchestration.summary import summary_markdown as pipeline_summary
+    from pipelines.serving.export import _Source, model_card
+
+    card = model_card(_Source("models:/adlm@candidate", str(art["mdlm"]), name="adlm", version=mv.version, tags=tags),
+                      read_config(art["mdlm"])[0], {}, 1)
+    assert f"| Toy score (`toy_score`) | {tags['toy_score']} | toy.settings: seed=0 |" in card
+    assert "- **Toy score**: Twice the validation NELBO per token." in card
+    row = {"model": "MDLM", "version": mv.version, "kind": "mdlm", "gamma": None, "tau": None, "status": None,
+           "champion": False, "gen_ppl": None, "gen_ppl_definition": None, "toy_score": float(tags["toy_score"])}
+    md = pipeline_summary({"profile": "demo", "model_name": "adlm", "champion": None, "rows": [row], "timings_s": {},
+                           "tracking_uri": tracking, "comparable": False})
+    assert "| toy | status |" in md and f"| {float(tags['toy_score']):.3f} | - |" in md
     promo = PromotionConfig(bounds={"toy_score_max": r.metrics["toy_score"] - 1}).validate()
     assert gate_reasons(r.metrics, r.suite, promo) == [
         f"gate: toy score {r.metrics['toy_score']:.4f} above the bound {r.metrics['toy_score'] - 1:g}"]

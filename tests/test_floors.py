@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.data.prepare import prepare
+from pipelines.data.prepare import PrepareConfig, prepare
 from pipelines.studies.floors import floors, main
 
 
 @pytest.fixture(scope="module")
 def split(tmp_path_factory):
     out = tmp_path_factory.mktemp("floors") / "testbed"
-    prepare({"source": "testbed", "out": str(out), "quiet": True, "split": ["train", "validation"],
-             "testbed": {"length": 16, "entropy_rows": 300, "train_rows": 20000, "validation_rows": 4000}})
+    prepare(PrepareConfig.from_dict({"source": "testbed", "out": str(out), "split": ["train", "validation"],
+             "testbed": {"length": 16, "entropy_rows": 300, "train_rows": 20000, "validation_rows": 4000}}))
     return out
 
 

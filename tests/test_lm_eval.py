@@ -295,3 +295,29 @@ def test_on_the_testbed_the_adapter_converges_to_the_exact_conditional_within_it
                                 batch_size=256, greedy_max_tokens=0)
     [(worse, _)] = scorer.score([(ctx, cont)], seeds=[7])
     assert worse.loglik < exact - 4 * worse.stderr  # an imperfect denoiser: a strictly lower bound
+
+
+def test_lm_eval_figures_reach_the_model_card_and_the_summary_from_the_suites_table() -> None:
+    """A figure is described once, by its suite (``suites.Figure``): the model card and the pipeline's summary
+    list lm-eval's task figures as they list the perplexity, with the definition and the settings the suite gives."""
+    from adlm_model.config import ModelConfig
+    from pipelines.evaluation.suites import SUITES
+    from pipelines.orchestration.summary import summary_markdown
+    from pipelines.serving.export import _Source, model_card
+
+    tags = {"val_ppl": "812.5", "lm_eval.piqa.acc": "0.52 ± 0.05", "lm_eval.arc_easy.acc_norm": "0.31 ± 0.04",
+            "lm_eval.settings": "tasks=piqa,arc_easy limit=100 fewshot=task mc_samples=4 mask_draws=1 seed=0"}
+    cfg = ModelConfig(kind="mdlm", vocab_size=64, mask_id=63, seq_len=16, hidden=32, heads=2, n_blocks=1, cond_dim=16)
+    card = model_card(_Source("models:/adlm/3", "/nowhere", name="adlm", version="3", tags=tags), cfg, {}, 1000)
+    lm_eval = SUITES["lm-eval"].figures[0]
+    assert "| lm-eval piqa.acc (`lm_eval.piqa.acc`) | 0.52 ± 0.05 | lm_eval.settings: tasks=piqa,arc_easy" in card
+    assert "| lm-eval arc_easy.acc_norm (`lm_eval.arc_easy.acc_norm`) | 0.31 ± 0.04 |" in card
+    assert lm_eval.definition in card and "| Validation perplexity (`val_ppl`) | <= 812.5 |" in card
+    assert "lm_eval.settings (`" not in card  # the settings tag is no figure
+    row = {"model": "MDLM", "version": "3", "kind": "mdlm", "gamma": None, "tau": None, "val_ppl": 812.5,
+           "gen_ppl": None, "entropy": None, "mauve": None, "gen_ppl_definition": None, "status": "promoted",
+           "champion": True, "families": {lm_eval.tag: {"arc_easy.acc_norm": "0.31 ± 0.04", "piqa.acc": "0.52 ± 0.05"}}}
+    md = summary_markdown({"profile": "demo", "model_name": "adlm", "champion": "3", "rows": [row], "timings_s": {},
+                           "tracking_uri": "sqlite:///x", "comparable": False})
+    assert "| validation PPL (bound) | entropy | gen-PPL | MAUVE | lm-eval | status |" in md
+    assert "| <= 812.500 | - | - | - | arc_easy.acc_norm 0.31 ± 0.04; piqa.acc 0.52 ± 0.05 | promoted **champion** |" in md

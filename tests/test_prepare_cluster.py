@@ -64,7 +64,7 @@ def test_a_hub_dataset_prepared_into_s3_on_a_cluster_survives_a_node_loss(tmp_pa
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
 
-    from pipelines.data.prepare import prepare
+    from pipelines.data.prepare import PrepareConfig, prepare
 
     docs = [c[:1200] for c in bible_documents()[:1000]]
     write_stand_in(tmp_path / "local", docs, files=FILES, row_group=5)
@@ -73,10 +73,10 @@ def test_a_hub_dataset_prepared_into_s3_on_a_cluster_survives_a_node_loss(tmp_pa
     with s3_server() as s3, ray_cluster(nodes=2) as rc:
         mirror = f"s3://{s3.bucket}/hub"
         write_stand_in(mirror, docs, files=FILES, row_group=5)
-        opts = dict(source=["standin"], hub_mirror=mirror, ray_address=rc.address, quiet=True)
+        opts = dict(source=["standin"], hub_mirror=mirror, ray_address=rc.address)
         try:
             READS.update(units=0, max_rows=0)
-            m = prepare({**opts, "out": f"s3://{s3.bucket}/out"})["train"]
+            m = prepare(PrepareConfig.from_dict({**opts, "out": f"s3://{s3.bucket}/out"}))["train"]
             assert READS == {"units": 0, "max_rows": 0}  # the driver read footers, never rows
             records = [json.loads(s3.read(k)) for k in s3.keys("out/train/_units/") if k.endswith(".json")]
             assert len(records) == m.options["units"] >= 16
@@ -87,8 +87,8 @@ def test_a_hub_dataset_prepared_into_s3_on_a_cluster_survives_a_node_loss(tmp_pa
             assert sorted(hub) == sorted(s.name for s in m.shards) and m.documents == len(docs)
 
             # The local path over the same files with the same settings: the same shards, byte for byte.
-            local = prepare(dict(source=[f"train={tmp_path / 'local' / REPO / 'plain_text'}"], tokenizer="gpt2",
-                                 length=64, out=str(tmp_path / "local_out"), ray_address=rc.address, quiet=True))["train"]
+            local = prepare(PrepareConfig(source=[f"train={tmp_path / 'local' / REPO / 'plain_text'}"], tokenizer="gpt2",
+                                 length=64, out=str(tmp_path / "local_out"), ray_address=rc.address))["train"]
             assert local.content_hash() == m.content_hash() and local.token_frequency == m.token_frequency
             assert {s.name: (tmp_path / "local_out" / "train" / s.name).read_bytes() for s in local.shards} == hub
 
@@ -97,7 +97,7 @@ def test_a_hub_dataset_prepared_into_s3_on_a_cluster_survives_a_node_loss(tmp_pa
 
             def run() -> None:
                 try:
-                    result["m"] = prepare({**opts, "out": f"s3://{s3.bucket}/out2"})["train"]
+                    result["m"] = prepare(PrepareConfig.from_dict({**opts, "out": f"s3://{s3.bucket}/out2"}))["train"]
                 except BaseException as e:  # noqa: BLE001 - reported by the assertion below
                     result["error"] = e
 

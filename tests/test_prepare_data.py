@@ -11,7 +11,7 @@ import pytest
 
 from pipelines.data.embedded import bible_documents
 from pipelines.data.manifest import DataMismatchError, read_manifest
-from pipelines.data.prepare import PrepareError, prepare
+from pipelines.data.prepare import PrepareConfig, PrepareError, prepare
 from pipelines.data.sources import SourceError
 from pipelines.data.tokenizer import TokenizerError, load_tokenizer
 from pipelines.faults import ENV as FAULT_ENV
@@ -52,7 +52,7 @@ def _shas(out: Path, split: str = "train") -> list[str]:
 def _expected_wrap(opts: dict, length: int, keep_empty: bool = False) -> tuple[np.ndarray, int, int]:
     """(row bodies, dropped tail tokens, units) that wrap packing must give, computed here from the plan's units:
     each unit's stream (documents + EOS) cut into rows of L - 2, then the units' remainders in unit order."""
-    from pipelines.data.plan import PrepareConfig, make_plan
+    from pipelines.data.plan import make_plan
     from pipelines.data.sources import read_unit
 
     sp = make_plan(PrepareConfig(**opts)).splits["train"]
@@ -73,8 +73,8 @@ def _expected_wrap(opts: dict, length: int, keep_empty: bool = False) -> tuple[n
 
 def test_wrap_rows_decode_to_the_documents(ray_session, tmp_path: Path, corpus: Path, docs: list[str]) -> None:
     out = tmp_path / "wrap"
-    opts = dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=64, quiet=True)
-    ms = prepare(opts)
+    opts = dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=64)
+    ms = prepare(PrepareConfig.from_dict(opts))
     m = ms["train"]
     tok = load_tokenizer("gpt2")
     ids, mask, tabs = _rows(out / "train")
@@ -114,8 +114,8 @@ def test_keep_empty_gives_every_empty_document_its_eos(ray_session, tmp_path: Pa
     """The zero-shot convention of the references (their loader appends EOS to every row, empty rows
     included): with keep_empty the two empty documents become two extra EOS tokens in the stream."""
     out = tmp_path / "keep"
-    opts = dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=64, keep_empty=True, quiet=True)
-    m = prepare(opts)["train"]
+    opts = dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=64, keep_empty=True)
+    m = prepare(PrepareConfig.from_dict(opts))["train"]
     tok = load_tokenizer("gpt2")
     ids, _, _ = _rows(out / "train")
     stream = np.concatenate([np.array(x + [50256], np.int32) for x in tok.encode(docs)])  # every document
@@ -135,7 +135,7 @@ def test_row_indices_read_the_same_rows_as_a_range(ray_session, tmp_path: Path, 
     from pipelines.data.reader import read_row_indices, read_rows
 
     out = tmp_path / "rows"
-    prepare(dict(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=32, quiet=True))
+    prepare(PrepareConfig(source=[str(corpus)], out=str(out), tokenizer="gpt2", length=32))
     every, _ = read_rows(str(out / "train"))
     assert len(read_manifest(out / "train").shards) >= 3
     idx = np.linspace(0, len(every) - 1, 9).round().astype(np.int64)
@@ -148,8 +148,8 @@ def test_row_indices_read_the_same_rows_as_a_range(ray_session, tmp_path: Path, 
 
 def test_pad_rows_are_exact(ray_session, tmp_path: Path, corpus: Path, docs: list[str]) -> None:
     out = tmp_path / "pad"
-    ms = prepare(dict(source=[str(corpus)], out=str(out), tokenizer="bert-base-uncased", mode="pad", length=48,
-                      max_truncated=1.0, quiet=True))
+    ms = prepare(PrepareConfig(source=[str(corpus)], out=str(out), tokenizer="bert-base-uncased", mode="pad", length=48,
+                      max_truncated=1.0))
     m = ms["train"]
     tok = load_tokenizer("bert-base-uncased")
     ids, mask, tabs = _rows(out / "train")
@@ -170,7 +170,7 @@ def test_pad_rows_are_exact(ray_session, tmp_path: Path, corpus: Path, docs: lis
 def test_pad_length_too_short_fails_before_any_work(tmp_path: Path, corpus: Path) -> None:
     out = tmp_path / "short"
     with pytest.raises(PrepareError, match=r"--length 16 truncates .* use --length \d+"):
-        prepare(dict(source=[str(corpus)], out=str(out), tokenizer="bert-base-uncased", mode="pad", length=16))
+        prepare(PrepareConfig(source=[str(corpus)], out=str(out), tokenizer="bert-base-uncased", mode="pad", length=16))
     assert not out.exists()
 
 
@@ -179,14 +179,14 @@ def test_killed_run_resumes_to_identical_shards(ray_session, tmp_path: Path, cor
     """A run that dies before its manifest resumes at unit granularity: the units whose shard matches its record
     are kept (not even rewritten), a lost shard's unit is done again, and every shard equals an undisturbed run's
     byte for byte."""
-    opts = dict(source=[str(corpus)], tokenizer="gpt2", length=32, quiet=True)
-    ref = prepare({**opts, "out": str(tmp_path / "ref")})["train"]
+    opts = dict(source=[str(corpus)], tokenizer="gpt2", length=32)
+    ref = prepare(PrepareConfig.from_dict({**opts, "out": str(tmp_path / "ref")}))["train"]
     assert len(ref.shards) >= 4
     out = tmp_path / "killed"
     monkeypatch.setenv(FAULT_ENV, "prepare.fail_after_shards=2")
     with pytest.raises(RuntimeError, match="simulated crash"):
         # On the other engine: the shards are the same, so the rerun below (auto: tiktoken) continues them.
-        prepare({**opts, "out": str(out), "engine": "tokenizers"})
+        prepare(PrepareConfig.from_dict({**opts, "out": str(out), "engine": "tokenizers"}))
     monkeypatch.delenv(FAULT_ENV)
     split = out / "train"
     assert not (split / "manifest.json").exists()
@@ -196,7 +196,7 @@ def test_killed_run_resumes_to_identical_shards(ray_session, tmp_path: Path, cor
     done[0].unlink()
     (split / "part-00099.parquet.tmp").write_bytes(b"half")
     kept = {p.name: p.stat().st_mtime_ns for p in done[1:]}
-    resumed = prepare({**opts, "out": str(out)})["train"]
+    resumed = prepare(PrepareConfig.from_dict({**opts, "out": str(out)}))["train"]
     assert _shas(out) == _shas(tmp_path / "ref") and resumed.content_hash() == ref.content_hash()
     assert resumed.token_frequency == ref.token_frequency and resumed.tokens == ref.tokens
     assert not list(split.glob("*.tmp"))
@@ -204,9 +204,9 @@ def test_killed_run_resumes_to_identical_shards(ray_session, tmp_path: Path, cor
         assert (split / s.name).read_bytes() == (tmp_path / "ref" / "train" / s.name).read_bytes()
     assert {n: (split / n).stat().st_mtime_ns for n in kept} == kept  # kept units were not done again
     # Complete: a rerun only verifies; other options on the same output are refused before any work.
-    assert prepare({**opts, "out": str(out)})["train"].content_hash() == ref.content_hash()
+    assert prepare(PrepareConfig.from_dict({**opts, "out": str(out)}))["train"].content_hash() == ref.content_hash()
     with pytest.raises(PrepareError, match="--overwrite"):
-        prepare({**opts, "out": str(out), "length": 48})
+        prepare(PrepareConfig.from_dict({**opts, "out": str(out), "length": 48}))
 
 
 def test_splits_trained_tokenizer_and_uri_output(ray_session, tmp_path: Path, docs: list[str]) -> None:
@@ -216,8 +216,8 @@ def test_splits_trained_tokenizer_and_uri_output(ray_session, tmp_path: Path, do
     pq.write_table(__import__("pyarrow").table({"body": docs[30:50]}), src / "b.parquet")
     (tmp_path / "val.txt").write_text("\n".join(docs[50:]), encoding="utf-8")
     out_uri = (tmp_path / "out").as_uri()  # file:// goes through the pyarrow filesystem path, as s3:// does
-    ms = prepare(dict(source=[f"train={src}", f"validation={tmp_path / 'val.txt'}"], out=out_uri,
-                      train_tokenizer=400, text_field="body", length=40, quiet=True))
+    ms = prepare(PrepareConfig(source=[f"train={src}", f"validation={tmp_path / 'val.txt'}"], out=out_uri,
+                      train_tokenizer=400, text_field="body", length=40))
     tok_file = tmp_path / "out" / "tokenizer.json"
     assert tok_file.is_file()
     tok = load_tokenizer(str(tok_file))
@@ -241,17 +241,17 @@ def test_bad_input_fails_before_ray(tmp_path: Path, corpus: Path) -> None:
 
     was = ray.is_initialized()
     with pytest.raises(SourceError, match="unknown dataset 'openwebtxt'; known: embedded, openwebtext, lm1b"):
-        prepare(dict(source=["openwebtxt"], out=str(tmp_path / "x")))
+        prepare(PrepareConfig(source=["openwebtxt"], out=str(tmp_path / "x")))
     with pytest.raises(SourceError, match="no input files"):
-        prepare(dict(source=[str(tmp_path / "missing.jsonl")], out=str(tmp_path / "x"), tokenizer="gpt2"))
+        prepare(PrepareConfig(source=[str(tmp_path / "missing.jsonl")], out=str(tmp_path / "x"), tokenizer="gpt2"))
     with pytest.raises(PrepareError, match="below 4"):
-        prepare(dict(source=[str(corpus)], out=str(tmp_path / "x"), tokenizer="gpt2", length=3))
+        prepare(PrepareConfig(source=[str(corpus)], out=str(tmp_path / "x"), tokenizer="gpt2", length=3))
     with pytest.raises(SourceError, match="no field 'body'.*--text-field"):
-        prepare(dict(source=[str(corpus)], out=str(tmp_path / "x"), tokenizer="gpt2", text_field="body"))
+        prepare(PrepareConfig(source=[str(corpus)], out=str(tmp_path / "x"), tokenizer="gpt2", text_field="body"))
     with pytest.raises(TokenizerError, match="does not exist"):
-        prepare(dict(source=[str(corpus)], out=str(tmp_path / "x"), tokenizer=str(tmp_path / "nope.json")))
+        prepare(PrepareConfig(source=[str(corpus)], out=str(tmp_path / "x"), tokenizer=str(tmp_path / "nope.json")))
     with pytest.raises(PrepareError, match="GPT-2's own BPE only"):
-        prepare(dict(source=[str(corpus)], out=str(tmp_path / "x"), tokenizer="bert-base-uncased", engine="tiktoken"))
+        prepare(PrepareConfig(source=[str(corpus)], out=str(tmp_path / "x"), tokenizer="bert-base-uncased", engine="tiktoken"))
     # A tokenizer without any special token cannot frame rows.
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -260,7 +260,7 @@ def test_bad_input_fails_before_ray(tmp_path: Path, corpus: Path) -> None:
     t.train_from_iterator(["plain text only"] * 10, trainers.BpeTrainer(vocab_size=300, show_progress=False))
     t.save(str(tmp_path / "plain.json"))
     with pytest.raises(TokenizerError, match="has no BOS/EOS token"):
-        prepare(dict(source=[str(corpus)], out=str(tmp_path / "x"), tokenizer=str(tmp_path / "plain.json")))
+        prepare(PrepareConfig(source=[str(corpus)], out=str(tmp_path / "x"), tokenizer=str(tmp_path / "plain.json")))
     assert not (tmp_path / "x").exists()
     assert ray.is_initialized() == was
 
@@ -284,12 +284,35 @@ def test_cli_help_and_error_line(capsys: pytest.CaptureFixture[str], tmp_path: P
 def test_embedded_default_fits_the_tiny_model(ray_session, tmp_path: Path) -> None:
     from adlm_model import preset
 
-    ms = prepare(dict(source=["embedded"], out=str(tmp_path / "emb"), quiet=True))
+    ms = prepare(PrepareConfig(source=["embedded"], out=str(tmp_path / "emb")))
     assert set(ms) == {"train", "validation", "test"}
     m = ms["train"]
     assert m.vocab_size == 8192 and m.length == 128 and m.rows > 10_000 and m.source == "embedded"
     m.check_fits(preset("tiny", **m.model_overrides()))
     assert (tmp_path / "emb" / "tokenizer.json").is_file()
     # Rerun: verified and reused, not recomputed.
-    again = prepare(dict(source=["embedded"], out=str(tmp_path / "emb"), quiet=True))
+    again = prepare(PrepareConfig(source=["embedded"], out=str(tmp_path / "emb")))
     assert {s: x.content_hash() for s, x in again.items()} == {s: x.content_hash() for s, x in ms.items()}
+
+
+def test_the_cli_flags_are_the_config_fields_with_their_docstrings() -> None:
+    """``prepare_data``'s flags are generated from ``PrepareConfig``: one a field, its docstring the help, its
+    type and default the field's; a parse gives the typed config (no hand-written copy to drift)."""
+    import dataclasses
+
+    from pipelines.configlib import descriptions
+    from pipelines.prepare_data import build_parser, config_of
+
+    p = build_parser()
+    flags = {a.dest: a for a in p._actions}
+    docs = descriptions(PrepareConfig)
+    for f in dataclasses.fields(PrepareConfig):
+        action = flags[f.name]
+        assert action.option_strings[0] == "--" + f.name.replace("_", "-")
+        assert action.help.startswith(docs[f.name].replace("``", "")[:40]), f.name
+    args = p.parse_args(["--source", "train=a.txt", "--source", "validation=b.txt", "--no-keep-empty", "--unit-mb",
+                         "3", "--length", "64", "--testbed", "seed=1"])
+    cfg = config_of(args)
+    assert cfg.source == ["train=a.txt", "validation=b.txt"] and cfg.keep_empty is False and cfg.unit_mb == 3.0
+    assert cfg.length == 64 and cfg.testbed == ["seed=1"] and cfg.engine == PrepareConfig().engine
+    assert config_of(p.parse_args([])) == PrepareConfig()

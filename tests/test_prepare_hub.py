@@ -56,9 +56,9 @@ def test_a_mirrored_hub_dataset_gives_the_shards_of_the_same_local_files(ray_ses
     mirror = tmp_path / "mirror"
     write_stand_in(mirror, docs)
     monkeypatch.setitem(NAMED_SOURCES, "standin", stand_in_source())
-    hub = prepare(dict(source=["standin"], out=str(tmp_path / "hub"), hub_mirror=str(mirror), quiet=True))["train"]
-    local = prepare(dict(source=[f"train={mirror / REPO / 'plain_text'}"], out=str(tmp_path / "local"),
-                         tokenizer="gpt2", length=64, quiet=True))["train"]
+    hub = prepare(PrepareConfig(source=["standin"], out=str(tmp_path / "hub"), hub_mirror=str(mirror)))["train"]
+    local = prepare(PrepareConfig(source=[f"train={mirror / REPO / 'plain_text'}"], out=str(tmp_path / "local"),
+                         tokenizer="gpt2", length=64))["train"]
     assert hub.source == "standin" and len(hub.shards) >= 4
     assert [(s.name, s.sha256) for s in hub.shards] == [(s.name, s.sha256) for s in local.shards]
     assert hub.content_hash() == local.content_hash() and hub.token_frequency == local.token_frequency

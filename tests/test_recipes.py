@@ -109,18 +109,18 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> PreparedData:
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_runs_on_tiny_data_prepared_by_its_own_definition(recipe: Path, tmp_path: Path, ray_session,
                                                                   one_torch_thread, prepared: PreparedData) -> None:
-    from pipelines.data.prepare import prepare
+    from pipelines.data.prepare import PrepareConfig, prepare
     from pipelines.training.trainer import train
 
     raw = yaml.safe_load(recipe.read_text())
     cfg = load_config(recipe)
     if cfg.data.source == "testbed":
         prepared.copy_to(tmp_path / "work" / Path(cfg.data.train).parent, ("testbed",), lambda out: prepare(
-            dict(source=["testbed"], out=str(out), quiet=True,
+            PrepareConfig(source=["testbed"], out=str(out),
                  testbed=dict(train_rows=64, validation_rows=8, test_rows=8, entropy_rows=200))))
         uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
         res = train(load_config(recipe, SCALED + [f"run.name=recipe-{recipe.stem}"]), workdir=str(tmp_path / "work"),
-                    tracking_uri=uri, quiet=True)
+                    tracking_uri=uri)
         assert res.step == 2 and res.val_ppl == res.val_ppl
         return
     src = _source(cfg.data.source)
@@ -132,8 +132,8 @@ def test_recipe_runs_on_tiny_data_prepared_by_its_own_definition(recipe: Path, t
 
     def make(out: Path) -> dict:
         texts = _texts(out.parent / f"{out.name}-text", mode)
-        return prepare(dict(source=[f"{s}={texts['train' if s == 'train' else 'validation']}" for s in splits],
-                            out=str(out), mode=mode, length=cfg.model.seq_len, quiet=True, shard_rows=64, **tokenizer))
+        return prepare(PrepareConfig(source=[f"{s}={texts['train' if s == 'train' else 'validation']}" for s in splits],
+                                  out=str(out), mode=mode, length=cfg.model.seq_len, **tokenizer))
 
     key = (cfg.data.source, tuple(splits), mode, cfg.model.seq_len, tuple(sorted(tokenizer.items())))
     vocab = prepared.copy_to(data_dir, key, make)
@@ -143,6 +143,6 @@ def test_recipe_runs_on_tiny_data_prepared_by_its_own_definition(recipe: Path, t
         # source's): the model takes the tiny tokenizer's size, everything else is the recipe's.
         sets.append(f"model.vocab_size={vocab['train']}")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    res = train(load_config(recipe, sets), workdir=str(wd), tracking_uri=uri, quiet=True)
+    res = train(load_config(recipe, sets), workdir=str(wd), tracking_uri=uri)
     assert res.step == 2 and res.val_ppl is not None and res.val_ppl == res.val_ppl  # finite, not NaN
     assert raw["model"].get("kind", "adlm") == cfg.model.kind

@@ -235,8 +235,8 @@ def test_a_registered_version_is_an_mlflow_model(registry) -> None:
     import mlflow
     import yaml
 
+    from pipelines.mlflow_model import pip_requirements
     from pipelines.registry import download_version, get_version, resolve_model
-    from pipelines.serving.mlflow_model import pip_requirements
 
     mv = get_version("models:/adlm@candidate", registry["uri"])
     assert mv.run_id == registry["run_id"] and mv.tags["kind"] == "mdlm" and "checkpoint_uri" in mv.tags
@@ -457,9 +457,10 @@ def test_generate_cli_help_and_bad_input_exit_codes(registry, capsys, monkeypatc
 
 def test_export_reloads_bit_for_bit_and_its_card_lists_the_registry_figures(registry, tmp_path, capsys) -> None:
     from adlm_model.pretrained import HF_CODE, PRETRAINED_FILES
+    from pipelines.evaluation.suites import figures as described
     from pipelines.export import main as export
     from pipelines.registry import get_version, resolve_model
-    from pipelines.serving.export import FIGURES, figures_of
+    from pipelines.serving.export import figures_of
 
     out = tmp_path / "exported"
     assert export(["models:/adlm@candidate", "--out", str(out), "--json"]) == 0
@@ -487,8 +488,9 @@ def test_export_reloads_bit_for_bit_and_its_card_lists_the_registry_figures(regi
         assert f"(`{k}`) | {'<= ' if k == 'val_ppl' else ''}{v} |" in card
     for setting in ("val_ppl.settings", "gen.settings", "gen_ppl.eval_lm"):
         assert tags[setting] in card
+    definitions = {f.tag: f.definition for f in described()}
     for k in ("gen_ppl", "entropy"):
-        assert FIGURES[k][1] in card
+        assert definitions[k] in card
     assert "one `t` per sequence" in card and f"| parameters | {written['parameters']:,} |" in card
     assert "AutoModelForMaskedLM.from_pretrained('.', trust_remote_code=True)" in card  # the transformers lines
 

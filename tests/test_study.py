@@ -151,7 +151,7 @@ def test_a_study_of_two_arms_and_two_seeds(tiny_data: Path, workdir: Path, one_t
     rp = next(r for r in res_plan_runs(spec, workdir, uri) if r.arm == "mdlm" and r.seed == 0)
     raw = dict(rp.raw)
     raw["run"] = {**raw["run"], "name": "prefix-check", "max_steps": 2}
-    short = train(TrainConfig.from_dict(raw), workdir=str(workdir), tracking_uri=uri, register=False, quiet=True)
+    short = train(TrainConfig.from_dict(raw), workdir=str(workdir), tracking_uri=uri, register=False)
     assert short.val_ppl == pytest.approx(arms["mdlm"].at_steps[0], rel=1e-6)
 
     # A rerun trains nothing new and gives the same table.

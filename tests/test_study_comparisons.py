@@ -63,4 +63,4 @@ def test_the_shipped_testbed_study_is_preregistered():
     assert "PRIMARY" in spec.hypothesis and "PRECONDITION" in spec.hypothesis
     seeds = {a.name: len(a.seeds) for a in spec.arms}
     assert all(seeds[a] >= 5 for a in ("adlm", "mdlm", "mdlm-params", "adlm-gamma0"))
-    assert seeds["ar"] >= 3 and seeds["bd3lm"] >= 3 and spec.data["source"] == "testbed"
+    assert seeds["ar"] >= 3 and seeds["bd3lm"] >= 3 and spec.data.source == ["testbed"]

@@ -13,7 +13,7 @@ from adlm_model import ModelConfig
 from adlm_model.testbed import Testbed, TestbedConfig
 from pipelines.data.manifest import read_manifest
 from pipelines.data.plan import PrepareError
-from pipelines.data.prepare import prepare
+from pipelines.data.prepare import PrepareConfig, prepare
 from pipelines.data.tokenizer import load_tokenizer
 from pipelines.seeds import derive_seed
 
@@ -23,7 +23,7 @@ OPTS = {"length": 16, "entropy_rows": 400, "train_rows": 300, "validation_rows":
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     out = tmp_path_factory.mktemp("testbed") / "data"
-    ms = prepare({"source": "testbed", "out": str(out), "testbed": {**OPTS, "shard_rows": 128}, "quiet": True})
+    ms = prepare(PrepareConfig.from_dict({"source": "testbed", "out": str(out), "testbed": {**OPTS, "shard_rows": 128}}))
     return out, ms
 
 
@@ -50,21 +50,21 @@ def test_shards_are_the_languages_rows_and_the_manifest_carries_the_truth(prepar
 def test_rerun_reuses_and_other_options_are_refused(prepared, tmp_path):
     out, ms = prepared
     before = (out / "train" / "part-00000.parquet").stat().st_mtime_ns
-    again = prepare({"source": "testbed", "out": str(out), "testbed": {**OPTS, "shard_rows": 128}, "quiet": True})
+    again = prepare(PrepareConfig.from_dict({"source": "testbed", "out": str(out), "testbed": {**OPTS, "shard_rows": 128}}))
     assert (out / "train" / "part-00000.parquet").stat().st_mtime_ns == before
     assert again["train"].content_hash() == ms["train"].content_hash()
     with pytest.raises(PrepareError, match="made with other options; pass --overwrite"):
-        prepare({"source": "testbed", "out": str(out), "testbed": {**OPTS, "seed": 6, "shard_rows": 128}, "quiet": True})
+        prepare(PrepareConfig.from_dict({"source": "testbed", "out": str(out), "testbed": {**OPTS, "seed": 6, "shard_rows": 128}}))
     with pytest.raises(PrepareError, match="unknown testbed config key"):
-        prepare({"source": "testbed", "out": str(tmp_path), "testbed": ["n_clases=3"]})
+        prepare(PrepareConfig.from_dict({"source": "testbed", "out": str(tmp_path), "testbed": ["n_clases=3"]}))
     with pytest.raises(PrepareError, match="brings its own tokenizer"):
-        prepare({"source": "testbed", "out": str(tmp_path), "tokenizer": "gpt2"})
+        prepare(PrepareConfig.from_dict({"source": "testbed", "out": str(tmp_path), "tokenizer": "gpt2"}))
 
 
 def test_same_options_same_bytes(prepared, tmp_path):
     out, ms = prepared
-    other = prepare({"source": "testbed", "out": str(tmp_path / "d"), "testbed": [f"{k}={v}" for k, v in {**OPTS, "shard_rows": 128}.items()],
-                     "quiet": True, "split": ["validation"]})
+    other = prepare(PrepareConfig.from_dict({"source": "testbed", "out": str(tmp_path / "d"), "testbed": [f"{k}={v}" for k, v in {**OPTS, "shard_rows": 128}.items()],
+                     "split": ["validation"]}))
     assert other["validation"].content_hash() == ms["validation"].content_hash()
     freq = ms["validation"].token_frequency
     assert sum(freq.values()) == 64 * 16 and np.isclose(freq["1"], 64)

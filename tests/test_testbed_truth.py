@@ -10,7 +10,7 @@ import pytest
 
 from adlm_model import ModelConfig
 from adlm_model.testbed import BOS_ID, Testbed, TestbedConfig
-from pipelines.data.prepare import prepare
+from pipelines.data.prepare import PrepareConfig, prepare
 from pipelines.data.reader import read_rows
 from pipelines.evaluation.config import EvalConfig
 from pipelines.evaluation.run import evaluate_model
@@ -24,7 +24,7 @@ OPTS = {"length": 16, "entropy_rows": 1500, "train_rows": 512, "validation_rows"
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     out = tmp_path_factory.mktemp("truth") / "testbed"
-    prepare({"source": "testbed", "out": str(out), "testbed": OPTS, "quiet": True, "split": ["train", "validation"]})
+    prepare(PrepareConfig.from_dict({"source": "testbed", "out": str(out), "testbed": OPTS, "split": ["train", "validation"]}))
     return out
 
 

@@ -142,8 +142,7 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
         # its tracker, which are the same in a Ray Train worker, not Ray Train's 20 s of start-up. (Each epoch's
         # reread of the shards shows in no window's pace: 1.007 measured alone.) The outage starts after a few
         # windows and ends with training still running.
-        res = train(_cfg(tiny_data, "long", STEPS, micro=64), workdir=str(wd), tracking_uri=server.url,
-                    quiet=True)
+        res = train(_cfg(tiny_data, "long", STEPS, micro=64), workdir=str(wd), tracking_uri=server.url)
         outage.thread.join(timeout=OUTAGE_S + 60)
         assert outage.end, "the outage never happened"
         assert time.time() > outage.end, "training ended before the server was back: lengthen STEPS"
@@ -169,11 +168,11 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
         # same command (server back) trains nothing, sends the metrics it kept and registers. In-process (Ray Train
         # is not what this part tests; one epoch of data, so no reread either).
         server.stop()
-        short = train(_cfg(tiny_data, "short", 60), workdir=str(wd), tracking_uri=server.url, quiet=True)
+        short = train(_cfg(tiny_data, "short", 60), workdir=str(wd), tracking_uri=server.url)
         assert short.registered_version is None
         assert "is unreachable: the run is trained" in capfd.readouterr().err  # a log line: WARNING on stderr
         server.start()
-        again = train(_cfg(tiny_data, "short", 60), workdir=str(wd), tracking_uri=server.url, quiet=True)
+        again = train(_cfg(tiny_data, "short", 60), workdir=str(wd), tracking_uri=server.url)
         assert again.registered_version is not None and again.step == 60
         steps = [m.step for m in client.get_metric_history(again.run_id, "train/loss")]
         assert sorted(steps) == list(range(LOG_EVERY, 61, LOG_EVERY))
@@ -208,3 +207,39 @@ def test_a_call_whose_retries_run_out_is_sent_again_once_the_server_is_back(tmp_
         assert not (tmp_path / "spool").exists()
         hist = mlflow.MlflowClient(server.url).get_metric_history(run_id, "train/loss")
         assert sorted(m.step for m in hist) == [1, 2, 3, 4, 5]
+
+
+def test_a_sweep_and_a_study_say_refused_credentials_are_refused_and_go_on_through_an_outage(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The sweep's and the study's MLflow runs go through the one ``best_effort`` helper the trainer uses: a server
+    that answers 401 stops them in the line naming what to set (not "MLflow unavailable"), one that answers 503
+    is an outage they go on without; after the work, a refusal is a warning that says so."""
+    import dataclasses
+
+    from pipelines.studies.runner import _mlflow_runs, plan_study
+    from pipelines.studies.spec import parse_study
+    from pipelines.tracking import TrackingAuthError, best_effort, client
+    from pipelines.tuning.space import load_space
+    from pipelines.tuning.sweep import _parent_run, plan_sweep
+
+    sweep_plan = plan_sweep(load_space(ROOT / "tune_spaces" / "demo.yaml"), ROOT / "configs" / "demo.yaml",
+                            check_data=False, workdir=tmp_path, tracking_uri="sqlite:///:memory:")
+    study = parse_study({"name": "t", "config": "configs/demo.yaml", "steps": 40, "arms": [{"name": "a"}]}, "t.yaml")
+    study_plan = plan_study(study, workdir=str(tmp_path), tracking_uri="sqlite:///:memory:", root=ROOT)
+    for status in (401, 403):
+        with answering(status) as url:
+            with pytest.raises(TrackingAuthError, match=f"refused this client's credentials \\(HTTP {status}\\)"):
+                _parent_run(dataclasses.replace(sweep_plan, tracking_uri=url))
+            with pytest.raises(TrackingAuthError, match="refused.*MLFLOW_TRACKING_USERNAME"):
+                _mlflow_runs(dataclasses.replace(study_plan, tracking_uri=url))
+            # MLflow's own client error for a 401/403 (no probe first): refused too, a warning after the work.
+            caplog.clear()
+            with best_effort(url, "the table is on disk", stop_on_refusal=False) as t:
+                client(url).get_experiment_by_name("x")
+            assert t.failed and t.refused
+            assert "refused this client's credentials" in caplog.text and "unavailable" not in caplog.text
+    with answering(503) as url:
+        caplog.clear()
+        assert _parent_run(dataclasses.replace(sweep_plan, tracking_uri=url)) is None
+        assert "is unavailable" in caplog.text and "sweeping without a parent run" in caplog.text
+        assert "refused" not in caplog.text

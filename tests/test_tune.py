@@ -195,7 +195,7 @@ def test_sweep_stops_early_nests_runs_registers_best_and_resumes(tiny_data: Path
 
     # 4. A rerun of the finished sweep changes nothing and registers nothing new.
     again = sweep(load_space(space_file), ROOT / "configs" / "demo.yaml",
-                           [*data_overrides(tiny_data), *TINY_MODEL], quiet=True)
+                           [*data_overrides(tiny_data), *TINY_MODEL])
     assert again.registered_version == res.registered_version
     assert len(client.search_model_versions("name='adlm'")) == 1
 
@@ -208,7 +208,7 @@ def _trial_training(config: dict, *, sets: list[str], workdir: str, uri: str) ->
     from pipelines.training.trainer import train
 
     res = train(load_config(ROOT / "configs" / "demo.yaml", [*sets, "run.name=in-trial"]), workdir=workdir,
-                tracking_uri=uri, register=False, quiet=True)
+                tracking_uri=uri, register=False)
     tune.report({"step": res.step, "val_ppl": res.val_ppl, "final": True})
 
 
@@ -230,7 +230,7 @@ def test_a_local_mode_run_in_a_tune_trial_reports_each_validation_and_equals_the
             "optim.warmup_steps=1", "scaling.num_workers=0", "scaling.threads=1", "mlflow.experiment=in-trial"]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     alone = train(load_config(ROOT / "configs" / "demo.yaml", [*sets, "run.name=alone"]), workdir=str(tmp_path / "a"),
-                  tracking_uri=uri, register=False, quiet=True)
+                  tracking_uri=uri, register=False)
     grid = tune.Tuner(
         tune.with_resources(partial(_trial_training, sets=sets, workdir=str(tmp_path / "t"), uri=uri), {"cpu": 0.5}),
         run_config=tune.RunConfig(name="in-trial", storage_path=str(tmp_path / "tune"), verbose=0)).fit()

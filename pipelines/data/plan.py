@@ -11,14 +11,17 @@ their footers, never their rows. Every error here is one line, before Ray starts
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import shutil
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import with_config
+
+from pipelines.configlib import PYDANTIC_CONFIG
 from pipelines.data.detokenizers import DETOKENIZERS, get_detokenizer
 from pipelines.data.embedded import embedded_corpus
 from pipelines.data.encoder import ENGINES
@@ -66,9 +69,10 @@ class PrepareError(ValueError):
     """Bad input for data preparation; the message names the problem and the fix."""
 
 
+@with_config(PYDANTIC_CONFIG)  # the field docstrings are the CLI's --help (pipelines.prepare_data)
 @dataclass
 class PrepareConfig:
-    """Options of ``prepare`` (each is a ``--flag`` of the CLI)."""
+    """Options of ``prepare``: each field is a ``--flag`` of ``pipelines.prepare_data``, its docstring the help."""
 
     source: list[str] = field(default_factory=lambda: ["embedded"])
     """A named source (``embedded``, ``openwebtext``, ``lm1b``, ...) or local/object-store paths, globs and
@@ -122,11 +126,32 @@ class PrepareConfig:
     """Ray cluster address (default: ``$RAY_ADDRESS`` or a new local Ray)."""
     progress_interval: float = 2.0
     """Seconds between progress lines."""
-    quiet: bool = False
-    """No progress lines (the summary still prints)."""
     testbed: Any = None
     """The ``testbed`` source only: ``TestbedConfig`` fields and rows per split (``train_rows``, ...), as a mapping
     or ``KEY=VALUE`` strings (``pipelines.data.synthetic``)."""
+
+    def __post_init__(self) -> None:
+        # One source or split given as a word (a study file's ``source: embedded``) is a list of one.
+        if isinstance(self.source, str):
+            self.source = [self.source]
+        if isinstance(self.split, str):
+            self.split = [self.split]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PrepareConfig:
+        """The options of a mapping (a study's ``data`` block, a script's options): an unknown one is a
+        PrepareError; a retired one (``RETIRED``) is ignored."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if k not in RETIRED}
+        bad = set(d) - known
+        if bad:
+            raise PrepareError(f"unknown prepare option(s) {', '.join(sorted(bad))}; known: {', '.join(sorted(known))}")
+        return cls(**d)
+
+
+RETIRED = ("shard_rows",)
+"""Options of format 1 that no longer mean anything and are ignored (a shard is now one unit of work's rows:
+size shards with ``unit_mb``), so that older recipes and scripts keep running."""
 
 # ----------------------------------------------------------------------------------------------------------
 # Planning (no Ray)
@@ -157,12 +182,9 @@ class Plan:
 
 
 def log(cfg: PrepareConfig, msg: str, force: bool = False) -> None:
-    """A progress line (a log line, none with ``quiet``), or with ``force`` a line of the command's summary (always
-    printed: what was prepared, reused or resumed)."""
-    if force:
-        print(f"[prepare_data] {msg}", file=sys.stderr, flush=True)
-    elif not cfg.quiet:
-        logger.info(msg)
+    """A progress line, or with ``force`` a line of the run's summary (what was prepared, reused or resumed): both
+    log lines (``-q`` hides them; the command prints its result on stdout)."""
+    logger.info(msg)
 
 
 def _unit_bytes(total: int, unit_mb: float) -> int:

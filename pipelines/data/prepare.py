@@ -49,8 +49,6 @@ neither deterministic names and bytes nor resumption by unit.
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import hashlib
 import json
 import os
@@ -327,32 +325,6 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
 # Entry point
 
 
-RETIRED = ("shard_rows",)
-"""Options of format 1 that no longer mean anything and are ignored (a shard is now one unit of work's rows:
-size shards with ``unit_mb``), so that older recipes and scripts keep running."""
-
-
-def _coerce(cfg: Any) -> PrepareConfig:
-    """A PrepareConfig from itself, a dict of its fields or the CLI's argparse.Namespace."""
-    if isinstance(cfg, PrepareConfig):
-        return cfg
-    if isinstance(cfg, argparse.Namespace):
-        cfg = vars(cfg)
-    if isinstance(cfg, dict):
-        known = {f.name for f in dataclasses.fields(PrepareConfig)}
-        cfg = {k: v for k, v in cfg.items() if k not in RETIRED}
-        bad = set(cfg) - known
-        if bad:
-            raise PrepareError(f"unknown prepare option(s) {', '.join(sorted(bad))}; known: {', '.join(sorted(known))}")
-        d = dict(cfg)
-        if isinstance(d.get("source"), str):
-            d["source"] = [d["source"]]
-        if isinstance(d.get("split"), str):
-            d["split"] = [d["split"]]
-        return PrepareConfig(**d)
-    raise TypeError(f"prepare() takes a PrepareConfig, dict or argparse.Namespace, not {type(cfg)}")
-
-
 def actor_pool_bounds(cfg: PrepareConfig, units: int) -> tuple[int, int]:
     """(min, max) of the tokenizer actor pool: an autoscaling pool that starts at ``--min-actors`` and grows (up
     to one actor a unit of work, or ``--actors``) as the cluster offers CPUs, instead of being sized from the
@@ -362,13 +334,15 @@ def actor_pool_bounds(cfg: PrepareConfig, units: int) -> tuple[int, int]:
     return min(cfg.min_actors, high), high
 
 
-def prepare(config: Any = None, *, shutdown_ray: bool = False) -> dict[str, Manifest]:
-    """Prepare every split of ``config`` (PrepareConfig, dict, argparse.Namespace or argv list).
+def prepare(config: PrepareConfig | None = None, *, shutdown_ray: bool = False) -> dict[str, Manifest]:
+    """Prepare every split of ``config`` (None: the defaults; a mapping of options: ``PrepareConfig.from_dict``).
 
     Returns ``{split: Manifest}``. Bad input raises PrepareError / SourceError / TokenizerError (all
     ValueError) before Ray starts. Splits already complete with the same options are verified and reused.
     """
-    cfg = _coerce(config if config is not None else PrepareConfig())
+    cfg = config if config is not None else PrepareConfig()
+    if not isinstance(cfg, PrepareConfig):
+        raise TypeError(f"prepare() takes a PrepareConfig (PrepareConfig.from_dict for a mapping), not {type(cfg)}")
     from pipelines.data.synthetic import is_testbed, prepare_testbed
 
     if is_testbed(cfg):  # generated, not read: no tokenisation, no Ray

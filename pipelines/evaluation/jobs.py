@@ -19,6 +19,7 @@ import numpy as np
 
 from pipelines.data.reader import read_subset
 from pipelines.evaluation.config import EvalConfig
+from pipelines.logs import verbosity
 from pipelines.seeds import EVAL_MAUVE, EVAL_NELBO, EVAL_SAMPLES, derive_seed
 
 
@@ -51,7 +52,6 @@ class JobSettings:
     """The work directory's cache in the object store (a remote work directory): converted evaluation LMs that
     every node fetches instead of converting again."""
     tracking_uri: str | None = None
-    quiet: bool = False
 
 
 
@@ -165,7 +165,7 @@ def gen_ppl_job(texts: list[list[str]], settings: JobSettings) -> dict[str, Any]
     # targets are excluded (METHOD.md section 6), as in the reference where <|endoftext|> stays in the text.
     sep = lm.eos_text if lm.eos_text else "\n\n"
     joined = [sep.join(segs) for segs in texts]
-    with tqdm(total=len(joined), desc="gen-PPL scoring", unit="sample", disable=settings.quiet) as bar:
+    with tqdm(total=len(joined), desc="gen-PPL scoring", unit="sample", disable=verbosity() < 0) as bar:
         r = generative_perplexity(lm, joined, batch_size=settings.cfg.eval_lm_batch_size,
                                   max_length=settings.cfg.gen_ppl_max_length,
                                   first_token=settings.cfg.gen_ppl_first_token, progress=bar.update)

@@ -6,12 +6,17 @@ planned datasets, the samples), how it is reported and tagged (its headline figu
 definitions printed next to its figures) and whether, and in which direction, it may gate promotion
 (``Gate``). The planner (``plan.py``), the runner (``run.py``), the report (``report.py``) and promotion
 (``promotion.py``) read this table and nothing else: adding a metric is one ``register_suite`` call plus its
-function. Every figure keeps its single definition in ``metrics.py`` (METHOD.md section 6).
+function. Every figure keeps its single definition in ``metrics.py`` (METHOD.md section 6), and its one description
+(``Figure``: label, summary column, definition, settings tags) here, which the model card and the summary read.
+
+Longer than 500 lines because it is the one table: every suite's entry (its checks, run, tags and figures) sits
+beside the others, so that a new metric is one place to read and one to add.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +46,37 @@ class Gate:
         return f"gate: {self.label or self.metric} {value:.4f} {side} the bound {bound:g}"
 
 
+PPL = "ppl"
+"""A figure's definition that is the perplexity of the model's kind (a bound for a diffusion kind, exact for AR):
+the model card words it for the kind."""
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A figure a suite records on a registry version (a version tag): its one description, which the model card
+    (``serving/export.py``), the pipeline's summary (``orchestration/summary.py``) and the version's tags read."""
+
+    tag: str
+    """The version tag; with ``family``, a regular expression of a family's tags whose group 1 names the member
+    (one a task, one a zero-shot set)."""
+    label: str
+    """Its name on the model card (a family's: ``{}`` is the member)."""
+    column: str = ""
+    """Its column in the pipeline's summary ('': none)."""
+    definition: str = PPL
+    """What it measures (METHOD.md sections 1 and 6), in one paragraph; ``PPL``: the perplexity of the kind."""
+    settings: tuple[str, ...] = ()
+    """The version tags that say how it was measured."""
+    family: bool = False
+
+    def member(self, tag: str) -> str | None:
+        """The member ``tag`` is of this figure (the tag itself for a single figure), or None."""
+        if not self.family:
+            return tag if tag == self.tag else None
+        m = re.fullmatch(self.tag, tag)
+        return m.group(1) if m else None
+
+
 @dataclass(frozen=True)
 class Suite:
     """One evaluation suite (a row of the table)."""
@@ -58,7 +94,8 @@ class Suite:
     plan: Callable[[Any], None] | None = None
     """Checks against the resolved model that fill the plan (``plan.Plan``: datasets, sampler, ...)."""
     headline: tuple[str, ...] = ()
-    """Figures tagged on the registry version (``%.6g``) and shown in promotion's outcome."""
+    """Figures tagged on the registry version (``%.6g``) and shown in promotion's outcome; empty: its single
+    ``figures`` (what the card and the summary describe is what the version is tagged with)."""
     tags: Callable[[Any, EvalConfig], dict[str, str]] | None = None
     """More version tags (``result, cfg``): the settings its figures were measured with."""
     definitions: Callable[[EvalConfig], dict[str, str]] | None = None
@@ -70,6 +107,12 @@ class Suite:
     """Part of promotion's default full stage (``PromotionConfig.stage2_suite``)."""
     auto: Callable[[Any], bool] | None = None
     """Joins the chosen suites on its own when this says True of the plan (``truth``: on testbed data)."""
+    figures: tuple[Figure, ...] = ()
+    """The figures it records on a version, described once (the model card and the summary list them)."""
+
+    def __post_init__(self) -> None:
+        if not self.headline:
+            object.__setattr__(self, "headline", tuple(f.tag for f in self.figures if not f.family))
 
 
 SUITES: dict[str, Suite] = {}
@@ -83,6 +126,21 @@ def register_suite(suite: Suite) -> Suite:
         raise ValueError(f"suite {suite.name!r} implies unregistered suites {missing}: register them first")
     SUITES[suite.name] = suite
     return suite
+
+
+def figures() -> list[Figure]:
+    """Every suite's figures, in the suites' order."""
+    return [f for suite in SUITES.values() for f in suite.figures]
+
+
+def figures_of(tags: dict[str, str]) -> dict[str, tuple[Figure, str]]:
+    """The figures among a version's tags: tag -> (its figure, its member), in the suites' order (a family's
+    members sorted)."""
+    out: dict[str, tuple[Figure, str]] = {}
+    for f in figures():
+        found = sorted((t, f.member(t)) for t in tags if f.member(t) is not None)
+        out.update({t: (f, m) for t, m in found if t not in out})
+    return out
 
 
 def parse_suite(suite: str | Sequence[str]) -> tuple[str, ...]:
@@ -396,27 +454,41 @@ def _run_mauve(state: RunState) -> None:
 register_suite(Suite(
     "ppl", "NELBO perplexity bound on prepared splits (AR: exact)",
     lambda state: state.report_ppl(lambda label: not _is_zero_shot(label)),
-    plan=_plan_ppl, headline=("val_ppl", "test_ppl"), tags=_ppl_tags))
+    plan=_plan_ppl, tags=_ppl_tags,
+    figures=(Figure("val_ppl", "Validation perplexity", "validation PPL (bound)",
+                    settings=("val_ppl.settings", "eval.val_key")),
+             Figure("test_ppl", "Test perplexity"))))
 register_suite(Suite(
     "zero_shot", "the same bound on every prepared zero-shot set (zero_shot=)",
     lambda state: state.report_ppl(_is_zero_shot), plan=_plan_zero_shot, tags=_zero_shot_tags,
-    available=lambda cfg: bool(cfg.zero_shot)))
+    available=lambda cfg: bool(cfg.zero_shot),
+    figures=(Figure(r"zero_shot\.(.+)_ppl", "Zero-shot perplexity ({})", settings=("eval.val_key",), family=True),)))
 register_suite(Suite(
     "generate", "num_samples samples with the sampler; mean unigram entropy", _run_generate, plan=_plan_generate,
-    headline=("entropy",), tags=_generate_tags,
-    gates=(Gate("entropy", "min", "entropy_min", "entropy"), Gate("entropy", "max", "entropy_max", "entropy"))))
+    tags=_generate_tags,
+    gates=(Gate("entropy", "min", "entropy_min", "entropy"), Gate("entropy", "max", "entropy_max", "entropy")),
+    figures=(Figure("entropy", "Unigram entropy", "entropy", "The mean unigram entropy of samples (per sample, "
+                    "entropy of its token-id histogram, in nats).", ("gen.settings",)),)))
 register_suite(Suite(
     "gen_ppl", "generative perplexity of the samples under eval_lm", _run_gen_ppl, implies=("generate",),
-    check=_check_gen_ppl, headline=("gen_ppl",),
+    check=_check_gen_ppl,
     tags=lambda result, cfg: {"gen_ppl.eval_lm": cfg.eval_lm, "gen_ppl.definition": gen_ppl_definition(cfg)},
     definitions=lambda cfg: {"gen_ppl": gen_ppl_definition(cfg)},
-    gates=(Gate("gen_ppl", "max", "gen_ppl_max", "gen-PPL"),)))
+    gates=(Gate("gen_ppl", "max", "gen_ppl_max", "gen-PPL"),),
+    figures=(Figure("gen_ppl", "Generative perplexity", "gen-PPL", "Decode samples to text, re-tokenise with the "
+                    "evaluation LM's tokenizer (reference: `gpt2-large`), truncate to 1024, score with the evaluation "
+                    "LM, pool the NLL over tokens (not a mean of per-sample perplexities), excluding EOS targets. "
+                    "Meaningless alone: read it with the sampler, `T`, `p`, sample count and the unigram entropy.",
+                    ("gen_ppl.definition", "gen.settings", "gen_ppl.eval_lm")),)))
 register_suite(Suite(
     "mauve", "MAUVE of the samples against as many validation texts", _run_mauve, implies=("generate",),
-    check=_check_mauve, plan=_plan_mauve, headline=("mauve",),
+    check=_check_mauve, plan=_plan_mauve,
     tags=lambda result, cfg: {"mauve.featurizer": cfg.mauve_featurizer,
                               "mauve.samples": f"{result.metrics.get('mauve_samples', 0):.0f}"},
-    gates=(Gate("mauve", "min", "mauve_min", "MAUVE"),)))
+    gates=(Gate("mauve", "min", "mauve_min", "MAUVE"),),
+    figures=(Figure("mauve", "MAUVE", "MAUVE", "MAUVE (`mauve-text`): generated texts against the same number of "
+                    "reference texts from the validation split, with the featurizer recorded.",
+                    ("gen.settings", "mauve.featurizer", "mauve.samples")),)))
 
 
 def _plan_truth(plan: Any) -> None:
@@ -460,7 +532,13 @@ def _run_truth(state: RunState) -> None:
 
 register_suite(Suite(
     "truth", "on testbed data: the bound's excess over the exact entropy, the samples' true NLL (joins on its own)",
-    _run_truth, plan=_plan_truth, headline=("val_excess_nats", "true_nll"), auto=_auto_truth, in_stage2=False))
+    _run_truth, plan=_plan_truth, auto=_auto_truth, in_stage2=False,
+    figures=(Figure("val_excess_nats", "Validation bound's excess over the exact entropy", definition="On testbed "
+                    "data: the validation bound (nats per token) minus the ground-truth language's exact entropy on "
+                    "the positions the kind scores.", settings=("val_ppl.settings",)),
+             Figure("true_nll", "Samples' true NLL", definition="On testbed data: the negative log-likelihood of the "
+                    "samples under the ground-truth language's exact likelihood (nats per token).",
+                    settings=("gen.settings",)))))
 
 
 def _lm_eval(fn: str) -> Callable[..., Any]:
@@ -476,4 +554,8 @@ def _lm_eval(fn: str) -> Callable[..., Any]:
 register_suite(Suite(
     "lm-eval", "EleutherAI lm-evaluation-harness tasks through the adlm adapter (--tasks; offline tasks by default)",
     _lm_eval("run_lm_eval"), check=_lm_eval("check_lm_eval"), tags=_lm_eval("lm_eval_tags"),
-    gates=(Gate("lm_eval.acc_mean", "min", "lm_eval_acc_min", "lm-eval mean accuracy"),), in_stage2=False))
+    gates=(Gate("lm_eval.acc_mean", "min", "lm_eval_acc_min", "lm-eval mean accuracy"),), in_stage2=False,
+    figures=(Figure(r"lm_eval\.([^.]+\.[^.]+)", "lm-eval {}", "lm-eval", "A task of EleutherAI's "
+                    "lm-evaluation-harness (its own metric), scored through the adlm adapter: AR log-likelihoods "
+                    "exact, the diffusion kinds' through the NELBO bound; the value ± its standard error.",
+                    ("lm_eval.settings",), family=True),)))

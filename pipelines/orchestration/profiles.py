@@ -5,11 +5,14 @@ stages on a toy (a quick check of an installation or a cluster)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from adlm_model.config import ConfigError
 from pipelines.evaluation.config import EVAL_PROFILES
 from pipelines.storage import join
+
+if TYPE_CHECKING:
+    from pipelines.data.plan import PrepareConfig
 
 PROFILES = ("demo", "smoke")
 
@@ -88,16 +91,18 @@ def profile(name: str) -> Profile:
     raise ConfigError(f"unknown profile {name!r}; use one of {', '.join(PROFILES)}")
 
 
-def prepare_options(prof: Profile, wd: str) -> dict[str, Any]:
-    """``pipelines.data.prepare.prepare``'s options for the profile's data under the work directory."""
+def prepare_options(prof: Profile, wd: str) -> PrepareConfig:
+    """``pipelines.data.prepare.prepare``'s config for the profile's data under the work directory."""
+    from pipelines.data.plan import PrepareConfig
+
     if prof.name == "smoke":
         from pipelines.data.embedded import embedded_slices
 
         # Small slices of the embedded corpus as local text files, with a 512-entry BPE trained on them.
         files = embedded_slices(join(wd, "data", "smoke-text"), {"train": 60_000, "validation": 12_000})
-        return dict(source=[f"{split}={p}" for split, p in files.items()], out=join(wd, "data", "smoke"),
-                    train_tokenizer=512, length=32, actor_cpus=0.25)
-    return dict(source=["embedded"], out=join(wd, "data", "embedded"))
+        return PrepareConfig(source=[f"{split}={p}" for split, p in files.items()], out=join(wd, "data", "smoke"),
+                             train_tokenizer=512, length=32, actor_cpus=0.25)
+    return PrepareConfig(source=["embedded"], out=join(wd, "data", "embedded"))
 
 
 def validate_profile(prof: Profile, root: Any, wd: str, skip_sweep: bool = False) -> tuple[list, Any]:

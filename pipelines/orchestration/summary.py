@@ -1,5 +1,6 @@
-"""The whole pipeline's summary: one row per registered version (validation bound, gen-PPL with its
-definition, entropy, MAUVE, the staged evaluation's decision), the sweep's trials, two samples of the
+"""The whole pipeline's summary: one row per registered version (its figures, as the evaluation suites describe
+them: validation bound, gen-PPL with its definition, entropy, MAUVE, lm-eval's tasks when run; the staged
+evaluation's decision), the sweep's trials, two samples of the
 champion, the stage times, and, for the demo, whether it did what it promises (``profiles.DemoGoals``)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Any
 
 from adlm_model.kinds import KINDS
 from pipelines.evaluation.metrics import MAUVE_MIN_SAMPLES
+from pipelines.evaluation.suites import PPL, figures, figures_of
 from pipelines.logs import get_logger
 from pipelines.orchestration.profiles import DemoGoals, Profile
 from pipelines.storage import join, write_text
@@ -41,9 +43,14 @@ def summarize(prof: Profile, uri: str, model_name: str, vocab_size: int, results
         # its value stays in the registry, with its count, and the summary says why it shows none.
         mauve, mauve_n = num("mauve"), num("mauve.samples")
         too_few = mauve is not None and mauve_n is not None and mauve_n < MAUVE_MIN_SAMPLES
+        # One entry a summary column of the suites' figures (pipelines.evaluation.suites: Figure.column): a single
+        # figure as a number, a family (lm-eval's tasks) as member -> value.
+        shown = {f.tag: num(f.tag) for f in figures() if f.column and not f.family}
+        families = {f.tag: {m: tags[t] for t, (g, m) in figures_of(tags).items() if g is f}
+                    for f in figures() if f.column and f.family}
         rows.append({"model": label, "version": version, "kind": tags.get("kind"), "gamma": tags.get("gamma"),
-                     "tau": tags.get("tau"), "val_ppl": num("val_ppl"), "gen_ppl": num("gen_ppl"),
-                     "gen_ppl_definition": tags.get("gen_ppl.definition"), "entropy": num("entropy"),
+                     "tau": tags.get("tau"), **shown, "families": families,
+                     "gen_ppl_definition": tags.get("gen_ppl.definition"),
                      "mauve": None if too_few else mauve,
                      "mauve_note": f"n/a (too few samples: {mauve_n:.0f})" if too_few else None,
                      "status": tags.get("eval.status"),
@@ -110,18 +117,31 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
 
 
+def _columns(rows: list[dict]) -> list[Any]:
+    """The summary's figure columns: every single figure with a column, a family's only when a row has one."""
+    return [f for f in figures() if f.column and (not f.family or any((r.get("families") or {}).get(f.tag)
+                                                                       for r in rows))]
+
+
+def _cell(r: dict, f: Any) -> str:
+    if f.family:
+        return "; ".join(f"{m} {v}" for m, v in sorted(((r.get("families") or {}).get(f.tag) or {}).items())) or "-"
+    if f.tag == "mauve" and r.get("mauve_note"):
+        return r["mauve_note"]
+    bound = "<= " if f.definition == PPL and r["kind"] in KINDS and KINDS[r["kind"]].diffusion and r.get(f.tag) is not None else ""
+    return bound + _fmt(r.get(f.tag))
+
+
 def summary_markdown(s: dict) -> str:
-    out = ["| model | kind | version | gamma | tau | validation PPL (bound) | gen-PPL | entropy | MAUVE | status |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    cols = _columns(s["rows"])
+    out = ["| model | kind | version | gamma | tau | " + " | ".join(f.column for f in cols) + " | status |",
+           "|---|---|---|---|---|" + "---|" * len(cols) + "---|"]
     for r in s["rows"]:
         status = (r["status"] or "-") + (" **champion**" if r["champion"] else "")
         # gamma and tau are tagged on anchored (ADLM) versions only (pipelines.registry.training_tags)
         anchor = (f"{float(r['gamma']):.3g}", _fmt(r["tau"])) if r["gamma"] is not None else ("-", "-")
-        bound = "<= " if r["kind"] in KINDS and KINDS[r["kind"]].diffusion and r["val_ppl"] is not None else ""
         out.append(f"| {r['model']} | {_fmt(r['kind'])} | {_fmt(r['version'])} | {anchor[0]} | {anchor[1]} | "
-                   f"{bound}{_fmt(r['val_ppl'])} | {_fmt(r['gen_ppl'])} | {_fmt(r['entropy'])} | "
-                   f"{r.get('mauve_note') or _fmt(r['mauve'])} | "
-                   f"{status} |")
+                   + " | ".join(_cell(r, f) for f in cols) + f" | {status} |")
     out.append("")
     for d in sorted({r["gen_ppl_definition"] for r in s["rows"] if r["gen_ppl"] is not None and r["gen_ppl_definition"]}):
         out.append(f"gen-PPL: {d}.")

@@ -1,7 +1,8 @@
 """Calling a model: registered versions as MLflow Models, generation and export.
 
-``mlflow_model`` (how a checkpoint becomes the MLflow Model every registered version is: signature, pinned
-requirements, the checkpoint and ``adlm_model`` shipped inside), ``pyfunc_model`` (that model's code,
+How a checkpoint becomes the MLflow Model every registered version is lives beside the registry
+(``pipelines.mlflow_model``: the registry writes it, this package reads it; neither imports the other's
+package). Here: ``pyfunc_model`` (that model's code,
 models-from-code: what ``mlflow.pyfunc.load_model`` and ``mlflow models serve`` run), ``generate`` (the
 ``python -m pipelines.generate`` machinery) and ``export`` (the Hugging Face-style folder and its model card).
 Text in, text out is ``adlm_model.textgen``: the served model and the CLI run the same code.

@@ -39,26 +39,13 @@ class ExportError(ValueError):
     """An export that cannot be written (the output folder is in use, the model lacks a file)."""
 
 
-# The figures a version's tags can hold, each with its definition (METHOD.md sections 1 and 6) and the tags
-# that record its settings. Zero-shot perplexities (``zero_shot.<name>_ppl``) share the perplexity entry.
+# The perplexity's definition for the card, by the kind's (METHOD.md sections 1 and 6); every other figure's is
+# the one its suite gives (``pipelines.evaluation.suites``: ``Figure``).
 _PPL_BOUND = ("`exp(sum of per-token NELBO / number of tokens)` over the whole evaluation split, one `t` per "
               "sequence (stratified inside the batch), EMA weights, BOS/EOS included. It is an upper bound: "
               "reported as `PPL <= value`.")
 _PPL_EXACT = ("`exp(sum of per-token negative log-likelihood / number of tokens)` of the next-token "
               "distribution over the whole evaluation split, EMA weights: an exact perplexity (AR).")
-FIGURES: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "val_ppl": ("Validation perplexity", "ppl", ("val_ppl.settings", "eval.val_key")),
-    "test_ppl": ("Test perplexity", "ppl", ()),
-    "gen_ppl": ("Generative perplexity", "Decode samples to text, re-tokenise with the evaluation LM's tokenizer "
-                "(reference: `gpt2-large`), truncate to 1024, score with the evaluation LM, pool the NLL over "
-                "tokens (not a mean of per-sample perplexities), excluding EOS targets. Meaningless alone: read it "
-                "with the sampler, `T`, `p`, sample count and the unigram entropy.",
-                ("gen_ppl.definition", "gen.settings", "gen_ppl.eval_lm")),
-    "entropy": ("Unigram entropy", "The mean unigram entropy of samples (per sample, entropy of its token-id "
-                "histogram, in nats).", ("gen.settings",)),
-    "mauve": ("MAUVE", "MAUVE (`mauve-text`): generated texts against the same number of reference texts from "
-              "the validation split, with the featurizer recorded.", ("gen.settings", "mauve.featurizer")),
-}
 
 
 # What ``AutoModelForMaskedLM``'s forward takes, per kind (modeling_adlm's docstring), for the card.
@@ -115,9 +102,11 @@ def _is_export(d: Path) -> bool:
 
 
 def figures_of(tags: dict[str, str]) -> dict[str, str]:
-    """The evaluation figures among a version's tags: ``FIGURES`` in their order, then ``zero_shot.*_ppl``."""
-    zero_shot = sorted(k for k in tags if k.startswith("zero_shot.") and k.endswith("_ppl"))
-    return {k: tags[k] for k in [*FIGURES, *zero_shot] if k in tags}
+    """The evaluation figures among a version's tags (tag -> value), in the suites' order
+    (``pipelines.evaluation.suites.figures_of``)."""
+    from pipelines.evaluation.suites import figures_of as described
+
+    return {k: tags[k] for k in described(tags)}
 
 
 def model_card(src: _Source, cfg: Any, meta: dict[str, Any], parameters: int) -> str:
@@ -147,23 +136,26 @@ def model_card(src: _Source, cfg: Any, meta: dict[str, Any], parameters: int) ->
               f"| validation data | {data.get('validation', 'unknown')} |",
               f"| data manifest hash | {meta.get('data_manifest_hash') or src.tags.get('data_manifest_hash', 'unknown')} |",
               "", "## Evaluation", ""]
-    figures = figures_of(src.tags)
+    from pipelines.evaluation.suites import PPL
+    from pipelines.evaluation.suites import figures_of as described
+
+    figures = described(src.tags)
     if figures:
         lines += ["Figures as the model registry records them for this version (its tags).", "",
                   "| figure | value | settings |", "|---|---|---|"]
-        for k, v in figures.items():
-            label, _, settings = FIGURES.get(k, (f"Zero-shot perplexity ({k[10:-4]})", "ppl", ("eval.val_key",)))
-            shown = "; ".join(f"{s}: {src.tags[s]}" for s in settings if s in src.tags) or (
+        for k, (fig, member) in figures.items():
+            shown = "; ".join(f"{s}: {src.tags[s]}" for s in fig.settings if s in src.tags) or (
                 "training's own validation (not yet evaluated)" if k == "val_ppl" else "not recorded")
-            bound = "<= " if k.endswith("_ppl") and k != "gen_ppl" and kind.diffusion else ""
-            lines.append(f"| {label} (`{k}`) | {bound}{v} | {shown} |")
+            bound = "<= " if fig.definition == PPL and kind.diffusion else ""
+            lines.append(f"| {fig.label.format(member)} (`{k}`) | {bound}{src.tags[k]} | {shown} |")
         lines += ["", "Definitions (METHOD.md sections 1 and 6):", ""]
-        used = {FIGURES.get(k, ("", "ppl", ()))[1] for k in figures}
-        if "ppl" in used:
+        used = list(dict.fromkeys(fig for fig, _ in figures.values()))
+        if any(fig.definition == PPL for fig in used):
             lines.append(f"- **Perplexity** (validation, test, zero-shot): {ppl_def}")
-        for k, (label, definition, _) in FIGURES.items():
-            if k in figures and definition != "ppl":
-                lines.append(f"- **{label}**: {definition}")
+        for fig in used:
+            if fig.definition != PPL:
+                lines.append(f"- **{fig.label.format('<task>.<metric>') if fig.family else fig.label}**: "
+                             f"{fig.definition}")
         status = {k: v for k, v in src.tags.items() if k.startswith("eval.status") or k == "eval.stage"}
         if status:
             lines += ["", "Staged evaluation: " + ", ".join(f"{k} = {v}" for k, v in sorted(status.items())) + "."]

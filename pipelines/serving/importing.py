@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -112,8 +111,9 @@ def inspect_lines(src: Any, fam: Any | None, files: list[Path]) -> list[str]:
 
 def import_model(source: str, *, name: str | None = None, revision: str | None = None, family: str | None = None,
                  tokenizer: str | None = None, inspect: bool = False, aliases: Sequence[str] | None = None,
-                 workdir: str | None = None, tracking_uri: str | None = None, out: Any = None) -> dict[str, Any]:
-    """Import ``source``; returns what was registered (or, with ``inspect``, what was read). Raises ImportInputError /
+                 workdir: str | None = None, tracking_uri: str | None = None) -> dict[str, Any]:
+    """Import ``source``; returns what was registered (or, with ``inspect``, what was read: ``lines`` is the key
+    tree, shapes and hyper-parameters, which the command prints). Raises ImportInputError /
     ImportRefused / UnsafePickleError (one line each) before any registry write."""
     from adlm_model import reference_layouts as rl
     from adlm_model.checkpoint import save_checkpoint
@@ -128,8 +128,8 @@ def import_model(source: str, *, name: str | None = None, revision: str | None =
                 fam = rl.family(family) if family else rl.detect_family(src)
             except rl.ImportRefused:
                 fam = None
-            print("\n".join(inspect_lines(src, fam, src.files)), file=out or sys.stdout)
-            return {"inspected": str(local), "family": fam.name if fam else None, "tensors": len(src.tensors)}
+            return {"inspected": str(local), "family": fam.name if fam else None, "tensors": len(src.tensors),
+                    "lines": inspect_lines(src, fam, src.files)}
         fam = rl.family(family) if family else rl.detect_family(src)
         width = rl.embedding_width(src, fam)
         tok = _tokenizer(tokenizer, src, width, local)

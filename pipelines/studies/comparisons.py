@@ -76,17 +76,11 @@ class ComparisonResult:
                 "verdict": self.verdict}
 
 
-def parse_comparisons(raw: Any, arms: dict[str, bool], fail: Any) -> list[Comparison]:
-    """Comparisons from the study file; ``arms``: name -> equal_flops; ``fail(msg)`` raises."""
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        fail(f"comparisons must be a list of {{arm, against, budget, primary}}, got {raw!r}")
-    out = []
-    for i, c in enumerate(raw):
-        if not isinstance(c, dict) or not {"arm", "against"} <= set(c):
-            fail(f"comparisons[{i}] must be a mapping with arm and against, got {c!r}")
-        comp = Comparison(str(c["arm"]), str(c["against"]), str(c.get("budget", "steps")), bool(c.get("primary", False)))
+def check_comparisons(comparisons: list[Comparison] | None, arms: dict[str, bool], fail: Any) -> list[Comparison]:
+    """The study file's comparisons (typed by the library) checked against its arms (``arms``: name ->
+    equal_flops); ``fail(msg)`` raises."""
+    out = list(comparisons or [])
+    for i, comp in enumerate(out):
         for name in (comp.arm, comp.against):
             if name not in arms:
                 fail(f"comparisons[{i}] names {name!r}, which is no arm; arms: {', '.join(arms)}")
@@ -94,7 +88,6 @@ def parse_comparisons(raw: Any, arms: dict[str, bool], fail: Any) -> list[Compar
             fail(f"comparisons[{i}].budget must be steps or flops, got {comp.budget!r}")
         if comp.budget == "flops" and not (arms[comp.arm] and arms[comp.against]):
             fail(f"comparisons[{i}] reads equal FLOPs, but {comp.arm!r} or {comp.against!r} has equal_flops: false")
-        out.append(comp)
     if sum(c.primary for c in out) > 1:
         fail("at most one comparison may be primary: true")
     return out

@@ -40,7 +40,15 @@ from pipelines.studies.comparisons import compare, comparisons_markdown, excess_
 from pipelines.studies.report import ArmResult, plot_curves, results_csv, table_markdown
 from pipelines.studies.spec import StudySpec, validate_arms
 from pipelines.studies.stats import relative_gain, summarise
-from pipelines.tracking import RUN_NAME_TAG, client, ensure_experiment, resolve_tracking_uri
+from pipelines.tracking import (
+    RUN_NAME_TAG,
+    best_effort,
+    client,
+    ensure_experiment,
+    require_tracking,
+    resolve_tracking_uri,
+    tracking_reachable,
+)
 from pipelines.training.config import TrainConfig
 
 log = get_logger(__name__)
@@ -140,7 +148,7 @@ def run_one(config: dict[str, Any], *, ctx: TrialContext) -> None:
     cfg = TrainConfig.from_dict(rp.raw)
     tags = {"study": ctx.study, "study.arm": rp.arm, "study.seed": str(rp.seed)}
     res = train(cfg, workdir=ctx.workdir, tracking_uri=ctx.tracking_uri, parent_run_id=ctx.arm_runs.get(rp.arm),
-                extra_tags=tags, register=False, quiet=True)
+                extra_tags=tags, register=False)
     tune.report({"step": res.step, "val_ppl": res.val_ppl, "mlflow_run_id": res.run_id})
 
 
@@ -157,7 +165,8 @@ def _mlflow_runs(plan: StudyPlan) -> tuple[str | None, dict[str, str | None]]:
     from pipelines.tracking import find_or_create_run, log_params_once
 
     spec = plan.spec
-    try:
+    with best_effort(plan.tracking_uri, "the study runs without its parent and arm runs"):  # refused: stops here
+        require_tracking(plan.tracking_uri)
         exp = ensure_experiment(plan.configs[spec.arms[0].name].mlflow.experiment, plan.tracking_uri, plan.workdir)
         parent, _ = find_or_create_run(plan.tracking_uri, exp, f"study-{spec.name}",
                                        tags={"study": spec.name, "adlm.study_parent": "true"})
@@ -177,10 +186,7 @@ def _mlflow_runs(plan: StudyPlan) -> tuple[str | None, dict[str, str | None]]:
                 "max_steps": max(r.max_steps for r in plan.runs if r.arm == arm.name)})
             arms[arm.name] = rid
         return parent, arms
-    except Exception as e:  # noqa: BLE001 - a tracking outage must not stop the study; the runs spool their metrics
-        log.warning(f"MLflow unavailable ({type(e).__name__}: {str(e)[:200]}); the study runs without its "
-                    "parent and arm runs")
-        return None, {a.name: None for a in spec.arms}
+    return None, {a.name: None for a in spec.arms}  # the runs spool their metrics
 
 
 def _history(plan: StudyPlan, rp: RunPlan) -> dict[int, float]:
@@ -202,6 +208,8 @@ class StudyResult:
     out_dir: str
     seconds: float
     artifacts: dict[str, str] = field(default_factory=dict)
+    markdown: str = ""
+    """The results table (``table.md``): what the command prints."""
 
 
 def run_study(spec: StudySpec, *, workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
@@ -212,6 +220,7 @@ def run_study(spec: StudySpec, *, workdir: str | os.PathLike | None = None, trac
     quiet_environment()
     t0 = time.time()
     plan = plan_study(spec, workdir=workdir, tracking_uri=tracking_uri, root=root)
+    tracking_reachable(plan.tracking_uri)  # refused credentials (401/403) stop here in one line, before Ray starts
     wd = plan.workdir
     # The trials get ``plan.workdir`` as an argument (TrialContext): none reads $ADLM_WORKDIR.
     log.info(f"[study {spec.name}] {len(spec.arms)} arms, {len(plan.runs)} runs; equal steps {spec.steps}"
@@ -226,13 +235,11 @@ def run_study(spec: StudySpec, *, workdir: str | os.PathLike | None = None, trac
 
     warn_if_node_local([plan.workdir], "the study's work directory")
     if spec.data is not None:
+        import dataclasses
+
         from pipelines.data.prepare import prepare
 
-        d = dict(spec.data)
-        d["source"] = d.get("source", "embedded")
-        d["source"] = d["source"] if isinstance(d["source"], list) else [d["source"]]
-        d["out"] = join(wd, d["out"])
-        prepare(d)
+        prepare(dataclasses.replace(spec.data, out=join(wd, spec.data.out)))
     parent, arm_runs = _mlflow_runs(plan)
     todo = [rp for rp in plan.runs if not _trained(plan, rp)]
     if todo:
@@ -337,9 +344,8 @@ def _tabulate(plan: StudyPlan, parent: str | None, seconds: float) -> StudyResul
             write_bytes_atomic(join(out, "curves.png"), png.read_bytes())
         artifacts["curves.png"] = join(out, "curves.png")
     _log_results(plan, parent, arms, local_files=[Path(p) for p in (artifacts.values()) if not is_uri(p)])
-    print(md, flush=True)
     log.info(f"[study {spec.name}] {seconds / 60:.1f} min; table and curves in {out}")
-    return StudyResult(spec.name, arms, parent, out, seconds, artifacts)
+    return StudyResult(spec.name, arms, parent, out, seconds, artifacts, md)
 
 
 def _log_results(plan: StudyPlan, parent: str | None, arms: list[ArmResult], local_files: list[Path]) -> None:
@@ -347,7 +353,9 @@ def _log_results(plan: StudyPlan, parent: str | None, arms: list[ArmResult], loc
 
     if parent is None:
         return
-    try:
+    # After the runs: the table is on disk and stays; refused credentials are a warning here.
+    with best_effort(plan.tracking_uri, "the study's results are not logged to MLflow (the table is on disk)",
+                     stop_on_refusal=False):
         c = client(plan.tracking_uri)
         for a in arms:
             found = c.search_runs([c.get_run(parent).info.experiment_id],
@@ -370,5 +378,3 @@ def _log_results(plan: StudyPlan, parent: str | None, arms: list[ArmResult], loc
         for f in local_files:
             log_artifact_safely(plan.tracking_uri, parent, f, "study")
         c.set_terminated(parent, "FINISHED")
-    except Exception as e:  # noqa: BLE001 - the table is on disk; say so
-        log.warning(f"logging the study to MLflow failed ({type(e).__name__}: {str(e)[:200]})")

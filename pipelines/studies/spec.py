@@ -38,7 +38,8 @@ from typing import Any
 
 from adlm_model.config import ConfigError
 from pipelines.configlib import read_yaml_file, validate
-from pipelines.studies.comparisons import Comparison, parse_comparisons
+from pipelines.data.plan import PrepareConfig
+from pipelines.studies.comparisons import Comparison, check_comparisons
 from pipelines.training.config import TOP_KEYS, TrainConfig, apply_override, load_raw
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
@@ -149,7 +150,8 @@ class StudySpec:
     steps: int
     arms: list[Arm]
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    data: dict[str, Any] | None = None
+    data: PrepareConfig | None = None
+    """Data prepared once before the runs (``out`` under the work directory)."""
     flops_reference: str | None = None
     baseline: str | None = None
     max_concurrent: int = 2
@@ -179,67 +181,59 @@ def _fail(source: str, msg: str) -> None:
     raise ConfigError(f"{source}: {msg}")
 
 
-def _seeds(v: Any, where: str, source: str) -> list[int]:
-    if not isinstance(v, list) or not v or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                                   for s in v) or len(set(v)) != len(v):
+def _seeds(v: list[int], where: str, source: str) -> list[int]:
+    if not v or any(isinstance(s, bool) or s < 0 for s in v) or len(set(v)) != len(v):
         _fail(source, f"{where} must be a non-empty list of distinct non-negative integers, got {v!r}")
     return list(v)
 
 
-def _sets(v: Any, where: str, source: str) -> dict[str, Any]:
+def _sets(v: dict[str, Any] | None, where: str, source: str) -> dict[str, Any]:
     if v is None:
         return {}
-    if not isinstance(v, dict) or not all(isinstance(k, str) and ("." in k or k in TOP_KEYS) for k in v):
+    if not all("." in k or k in TOP_KEYS for k in v):
         _fail(source, f"{where} must map section.key to a value (e.g. model.kind: mdlm), got {v!r}")
     return dict(v)
 
 
+def _grid_arms(grid: GridFile, seeds: list[int], source: str) -> list[Arm]:
+    """The arms of ``grid``: one a combination of its params' values."""
+    params = grid.params
+    if not params or not all(params.values()):
+        _fail(source, f"grid.params must map section.key to a non-empty list of values, got {params!r}")
+    _sets(params, "grid.params", source)
+    base = _sets(grid.set, "grid.set", source)
+    gseeds = _seeds(grid.seeds, "grid.seeds", source) if grid.seeds is not None else list(seeds)
+    keys, arms = list(params), []
+    for combo in itertools.product(*(params[k] for k in keys)):
+        values = dict(zip(keys, combo, strict=True))
+        arm_name = grid.name
+        for k, v in values.items():
+            arm_name = arm_name.replace("{" + k + "}", f"{v:g}" if isinstance(v, float) else str(v))
+        if "{" in arm_name:
+            _fail(source, f"grid.name {grid.name!r} may use only {{{'}, {'.join(keys)}}}")
+        arms.append(Arm(arm_name, {**base, **values}, list(gseeds), False))
+    return arms
+
+
 def parse_study(raw: Any, source: str = "<study>") -> StudySpec:
-    """A StudySpec from the YAML's mapping; a ConfigError naming the key and the fix otherwise."""
+    """A StudySpec from the YAML's mapping; a ConfigError naming the key and the fix otherwise. The library parses
+    the file once into ``StudyFile`` (keys, types, required keys); the rules between the keys are checked here on
+    that typed object."""
     if not isinstance(raw, dict):
         _fail(source, f"a study file must be a mapping, got {type(raw).__name__}")
-    # Keys and types by the library (StudyFile); the rules between them below.
-    validate(StudyFile, raw, source, ": ")
-    for key in ("name", "config", "steps", "arms"):
-        if key not in raw:
-            _fail(source, f"missing required key {key!r}")
-    name = raw["name"]
-    if not isinstance(name, str) or not NAME.match(name):
-        _fail(source, f"name must be letters, digits, '.', '_', '+' or '-', got {name!r}")
-    steps = raw["steps"]
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        _fail(source, f"steps must be a positive integer, got {steps!r}")
-    seeds = _seeds(raw.get("seeds", [0, 1, 2]), "seeds", source)
-    arms: list[Arm] = []
-    if not isinstance(raw["arms"], list) or not raw["arms"]:
+    f: StudyFile = validate(StudyFile, raw, source, ": ")
+    if not NAME.match(f.name):
+        _fail(source, f"name must be letters, digits, '.', '_', '+' or '-', got {f.name!r}")
+    if f.steps < 1:
+        _fail(source, f"steps must be a positive integer, got {f.steps!r}")
+    seeds = _seeds(f.seeds, "seeds", source)
+    if not f.arms:
         _fail(source, "arms must be a non-empty list of {name, set, seeds, equal_flops}")
-    for i, a in enumerate(raw["arms"]):
-        if not isinstance(a, dict) or "name" not in a:
-            _fail(source, f"arms[{i}] must be a mapping with a name, got {a!r}")
-        ef = a.get("equal_flops", True)
-        if not isinstance(ef, bool):
-            _fail(source, f"arms[{i}].equal_flops must be true or false, got {ef!r}")
-        arms.append(Arm(str(a["name"]), _sets(a.get("set"), f"arms[{i}].set", source),
-                        _seeds(a["seeds"], f"arms[{i}].seeds", source) if "seeds" in a else list(seeds), ef))
-    grid = raw.get("grid")
-    if grid is not None:
-        if not isinstance(grid, dict) or "params" not in grid or "name" not in grid:
-            _fail(source, "grid must be a mapping with name (a pattern such as adlm-g{model.gamma}) and params")
-        params = grid["params"]
-        if not isinstance(params, dict) or not params or not all(isinstance(v, list) and v for v in params.values()):
-            _fail(source, f"grid.params must map section.key to a non-empty list of values, got {params!r}")
-        _sets(params, "grid.params", source)
-        base = _sets(grid.get("set"), "grid.set", source)
-        gseeds = _seeds(grid["seeds"], "grid.seeds", source) if "seeds" in grid else list(seeds)
-        keys = list(params)
-        for combo in itertools.product(*(params[k] for k in keys)):
-            values = dict(zip(keys, combo, strict=True))
-            arm_name = str(grid["name"])
-            for k, v in values.items():
-                arm_name = arm_name.replace("{" + k + "}", f"{v:g}" if isinstance(v, float) else str(v))
-            if "{" in arm_name:
-                _fail(source, f"grid.name {grid['name']!r} may use only {{{'}, {'.join(keys)}}}")
-            arms.append(Arm(arm_name, {**base, **values}, list(gseeds), False))
+    arms = [Arm(a.name, _sets(a.set, f"arms[{i}].set", source),
+                _seeds(a.seeds, f"arms[{i}].seeds", source) if a.seeds is not None else list(seeds), a.equal_flops)
+            for i, a in enumerate(f.arms)]
+    if f.grid is not None:
+        arms += _grid_arms(f.grid, seeds, source)
     names = [a.name for a in arms]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -247,29 +241,28 @@ def parse_study(raw: Any, source: str = "<study>") -> StudySpec:
     for n in names:
         if not NAME.match(n):
             _fail(source, f"arm name {n!r} must be letters, digits, '.', '_', '+' or '-'")
-    spec = StudySpec(name=name, config=str(raw["config"]), steps=steps, arms=arms, seeds=seeds,
-                     data=raw.get("data"), flops_reference=raw.get("flops_reference"), baseline=raw.get("baseline"),
-                     max_concurrent=raw.get("max_concurrent", 2), trial_cpu=raw.get("trial_cpu", 0.75),
-                     overrides=_sets(raw.get("overrides"), "overrides", source), source=source)
+    data = None
+    if f.data is not None:  # prepare_data's own config, checked by it (an unknown option is one line)
+        try:
+            data = PrepareConfig.from_dict({k: v for k, v in dataclasses.asdict(f.data).items() if v is not None})
+        except ValueError as e:
+            _fail(source, f"data: {e}")
+    spec = StudySpec(name=f.name, config=f.config, steps=f.steps, arms=arms, seeds=seeds, data=data,
+                     flops_reference=f.flops_reference, baseline=f.baseline, max_concurrent=f.max_concurrent,
+                     trial_cpu=f.trial_cpu, overrides=_sets(f.overrides, "overrides", source), source=source,
+                     hypothesis=f.hypothesis)
     for key in ("flops_reference", "baseline"):
         ref = getattr(spec, key)
         if ref is not None and ref not in names:
             _fail(source, f"{key} {ref!r} is not an arm; arms: {', '.join(names)}")
     if spec.flops_reference is not None and not spec.arm(spec.flops_reference).equal_flops:
         _fail(source, f"flops_reference {spec.flops_reference!r} must be an arm with equal_flops: true")
-    if not isinstance(spec.max_concurrent, int) or spec.max_concurrent < 1:
+    if spec.max_concurrent < 1:
         _fail(source, f"max_concurrent must be a positive integer, got {spec.max_concurrent!r}")
-    if not isinstance(spec.trial_cpu, (int, float)) or spec.trial_cpu <= 0:
+    if spec.trial_cpu <= 0:
         _fail(source, f"trial_cpu must be > 0, got {spec.trial_cpu!r}")
-    hyp = raw.get("hypothesis")
-    if hyp is not None and not isinstance(hyp, str):
-        _fail(source, f"hypothesis must be text, got {type(hyp).__name__}")
-    spec.hypothesis = hyp
-    spec.comparisons = parse_comparisons(raw.get("comparisons"), {a.name: a.equal_flops for a in arms},
+    spec.comparisons = check_comparisons(f.comparisons, {a.name: a.equal_flops for a in arms},
                                          lambda msg: _fail(source, msg))
-    if spec.data is not None:
-        if not isinstance(spec.data, dict) or "out" not in spec.data:
-            _fail(source, "data must be a mapping with at least out (and source, train_tokenizer, length)")
     return spec
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from adlm_model.config import ConfigError
 from pipelines.faults import fault
-from pipelines.logs import get_logger, verbosity
+from pipelines.logs import first_line, get_logger, verbosity
 from pipelines.runtime import init_ray, quiet_environment
 from pipelines.storage import (
     check_location,
@@ -40,13 +40,13 @@ from pipelines.storage import (
     write_bytes_atomic,
 )
 from pipelines.tracking import (
-    AUTH_HINT,
     SPOOL,
     TrackingAuthError,
+    best_effort,
     client,
     ensure_experiment,
-    is_auth_refusal,
     redact_uri,
+    require_tracking,
     resolve_tracking_uri,
     send_spool,
     tracking_reachable,
@@ -102,14 +102,15 @@ class TrainResult:
 
 
 def open_run(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, prev_id: str | None, parent_run_id: str | None,
-             extra_tags: dict[str, str] | None) -> str | None:
+             extra_tags: dict[str, str] | None, without: str | None) -> str | None:
     """The MLflow run of this run name (the checkpoint's run id, else found by name, else created) with the
-    config as params; None when the tracking store does not answer (a quick probe, not MLflow's retries)."""
+    config as params; None when the tracking store is out (``without``: what the warning says goes on; refused
+    credentials raise ``TrackingAuthError``: ``best_effort``)."""
     from pipelines.tracking import find_or_create_run, log_params_once
 
-    if not tracking_reachable(uri):
-        return None
-    try:
+    run_id = None
+    with best_effort(uri, without):  # a tracking outage must not stop training
+        require_tracking(uri)  # a quick probe, not MLflow's 4 minutes of retries on a dead server
         exp_id = ensure_experiment(cfg.mlflow.experiment, uri, wd)
         tags = {"kind": cfg.model.kind, "data_manifest_hash": plan.manifest_hash, **(extra_tags or {}),
                 **({INIT_TAG: cfg.run.init} if cfg.run.init else {})}
@@ -123,19 +124,7 @@ def open_run(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, prev_id: str |
             params.update(gamma=cfg.model.gamma, tau=cfg.model.tau)
         log_params_once(uri, run_id, params)
         return run_id
-    except TrackingAuthError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a tracking outage must not stop training; refused credentials must
-        if is_auth_refusal(e):
-            raise TrackingAuthError(f"the MLflow tracking server at {redact_uri(uri)} refused this client "
-                                    f"({_one_line(e)}): {AUTH_HINT}") from None
-        log.warning(f"MLflow unavailable ({type(e).__name__}: {str(e)[:200]})")
-        return None
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
+    return None
 
 
 def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_dir: str, run_id: str,
@@ -150,12 +139,11 @@ def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_di
     from pipelines.tracking import log_artifact_safely, plot_loss_curve
 
     version = None
-    try:
+    with best_effort(uri, f"the spooled metrics stay in {join(run_dir, SPOOL)} for the next command",
+                     stop_on_refusal=False):
         sent = send_spool(uri, run_id, join(run_dir, SPOOL))
         if sent:
             log.info(f"[{cfg.run.name}] sent {sent} metrics that waited in the spool")
-    except Exception as e:  # noqa: BLE001 - they stay in the spool for the next command
-        log.warning(f"the spooled metrics could not be sent ({type(e).__name__}: {e})")
     try:
         png = plot_loss_curve(uri, run_id, local_export.parent / "loss_curve.png")
         if png is not None:
@@ -181,11 +169,11 @@ def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_di
                                          checkpoint_dir=local_export)
             version = str(mv.version)
         except Exception as e:  # noqa: BLE001 - the checkpoint is safe in storage; say how to register it
-            failure = f"registration failed ({type(e).__name__}: {_one_line(e)})"
+            failure = f"registration failed ({type(e).__name__}: {first_line(e)})"
     try:
         client(uri).set_terminated(run_id, "FINISHED")
     except (MlflowException, OSError) as e:  # the run's status is cosmetic; training is done: say so, go on
-        log.warning(f"could not mark MLflow run {run_id} finished ({_one_line(e)})")
+        log.warning(f"could not mark MLflow run {run_id} finished ({first_line(e)})")
     if failure:
         raise RegistrationError(failure)
     return version
@@ -289,7 +277,7 @@ def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, 
 
 def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
           callbacks: list | None = None, parent_run_id: str | None = None, extra_tags: dict[str, str] | None = None,
-          register: bool | None = None, quiet: bool = False) -> TrainResult:
+          register: bool | None = None) -> TrainResult:
     """Train ``cfg`` with Ray Train, track it in MLflow and register the final checkpoint.
 
     Rerunning with the same ``run.name`` (and storage) resumes the run from its latest checkpoint.
@@ -324,15 +312,15 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     if cfg.distill.teacher:  # a distillation's teacher is the version its student started from, pinned
         cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, teacher=cfg.run.init))
     prev_id = prev_meta.get("mlflow_run_id")
-    run_id = open_run(cfg, plan, uri, wd, prev_id, parent_run_id, extra_tags)
-    if run_id is None:
-        log.warning(f"MLflow at {redact_uri(uri)} is unavailable at start; training without a run: the metrics wait in "
-                    f"{join(run_dir, SPOOL)} and the next run of this command sends them and registers")
-    if not quiet:
-        log.info(f"[{cfg.run.name}] {cfg.model.kind} model, {cfg.world} worker(s) x micro-batch {cfg.batch.micro_batch} "
-                 f"x accumulation {cfg.accumulation} = global batch {cfg.batch.global_batch}; data {plan.train_rows} "
-                 f"train rows; storage {run_dir}; MLflow run {run_id} at {redact_uri(uri)}"
-                 + (f"; resuming from step {prev[0]}" if prev else ""))
+    run_id = open_run(cfg, plan, uri, wd, prev_id, parent_run_id, extra_tags,
+                      without=f"training without a run: the metrics wait in {join(run_dir, SPOOL)} and the next run "
+                              "of this command sends them and registers")
+    # A Tune trial's run lines are detail (Tune's status table shows the trials): -v shows them.
+    say = log.debug if _in_tune() else log.info
+    say(f"[{cfg.run.name}] {cfg.model.kind} model, {cfg.world} worker(s) x micro-batch {cfg.batch.micro_batch} "
+        f"x accumulation {cfg.accumulation} = global batch {cfg.batch.global_batch}; data {plan.train_rows} "
+        f"train rows; storage {run_dir}; MLflow run {run_id} at {redact_uri(uri)}"
+        + (f"; resuming from step {prev[0]}" if prev else ""))
 
     if prev is not None and prev[0] >= cfg.run.max_steps and not _in_tune():
         # A rerun of a finished run: nothing to train, so no Ray and no Ray Train worker group (20-30 s of start-up
@@ -365,7 +353,7 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     unregistered = None
     try:
         if run_id is None:  # tracking was down at start: try again now that training is done
-            run_id = open_run(cfg, plan, uri, wd, None, parent_run_id, extra_tags)
+            run_id = open_run(cfg, plan, uri, wd, None, parent_run_id, extra_tags, without=None)  # said below
         reachable = run_id is not None and tracking_reachable(uri)
     except TrackingAuthError as e:  # credentials revoked while training: the checkpoint is safe, say what to set
         reachable, unregistered = False, str(e)
@@ -390,10 +378,9 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         unregistered = None
     export = publish_dir(local_export, join(wd, "checkpoints", cfg.run.name))
     shutil.rmtree(local_export.parent, ignore_errors=True)
-    if not quiet:
-        log.info(f"[{cfg.run.name}] done: step {final[0]}, validation PPL <= {val_ppl}; best step {best_step} (PPL <= "
-                 f"{best_val}) exported to {export}"
-                 + (f", registered {cfg.mlflow.registered_model} v{version} @candidate" if version else ""))
+    say(f"[{cfg.run.name}] done: step {final[0]}, validation PPL <= {val_ppl}; best step {best_step} (PPL <= "
+        f"{best_val}) exported to {export}"
+        + (f", registered {cfg.mlflow.registered_model} v{version} @candidate" if version else ""))
     return TrainResult(run_id=run_id or "", run_name=cfg.run.name, step=final[0], val_ppl=val_ppl,
                        checkpoint_dir=export, registered_version=version,
                        model_name=cfg.mlflow.registered_model if version else None, metrics=metrics,

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from adlm_model.config import ConfigError, refuse_unknown
+from adlm_model.config import ConfigError
 from pipelines.configlib import read_yaml_file, validate
 from pipelines.training.config import TOP_KEYS
 
@@ -228,27 +228,27 @@ def _num(v: Any, where: str, integer: bool = False) -> float:
     return x
 
 
-def parse_param(name: str, d: Any, where: str) -> ParamSpec:
-    if not isinstance(d, dict):
-        raise ConfigError(f"{where}: expected a mapping like {{distribution: loguniform, low: 1e-3, high: 1e-2}}, "
-                          f"got {d!r}")
-    dist = d.get("distribution")
+def parse_param(name: str, d: ParamFile, where: str) -> ParamSpec:
+    """One searched parameter from its typed entry (``ParamFile``): the rules between its keys."""
+    dist = d.distribution
     if dist not in DISTRIBUTIONS:
         raise ConfigError(f"{where}: unknown distribution {dist!r}; use one of {', '.join(DISTRIBUTIONS)}")
     key = SHORT_NAMES.get(name, name)
     if key.split(".")[0] not in TOP_KEYS or "." not in key:
         raise ConfigError(f"{where}: {name!r} is neither gamma/tau nor a dotted train-config key such as optim.lr")
+    takes = ("values",) if dist in ("choice", "grid") else ("low", "high")
+    extra = [k for k in ("low", "high", "values") if k not in takes and getattr(d, k) is not None]
+    if extra:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(extra)} for {dist}; known: distribution, "
+                          f"{', '.join(takes)}")
     if dist in ("choice", "grid"):
-        refuse_unknown(d, ("distribution", "values"), where)
-        vals = d.get("values")
-        if not isinstance(vals, list) or not vals:
+        if not d.values:
             raise ConfigError(f"{where}: {dist} needs a non-empty list 'values'")
-        return ParamSpec(name, key, dist, values=vals)
-    refuse_unknown(d, ("distribution", "low", "high"), where)
-    if "low" not in d or "high" not in d:
+        return ParamSpec(name, key, dist, values=list(d.values))
+    if d.low is None or d.high is None:
         raise ConfigError(f"{where}: {dist} needs 'low' and 'high'")
     integer = dist == "randint"
-    low, high = _num(d["low"], f"{where}.low", integer), _num(d["high"], f"{where}.high", integer)
+    low, high = _num(d.low, f"{where}.low", integer), _num(d.high, f"{where}.high", integer)
     if not low < high:
         raise ConfigError(f"{where}: low ({low:g}) must be below high ({high:g})")
     if dist == "loguniform" and low <= 0:
@@ -262,45 +262,34 @@ def load_space(path: str | os.PathLike) -> SearchSpace:
 
 
 def parse_space(raw: Any, source: str = "<space>") -> SearchSpace:
+    """A SearchSpace from the YAML's mapping. The library parses the file once into ``SpaceFile`` (keys, types);
+    the rules between the keys are checked here on that typed object."""
     if not isinstance(raw, dict):
         raise ConfigError(f"search space {source} must be a mapping with keys {', '.join(_TOP)}")
-    # Keys and types by the library (SpaceFile); the rules between them below.
-    validate(SpaceFile, raw, f"search space {source}", ": ")
-    name = raw.get("name")
-    if not isinstance(name, str) or not name or "/" in name or " " in name:
-        raise ConfigError(f"search space {source}: 'name' must be a sweep name without '/' or spaces, got {name!r}")
-    params_raw = raw.get("params")
-    if not isinstance(params_raw, dict) or not params_raw:
+    f: SpaceFile = validate(SpaceFile, raw, f"search space {source}", ": ")
+    if not f.name or "/" in f.name or " " in f.name:
+        raise ConfigError(f"search space {source}: 'name' must be a sweep name without '/' or spaces, got {f.name!r}")
+    if not f.params:
         raise ConfigError(f"search space {source}: 'params' must map parameter names to distributions")
-    params = [parse_param(str(k), v, f"{source}: params.{k}") for k, v in params_raw.items()]
+    params = [parse_param(k, v, f"{source}: params.{k}") for k, v in f.params.items()]
     keys = [p.key for p in params]
     if len(set(keys)) != len(keys):
         raise ConfigError(f"search space {source}: a parameter is given twice ({', '.join(keys)})")
-    search = raw.get("search") or {}
-    sched = raw.get("scheduler") or {}
-    res = raw.get("resources") or {}
-    algo = search.get("algorithm", "random")
+    algo, stype = f.search.algorithm, f.scheduler.type
     if algo not in ALGORITHMS:
         raise ConfigError(f"search space {source}: search.algorithm {algo!r} unknown; use one of {', '.join(ALGORITHMS)}")
-    stype = sched.get("type", "asha")
     if stype not in SCHEDULERS:
         raise ConfigError(f"search space {source}: scheduler.type {stype!r} unknown; use one of {', '.join(SCHEDULERS)}")
-    metric = raw.get("metric", METRIC)
-    if metric != METRIC:
-        raise ConfigError(f"search space {source}: metric {metric!r} is not reported by training; use {METRIC} "
+    if f.metric != METRIC:
+        raise ConfigError(f"search space {source}: metric {f.metric!r} is not reported by training; use {METRIC} "
                           "(the validation NELBO perplexity bound, minimised)")
-    overrides = raw.get("overrides") or {}
-    if not isinstance(overrides, dict):
-        raise ConfigError(f"search space {source}: 'overrides' must map train-config keys to values")
     space = SearchSpace(
-        name=name, params=params, algorithm=algo, seed=int(_num(search.get("seed", 0), "search.seed", True)),
-        scheduler=stype, grace_period=int(_num(sched.get("grace_period", 10), "scheduler.grace_period", True)),
-        reduction_factor=_num(sched.get("reduction_factor", 2), "scheduler.reduction_factor"),
-        max_t=int(_num(sched["max_t"], "scheduler.max_t", True)) if sched.get("max_t") is not None else None,
-        num_samples=int(_num(raw.get("num_samples", 4), "num_samples", True)),
-        max_concurrent=int(_num(raw.get("max_concurrent", 2), "max_concurrent", True)),
-        trial_cpu=_num(res.get("trial_cpu", 0.01), "resources.trial_cpu"),
-        overrides={str(k): v for k, v in overrides.items()}, metric=metric, source=source)
+        name=f.name, params=params, algorithm=algo, seed=f.search.seed, scheduler=stype,
+        grace_period=f.scheduler.grace_period, reduction_factor=_num(f.scheduler.reduction_factor,
+                                                                     "scheduler.reduction_factor"),
+        max_t=f.scheduler.max_t, num_samples=f.num_samples, max_concurrent=f.max_concurrent,
+        trial_cpu=_num(f.resources.trial_cpu, "resources.trial_cpu"), overrides=dict(f.overrides), metric=f.metric,
+        source=source)
     if space.num_samples < 1 or space.max_concurrent < 1:
         raise ConfigError(f"search space {source}: num_samples and max_concurrent must be >= 1")
     if space.grace_period < 1 or space.reduction_factor <= 1:

@@ -167,7 +167,7 @@ def run_trial(config: dict[str, Any], *, plan: TrialPlan) -> None:
     cfg.run.name = f"{space.name}-{trial_id}"
     tags = {"sweep": space.name, "tune.trial_id": trial_id, "tune.params": json.dumps(config, sort_keys=True)}
     res = train(cfg, workdir=plan.workdir, tracking_uri=plan.tracking_uri, callbacks=[TuneReportCallback()],
-                parent_run_id=plan.parent_run_id, extra_tags=tags, register=False, quiet=True)
+                parent_run_id=plan.parent_run_id, extra_tags=tags, register=False)
     tune.report({TIME_ATTR: res.step, METRIC: res.val_ppl, "mlflow_run_id": res.run_id,
                  "checkpoint_dir": str(res.checkpoint_dir), "finished": True, "best_step": res.best_step,
                  "best_val_ppl": res.best_val_ppl, "checkpoint": res.checkpoint})
@@ -193,9 +193,10 @@ class SweepResult:
 
 
 def _parent_run(plan: SweepPlan) -> str | None:
-    from pipelines.tracking import find_or_create_run, log_params_once
+    from pipelines.tracking import best_effort, find_or_create_run, log_params_once, require_tracking
 
-    try:
+    with best_effort(plan.tracking_uri, "sweeping without a parent run"):  # refused credentials stop it here
+        require_tracking(plan.tracking_uri)
         exp = ensure_experiment(plan.base.mlflow.experiment, plan.tracking_uri, plan.workdir)
         rid, _ = find_or_create_run(plan.tracking_uri, exp, f"sweep-{plan.space.name}",
                                     tags={"sweep": plan.space.name, "adlm.sweep_parent": "true"})
@@ -208,9 +209,7 @@ def _parent_run(plan: SweepPlan) -> str | None:
                   "model.kind": plan.base.model.kind, "base.max_steps": plan.base.run.max_steps}
         log_params_once(plan.tracking_uri, rid, params)
         return rid
-    except Exception as e:  # noqa: BLE001 - a tracking outage must not stop the sweep
-        log.warning(f"MLflow unavailable ({type(e).__name__}: {str(e)[:200]}); sweeping without a parent run")
-        return None
+    return None
 
 
 def _search_alg(space: SearchSpace) -> Any:
@@ -309,11 +308,12 @@ def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: Trial
     import mlflow
 
     from pipelines.registry import register_checkpoint, training_tags
-    from pipelines.tracking import log_artifact_safely
+    from pipelines.tracking import best_effort, log_artifact_safely
 
     c = client(plan.tracking_uri)
     version = None
-    try:
+    # After the trials: their results are on disk and stay; refused credentials are a warning here.
+    with best_effort(plan.tracking_uri, "the sweep's MLflow bookkeeping is incomplete", stop_on_refusal=False):
         children = _child_runs(plan, parent)
         for r in rows:
             run = children.get(r.trial_id)
@@ -358,19 +358,18 @@ def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: Trial
                 c.set_tag(parent, "registered_version", version)
         if not interrupted:
             c.set_terminated(parent, "FINISHED")
-    except Exception as e:  # noqa: BLE001 - the sweep's results are on disk; say what failed
-        log.warning(f"MLflow bookkeeping of the sweep failed ({type(e).__name__}: {str(e)[:300]})")
     return version
 
 
-def _tune_verbosity(quiet: bool) -> int:
-    """Tune's status table (1) by default, none with ``quiet`` or ``-q``, each trial's results too with ``-v``."""
-    return 0 if quiet or verbosity() < 0 else 2 if verbosity() > 0 else 1
+def _tune_verbosity() -> int:
+    """Tune's status table (1) by default, none with ``-q``, each trial's results too with ``-v``."""
+    return 0 if verbosity() < 0 else 2 if verbosity() > 0 else 1
 
 
 def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
-          workdir: str | os.PathLike | None = None, tracking_uri: str | None = None, quiet: bool = False) -> SweepResult:
-    """Run (or resume) the sweep ``space.name``; see the module docstring."""
+          workdir: str | os.PathLike | None = None, tracking_uri: str | None = None) -> SweepResult:
+    """Run (or resume) the sweep ``space.name``; see the module docstring. Progress goes to the log; the trial table
+    (``table_markdown(result.trials, result.best)``) is the command's to print."""
     quiet_environment()
     plan = plan_sweep(space, config, overrides, workdir=workdir, tracking_uri=tracking_uri)
     parent = _parent_run(plan)
@@ -399,8 +398,7 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
                         f"this machine's Ray ({nodes}) cannot place more with their workers and reads")
             space = dataclasses.replace(space, max_concurrent=fitted)
     if Tuner.can_restore(exp_dir):
-        if not quiet:
-            log.info(f"[sweep {space.name}] resuming from {exp_dir}: finished trials are not rerun")
+        log.info(f"[sweep {space.name}] resuming from {exp_dir}: finished trials are not rerun")
         tuner = Tuner.restore(exp_dir, trainable=trainable, resume_unfinished=True, resume_errored=True)
     else:
         tuner = Tuner(
@@ -410,13 +408,12 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
                                    scheduler=_scheduler(space, plan.max_t), num_samples=space.num_samples),
             # A trial whose driver dies anyway (its node lost) is retried: the retry's training resumes from the
             # run's latest checkpoint, so the trial ends as if undisturbed.
-            run_config=RunConfig(name=space.name, storage_path=plan.storage, verbose=_tune_verbosity(quiet),
+            run_config=RunConfig(name=space.name, storage_path=plan.storage, verbose=_tune_verbosity(),
                                  failure_config=FailureConfig(max_failures=TRIAL_RETRIES)),
         )
-    if not quiet:
-        log.info(f"[sweep {space.name}] {space.total_trials} trials ({space.algorithm} search, {space.scheduler} "
-                 f"scheduler, max_t {plan.max_t} steps), {space.max_concurrent} at a time; MLflow parent run {parent} "
-                 f"at {redact_uri(plan.tracking_uri)}")
+    log.info(f"[sweep {space.name}] {space.total_trials} trials ({space.algorithm} search, {space.scheduler} "
+             f"scheduler, max_t {plan.max_t} steps), {space.max_concurrent} at a time; MLflow parent run {parent} "
+             f"at {redact_uri(plan.tracking_uri)}")
     try:
         grid = tuner.fit()
     except Exception as e:  # re-raised with the rerun line: anything a trial or Tune raises ends here
@@ -437,15 +434,13 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
                         f"{redact_uri(plan.tracking_uri)} was unavailable or refused: see the warning above); rerun "
                         "the same command to register it (it trains nothing)")
         log.warning(unregistered)
-    if not quiet:
-        print(table_markdown(rows, best), flush=True)
-        if interrupted:
-            log.info(f"[sweep {space.name}] interrupted with {grid.num_terminated} of {space.total_trials} trials done; "
-                     "rerun the same command to resume")
-        elif best is not None:
-            at = f" (step {best.best_step})" if best.best_step is not None else ""
-            registered = f"; registered {plan.base.mlflow.registered_model} v{version} @candidate" if version else ""
-            log.info(f"[sweep {space.name}] best trial {best.trial_id}: {best.params}, validation PPL <= "
-                     f"{best.selection_ppl:.3f}{at}{registered}")
+    if interrupted:
+        log.info(f"[sweep {space.name}] interrupted with {grid.num_terminated} of {space.total_trials} trials done; "
+                 "rerun the same command to resume")
+    elif best is not None:
+        at = f" (step {best.best_step})" if best.best_step is not None else ""
+        registered = f"; registered {plan.base.mlflow.registered_model} v{version} @candidate" if version else ""
+        log.info(f"[sweep {space.name}] best trial {best.trial_id}: {best.params}, validation PPL <= "
+                 f"{best.selection_ppl:.3f}{at}{registered}")
     return SweepResult(name=space.name, parent_run_id=parent, trials=rows, best=best, registered_version=version,
                        interrupted=interrupted, artifacts=arts, unregistered=unregistered)

@@ -1,4 +1,5 @@
-"""How a checkpoint becomes an MLflow Model: what every registered version is.
+"""How a checkpoint becomes an MLflow Model: what every registered version is (the registry's contract, beside
+``registry.py``, which registers it; ``serving/`` reads it: the served code is ``serving/pyfunc_model.py``).
 
 ``log_text_model(run_id, checkpoint_dir, tracking_uri)`` logs a pyfunc model into the training run,
 models-from-code (``pyfunc_model.py``, never a pickle):
@@ -30,7 +31,7 @@ from typing import Any
 import adlm_model
 from adlm_model.textgen import SPECIAL_TOKENS_FILE
 
-CODE_FILE = Path(__file__).with_name("pyfunc_model.py")
+CODE_FILE = Path(__file__).parent / "serving" / "pyfunc_model.py"
 """The model's code (models-from-code)."""
 MODEL_NAME = "model"
 """Name of the logged model inside the run."""
