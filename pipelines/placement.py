@@ -24,6 +24,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -149,7 +150,7 @@ def _interrupt_driver(watch: PlacementWatch) -> None:
 
     def last_resort() -> None:
         if not watch.handled.wait(60):
-            print(f"error: {watch.message}", flush=True)
+            print(f"error: {watch.message}", file=sys.stderr, flush=True)
             os._exit(1)
 
     threading.Thread(target=last_resort, daemon=True).start()

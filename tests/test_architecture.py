@@ -215,7 +215,8 @@ def test_the_readme_layout_table_names_every_module() -> None:
 
 PRINTS_RESULTS = {("pipelines.cli", "run_command"),  # the one `error:` line of every command
                   ("pipelines.evaluation.eval_lm", "run"),  # the eval-LM command's body (`--prepare` prints a path)
-                  ("pipelines.run_all", "run"), ("pipelines.run_all", "_banner")}  # the demo's stage titles and tables
+                  ("pipelines.run_all", "run"), ("pipelines.run_all", "_banner"),  # the demo's stage titles and tables
+                  ("pipelines.placement", "last_resort")}  # the command's `error:` line when the driver cannot say it
 """Functions outside a command's ``main``/``_run`` that print: the result-printing ones, named one by one."""
 
 
