@@ -20,6 +20,11 @@ Every quantity is exact: the forward algorithm over ``(class, anchors so far, hi
 section 1). Only the entropy is a Monte-Carlo mean, of exact log-probabilities of generated rows, with its
 standard error. All token ids are the MODEL's ids (what the shards hold): ``<pad> <bos> <eos> <mask>`` are 0-3,
 content symbols follow, then the anchor symbols (``vocab_size`` ids in all; the mask id lies inside).
+
+That is the ``anchored`` preset (the default). ``preset = "natural"`` is another language with the same
+interface and the same exactness, built for natural text's confidence profile (words spelled as fixed strings
+of symbols: most tokens nearly certain given their neighbours): ``testbed_natural.py``; ``Testbed(config)``
+builds whichever the config names.
 """
 
 from __future__ import annotations
@@ -45,6 +50,12 @@ class TestbedError(ValueError):
     """An invalid testbed configuration or input; the message names the field and the fix."""
 
     __test__ = False  # not a pytest test class, whatever its name
+
+
+PRESETS = ("anchored", "natural")
+"""``anchored``: the class-and-anchor language above; ``natural``: words over a hidden chain (testbed_natural.py)."""
+NATURAL_DEFAULTS: dict[str, Any] = {"content_vocab": 256}
+"""Fields whose default differs under ``preset = "natural"`` (``TestbedConfig.from_dict``, ``TestbedConfig.natural``)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,19 @@ class TestbedConfig:
     """Mass mixed uniformly into every distribution, so every row of the right shape has positive probability."""
     entropy_rows: int = 30000
     """Generated rows whose exact log-probabilities estimate the entropy (standard error well below 0.1%)."""
+    preset: str = "anchored"
+    """Which language: ``anchored`` (module docstring) or ``natural`` (testbed_natural.py; the class, anchor,
+    state and emission fields above play no part there, the word fields below none here)."""
+    n_words: int = 512
+    """``natural``: words of the hidden word chain."""
+    max_word_len: int = 4
+    """``natural``: a word is spelled as a fixed string of 1 .. max_word_len symbols."""
+    word_length_decay: float = 0.5
+    """``natural``: p(a word has l symbols) is proportional to decay^(l - 1) (frequent words get the short ones)."""
+    word_concentration: float = 0.03
+    """``natural``: Dirichlet concentration (per word, around a Zipf base, times a per-word factor in [0.1, 10]) of
+    each word's successor distribution: small = fixed phrases. The natural defaults (256 symbols, 512 words,
+    decay 0.5, 0.03) match a real LM's next-token confidence profile (benchmarks/testbed_calibration.py)."""
 
     def validate(self) -> TestbedConfig:
         def need(ok: bool, msg: str) -> None:
@@ -95,11 +119,23 @@ class TestbedConfig:
         need(self.transition_concentration > 0 and self.emission_concentration > 0, "concentrations must be > 0")
         need(0.0 < self.smoothing < 1.0, f"smoothing must be in (0, 1), got {self.smoothing}")
         need(self.entropy_rows >= 100, f"entropy_rows must be >= 100, got {self.entropy_rows}")
+        need(self.preset in PRESETS, f"preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+        need(self.n_words >= 1, f"n_words must be >= 1, got {self.n_words}")
+        need(self.max_word_len >= 1, f"max_word_len must be >= 1, got {self.max_word_len}")
+        need(self.word_length_decay > 0, f"word_length_decay must be > 0, got {self.word_length_decay}")
+        need(self.word_concentration > 0, f"word_concentration must be > 0, got {self.word_concentration}")
         return self
 
     @property
     def vocab_size(self) -> int:
+        if self.preset == "natural":
+            return N_SPECIALS + self.content_vocab
         return N_SPECIALS + self.content_vocab + self.n_classes * self.anchors_per_class
+
+    @classmethod
+    def natural(cls, **fields: Any) -> TestbedConfig:
+        """The ``natural`` preset with its defaults (``NATURAL_DEFAULTS``), ``fields`` overriding them."""
+        return cls(**{**NATURAL_DEFAULTS, **fields, "preset": "natural"}).validate()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -110,6 +146,8 @@ class TestbedConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise TestbedError(f"unknown testbed config key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if d.get("preset") == "natural":
+            d = {**NATURAL_DEFAULTS, **d}
         return cls(**d).validate()
 
 
@@ -131,6 +169,13 @@ class Testbed:
     """The language of a ``TestbedConfig``: sampling, exact log-probabilities, marginals and conditionals."""
 
     __test__ = False
+
+    def __new__(cls, config: TestbedConfig | None = None) -> Testbed:
+        if cls is Testbed and config is not None and config.preset == "natural":
+            from .testbed_natural import NaturalTestbed
+
+            return super().__new__(NaturalTestbed)
+        return super().__new__(cls)
 
     def __init__(self, config: TestbedConfig | None = None) -> None:
         self.config = (config or TestbedConfig()).validate()
@@ -462,5 +507,5 @@ class OracleDenoiser(nn.Module):
     forward = denoiser_logits
 
 
-__all__ = ["BOS_ID", "EOS_ID", "MASK_ID", "PAD_ID", "Estimate", "OracleDenoiser", "Testbed", "TestbedConfig",
+__all__ = ["BOS_ID", "EOS_ID", "MASK_ID", "NATURAL_DEFAULTS", "PAD_ID", "PRESETS", "Estimate", "OracleDenoiser", "Testbed", "TestbedConfig",
            "TestbedError"]

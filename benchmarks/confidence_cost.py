@@ -9,8 +9,11 @@ times interleaved runs of
 - ``confidence`` at threshold 1 (``L - 2`` calls, all rows live until the end).
 
 and prints, per kind and length, seconds per call and per row pass (a row through the network once) for each,
-and ``RESULT confidence_per_call_ratio_<kind>_L<L>`` (confidence / cached mdlm, per call) and
+and ``RESULT confidence_per_call_ratio_<kind>_L<L>`` (confidence / cached mdlm, per call),
+``..._uncached_...`` (against mdlm without its cache: the same rows a call) and
 ``RESULT confidence_per_row_ratio_<kind>_L<L>`` (per row pass: the sampler's own overhead, what it can change).
+The ratios are of **CPU time** of this process (``time.process_time``), which a machine shared with other work
+disturbs far less than wall time; wall times are printed beside them.
 
     python benchmarks/confidence_cost.py [--threads 1] [--lengths 32,128] [--batch 128] [--repeats 3]
 """
@@ -75,25 +78,28 @@ def main(argv: list[str] | None = None) -> int:
             runs = {"mdlm": ("mdlm", {}), "mdlm-uncached": ("mdlm", {"cache": False}),
                     "confidence": ("confidence", {"threshold": 1.0})}
             times: dict[str, list[float]] = {k: [] for k in runs}
+            cpu: dict[str, list[float]] = {k: [] for k in runs}
             shape: dict[str, tuple[int, int]] = {}
             for _ in range(args.repeats):
                 for name, (sampler, opts) in runs.items():
                     rows.clear()
                     stats: dict = {}
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     sample(model, cfg, batch_size=args.batch, length=length, steps=length, sampler=sampler,
                            nucleus_p=1.0, generator=torch.Generator().manual_seed(7), prefix=(tokens, tokens != MASK_ID),
                            stats=stats, **opts)
                     times[name].append(time.perf_counter() - t0)
+                    cpu[name].append(time.process_time() - c0)
                     shape[name] = (int(stats["network_calls"]), sum(rows))
             per_call, per_row = {}, {}
             for name in runs:
-                sec = statistics.median(times[name])
+                sec, wall = statistics.median(cpu[name]), statistics.median(times[name])
                 calls, row_passes = shape[name]
                 per_call[name], per_row[name] = sec / calls, sec / row_passes
-                print(f"{kind} L={length} {name:14s} {sec:7.3f} s  {calls:4d} calls  "
-                      f"{row_passes / calls / args.batch:5.1%} of the batch a call  "
-                      f"{1e3 * per_call[name]:7.2f} ms/call  {1e6 * per_row[name]:7.1f} us/row pass", flush=True)
+                print(f"{kind} L={length} {name:14s} CPU {sec:7.3f} s (wall {wall:7.3f} s)  {calls:4d} calls  "
+                      f"{row_passes / calls / args.batch:5.1%} of the batch a call  CPU "
+                      f"{1e3 * per_call[name]:7.2f} ms/call  {1e6 * per_row[name]:7.1f} us/row pass "
+                      f"(wall {1e3 * wall / calls:7.2f} ms/call)", flush=True)
             result(f"confidence_per_call_ratio_{kind}_L{length}", per_call["confidence"] / per_call["mdlm"])
             result(f"confidence_per_call_ratio_uncached_{kind}_L{length}",
                    per_call["confidence"] / per_call["mdlm-uncached"])
