@@ -8,7 +8,8 @@ One concept a file: ``config`` (typed configs, presets), ``schedule`` (noise sch
 diffusion), ``kinds`` (the table of model kinds and samplers: ``build_model``, ``compute_loss``,
 ``sample``), ``ema``, ``checkpoint`` (safetensors + JSON), ``infill`` (prompt / suffix infilling at the token
 level), ``textgen`` (text in, text out: what ``pipelines.generate`` and the served model run; uses
-``tokenizers``), ``pretrained`` (the Hugging Face-style export folder).
+``tokenizers``), ``pretrained`` (the Hugging Face-style export folder), ``testbed`` / ``testbed_natural`` (the
+ground-truth languages: anchored and natural presets).
 """
 
 from .bd3lm import (
@@ -30,12 +31,13 @@ from .models import ADLM, AR, MDLM
 from .pretrained import load_pretrained, save_pretrained
 from .samplers import ReMDMLoop, SamplerError, nucleus, sample_categorical, transition_probs, unigram_entropy
 from .schedule import LogLinearSchedule, antithetic_times, mask_tokens
+from .testbed_natural import NaturalTestbed  # registers the natural testbed preset with testbed.Testbed
 from .textgen import Generation, GenerationError, GenerationRequest, SpecialTokens, TextGenerator, load_generator
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ADLM", "AR", "EMA", "KINDS", "MDLM", "MODEL_KINDS", "PRESETS", "SAMPLERS", "BlockSample", "CheckpointError",
+    "ADLM", "AR", "EMA", "KINDS", "MDLM", "MODEL_KINDS", "NaturalTestbed", "PRESETS", "SAMPLERS", "BlockSample", "CheckpointError",
     "ClipSearchResult", "ConfigError", "Generation", "GenerationError", "GenerationRequest", "InfillLayout",
     "LogLinearSchedule", "LossOutput", "ModelConfig", "ReMDMLoop", "SamplerError", "SpecialTokens", "TextGenerator",
     "__version__", "anchor_mask", "antithetic_times", "bd3lm_objective", "block_diff_mask", "build_model",

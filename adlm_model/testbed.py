@@ -21,9 +21,8 @@ section 1). Only the entropy is a Monte-Carlo mean, of exact log-probabilities o
 standard error. All token ids are the MODEL's ids (what the shards hold): ``<pad> <bos> <eos> <mask>`` are 0-3,
 content symbols follow, then the anchor symbols (``vocab_size`` ids in all; the mask id lies inside).
 
-That is the ``anchored`` preset (the default). ``preset = "natural"`` is another language with the same
-interface and the same exactness, built for natural text's confidence profile (words spelled as fixed strings
-of symbols: most tokens nearly certain given their neighbours): ``testbed_natural.py``; ``Testbed(config)``
+That is the ``anchored`` preset (the default). ``preset = "natural"`` is another language, as exact, with natural
+text's confidence profile (``testbed_natural.py``, which registers itself in ``PRESET_CLASSES``); ``Testbed(config)``
 builds whichever the config names.
 """
 
@@ -52,10 +51,9 @@ class TestbedError(ValueError):
     __test__ = False  # not a pytest test class, whatever its name
 
 
-PRESETS = ("anchored", "natural")
-"""``anchored``: the class-and-anchor language above; ``natural``: words over a hidden chain (testbed_natural.py)."""
-NATURAL_DEFAULTS: dict[str, Any] = {"content_vocab": 256}
-"""Fields whose default differs under ``preset = "natural"`` (``TestbedConfig.from_dict``, ``TestbedConfig.natural``)."""
+TESTBED_PRESETS = ("anchored", "natural")
+NATURAL_DEFAULTS: dict[str, Any] = {"content_vocab": 256}  # the defaults that differ under preset = "natural"
+PRESET_CLASSES: dict[str, type] = {}  # preset -> its Testbed subclass (anchored: Testbed itself)
 
 
 @dataclass(frozen=True)
@@ -91,18 +89,13 @@ class TestbedConfig:
     entropy_rows: int = 30000
     """Generated rows whose exact log-probabilities estimate the entropy (standard error well below 0.1%)."""
     preset: str = "anchored"
-    """Which language: ``anchored`` (module docstring) or ``natural`` (testbed_natural.py; the class, anchor,
-    state and emission fields above play no part there, the word fields below none here)."""
+    """``anchored`` (module docstring) or ``natural`` (testbed_natural.py, with the four fields below)."""
     n_words: int = 512
-    """``natural``: words of the hidden word chain."""
     max_word_len: int = 4
-    """``natural``: a word is spelled as a fixed string of 1 .. max_word_len symbols."""
     word_length_decay: float = 0.5
-    """``natural``: p(a word has l symbols) is proportional to decay^(l - 1) (frequent words get the short ones)."""
     word_concentration: float = 0.03
-    """``natural``: Dirichlet concentration (per word, around a Zipf base, times a per-word factor in [0.1, 10]) of
-    each word's successor distribution: small = fixed phrases. The natural defaults (256 symbols, 512 words,
-    decay 0.5, 0.03) match a real LM's next-token confidence profile (benchmarks/testbed_calibration.py)."""
+    """``natural``: its lexicon, spellings and word chain (testbed_natural.py). These defaults (with 256 symbols)
+    match a real LM's next-token confidence profile (benchmarks/testbed_calibration.py)."""
 
     def validate(self) -> TestbedConfig:
         def need(ok: bool, msg: str) -> None:
@@ -119,11 +112,10 @@ class TestbedConfig:
         need(self.transition_concentration > 0 and self.emission_concentration > 0, "concentrations must be > 0")
         need(0.0 < self.smoothing < 1.0, f"smoothing must be in (0, 1), got {self.smoothing}")
         need(self.entropy_rows >= 100, f"entropy_rows must be >= 100, got {self.entropy_rows}")
-        need(self.preset in PRESETS, f"preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
-        need(self.n_words >= 1, f"n_words must be >= 1, got {self.n_words}")
-        need(self.max_word_len >= 1, f"max_word_len must be >= 1, got {self.max_word_len}")
-        need(self.word_length_decay > 0, f"word_length_decay must be > 0, got {self.word_length_decay}")
-        need(self.word_concentration > 0, f"word_concentration must be > 0, got {self.word_concentration}")
+        need(self.preset in TESTBED_PRESETS, f"preset must be one of {', '.join(TESTBED_PRESETS)}, got {self.preset!r}")
+        need(self.n_words >= 1 and self.max_word_len >= 1, "n_words and max_word_len must be >= 1")
+        need(self.word_length_decay > 0 and self.word_concentration > 0,
+             "word_length_decay and word_concentration must be > 0")
         return self
 
     @property
@@ -133,8 +125,7 @@ class TestbedConfig:
         return N_SPECIALS + self.content_vocab + self.n_classes * self.anchors_per_class
 
     @classmethod
-    def natural(cls, **fields: Any) -> TestbedConfig:
-        """The ``natural`` preset with its defaults (``NATURAL_DEFAULTS``), ``fields`` overriding them."""
+    def natural(cls, **fields: Any) -> TestbedConfig:  # the natural preset, its defaults overridden by fields
         return cls(**{**NATURAL_DEFAULTS, **fields, "preset": "natural"}).validate()
 
     def to_dict(self) -> dict[str, Any]:
@@ -171,11 +162,8 @@ class Testbed:
     __test__ = False
 
     def __new__(cls, config: TestbedConfig | None = None) -> Testbed:
-        if cls is Testbed and config is not None and config.preset == "natural":
-            from .testbed_natural import NaturalTestbed
-
-            return super().__new__(NaturalTestbed)
-        return super().__new__(cls)
+        sub = PRESET_CLASSES.get(config.preset, cls) if cls is Testbed and config is not None else cls
+        return super().__new__(sub)
 
     def __init__(self, config: TestbedConfig | None = None) -> None:
         self.config = (config or TestbedConfig()).validate()
@@ -507,5 +495,6 @@ class OracleDenoiser(nn.Module):
     forward = denoiser_logits
 
 
-__all__ = ["BOS_ID", "EOS_ID", "MASK_ID", "NATURAL_DEFAULTS", "PAD_ID", "PRESETS", "Estimate", "OracleDenoiser", "Testbed", "TestbedConfig",
+__all__ = ["BOS_ID", "EOS_ID", "MASK_ID", "NATURAL_DEFAULTS", "PAD_ID", "PRESET_CLASSES", "TESTBED_PRESETS",
+           "Estimate", "OracleDenoiser", "Testbed", "TestbedConfig",
            "TestbedError"]

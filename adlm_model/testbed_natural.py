@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .testbed import BOS_ID, CHUNK, EOS_ID, MASK_ID, N_SPECIALS, Testbed, TestbedConfig, TestbedError
+from .testbed import BOS_ID, CHUNK, EOS_ID, MASK_ID, N_SPECIALS, PRESET_CLASSES, Testbed, TestbedConfig, TestbedError
 
 
 class _Factors:
@@ -253,5 +253,7 @@ class NaturalTestbed(Testbed):
             alpha = new / new.sum(-1, keepdim=True).clamp_min(1e-300)
         return out
 
+
+PRESET_CLASSES["natural"] = NaturalTestbed
 
 __all__ = ["NaturalTestbed"]
