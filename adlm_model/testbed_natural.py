@@ -226,16 +226,40 @@ class NaturalTestbed(Testbed):
             beta = beta / beta.sum(-1, keepdim=True).clamp_min(1e-300)
             post.append(alphas[t] * beta)
         gamma = torch.stack(post[::-1], 1)  # (B, n, S), unnormalised p(state at t | visible)
-        # At a masked position alpha_t carries no emission factor, so gamma_t E is p(x^t | visible).
-        scores = gamma @ self.E
-        logp_mid = torch.log(scores) - torch.log(scores.sum(-1, keepdim=True))
+        # At a masked position alpha_t carries no emission factor, so gamma_t E is p(x^t | visible); only the
+        # masked positions need it (the visible ones are one-hot).
+        mid = masked[:, 1:-1]
+        scores = gamma[mid] @ self.E
         B = z.shape[0]
+        logp_mid = torch.full((B, n, self.config.content_vocab), float("-inf"), dtype=torch.float64)
+        logp_mid[mid] = torch.log(scores) - torch.log(scores.sum(-1, keepdim=True))
         out = torch.full((B, self.length, width), float("-inf"), dtype=torch.float64)
         out[:, 1:-1, self.content_lo:self.vocab_size] = logp_mid
         out[:, 0, BOS_ID] = 0.0
         out[:, -1, EOS_ID] = 0.0
         onehot = torch.full_like(out, float("-inf")).scatter_(-1, z[..., None].clamp(0, width - 1), 0.0)
         return torch.where((~masked)[..., None], onehot, out)
+
+    def leave_one_out_conditionals(self, rows: torch.Tensor) -> torch.Tensor:
+        """Exact ``log p(x^l | every other token)`` (B, L, vocab_size), float64, at every content position of fully
+        visible rows, in one forward-backward pass (what ``conditionals`` gives with that one position masked):
+        the prediction into position l times the backward message out of it."""
+        z = self._check(rows)
+        _, alphas, f = self._forward(z, torch.zeros_like(z, dtype=torch.bool), keep=True)
+        n, B = f.n, z.shape[0]
+        beta = torch.ones_like(alphas[0])
+        betas = [beta]
+        for t in range(n - 2, -1, -1):
+            beta = self._step_back(beta * f(t + 1))
+            beta = beta / beta.sum(-1, keepdim=True).clamp_min(1e-300)
+            betas.append(beta)
+        pred = torch.stack([self.pi.expand(B, -1)] + [self._step(a) for a in alphas[:-1]], 1)
+        scores = (pred * torch.stack(betas[::-1], 1)) @ self.E  # (B, n, V)
+        out = torch.full((B, self.length, self.vocab_size), float("-inf"), dtype=torch.float64)
+        out[:, 0, BOS_ID] = 0.0
+        out[:, -1, EOS_ID] = 0.0
+        out[:, 1:-1, self.content_lo:] = torch.log(scores) - torch.log(scores.sum(-1, keepdim=True))
+        return out
 
     def next_token_conditionals(self, rows: torch.Tensor) -> torch.Tensor:
         """Exact ``log p(x^l | x^{<l})`` (B, L, vocab_size), float64, at every content position (a causal LM's

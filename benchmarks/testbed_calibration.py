@@ -97,12 +97,16 @@ def testbed_profiles(tb: Testbed, rows: int) -> tuple[dict, dict]:
             z[:, pos:-1] = MASK_ID
             cols.append(tb.conditionals(z)[:, pos])
         nxt = torch.stack(cols, 1)
-    both = []
-    for pos in range(1, L - 1):
-        z = x.clone()
-        z[:, pos] = MASK_ID
-        both.append(tb.conditionals(z)[:, pos])
-    return profile(nxt.reshape(-1, nxt.shape[-1])), profile(torch.stack(both, 1).reshape(-1, nxt.shape[-1]))
+    if hasattr(tb, "leave_one_out_conditionals"):
+        both = tb.leave_one_out_conditionals(x)[:, 1:-1]
+    else:  # the exact conditional at l with l alone masked
+        cols = []
+        for pos in range(1, L - 1):
+            z = x.clone()
+            z[:, pos] = MASK_ID
+            cols.append(tb.conditionals(z)[:, pos])
+        both = torch.stack(cols, 1)
+    return profile(nxt.reshape(-1, nxt.shape[-1])), profile(both.reshape(-1, both.shape[-1]))
 
 
 def main(argv: list[str] | None = None) -> int:

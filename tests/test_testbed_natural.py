@@ -88,14 +88,14 @@ def test_conditionals_match_brute_force(tiny):
         for pos in range(tb.length):
             expected = torch.zeros(tb.vocab_size, dtype=torch.float64).index_add_(0, rows[:, pos], w[i]) / w[i].sum()
             torch.testing.assert_close(got[i, pos].exp(), expected, rtol=0, atol=1e-10)
-    # The causal view: p(x^l | x^{<l}) from the marginals of the prefixes.
-    nt = tb.next_token_conditionals(rows[:25])
+    # The causal view p(x^l | x^{<l}) (the prefix's conditional, future masked) and the leave-one-out one.
+    nt, loo = tb.next_token_conditionals(rows[:25]), tb.leave_one_out_conditionals(rows[:25])
     for i in range(25):
         for pos in range(1, tb.length - 1):
-            prefix = rows[i:i + 1].clone()
-            prefix[0, pos:-1] = MASK_ID
-            expected = tb.conditionals(prefix)[0, pos]
-            torch.testing.assert_close(nt[i, pos], expected, rtol=0, atol=1e-10)
+            prefix, alone = rows[i:i + 1].clone(), rows[i:i + 1].clone()
+            prefix[0, pos:-1] = alone[0, pos] = MASK_ID
+            torch.testing.assert_close(nt[i, pos], tb.conditionals(prefix)[0, pos], rtol=0, atol=1e-10)
+            torch.testing.assert_close(loo[i, pos], tb.conditionals(alone)[0, pos], rtol=0, atol=1e-10)
 
 
 def test_sampler_draws_the_distribution_log_prob_scores(tiny):
@@ -113,12 +113,7 @@ def test_confidence_profile_and_the_presets():
     preset, where none is); config round trip; the anchored preset stays the default."""
     tb = Testbed(TestbedConfig.natural(length=16, n_words=128, content_vocab=64, seed=1))
     x = tb.sample(32, seed=3)
-    top = []
-    for pos in range(1, 15):
-        z = x.clone()
-        z[:, pos] = MASK_ID
-        top.append(tb.conditionals(z)[:, pos].exp().max(-1).values)
-    share = float((torch.cat(top) >= 0.9).double().mean())
+    share = float((tb.leave_one_out_conditionals(x)[:, 1:-1].exp().max(-1).values >= 0.9).double().mean())
     share_next = float((tb.next_token_conditionals(x)[:, 1:-1].exp().max(-1).values >= 0.9).double().mean())
     anchored = Testbed(TestbedConfig(length=16, seed=1))
     xa = anchored.sample(32, seed=3)
