@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--length", type=int, default=32, help="testbed row length L (BOS, EOS included; default 32)")
     p.add_argument("--train-steps", type=int, default=3000)
     p.add_argument("--presets", default="natural,anchored", help="testbed presets (default natural,anchored)")
+    p.add_argument("--natural", action="append", default=[], metavar="KEY=VALUE",
+                   help="a field of the natural preset (adlm_model.testbed.TestbedConfig), e.g. n_words=128")
     p.add_argument("--seed", type=int, default=0, help="training seed (weights, noise); the data rows are fixed")
     p.add_argument("--checkpoint-every", type=int, default=200, help="training steps between checkpoints")
     p.add_argument("--max-excess", type=float, default=MAX_EXCESS,
@@ -285,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     all_points: dict[str, list[dict]] = {}
     distance: dict[str, dict] = {}
     for preset_name in args.presets.split(","):
-        tcfg = TestbedConfig.natural(length=args.length) if preset_name == "natural" else \
+        overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.natural)}
+        tcfg = TestbedConfig.natural(**{**overrides, "length": args.length}) if preset_name == "natural" else \
             TestbedConfig(length=args.length, preset=preset_name).validate()
         tb = Testbed(tcfg)
         h = tb.entropy_per_token().mean
