@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress-interval", type=float, default=d.progress_interval, help="seconds between progress lines")
     p.add_argument("--testbed", action="append", default=None, metavar="KEY=VALUE",
                    help="--source testbed only: a field of the synthetic language (adlm_model.testbed.TestbedConfig: "
-                   "seed, length, n_classes, ...) or rows of a split (train_rows, validation_rows, test_rows); "
-                   "repeatable")
+                   "seed, length, n_classes, ...; preset=natural: the language with natural text's confidence) or rows of "
+                   "a split (train_rows, validation_rows, test_rows); repeatable")
     add_logging_flags(p)  # -q: no progress lines (the summary still prints)
     return p
 
