@@ -84,6 +84,7 @@ class BlockKV:
         buf_v[self.rows, self.start:end] = v
         return buf_k[self.rows], buf_v[self.rows]
 
+
 def networks(model: nn.Module) -> list[DiT]:
     """The bidirectional DiTs of a diffusion model, in the order they run: MDLM's backbone; ADLM's anchor and
     denoiser."""
