@@ -12,6 +12,7 @@ JSON), ``infill`` (prompt / suffix infilling at the token level), ``textgen`` (t
 ``pipelines.generate`` and the served model run; uses ``tokenizers``), ``pretrained`` (the Hugging Face-style
 export folder). ``configuration_adlm`` and ``modeling_adlm`` are the ``transformers`` wrappers an export ships
 beside the network's modules: ``transformers`` imports them from the folder; this package never does.
+``testbed`` / ``testbed_natural``: the ground-truth languages (anchored and natural presets).
 """
 
 from .bd3lm import (
@@ -35,12 +36,13 @@ from .samplers import ReMDMLoop, SamplerError, nucleus, sample_categorical, tran
 from .schedule import LogLinearSchedule, antithetic_times, mask_tokens
 from .sedd import SEDD, sedd_objective
 from .sedd_layout import sedd_from_reference
+from .testbed_natural import NaturalTestbed  # registers the natural testbed preset with testbed.Testbed
 from .textgen import Generation, GenerationError, GenerationRequest, SpecialTokens, TextGenerator, load_generator
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ADLM", "AR", "EMA", "KINDS", "MDLM", "MODEL_KINDS", "PRESETS", "SAMPLERS", "BlockSample", "CheckpointError",
+    "ADLM", "AR", "EMA", "KINDS", "MDLM", "MODEL_KINDS", "NaturalTestbed", "PRESETS", "SAMPLERS", "BlockSample", "CheckpointError",
     "ClipSearchResult", "ConfigError", "Generation", "GenerationError", "GenerationRequest", "InfillLayout",
     "LogLinearSchedule", "LossOutput", "ModelConfig", "ReMDMLoop", "SEDD", "SamplerError", "SpecialTokens", "TextGenerator",
     "__version__", "anchor_mask", "antithetic_times", "bd3lm_objective", "block_diff_mask", "build_model",

@@ -44,6 +44,10 @@ class BlockKV:
     """First position of the current pass (0: a full pass, which replaces the buffers)."""
     n: int = 0
     """Unused (``DiT.trunk`` adds 0 in read mode); kept for the hook's interface."""
+    rows: torch.Tensor | None = None
+    """The batch rows the current pass computes (None: every row); the others keep their keys/values."""
+    batch: int = 0
+    """Rows of the whole batch (the buffers' first dimension when a pass computes some rows only)."""
 
     @property
     def length(self) -> int:
@@ -55,18 +59,30 @@ class BlockKV:
             self.v += [None] * (n_layers - len(self.v))
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k``/``v`` (B, m, H, D) of positions ``start .. start + m``; the keys/values of the whole row."""
-        if self.start == 0 and (self.k[layer] is None or k.shape[1] == self.k[layer].shape[1]):
+        """Store ``k``/``v`` (B, m, H, D) of positions ``start .. start + m`` (of ``rows``, when set); the keys/values
+        of the whole row."""
+        full = self.start == 0 and (self.k[layer] is None or k.shape[1] == self.k[layer].shape[1])
+        if full and self.rows is None:
             # A full pass: the fresh tensors are the cache (nothing reads them after this call but the cache).
             self.k[layer], self.v[layer] = k, v
             return k, v
+        if full and self.k[layer] is None:  # the first full pass computes some rows: room for the whole batch
+            self.k[layer] = k.new_zeros((self.batch, *k.shape[1:]))
+            self.v[layer] = v.new_zeros((self.batch, *v.shape[1:]))
         buf_k, buf_v = self.k[layer], self.v[layer]
         if buf_k is None:
             raise RuntimeError("a partial pass needs a full pass first (BlockKV is empty)")
         end = self.start + k.shape[1]
-        buf_k[:, self.start:end] = k
-        buf_v[:, self.start:end] = v
-        return buf_k, buf_v
+        if self.rows is None:
+            buf_k[:, self.start:end] = k
+            buf_v[:, self.start:end] = v
+            return buf_k, buf_v
+        if full:  # the rows' fresh keys/values are exactly what they attend to
+            buf_k[self.rows], buf_v[self.rows] = k, v
+            return k, v
+        buf_k[self.rows, self.start:end] = k
+        buf_v[self.rows, self.start:end] = v
+        return buf_k[self.rows], buf_v[self.rows]
 
 
 def networks(model: nn.Module) -> list[DiT]:
@@ -85,8 +101,11 @@ def new_caches(model: nn.Module) -> list[BlockKV]:
 
 
 def cached_logits(model: nn.Module, z: torch.Tensor, sigma: torch.Tensor, caches: list[BlockKV], start: int = 0,
-                  stop: int | None = None) -> torch.Tensor:
+                  stop: int | None = None, rows: torch.Tensor | None = None, batch: int | None = None) -> torch.Tensor:
     """The denoiser logits (before SUBS) at positions ``start .. stop`` of ``z`` (B, L).
+
+    ``rows``: ``z`` holds only these rows (indices into a batch of ``batch`` rows; pass ``batch`` whenever a pass
+    may compute some rows only): the pass reads and writes their keys/values alone.
 
     ``start = 0, stop = L``: a full pass, exactly ``model.denoiser_logits(z, sigma)`` (ADLM: the fused path),
     which also fills the caches. Otherwise a partial pass on the cached keys/values of the other positions.
@@ -94,7 +113,8 @@ def cached_logits(model: nn.Module, z: torch.Tensor, sigma: torch.Tensor, caches
     stop = z.shape[1] if stop is None else stop
     nets = networks(model)
     for c in caches:
-        c.start = start
+        c.start, c.rows = start, rows
+        c.batch = batch or c.batch or (z.shape[0] if rows is None else int(rows.max()) + 1)
     part = z[:, start:stop]
     if len(nets) == 1:
         net = nets[0]

@@ -17,6 +17,12 @@ the active one. ``block`` must divide the span (default: one block, the whole sp
 positions outside the active block; a full pass refreshes them when the block changes and every ``refresh``
 steps. ``refresh = 1`` refreshes at every step: exactly the uncached sampler (same tokens for the same seed).
 
+**Cost per call**: a pass runs on the rows that still have a mask in the active block (a finished row needs
+no logits; the draws are those of the whole batch, in the same order), and the step's selection is a handful
+of batched tensor operations (top probability, threshold, the most confident one of a lagging row, one
+Gumbel draw for all chosen positions): no Python loop over rows, two host syncs a step (is any row
+live, are all).
+
 With time conditioning on, a row's time is its fraction of still-masked generated positions.
 """
 
@@ -108,33 +114,36 @@ def confidence_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, 
         e = s + block
         since = None  # steps since the last full pass; None: the block just changed
         while True:
-            masked = x[:, s:e] == m
-            if not bool(masked.any()):
+            live = (x[:, s:e] == m).any(-1)  # rows with a mask left in the active block
+            if not bool(live.any()):
                 break
-            t = ((x == m).sum(-1) / n_free).clamp(T_MIN, 1.0).to(torch.float32)
+            # A row done with the block needs no logits: the pass runs on the live rows alone (their logits do not
+            # depend on the other rows), as the exact sampler's row cache skips the unchanged rows.
+            rows = None if bool(live.all()) else live.nonzero(as_tuple=True)[0]
+            xr = x if rows is None else x[rows]
+            t = ((xr == m).sum(-1) / (n_free if rows is None else n_free[rows])).clamp(T_MIN, 1.0).to(torch.float32)
             sigma = conditioning_sigma(cfg, schedule, t)
             if kv == "off":
-                logits = fn(x, sigma)[:, s:e]
+                logits = fn(xr, sigma)[:, s:e]
             elif since is None or since >= o["refresh"]:
-                logits, since = cached_logits(model, x, sigma, caches)[:, s:e], 1
+                logits, since = cached_logits(model, xr, sigma, caches, rows=rows, batch=b)[:, s:e], 1
             else:
                 hi = length if kv == "prefix" else e
-                logits, since = cached_logits(model, x, sigma, caches, s, hi)[:, :block], since + 1
+                logits, since = cached_logits(model, xr, sigma, caches, s, hi, rows=rows,
+                                                batch=b)[:, :block], since + 1
             calls += 1
+            masked = xr[:, s:e] == m
             probs = torch.softmax(suppress_mask(logits, m), dim=-1)
             conf = probs.max(-1).values.masked_fill(~masked, -1.0)
             chosen = masked & (conf > o["threshold"])
-            lagging = masked.any(-1) & ~chosen.any(-1)  # at least one per row: the most confident
-            if bool(lagging.any()):
-                rows = lagging.nonzero(as_tuple=True)[0]
-                chosen[rows, conf[rows].argmax(-1)] = True
-            idx = chosen.nonzero(as_tuple=True)
-            p = probs[idx]
+            # At least one per row, the most confident (every live row has a masked position): no sync, no loop.
+            lagging = ~chosen.any(-1, keepdim=True)
+            chosen |= torch.zeros_like(chosen).scatter_(-1, conf.argmax(-1, keepdim=True), lagging)
+            r, c = chosen.nonzero(as_tuple=True)  # row-major: the draws come in the order of the whole batch
+            p = probs[r, c]
             if nucleus_p < 1.0:
                 p = nucleus(p, nucleus_p)
-            part = x[:, s:e].clone()
-            part[idx] = sample_categorical(p, generator)
-            x[:, s:e] = part
+            x[r if rows is None else rows[r], s + c] = sample_categorical(p, generator)
             if progress is not None:
                 progress(total - int((x == m).sum(-1).max()), total)
     if stats is not None:

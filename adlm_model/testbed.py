@@ -20,6 +20,10 @@ Every quantity is exact: the forward algorithm over ``(class, anchors so far, hi
 section 1). Only the entropy is a Monte-Carlo mean, of exact log-probabilities of generated rows, with its
 standard error. All token ids are the MODEL's ids (what the shards hold): ``<pad> <bos> <eos> <mask>`` are 0-3,
 content symbols follow, then the anchor symbols (``vocab_size`` ids in all; the mask id lies inside).
+
+That is the ``anchored`` preset (the default). ``preset = "natural"`` is another language, as exact, with natural
+text's confidence profile (``testbed_natural.py``, which registers itself in ``PRESET_CLASSES``); ``Testbed(config)``
+builds whichever the config names.
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ class TestbedError(ValueError):
     """An invalid testbed configuration or input; the message names the field and the fix."""
 
     __test__ = False  # not a pytest test class, whatever its name
+
+
+TESTBED_PRESETS = ("anchored", "natural")
+NATURAL_DEFAULTS: dict[str, Any] = {"content_vocab": 256}  # the defaults that differ under preset = "natural"
+PRESET_CLASSES: dict[str, type] = {}  # preset -> its Testbed subclass (anchored: Testbed itself)
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,14 @@ class TestbedConfig:
     """Mass mixed uniformly into every distribution, so every row of the right shape has positive probability."""
     entropy_rows: int = 30000
     """Generated rows whose exact log-probabilities estimate the entropy (standard error well below 0.1%)."""
+    preset: str = "anchored"
+    """``anchored`` (module docstring) or ``natural`` (testbed_natural.py, with the four fields below)."""
+    n_words: int = 512
+    max_word_len: int = 4
+    word_length_decay: float = 0.5
+    word_concentration: float = 0.03
+    """``natural``: its lexicon, spellings and word chain (testbed_natural.py). These defaults (with 256 symbols)
+    match a real LM's next-token confidence profile (benchmarks/testbed_calibration.py)."""
 
     def validate(self) -> TestbedConfig:
         def need(ok: bool, msg: str) -> None:
@@ -95,11 +112,21 @@ class TestbedConfig:
         need(self.transition_concentration > 0 and self.emission_concentration > 0, "concentrations must be > 0")
         need(0.0 < self.smoothing < 1.0, f"smoothing must be in (0, 1), got {self.smoothing}")
         need(self.entropy_rows >= 100, f"entropy_rows must be >= 100, got {self.entropy_rows}")
+        need(self.preset in TESTBED_PRESETS, f"preset must be one of {', '.join(TESTBED_PRESETS)}, got {self.preset!r}")
+        need(self.n_words >= 1 and self.max_word_len >= 1, "n_words and max_word_len must be >= 1")
+        need(self.word_length_decay > 0 and self.word_concentration > 0,
+             "word_length_decay and word_concentration must be > 0")
         return self
 
     @property
     def vocab_size(self) -> int:
+        if self.preset == "natural":
+            return N_SPECIALS + self.content_vocab
         return N_SPECIALS + self.content_vocab + self.n_classes * self.anchors_per_class
+
+    @classmethod
+    def natural(cls, **fields: Any) -> TestbedConfig:  # the natural preset, its defaults overridden by fields
+        return cls(**{**NATURAL_DEFAULTS, **fields, "preset": "natural"}).validate()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -110,6 +137,8 @@ class TestbedConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise TestbedError(f"unknown testbed config key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if d.get("preset") == "natural":
+            d = {**NATURAL_DEFAULTS, **d}
         return cls(**d).validate()
 
 
@@ -131,6 +160,10 @@ class Testbed:
     """The language of a ``TestbedConfig``: sampling, exact log-probabilities, marginals and conditionals."""
 
     __test__ = False
+
+    def __new__(cls, config: TestbedConfig | None = None) -> Testbed:
+        sub = PRESET_CLASSES.get(config.preset, cls) if cls is Testbed and config is not None else cls
+        return super().__new__(sub)
 
     def __init__(self, config: TestbedConfig | None = None) -> None:
         self.config = (config or TestbedConfig()).validate()
@@ -462,5 +495,6 @@ class OracleDenoiser(nn.Module):
     forward = denoiser_logits
 
 
-__all__ = ["BOS_ID", "EOS_ID", "MASK_ID", "PAD_ID", "Estimate", "OracleDenoiser", "Testbed", "TestbedConfig",
+__all__ = ["BOS_ID", "EOS_ID", "MASK_ID", "NATURAL_DEFAULTS", "PAD_ID", "PRESET_CLASSES", "TESTBED_PRESETS",
+           "Estimate", "OracleDenoiser", "Testbed", "TestbedConfig",
            "TestbedError"]

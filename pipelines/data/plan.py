@@ -127,8 +127,9 @@ class PrepareConfig:
     progress_interval: float = 2.0
     """Seconds between progress lines."""
     testbed: Any = None
-    """The ``testbed`` source only: ``TestbedConfig`` fields and rows per split (``train_rows``, ...), as a mapping
-    or ``KEY=VALUE`` strings (``pipelines.data.synthetic``)."""
+    """The ``testbed`` source only: ``TestbedConfig`` fields (``preset=natural``: the language with natural text's
+    confidence) and rows per split (``train_rows``, ...), as a mapping or ``KEY=VALUE`` strings
+    (``pipelines.data.synthetic``)."""
 
     def __post_init__(self) -> None:
         # One source or split given as a word (a study file's ``source: embedded``) is a list of one.

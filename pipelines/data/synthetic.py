@@ -3,7 +3,10 @@ entropy and floors in every split's manifest.
 
     python -m pipelines.prepare_data --source testbed --out work/data/testbed
     python -m pipelines.prepare_data --source testbed --testbed n_classes=32 --testbed train_rows=50000 --out DIR
+    python -m pipelines.prepare_data --source testbed --testbed preset=natural --out work/data/natural
 
+``--testbed preset=natural`` picks the language with natural text's confidence profile
+(``adlm_model.testbed_natural``; its own defaults, e.g. 256 symbols); the default is the anchored one.
 Rows are drawn from the language itself (no text, no tokenisation, no Ray): shard ``k`` of split ``s`` holds
 ``Testbed.sample(rows, derive_seed(seed, s, k))``, so the same options give byte-identical shards on every
 machine. The output has the layout of every corpus: ``OUT/tokenizer.json`` (a word-level tokenizer over the
