@@ -28,16 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
+from pydantic import TypeAdapter, ValidationError, with_config
 
 from adlm_model.config import ConfigError, refuse_unknown
+from pipelines.pydantic_config import PYDANTIC_CONFIG
 
 __all__ = ["ConfigError", "refuse_unknown", "check_tree", "validate", "coerce", "coerce_fields", "read_yaml_file",
            "split_assignment", "set_nested", "apply_to", "descriptions", "settings_help", "adapter"]
 
-PYDANTIC_CONFIG = ConfigDict(use_attribute_docstrings=True, coerce_numbers_to_str=True, extra="forbid")
-"""Set on every config dataclass the library validates: docstrings as descriptions, ``name: 2024`` read as the
-text "2024" (as before), and ``additionalProperties: false`` in the schemas (editors flag unknown keys)."""
 _NONE = ("none", "null")
 
 

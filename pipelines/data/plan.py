@@ -21,7 +21,6 @@ from typing import Any
 
 from pydantic import with_config
 
-from pipelines.configlib import PYDANTIC_CONFIG
 from pipelines.data.detokenizers import DETOKENIZERS, get_detokenizer
 from pipelines.data.embedded import embedded_corpus
 from pipelines.data.encoder import ENGINES
@@ -45,6 +44,7 @@ from pipelines.data.sources import (
 )
 from pipelines.data.tokenizer import TokenizerInfo
 from pipelines.logs import get_logger
+from pipelines.pydantic_config import PYDANTIC_CONFIG
 from pipelines.storage import (
     check_location,
     exists,
