@@ -40,7 +40,8 @@ os.environ.pop("ADLM_WORKDIR", None)
 # head's job API dropped a submission's connection).
 LONGEST_FIRST = ("test_cluster.py", "test_tune.py", "test_train.py", "test_tracking_outage.py", "test_recipes.py",
                  "test_study.py", "test_prepare_cluster.py", "test_mlflow_server.py",
-                 "test_cluster_parts.py", "test_metrics.py", "test_prepare_data.py", "test_model_core.py",
+                 "test_cluster_parts.py", "test_distill_pipeline.py", "test_import_pipeline.py", "test_placement.py",
+                 "test_metrics.py", "test_gpu_check.py", "test_hf_export.py", "test_prepare_data.py", "test_model_core.py",
                  "test_evaluate.py", "test_serving.py", "test_promotion.py", "test_lm_eval.py", "test_serve_load.py")
 
 
