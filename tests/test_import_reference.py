@@ -87,6 +87,18 @@ def test_ar_lightning_checkpoint_equals_reference(one_torch_thread) -> None:
     assert int(out.n_tokens) == int(exp["n_tokens"])
 
 
+def _assert_bd3lm_equals_reference(model: torch.nn.Module, cfg: ModelConfig, exp: dict[str, torch.Tensor]) -> None:
+    """The x_t-half logits of one pass over [x_t ; x_0] and the block NELBO at the reference's t and mask equal the
+    figures the reference computed."""
+    x0, z_t = exp["x0"], exp["z_t"]
+    with torch.no_grad():
+        logits = block_diffusion_logits(model, z_t, x0, torch.zeros(2), cfg.block_size)
+        per_token, valid = block_nelbo(model, x0, None, cfg, t=exp["t"], z_t=z_t, train=False)
+    torch.testing.assert_close(logits, exp["logits"], **TOL)
+    assert float(per_token.sum()) == pytest.approx(float(exp["nll_sum"]), rel=1e-5)
+    assert int(valid.sum()) == int(exp["n_tokens"])
+
+
 @pytest.mark.parametrize("block", [4, 16])
 def test_bd3lm_hub_layout_equals_reference(block: int, one_torch_thread) -> None:
     """BD3-LM's models/hf layout (written by its own BD3LM class + save_pretrained): the x_t-half logits of one pass
@@ -94,13 +106,7 @@ def test_bd3lm_hub_layout_equals_reference(block: int, one_torch_thread) -> None
     model, cfg, fam = _import(FIXTURES / f"bd3lm-block{block}")
     exp = load_file(str(FIXTURES / f"bd3lm-block{block}" / "expected.safetensors"))
     assert (fam.name, cfg.kind, cfg.block_size, cfg.skips_bos) == ("bd3lm", "bd3lm", block, True)
-    x0, z_t = exp["x0"], exp["z_t"]
-    with torch.no_grad():
-        logits = block_diffusion_logits(model, z_t, x0, torch.zeros(2), cfg.block_size)
-        per_token, valid = block_nelbo(model, x0, None, cfg, t=exp["t"], z_t=z_t, train=False)
-    torch.testing.assert_close(logits, exp["logits"], **TOL)
-    assert float(per_token.sum()) == pytest.approx(float(exp["nll_sum"]), rel=1e-5)
-    assert int(valid.sum()) == int(exp["n_tokens"])
+    _assert_bd3lm_equals_reference(model, cfg, exp)
 
 
 def test_bd3lm_lightning_checkpoint_equals_reference(one_torch_thread) -> None:
@@ -108,13 +114,7 @@ def test_bd3lm_lightning_checkpoint_equals_reference(one_torch_thread) -> None:
     model, cfg, fam = _import(FIXTURES / "bd3lm-lightning" / "bd3lm.ckpt")
     exp = load_file(str(FIXTURES / "bd3lm-lightning" / "expected.safetensors"))
     assert (fam.name, cfg.kind, cfg.block_size, cfg.clip_low, cfg.clip_high) == ("bd3lm", "bd3lm", 4, 0.0, 1.0)
-    x0, z_t = exp["x0"], exp["z_t"]
-    with torch.no_grad():
-        logits = block_diffusion_logits(model, z_t, x0, torch.zeros(2), cfg.block_size)
-        per_token, valid = block_nelbo(model, x0, None, cfg, t=exp["t"], z_t=z_t, train=False)
-    torch.testing.assert_close(logits, exp["logits"], **TOL)
-    assert float(per_token.sum()) == pytest.approx(float(exp["nll_sum"]), rel=1e-5)
-    assert int(valid.sum()) == int(exp["n_tokens"])
+    _assert_bd3lm_equals_reference(model, cfg, exp)
 
 
 # ------------------------------------------------------------------------------------------------
