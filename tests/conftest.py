@@ -19,6 +19,8 @@ _ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "RAY_AUTH_MODE": "disabled",
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
+    # Two xdist workers on two cores: a second BLAS/OpenMP thread in each only spins against the other worker.
+    "OMP_NUM_THREADS": "1",
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "RAY_USAGE_STATS_ENABLED": "0",
     "TOKENIZERS_PARALLELISM": "false",

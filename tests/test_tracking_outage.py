@@ -99,7 +99,9 @@ def test_a_stopped_server_trains_on_and_the_command_ends_non_zero_with_the_line_
     assert line.startswith("error: run 'stopped' is trained") and "rerun the same command to register it" in line
     assert (tmp_path / "work" / "ray_results" / "stopped" / "tracking_spool").is_dir()
 
-STEPS = 900
+TRAIN_S = 45.0
+"""The long run's planned length at the pace measured just before it: the outage needs about 30 s of it (five
+windows, OUTAGE_S down, the server's restart); the rest is margin for the pace changing under the suite's load."""
 LOG_EVERY = 10
 OUTAGE_S = 20.0
 """Long enough that a call in flight when the server stops is still retrying when it comes back (MLflow's default
@@ -137,17 +139,22 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
         wd = tmp_path / "work"
         monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url)
         client = mlflow.MlflowClient(server.url)
+        # The run must outlast the outage (a few windows, OUTAGE_S down, the server's restart), whatever this
+        # machine's pace: a fixed step count long enough on a quiet machine is two minutes under the suite's load.
+        # So the loop's own pace is measured first (the median window of a short run of the same recipe) and the
+        # long run is sized to about TRAIN_S at that pace, twice what the outage needs.
+        calib = train(_cfg(tiny_data, "calibrate", 80, micro=64), workdir=str(wd), tracking_uri=server.url)
+        tok_s = statistics.median(m.value for m in client.get_metric_history(calib.run_id, "train/tokens_per_s"))
+        steps = min(max(LOG_EVERY * round(tok_s / (64 * 32) * TRAIN_S / LOG_EVERY), 200), 2000)
         outage = tracking_outage(server, "long", OUTAGE_S)
-        # About 40 s here (900 steps of 64 x 32 tokens, one thread: 600 left too few windows after the outage once
-        # the loop got faster this round), in this process: what is under test is the loop and
-        # its tracker, which are the same in a Ray Train worker, not Ray Train's 20 s of start-up. (Each epoch's
-        # reread of the shards shows in no window's pace: 1.007 measured alone.) The outage starts after a few
-        # windows and ends with training still running.
-        res = train(_cfg(tiny_data, "long", STEPS, micro=64), workdir=str(wd), tracking_uri=server.url)
+        # In this process: what is under test is the loop and its tracker, which are the same in a Ray Train
+        # worker, not Ray Train's 20 s of start-up. (Each epoch's reread of the shards shows in no window's pace:
+        # 1.007 measured alone.) The outage starts after a few windows and ends with training still running.
+        res = train(_cfg(tiny_data, "long", steps, micro=64), workdir=str(wd), tracking_uri=server.url)
         outage.thread.join(timeout=OUTAGE_S + 60)
         assert outage.end, "the outage never happened"
-        assert time.time() > outage.end, "training ended before the server was back: lengthen STEPS"
-        assert res.step == STEPS and res.registered_version is not None  # the server was back at the end
+        assert time.time() > outage.end, f"training ended before the server was back: lengthen TRAIN_S ({steps} steps)"
+        assert res.step == steps and res.registered_version is not None  # the server was back at the end
 
         # The loop never waited on the server: windows kept coming at the rate they came with it up. A stall
         # (a call waiting out MLflow's ~250 s of retries) would leave a handful of windows at a fraction of it.
@@ -157,13 +164,13 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
         ratio = statistics.median(down) / statistics.median(up)
         with capfd.disabled():
             print(f"\nstep rate during the outage / with the server up: {ratio:.3f} ({len(down)} windows in "
-                  f"{OUTAGE_S:.0f} s down)")
+                  f"{OUTAGE_S:.0f} s down, {steps} steps)")
         # A loop that waited on the server would log no window while it is down (len(down) above); one that paid a
         # refused connection a window would crawl. The margin is wide: other processes on a loaded 2-core
         # machine move this ratio more than tracking does (0.56 seen at load 13; about 1.0 on a quiet machine).
         assert ratio > 0.3, ratio
-        steps = [m.step for m in client.get_metric_history(res.run_id, "train/loss")]
-        assert sorted(steps) == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))  # every window once, the outage's included
+        logged = [m.step for m in client.get_metric_history(res.run_id, "train/loss")]
+        assert sorted(logged) == list(range(LOG_EVERY, steps + 1, LOG_EVERY))  # every window once, the outage's included
 
         # A run that ends while the server is down: one clear message, nothing registered; the next run of the
         # same command (server back) trains nothing, sends the metrics it kept and registers. In-process (Ray Train
@@ -175,8 +182,8 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
         server.start()
         again = train(_cfg(tiny_data, "short", 60), workdir=str(wd), tracking_uri=server.url)
         assert again.registered_version is not None and again.step == 60
-        steps = [m.step for m in client.get_metric_history(again.run_id, "train/loss")]
-        assert sorted(steps) == list(range(LOG_EVERY, 61, LOG_EVERY))
+        logged = [m.step for m in client.get_metric_history(again.run_id, "train/loss")]
+        assert sorted(logged) == list(range(LOG_EVERY, 61, LOG_EVERY))
 
 
 @pytest.mark.slow
