@@ -86,6 +86,9 @@ class PreparedData:
         self.root = root
         self.done: dict[tuple, tuple[Path, dict[str, int]]] = {}
         """Definition -> (prepared folder, each split's vocabulary size)."""
+        self.tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
+        """One MLflow store for the module's runs (each recipe's run has a name of its own): a new sqlite store is
+        a second or two of schema migrations, paid once rather than per recipe."""
 
     def copy_to(self, data_dir: Path, key: tuple, make) -> dict[str, int]:
         """``make(folder)`` (returns {split: manifest}) the first time ``key`` is seen, then the folder copied to
@@ -118,7 +121,7 @@ def test_recipe_runs_on_tiny_data_prepared_by_its_own_definition(recipe: Path, t
         prepared.copy_to(tmp_path / "work" / Path(cfg.data.train).parent, ("testbed",), lambda out: prepare(
             PrepareConfig(source=["testbed"], out=str(out),
                  testbed=dict(train_rows=64, validation_rows=8, test_rows=8, entropy_rows=200))))
-        uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        uri = prepared.tracking_uri
         res = train(load_config(recipe, SCALED + [f"run.name=recipe-{recipe.stem}"]), workdir=str(tmp_path / "work"),
                     tracking_uri=uri)
         assert res.step == 2 and res.val_ppl == res.val_ppl
@@ -142,7 +145,7 @@ def test_recipe_runs_on_tiny_data_prepared_by_its_own_definition(recipe: Path, t
         # 40k characters cannot fill an 8,192-entry BPE (the static test checks the recipe's size against the
         # source's): the model takes the tiny tokenizer's size, everything else is the recipe's.
         sets.append(f"model.vocab_size={vocab['train']}")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = prepared.tracking_uri
     res = train(load_config(recipe, sets), workdir=str(wd), tracking_uri=uri)
     assert res.step == 2 and res.val_ppl is not None and res.val_ppl == res.val_ppl  # finite, not NaN
     assert raw["model"].get("kind", "adlm") == cfg.model.kind
