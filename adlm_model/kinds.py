@@ -69,6 +69,8 @@ class ModelKind:
     block_diffusion: bool = False
     """Runs block by block (``ModelConfig.block_size`` applies: block-diffusion attention in the bound and the
     continuation likelihood, the block sampler generates any length): BD3-LM."""
+    distillable: bool = False
+    """SDTT can distil its ancestral sampler (``adlm_model.distill``: masked diffusion over the whole row)."""
 
 
 Mask = torch.Tensor | None
@@ -106,10 +108,10 @@ def _bd3lm_eval(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *
 
 
 KINDS: dict[str, ModelKind] = {k.name: k for k in (
-    ModelKind("mdlm", MDLM, _mdlm, _mdlm, "remdm-loop"),
+    ModelKind("mdlm", MDLM, _mdlm, _mdlm, "remdm-loop", distillable=True),
     # Evaluation of ADLM runs the denoiser NELBO through the same network (MDLM's objective reads
     # model.denoiser_logits, which ADLM composes as psi(phi(z_t))).
-    ModelKind("adlm", ADLM, _adlm_train, _mdlm, "remdm-loop", anchored=True),
+    ModelKind("adlm", ADLM, _adlm_train, _mdlm, "remdm-loop", anchored=True, distillable=True),
     ModelKind("ar", AR, _ar, _ar, "ar", diffusion=False, adaln=False),
     # BD3-LM shares MDLM's network; it differs in attention masks, objective and sampler.
     ModelKind("bd3lm", MDLM, _bd3lm_train, _bd3lm_eval, "bd3lm", clipped_schedule=True, skips_bos=True,

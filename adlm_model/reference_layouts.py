@@ -317,7 +317,7 @@ def _has(*keys: str) -> Callable[[Source], bool]:
     return lambda s: all(k in s.tensors for k in keys)
 
 
-def _lightning_kind(src: Source) -> str | None:
+def _parameterization(src: Source) -> str | None:
     return src.find("parameterization") if src.layout == "lightning" else None
 
 
@@ -352,14 +352,14 @@ SEDD_COMMIT = "0605786da5ccb5747545e26d66fdf477187598b6"
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mdlm", "mdlm", "kuleshov-group/mdlm", MDLM_COMMIT, "apache-2.0",
-           lambda s: (s.layout == "lightning" and _lightning_kind(s) == "subs" and not _adlm_like(s)
+           lambda s: (s.layout == "lightning" and _parameterization(s) == "subs" and not _adlm_like(s)
                       and s.find("cross_attn") is not True
                       and _has("backbone.vocab_embed.embedding", "backbone.sigma_map.mlp.0.weight")(s))
            or (s.layout == "hub" and s.hparams.get("model_type") == "mdlm"),
            config_mdlm, map_backbone,
            note="Lightning .ckpt of its Diffusion module (EMA applied) or the Hub layout of kuleshov-group/mdlm-owt"),
     Family("ar", "ar", "kuleshov-group/mdlm", MDLM_COMMIT, "apache-2.0",
-           lambda s: s.layout == "lightning" and _lightning_kind(s) == "ar"
+           lambda s: s.layout == "lightning" and _parameterization(s) == "ar"
            and _has("backbone.vocab_embed.embedding")(s) and "backbone.sigma_map.mlp.0.weight" not in s.tensors,
            config_ar, map_backbone, note="MDLM's AR baseline (.ckpt): causal, no adaLN"),
     Family("bd3lm", "bd3lm", "kuleshov-group/bd3lms", BD3LMS_COMMIT, "apache-2.0",
@@ -370,7 +370,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            config_sedd, map_sedd, note="its Hub layout (louaaron/sedd-small, louaaron/sedd-medium: config.json + "
                                        "model.safetensors or pytorch_model.bin)"),
     Family("mdlm-sedd", "sedd", "kuleshov-group/mdlm", MDLM_COMMIT, "apache-2.0",
-           lambda s: s.layout == "lightning" and _lightning_kind(s) == "sedd"
+           lambda s: s.layout == "lightning" and _parameterization(s) == "sedd"
            and _has("backbone.vocab_embed.embedding", "backbone.sigma_map.mlp.0.weight")(s),
            config_mdlm_sedd, map_backbone, note="MDLM's SEDD baseline (.ckpt, parameterization sedd)"),
     Family("adlm", "adlm", "kuleshov-group/remdm (Lightning module; ADLM's layout assumed)", REMDM_COMMIT, "unknown",

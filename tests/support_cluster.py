@@ -151,6 +151,55 @@ def mlflow_server(store: Path, artifacts: str, log: Path) -> Iterator[MLflowServ
         server.stop()
 
 
+@contextlib.contextmanager
+def models_serve(model_uri: str, log: Path, cwd: Path, timeout: float = 120.0) -> Iterator[str]:
+    """``mlflow models serve -m model_uri`` (this environment, one worker) on a free loopback port, up within
+    ``timeout`` (or the test fails with its log); yields its URL; the server's process group is stopped on exit."""
+    import pytest
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "NO_PROXY": "127.0.0.1,localhost"}
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager",
+                                 "local", "-h", "127.0.0.1", "-p", str(port), "--workers", "1"],
+                                env=env, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not http_ok(f"{url}/ping"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"mlflow models serve did not come up; its log:\n{log.read_text(errors='replace')[-4000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # mlflow and its uvicorn worker; SIGKILL if it lingers
+            if proc.poll() is not None:
+                break
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=20)
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def invocations(url: str, payload: dict) -> tuple[int, dict]:
+    """POST ``payload`` to a scoring server's /invocations; (HTTP status, the JSON it answered)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"{url}/invocations", data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 @dataclass
 class RayCluster:
     """A Ray cluster on this machine: a head with 0 CPUs (nothing runs there) and ``nodes`` worker nodes."""

@@ -267,3 +267,28 @@ def test_the_readme_says_which_files_a_new_metric_sampler_kind_and_store_touch()
         assert (ROOT / table).is_file(), f"the README names {table} for a new {what}: no such file"
         where = {f for f, found in nodes.items() if any(is_entry(n) for n in found)}
         assert where == {table}, f"a {what}'s table entries are made in {sorted(where)}, the README says {table}"
+
+
+def test_no_kind_name_is_compared_outside_the_kinds_table() -> None:
+    """What a kind does is a field of its row in ``adlm_model.kinds.KINDS`` (diffusion, anchored, block_diffusion,
+    distillable, ...): ``kind == "ar"`` elsewhere is a second table that a new kind silently falls through. Any
+    comparison in ``pipelines`` or ``adlm_model`` of something named ``kind`` with a kind's name is refused."""
+    from adlm_model.config import MODEL_KINDS
+
+    def names(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value} & set(MODEL_KINDS)
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return set().union(*(names(e) for e in node.elts)) if node.elts else set()
+        return set()
+
+    found = []
+    for name, path in MODULES.items():
+        if name in ("adlm_model.kinds", "adlm_model.config"):  # the table and the names it is keyed by
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(names(s) for s in sides) and any("kind" in ast.unparse(s) for s in sides if not names(s)):
+                    found.append(f"{name}:{node.lineno} ({ast.unparse(node)})")
+    assert not found, "a kind compared by name: read its row of adlm_model.kinds.KINDS instead: " + ", ".join(found)

@@ -1,18 +1,17 @@
 """An imported released checkpoint is a version like a trained one (issue 34): the MDLM reference fixture (its
 Lightning .ckpt, tests/fixtures/reference/mdlm) is registered by ``pipelines.import_model`` with its provenance
 tags, then goes through the staged evaluation (``evaluate --stage-all``, in process), ``generate`` with the
-confidence sampler, the MLflow pyfunc model that ``mlflow models serve`` serves (loaded and called in process:
-tests/test_serving.py covers the HTTP server on trained versions) and the lm-eval adapter. One real sqlite
-registry, data prepared for the fixture's vocabulary (512 + the appended mask) and length (32), no Ray."""
+confidence sampler, ``mlflow models serve`` (a real scoring server over HTTP) and the lm-eval adapter. One real
+sqlite registry, data prepared for the fixture's vocabulary (512 + the appended mask) and length (32), no Ray."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support_cluster import invocations, models_serve
 from tests.support_eval import kjv_verses, pack_rows, tiny_gpt2, wiki_paragraphs, write_split
 
 FIXTURE = Path(__file__).parent / "fixtures" / "reference" / "mdlm" / "mdlm.ckpt"
@@ -47,7 +46,6 @@ def _data(root: Path):
 def test_an_imported_version_is_evaluated_staged_sampled_served_and_lm_evaluated(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], one_torch_thread) -> None:
     import mlflow
-    import pandas as pd
     from lm_eval.api.instance import Instance
 
     from pipelines.evaluation.config import EvalConfig
@@ -96,11 +94,13 @@ def test_an_imported_version_is_evaluated_staged_sampled_served_and_lm_evaluated
     text = out["text"] if isinstance(out, dict) else out[0]["text"]
     assert text.startswith("In the beginning")
 
-    # the MLflow Model `mlflow models serve` serves: loaded and called as the server does
-    monkeypatch.setattr(sys, "path", list(sys.path))  # pyfunc.load_model prepends the model's code folder
-    pyfunc = mlflow.pyfunc.load_model(uri)
-    served = pyfunc.predict(pd.DataFrame([{"prompt": "And God said", "length": 6, "steps": 3, "seed": 1}]))
-    assert served["text"][0].startswith("And God said")
+    # `mlflow models serve` answers with the imported weights over HTTP, and refuses a bad request in one line
+    with models_serve(uri, tmp_path / "serve.log", tmp_path) as url:
+        status, body = invocations(url, {"dataframe_records": [{"prompt": "And God said", "length": 6, "steps": 3,
+                                                                "seed": 1}]})
+        assert status == 200 and body["predictions"][0]["text"].startswith("And God said"), body
+        status, body = invocations(url, {"dataframe_records": [{"prompt": "x", "length": 500}]})
+        assert status == 400 and "exceeds the model's context of 32" in body["message"], body
 
     # the lm-eval adapter scores continuations with the imported weights
     lm = ADLMEvalLM(pretrained=uri, tracking_uri=tracking)

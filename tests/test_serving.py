@@ -14,13 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,8 +22,7 @@ import torch
 from adlm_model import GenerationError, TextGenerator, infill, load_checkpoint, load_pretrained, sample
 from adlm_model.samplers import SamplerError
 from adlm_model.textgen import GenerationRequest
-from tests.conftest import free_port
-from tests.support_cluster import http_ok
+from tests.support_cluster import http_ok, invocations, models_serve
 from tests.support_eval import make_data, register, save_ckpt, tiny_config, train_tiny
 
 PROMPT, SUFFIX = "In the beginning God", " and the earth."
@@ -506,53 +499,11 @@ def test_export_reloads_bit_for_bit_and_its_card_lists_the_registry_figures(regi
 # Serving over HTTP
 
 
-def _post(url: str, payload: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(f"{url}/invocations", data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (mlflow and its uvicorn worker), SIGKILL if it lingers."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=20)
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _up(url: str) -> bool:
-    return http_ok(f"{url}/ping")
-
-
 @pytest.mark.slow
 def test_mlflow_models_serve_answers_with_text_and_refuses_bad_input(registry, tmp_path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "NO_PROXY": "127.0.0.1,localhost"}
-    log = tmp_path / "serve.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", "models:/adlm@candidate",
-                                 "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port), "--workers", "1"],
-                                env=env, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not _up(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"mlflow models serve did not come up; its log:\n{log.read_text(errors='replace')[-4000:]}")
-            time.sleep(0.5)
+    with models_serve("models:/adlm@candidate", tmp_path / "serve.log", tmp_path) as url:
         # A batch: one prediction per row, each text framed by its own prompt and suffix.
-        status, body = _post(url, {"dataframe_records": [
+        status, body = invocations(url, {"dataframe_records": [
             {"prompt": PROMPT, "suffix": SUFFIX, "length": 10, "steps": 16, "seed": 7},
             {"prompt": "And God said", "length": 5}]})
         assert status == 200, body
@@ -564,15 +515,13 @@ def test_mlflow_models_serve_answers_with_text_and_refuses_bad_input(registry, t
         for bad, reason in (({"prompt": "x", "steps": -2}, "steps must be >= 1, got -2"),
                             ({"prompt": "x", "sampler": "beam"}, "unknown sampler 'beam'"),
                             ({"prompt": "x", "length": 500}, "exceeds the model's context of 32")):
-            status, body = _post(url, {"dataframe_records": [bad]})
+            status, body = invocations(url, {"dataframe_records": [bad]})
             assert status == 400 and body["error_code"] == "INVALID_PARAMETER_VALUE", body
             assert reason in body["message"] and body["message"].startswith("request row 0: "), body  # no echo
-        assert _up(url) and proc.poll() is None
-        status, body = _post(url, {"inputs": {"prompt": [PROMPT], "suffix": [SUFFIX], "length": [10], "steps": [16],
+        assert http_ok(f"{url}/ping")
+        status, body = invocations(url, {"inputs": {"prompt": [PROMPT], "suffix": [SUFFIX], "length": [10], "steps": [16],
                                               "seed": [7]}})
         assert status == 200 and body["predictions"][0]["text"] == first["text"]  # same seed, same text
-    finally:
-        _stop(proc)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -143,7 +143,7 @@ class Manifest:
         tokenizers of one size give the same ids to different strings.
 
         ``model_cfg``: an ``adlm_model.ModelConfig`` or a dict with those keys. The autoregressive kind
-        never uses the mask id, so it is not compared for ``kind == "ar"``.
+        never uses the mask id, so it is not compared for a kind that is not a diffusion kind (the kinds table).
         """
         def get(k: str) -> Any:
             return model_cfg.get(k) if isinstance(model_cfg, dict) else getattr(model_cfg, k, None)
@@ -151,7 +151,7 @@ class Manifest:
         problems = []
         if get("vocab_size") != self.vocab_size:
             problems.append(f"tokenizer vocab {self.vocab_size} (data) vs vocab_size={get('vocab_size')} (model)")
-        if get("kind") != "ar" and get("mask_id") != self.mask_id:
+        if _uses_mask(get("kind")) and get("mask_id") != self.mask_id:
             problems.append(f"mask id {self.mask_id} (data) vs mask_id={get('mask_id')} (model)")
         if get("seq_len") != self.length:
             problems.append(f"length {self.length} (data) vs seq_len={get('seq_len')} (model)")
@@ -224,3 +224,12 @@ def read_manifest(split_dir: str | os.PathLike) -> Manifest:
     if not is_uri(s) and not s.startswith("file://"):
         s = str(Path(s).expanduser().resolve())
     return Manifest.from_dict(d, split_dir=s)
+
+
+def _uses_mask(kind: str | None) -> bool:
+    """Whether a model kind reads the mask id (a diffusion kind; None: assume it does)."""
+    if kind is None:
+        return True
+    from adlm_model.kinds import KINDS  # here, not at import: the data stages' workers need no model code
+
+    return kind not in KINDS or KINDS[kind].diffusion

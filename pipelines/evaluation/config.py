@@ -212,13 +212,17 @@ def resolve_sampler(name: str, kind: str) -> str:
     return model_kind(kind).default_sampler
 
 
+TOKENIZER_IDS = ("bos_id", "eos_id", "pad_id")
+"""Sampler options whose default is the tokenizer's special id of that name (when it has one)."""
+
+
 def sampler_options(sampler: str, kwargs: dict[str, Any], tok: Any) -> dict[str, Any]:
-    """Sampler options plus the special ids the AR and BD3-LM samplers take from the tokenizer."""
+    """Sampler options plus the special ids the sampler takes (those of its options named in ``TOKENIZER_IDS``:
+    the samplers table says which) from the tokenizer, where not given."""
+    from adlm_model.kinds import get_sampler
+
     kw = dict(kwargs)
-    if sampler == "ar":
-        kw.setdefault("bos_id", tok.bos_id)
-    if sampler == "bd3lm":
-        for k in ("bos_id", "eos_id", "pad_id"):
-            if getattr(tok, k, None) is not None:
-                kw.setdefault(k, getattr(tok, k))
+    for k in get_sampler(sampler).options:
+        if k in TOKENIZER_IDS and getattr(tok, k, None) is not None:
+            kw.setdefault(k, getattr(tok, k))
     return kw

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from adlm_model.kinds import model_kind
 from pipelines.assets import package_dir
 from pipelines.storage import hub_errors, join, node_cache_dir, shared_cache_entry
 
@@ -152,14 +153,14 @@ def check_eval_lm(spec: str, *, tracking_uri: str | None = None) -> str:
         from pipelines.registry import get_version
 
         mv = get_version(spec, tracking_uri)
-        if (mv.tags or {}).get("kind", "ar") != "ar":
+        if model_kind((mv.tags or {}).get("kind", "ar")).diffusion:
             raise EvalLMError(f"eval LM {spec} is a {mv.tags['kind']} model; gen-PPL needs a causal LM: an AR "
                               f"checkpoint, {DEFAULT_EVAL_LM} or {OFFLINE_LM}")
     elif kind == "checkpoint":
         from adlm_model.checkpoint import read_config
 
         cfg, _ = read_config(spec)
-        if cfg.kind != "ar":
+        if model_kind(cfg.kind).diffusion:
             raise EvalLMError(f"eval LM checkpoint {spec} is a {cfg.kind} model; gen-PPL needs a causal LM: an AR "
                               f"checkpoint, {DEFAULT_EVAL_LM} or {OFFLINE_LM}")
     elif kind == "hub":
@@ -288,7 +289,7 @@ def _from_checkpoint(path: Path, name: str, device: torch.device) -> EvalLM:
     from adlm_model.checkpoint import load_checkpoint
     from adlm_model.losses import suppress_mask
 
-    model, cfg, meta = load_checkpoint(path, expect={"kind": "ar"}, map_location=device)
+    model, cfg, meta = load_checkpoint(path, map_location=device)  # a causal kind: check_eval_lm refused the rest
     model.eval()
     tok = checkpoint_tokenizer(path, meta)
 

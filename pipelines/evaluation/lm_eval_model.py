@@ -32,6 +32,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
+from adlm_model.kinds import model_kind
 from adlm_model.likelihood import MASK_DRAWS, ContinuationScorer, LikelihoodError, check_draws
 from pipelines.evaluation.config import EvalError
 from pipelines.seeds import derive_seed
@@ -164,7 +165,6 @@ class ADLMEvalLM(LM):
 
     # -- the model ------------------------------------------------------------------------------------
     def _scorer(self) -> ContinuationScorer:
-        from adlm_model.kinds import model_kind
         from adlm_model.likelihood import model_logp_fn, model_nll_fn
 
         s, cfg = self.settings, self.cfg
@@ -178,7 +178,8 @@ class ADLMEvalLM(LM):
         except LikelihoodError as e:
             raise EvalError(f"lm-eval adapter: {e}") from e
         return ContinuationScorer(nll_fn=nll, logp_fn=model_logp_fn(self.model, cfg),
-                                  block_size=cfg.block_size if cfg.kind == "bd3lm" else None, **common)
+                                  block_size=cfg.block_size if model_kind(cfg.kind).block_diffusion else None,
+                                  **common)
 
     def _pad_id(self) -> int:
         for i in (self.tok.pad_id, self.tok.eos_id):
@@ -254,14 +255,11 @@ class ADLMEvalLM(LM):
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         from adlm_model.infill import infill
         from adlm_model.kinds import get_sampler
-        from pipelines.evaluation.config import resolve_sampler
+        from pipelines.evaluation.config import resolve_sampler, sampler_options
 
         cfg, s = self.cfg, self.settings
         sampler = resolve_sampler(s.sampler, cfg.kind)
-        options = dict(s.sampler_kwargs)
-        if sampler == "bd3lm":
-            options.update({k: v for k, v in (("eos_id", self.tok.eos_id), ("pad_id", self.tok.pad_id))
-                            if v is not None and k not in options})
+        options = sampler_options(sampler, s.sampler_kwargs, self.tok)
         out = []
         for r in tqdm(requests, desc=f"lm-eval generate_until ({sampler}, T={s.steps})", unit="request",
                       disable=disable_tqdm):
@@ -304,4 +302,4 @@ class ADLMEvalLM(LM):
     def describe(self) -> dict[str, Any]:
         """The model and the settings, recorded with the figures."""
         return {"model": self.ref.uri, "pinned": self.ref.pinned, "kind": self.cfg.kind,
-                "exact": self.cfg.kind == "ar", **dataclasses.asdict(self.settings)}
+                "exact": not model_kind(self.cfg.kind).diffusion, **dataclasses.asdict(self.settings)}

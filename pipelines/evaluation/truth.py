@@ -49,7 +49,9 @@ def plan_truth(plan: Any) -> dict[str, Any] | None:
 
 def skips_first(model_cfg: Any) -> bool:
     """Whether a kind's bound leaves position 0 out (AR: no target there; BD3-LM: ``ignore_bos``)."""
-    return model_cfg.kind == "ar" or bool(getattr(model_cfg, "skips_bos", False))
+    from adlm_model.kinds import model_kind
+
+    return not model_kind(model_cfg.kind).diffusion or bool(getattr(model_cfg, "skips_bos", False))
 
 
 def exact_entropy(truth: dict[str, Any], skip_first: bool) -> tuple[float, float]:

@@ -270,9 +270,11 @@ class TrainConfig:
 
     def _validate_distill(self, need: Any) -> None:
         from adlm_model.distill import DIVERGENCES
+        from adlm_model.kinds import KINDS
 
         d = self.distill
-        need(self.model.kind in ("mdlm", "adlm"), f"distill: SDTT distils the ancestral sampler of mdlm or adlm "
+        can = [k.name for k in KINDS.values() if k.distillable]
+        need(KINDS[self.model.kind].distillable, f"distill: SDTT distils the ancestral sampler of {' or '.join(can)} "
              f"models, not {self.model.kind}; set model.kind to the teacher's")
         need(d.rounds >= 1 and d.steps_per_round >= 1 and d.substeps >= 2,
              "distill.rounds and distill.steps_per_round must be >= 1 and distill.substeps >= 2")

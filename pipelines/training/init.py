@@ -49,7 +49,7 @@ def architecture_mismatch(version: ModelConfig, recipe: ModelConfig) -> str | No
     if theirs is not ours:
         return (f"it is a {version.kind} model (network {theirs.__name__}) and the recipe's is {recipe.kind} (network "
                 f"{ours.__name__}); start from a version of a kind with the same network (mdlm and bd3lm share one)")
-    fields = [f for f in ARCHITECTURE if f != "denoiser_blocks" or recipe.kind == "adlm"]
+    fields = [f for f in ARCHITECTURE if f != "denoiser_blocks" or model_kind(recipe.kind).anchored]
     diff = [f for f in fields if getattr(version, f) != getattr(recipe, f)]
     if diff:
         named = "; ".join(f"{f} {getattr(version, f)} there, {getattr(recipe, f)} here" for f in diff)
