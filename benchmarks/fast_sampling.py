@@ -152,6 +152,68 @@ def train(kind: str, tb: Testbed, steps: int, workdir: Path, seed: int = 0, batc
         torch.set_num_threads(threads)
 
 
+DISTILL_FORMAT = 1
+"""Bumped when the distillation recipe below changes (part of each round's cache key)."""
+
+
+def distill(kind: str, teacher: torch.nn.Module, cfg, tb: Testbed, workdir: Path, teacher_key: str, *, rounds: int,
+            steps_per_round: int, lr: float = 1e-4, batch: int = 32, seed: int = 0,
+            substeps: int = 2) -> list[tuple[int, torch.nn.Module]]:
+    """Self-distillation through time (``adlm_model.distill``, METHOD.md section 4) from ``teacher`` at ``T0 = L``
+    sampling steps: round ``r``'s student starts from the weights of round ``r - 1``'s (the teacher's first) and
+    learns to take in one step what that model takes in ``substeps`` steps of size ``dt_r``; it then becomes the
+    teacher. For ADLM the composed network is the student (anchor network and denoiser both learn). Seeded end to
+    end like ``train``; each round's student is cached by the hash of the chain of recipes that made it (a rerun
+    skips the rounds done). Returns ``[(student's sampling steps, student)]``, one per round."""
+    from adlm_model.distill import round_dt, sdtt_objective, student_steps
+
+    t0_steps = tb.length
+    out, current, chain = [], teacher.eval(), teacher_key
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for r in range(rounds):
+            recipe = {"format": DISTILL_FORMAT, "from": chain, "round": r, "T0": t0_steps, "substeps": substeps,
+                      "steps": steps_per_round, "lr": lr, "batch": batch, "seed": seed, "divergence": "kl-bwd"}
+            chain = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+            d = workdir / f"{kind}-{tb.config.preset}-L{tb.length}-sdtt{r + 1}-{chain}"
+            d.mkdir(parents=True, exist_ok=True)
+            student = build_model(cfg)
+            steps = student_steps(t0_steps, r + 1, substeps)
+            if (d / "meta.json").is_file():
+                student.load_state_dict(load_file(str(d / "model.safetensors")))
+                print(f"  {kind}: cached SDTT round {r + 1} student ({steps} steps) {d.name}", flush=True)
+            else:
+                student.load_state_dict(current.state_dict())
+                student.train()
+                opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
+                g = torch.Generator().manual_seed(seed * 1000 + r)
+                t0, losses = time.perf_counter(), []
+                for step in range(steps_per_round):
+                    x = tb.sample(batch, seed=5_000_000 + r * steps_per_round + step)
+                    for group in opt.param_groups:
+                        group["lr"] = lr * min(1.0, (step + 1) / 20)
+                    loss = sdtt_objective(student, current, x, None, cfg, dt=round_dt(t0_steps, r, substeps),
+                                          substeps=substeps, generator=g).loss
+                    opt.zero_grad()
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+                    opt.step()
+                    losses.append(loss.item())
+                    if (step + 1) % 100 == 0:
+                        print(f"  {kind} SDTT round {r + 1}/{rounds} step {step + 1}/{steps_per_round} divergence "
+                              f"{statistics.fmean(losses[-100:]):.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+                _save_atomic({k: v.detach().clone() for k, v in student.state_dict().items()}, d / "model.safetensors")
+                _write_json({"done": True, "recipe": recipe, "student_steps": steps,
+                             "final_divergence_mean_100": statistics.fmean(losses[-100:]) if losses else None},
+                            d / "meta.json")
+            current = student.eval()
+            out.append((steps, current))
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
 def bound_excess(model, cfg, tb: Testbed, rows: int = 512, draws: int = 4, seed: int = 99) -> dict:
     """The model's NELBO on ``rows`` held-out rows (``draws`` noise draws each, fixed seeds) per token on all L
     positions, and its excess over the exact entropy per token (what the model's distance from the truth bounds)."""
@@ -225,9 +287,26 @@ def sweep(kind: str, model, cfg, tb: Testbed, n: int, repeats: int, paper_t: boo
 
 def best_within(points: list[dict], tol: float = 0.05) -> float:
     base = points[0]
-    ok = [p["speedup"] for p in points if p["method"] not in ("baseline", "paper-T")
+    ok = [p["speedup"] for p in points if p["method"] not in ("baseline", "paper-T", *STEP_METHODS)
           and p["nll_increase"] <= tol and p["impossible"] <= base["impossible"] + 0.05]
     return max(ok, default=float("nan"))
+
+
+STEP_METHODS = ("distilled", "teacher")
+"""Points of fewer ancestral steps: SDTT students at their step counts, and the teacher itself at the same counts
+(what distillation is measured against); not samplers of the threshold family (``best_within``)."""
+
+
+def distilled_within(points: list[dict], tol: float = 0.05) -> tuple[float, float]:
+    """The fewest steps a distilled student needs to stay within ``tol`` of the teacher's true NLL at ``T = L``
+    (and within 5 points of its impossible-row share), and that student's wall-time speedup; NaN if none does."""
+    base = points[0]
+    ok = [p for p in points if p["method"] == "distilled" and p["nll_increase"] <= tol
+          and p["impossible"] <= base["impossible"] + 0.05]
+    if not ok:
+        return float("nan"), float("nan")
+    best = min(ok, key=lambda p: p["steps"])
+    return float(best["steps"]), best["speedup"]
 
 
 def plot(all_points: dict[str, list[dict]], path: Path) -> None:
@@ -238,7 +317,7 @@ def plot(all_points: dict[str, list[dict]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(all_points), figsize=(6 * len(all_points), 4.5), squeeze=False)
     for ax, (kind, pts) in zip(axes[0], all_points.items(), strict=True):
-        for method in ("threshold", "dual", "prefix", "paper-T"):
+        for method in ("threshold", "dual", "prefix", "paper-T", *STEP_METHODS):
             mp = sorted((p for p in pts if p["method"] == method), key=lambda p: p["speedup"])
             if not mp:
                 continue
@@ -282,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="work/fast_sampling", help="where the trained models are kept (reused)")
     p.add_argument("--plot", default=str(Path(__file__).with_name("fast_sampling_frontier.png")))
     p.add_argument("--tracking-uri", default=None, help="MLflow store (default: the workdir's; skipped if none)")
+    p.add_argument("--distill-rounds", type=int, default=4,
+                   help="SDTT rounds from T0 = L (each halves the steps: 16, 8, 4, 2 at L = 32; 0: none)")
+    p.add_argument("--distill-steps", type=int, default=300, help="training steps per SDTT round")
+    p.add_argument("--distill-presets", default="natural", help="presets whose models are distilled")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     all_points: dict[str, list[dict]] = {}
@@ -296,8 +379,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.samples} samples a batch, nucleus off, {torch.get_num_threads()} threads", flush=True)
         for kind in args.kinds.split(","):
             name = kind if preset_name == "natural" else f"{kind}_{preset_name}"
-            model, cfg, _ = train(kind, tb, args.train_steps, Path(args.workdir), seed=args.seed,
-                                  checkpoint_every=args.checkpoint_every)
+            model, cfg, meta = train(kind, tb, args.train_steps, Path(args.workdir), seed=args.seed,
+                                     checkpoint_every=args.checkpoint_every)
             b = bound_excess(model, cfg, tb)
             distance[name] = {"bound": b["bound"], "bound_excess": b["excess"], "entropy": h}
             print(f"  {name}: bound {b['bound']:.4f} nats/token, excess over the exact entropy {b['excess']:.4f}",
@@ -322,6 +405,20 @@ def main(argv: list[str] | None = None) -> int:
                                      gate=None if args.sweep_far_models else gate)
             if args.sweep_far_models:
                 gate(all_points[name][0])
+            if args.distill_rounds and preset_name in args.distill_presets.split(",") \
+                    and "refused" not in all_points[name][0]:
+                students = distill(kind, model, cfg, tb, Path(args.workdir), meta["key"], rounds=args.distill_rounds,
+                                   steps_per_round=args.distill_steps, seed=args.seed)
+                base = all_points[name][0]
+                for steps, student in students:  # the student at its steps, and the teacher at the same steps
+                    for method, m in (("distilled", student), ("teacher", model)):
+                        q = {"method": method, **measure(m, cfg, tb, args.samples, args.repeats, "mdlm", steps)}
+                        q.update(speedup=base["seconds"] / q["seconds"], speedup_vs_paper_T=float("nan"),
+                                 nll_increase=q["nll"] / base["nll"] - 1.0)
+                        all_points[name].append(q)
+                        print(f"  {kind} {method:9s} T={steps:<4d} {q['seconds']:7.3f} s {q['calls']:5d} calls NLL "
+                              f"{q['nll']:.4f} ({100 * q['nll_increase']:+.1f}%) impossible {q['impossible']:.3f} "
+                              f"entropy {q['entropy']:.3f}", flush=True)
             for q in all_points[name]:
                 q["L"], q["preset"] = tb.length, preset_name
     out_json = Path(args.plot).with_suffix(".json")
@@ -354,6 +451,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"NO SPEEDUP for {name}: {base['refused']}", flush=True)
             continue
         result(f"fast_sampling_speedup_at_5pct_{name}", best_within(pts))
+        if any(q["method"] == "distilled" for q in pts):
+            steps, speedup = distilled_within(pts)
+            if steps != steps:
+                print(f"MISS for {name}: no distilled student stays within 5% of the teacher's true NLL at T = L")
+            result(f"distilled_steps_at_5pct_{name}", steps)
+            result(f"distilled_speedup_at_5pct_{name}", speedup)
         ok = [q for q in pts if q["nll_increase"] <= 0.05 and q["method"] not in ("baseline", "paper-T")]
         result(f"fast_sampling_speedup_vs_paper_T_at_5pct_{name}",
                max((q["speedup_vs_paper_T"] for q in ok), default=float("nan")))
