@@ -12,7 +12,11 @@ command:
 - 2: bad input, found before any work (``bad_input``: ``ValueError``s such as ``ConfigError``,
   ``RegistryError``, ``CheckpointError``);
 - an error class may carry its own ``exit_code`` (``CommandError`` and its subclasses, ``run_all.Unregistered``:
-  3, ``JobDeadlineError``: 1), which wins over the tuples.
+  3, ``JobDeadlineError`` and ``PlacementError``: 1), which wins over the tuples.
+
+Every command's work runs under ``pipelines.placement.placement_deadline``: whichever of them starts or joins a
+Ray, a wait Ray cannot satisfy (work no node can take, for ``ADLM_PLACEMENT_TIMEOUT_S``) ends in that one line
+instead of waiting for ever. Written here once, not in each command.
 
 An exception that is none of these is a bug: it keeps its traceback.
 """
@@ -59,8 +63,11 @@ def run_command(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespa
         from pipelines.runtime import quiet_environment
 
         quiet_environment()
+    from pipelines.placement import placement_deadline
+
     try:
-        return run(args)
+        with placement_deadline():
+            return run(args)
     except Exception as e:
         code = exit_code_of(e, bad_input, failed)
         if code is None:

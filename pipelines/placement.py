@@ -42,6 +42,8 @@ POLL_S = 5.0
 class PlacementError(RuntimeError):
     """Work that Ray could not place within the deadline (the message is the one line to print)."""
 
+    exit_code = 1  # the work failed after it started (pipelines.cli)
+
 
 def _demands(status: Any) -> list[tuple[tuple[tuple[str, float], ...], int]]:
     """The pending demands of a ``ClusterStatus``: (bundle, count), tasks and actors, placement groups and
@@ -112,9 +114,8 @@ class PlacementWatch:
         self._thread.join(timeout=2 * self.poll)
 
     def _status(self) -> Any | None:
-        import ray
-
-        if not ray.is_initialized():
+        ray = sys.modules.get("ray")  # a command that never imported Ray has none to watch (and imports none here)
+        if ray is None or not ray.is_initialized():
             return None
         from ray.autoscaler.v2.sdk import get_cluster_status
 

@@ -37,7 +37,6 @@ from pipelines.cli import run_command
 from pipelines.logs import add_logging_flags
 from pipelines.orchestration.profiles import PROFILES, prepare_options, profile, validate_profile
 from pipelines.orchestration.summary import write_summary
-from pipelines.placement import placement_deadline
 from pipelines.runtime import PROJECT_ROOT, init_ray, quiet_environment
 from pipelines.storage import join, resolve_workdir
 from pipelines.tracking import resolve_tracking_uri
@@ -146,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    with placement_deadline():  # a wait Ray cannot satisfy fails in one line
-        run(args.profile, workdir=args.workdir, skip_sweep=args.skip_sweep)
+    run(args.profile, workdir=args.workdir, skip_sweep=args.skip_sweep)
     return 0
 
 

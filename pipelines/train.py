@@ -15,7 +15,6 @@ import sys
 from adlm_model.config import ConfigError
 from pipelines.cli import run_command
 from pipelines.logs import add_logging_flags
-from pipelines.placement import placement_deadline
 from pipelines.training.config import load_config
 
 
@@ -67,8 +66,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     from pipelines.training.trainer import train
 
-    with placement_deadline():  # a wait Ray cannot satisfy fails in one line
-        res = train(cfg, workdir=args.workdir)
+    res = train(cfg, workdir=args.workdir)
     print(json.dumps({"run_id": res.run_id, "step": res.step, "val_ppl": res.val_ppl,
                       "checkpoint_dir": str(res.checkpoint_dir), "registered_version": res.registered_version}))
     if res.unregistered:  # trained, not registered: not a success a script may take for one

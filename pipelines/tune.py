@@ -16,7 +16,6 @@ import sys
 from adlm_model.config import ConfigError
 from pipelines.cli import run_command
 from pipelines.logs import add_logging_flags
-from pipelines.placement import placement_deadline
 from pipelines.tuning.space import load_space, parse_space
 
 
@@ -67,8 +66,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"ok: sweep {space.name}: {space.total_trials} trials over {', '.join(p.name for p in space.params)}"
               f"; max_t {plan.max_t} steps")
         return 0
-    with placement_deadline():  # a wait Ray cannot satisfy fails in one line
-        res = sweep(space, args.config, args.overrides, workdir=args.workdir)
+    res = sweep(space, args.config, args.overrides, workdir=args.workdir)
     from pipelines.tuning.report import table_markdown
 
     print(table_markdown(res.trials, res.best), flush=True)

@@ -61,3 +61,24 @@ def test_no_command_repeats_the_parse_logging_error_block() -> None:
     offenders = [str(f.relative_to(ROOT)) for f in sorted((ROOT / "pipelines").rglob("*.py"))
                  if f.name not in ("cli.py", "logs.py", "lm_eval_cli.py") and repeated.search(f.read_text())]
     assert offenders == []
+
+
+def test_every_command_runs_under_the_placement_deadline(capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner, not each command, puts the work under ``placement_deadline``: the watch is up while ``run``
+    runs (and gone after), and a wait that the watch ends is the command's one ``error:`` line, exit 1, whatever
+    the command's own error tuples say."""
+    from pipelines import placement
+
+    monkeypatch.setenv(placement.TIMEOUT_ENV, "600")
+    seen = []
+
+    def run(args: argparse.Namespace) -> int:
+        seen.append(list(placement._active))
+        if args.error == "stuck":
+            raise placement.PlacementError("the demand {'CPU': 32} fits no node: lower it")
+        return 0
+
+    assert run_command(_parser(), run, []) == 0 and len(seen[0]) == 1 and not placement._active
+    assert run_command(_parser(), run, ["--raise", "stuck"]) == 1
+    assert capsys.readouterr().err.strip() == "error: the demand {'CPU': 32} fits no node: lower it"
