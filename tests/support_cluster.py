@@ -441,9 +441,11 @@ def autoscaling_config(gcs_address: str, without: tuple[str, ...] = (), idle_tim
         "upscaling_speed": recipe.get("upscaling_speed", 1.0), "idle_timeout_minutes": idle_timeout_s / 60,
         "docker": {}, "auth": {}, "available_node_types": node_types, "head_node_type": FAKE_HEAD_TYPE,
         # Ray's fake multi-node provider, each node with a runtime-env folder of its own (tests/autoscaler_provider).
+        # launch_multiple: a launch of n nodes starts n (by default the provider starts one whatever n is, and the
+        # autoscaler, seeing fewer than it asked for, launches more than the demand needs).
         "provider": {"type": "external", "module": "adlm_fake_provider.OwnDiskFakeProvider",
                      "gcs_address": gcs_address, "use_node_id_as_ip": True, "disable_node_updaters": True,
-                     "disable_launch_config_check": True},
+                     "disable_launch_config_check": True, "launch_multiple": True},
         "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [],
         "rsync_filter": [], "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
         "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": []}
@@ -537,6 +539,8 @@ class AutoscalingCluster:
                 got = check()
             except requests.RequestException:  # the state API slow to answer on a busy machine: ask again
                 got = None
+            except AssertionError as e:  # the check found that waiting is of no use
+                raise AssertionError(f"{what}: no longer possible: {e}\n{self.status()}") from None
             if got:
                 return got
             if time.time() > deadline:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import away_from_session_ray
+from tests.conftest import away_from_session_ray, start_session_ray
 from tests.support_cluster import (
     BIN,
     ROOT,
@@ -274,14 +274,18 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
     model = [f"model.{k}={v}" for k, v in read_manifest(tiny_data / "train").model_overrides().items()]
     # The undisturbed runs: each trial's recipe trained in this process on the local copy of the data (local mode
     # gives a one-worker Ray Train run's numbers: tests/test_tune.py; here the comparison checks that too).
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     calm = {}
+    if not ray.is_initialized():  # this module stopped the session's Ray: the same, for these runs (no dashboard)
+        start_session_ray()
     for tau in (2, 5):
         cfg = load_config(ROOT / "configs" / "demo.yaml", [
             f"data.train={tiny_data / 'train'}", f"data.validation={tiny_data / 'validation'}", *model, *TINY_MODEL,
             *(f"{k}={v}" for k, v in overrides.items()), f"model.tau={tau}", f"run.name=calm-tau{tau}",
-            "scaling.num_workers=0", "scaling.threads=1"])
-        calm[tau] = train(cfg, workdir=tmp_path / "calm", tracking_uri=f"sqlite:///{tmp_path / 'calm.db'}",
-                          register=False)
+            "scaling.num_workers=0", "scaling.threads=1", "mlflow.experiment=calm"])
+        # The job's tracking store too (made here once: its tables are not created again under the job's clock); an
+        # experiment of their own, whose artifacts stay in this folder.
+        calm[tau] = train(cfg, workdir=tmp_path / "calm", tracking_uri=uri, register=False)
     ray.shutdown()  # this process's Ray: the cluster below is the Ray here
 
     s3 = _module_s3.new_bucket(_bucket_name(request))
@@ -293,7 +297,6 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
     env = {**_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file)), **_module_s3.env,
            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]}
     without = ("cpu_worker",) if os.environ.get(CONTROL_ENV) == "1" else ()
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client_env = _env(**readme_client_env())
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -316,7 +319,9 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
 
         def running() -> bool:
             if not submitter.is_alive():  # the job ended before what is waited for happened: no use waiting
-                raise AssertionError(f"the sweep job ended ({job.get('status')}):\n{job.get('log', '')[-5000:]}")
+                launched = sorted(node_type(n) for n in ac.nodes() if not n.get("is_head_node"))
+                raise AssertionError(f"the sweep job ended first ({job.get('status')}), the autoscaler having launched "
+                                     f"{launched or 'no node'}; the job's log:\n{job.get('log', '')[-3000:]}")
             return True
 
         def cpu_workers(since: float = 0.0) -> list[dict]:
@@ -324,7 +329,7 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
 
         # Both trials at once, a node each: the autoscaler launches two cpu_worker nodes.
         ac.wait_for("two cpu_worker nodes launched for the sweep", lambda: running() and len(cpu_workers()) >= 2,
-                    timeout=240)
+                    timeout=180)
         # Once both trials have a checkpoint in the bucket, kill a node that runs a trial's training worker: the trial
         # it hits resumes from a checkpoint whichever it is.
         ac.wait_for("a checkpoint of each trial in the bucket", lambda: running() and len({
