@@ -495,9 +495,12 @@ class AutoscalingCluster:
     def head_id(self) -> str:
         return next(n["node_id"] for n in self.nodes() if n.get("is_head_node"))
 
+    session_id: int = 0
+    """The session id of the ``ray start`` that started the head (every process it started keeps it)."""
+
     def processes(self) -> list:
-        """This cluster's live processes (``MARKER``)."""
-        return _marked_processes(str(self.temp_dir))
+        """This cluster's live processes (``_cluster_processes``)."""
+        return _cluster_processes(str(self.temp_dir), self.session_id)
 
     def kill_node(self, node_id: str) -> int:
         """Kill a worker node as a preempted cloud instance goes: its raylet and everything it started, at once
@@ -549,33 +552,47 @@ class AutoscalingCluster:
 
 
 def _environ(p: object) -> dict[str, str]:
-    import psutil
-
+    """The process's environment, read from /proc: psutil's ``environ()`` stops at the first empty entry, and Ray's
+    processes that retitle themselves (``ray::DashboardAgent``) leave empty entries before the rest (it read {} for
+    them, and two of a stopped cluster's agents were left running)."""
     try:
-        return p.environ()
-    except (psutil.Error, OSError):  # gone, a zombie, or not ours to read
+        raw = Path(f"/proc/{p.pid}/environ").read_bytes()
+    except OSError:  # gone, or not ours to read
         return {}
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
 
 
-def _marked_processes(marker: str) -> list:
+def _cluster_processes(marker: str, session_id: int) -> list:
+    """The live processes of the cluster ``marker`` names: those whose environment carries it, those of the session
+    its ``ray start`` began (``session_id``), and everything they started. Not the environment alone: a process that
+    retitles itself (``ray::DashboardAgent``) may overwrite the start of its environment as /proc shows it."""
     import psutil
 
-    out = []
+    found = {}
     for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if p.status() != psutil.STATUS_ZOMBIE and (
+                    _environ(p).get(MARKER) == marker or (session_id and os.getsid(p.pid) == session_id)):
+                found[p.pid] = p
+    for p in list(found.values()):
         with contextlib.suppress(psutil.Error):
-            if p.status() != psutil.STATUS_ZOMBIE and _environ(p).get(MARKER) == marker:
-                out.append(p)
-    return out
+            found.update({c.pid: c for c in p.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE})
+    return list(found.values())
 
 
-def _stop_marked(marker: str, timeout: float = 60.0) -> list[str]:
-    """SIGKILL every process of the cluster ``marker`` names (the autoscaler's monitor first, so that it launches
-    nothing more), again until none is left or ``timeout`` passes; returns what is left (``name pid``)."""
+def _stop_cluster(marker: str, session_id: int, timeout: float = 60.0) -> list[str]:
+    """SIGKILL every process of the cluster (``_cluster_processes``; the autoscaler's monitor first, so that it
+    launches nothing more), again until none is left or ``timeout`` passes; returns what is left (``name pid``)."""
     import psutil
 
     deadline = time.time() + timeout
     while True:
-        procs = _marked_processes(marker)
+        procs = _cluster_processes(marker, session_id)
         if not procs or time.time() > deadline:
             return [f"{p.name()} {p.pid}" for p in procs if p.is_running()]
         procs.sort(key=lambda p: "monitor" not in " ".join(_cmdline(p)))
@@ -642,21 +659,26 @@ def autoscaling_cluster(env: dict[str, str], token: str, log: Path, without: tup
     cluster = AutoscalingCluster(gcs, f"http://127.0.0.1:{dash}", temp, token,
                                  {k: v for k, v in env.items() if k != MARKER})
     left: list[str] = []
+    sessions: list[int] = []
     try:
         for attempt in (1, 2):
             with log.open("w") as fh:
-                r = subprocess.run(cmd, env=head_env, stdout=fh, stderr=subprocess.STDOUT, timeout=240)
-            if r.returncode == 0:
+                # A session of its own: every process it starts (and they start) can be found by it.
+                proc = subprocess.Popen(cmd, env=head_env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+                sessions.append(proc.pid)
+                cluster.session_id = proc.pid
+                rc = proc.wait(timeout=240)
+            if rc == 0:
                 break
             out = log.read_text(errors="replace")
             # A raylet that missed Ray's 30 s start-up window on 2 busy cores: once more, from scratch.
             if attempt == 2 or "timed out during startup" not in out:
                 raise RuntimeError(f"ray start failed:\n{out[-3000:]}")
-            _stop_marked(str(temp))
+            _stop_cluster(str(temp), proc.pid)
         cluster.wait_for("the head's job API", lambda: _jobs_api_up(cluster), timeout=120)
         yield cluster
     finally:
-        left = _stop_marked(str(temp))
+        left = [x for sid in sessions or [0] for x in _stop_cluster(str(temp), sid)]
         for f in temp.glob("session_*/logs/monitor.*"):  # the autoscaler's log, kept beside ``log`` for a post-mortem
             with contextlib.suppress(OSError):
                 shutil.copy(f, log.parent / f"autoscaler-{f.name}")
