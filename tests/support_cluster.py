@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -442,3 +442,304 @@ def describe_leftovers(groups: list[dict], actors: list[dict]) -> str:
     rows += [f"actor {a.get('class_name')} job {a.get('job_id')} {a.get('state')} detached={a.get('is_detached')} "
              f"node {str(a.get('node_id'))[:12]} pid {a.get('pid')}" for a in actors]
     return "\n".join(rows)
+
+
+# ----------------------------------------------------------------------------------------------------
+# An autoscaling cluster: Ray's own autoscaler (its monitor, v1) with Ray's fake multi-node provider, which
+# launches and terminates nodes as Ray processes on this machine where a cloud provider would start instances.
+
+FAKE_HEAD_TYPE = "ray.head.default"
+"""The node type Ray's fake multi-node provider gives its head, whatever the config calls it: cluster.yaml's
+``head`` goes under this name (its resources unchanged)."""
+SCALED_WORKERS = {"cpu_worker": ({"CPU": 1}, 3), "gpu_worker": ({"CPU": 1, "GPU": 1}, 1)}
+"""cluster.yaml's worker types scaled to this machine: (CPU and GPU, max_workers). cluster.yaml's 32-CPU
+``cpu_worker`` (up to 4) is a 1-CPU node here (up to 3: two at a time, and one more while a killed node is still on
+the provider's list: a cloud drops a preempted instance from it at once, the fake provider keeps it until the
+autoscaler finds it silent, and with no ``cpu_worker`` left to launch the autoscaler puts the work on a GPU node);
+its 96-CPU 8-GPU ``gpu_worker`` (up to 8) is a 1-CPU node with one fake GPU (up to 1): Ray schedules on the resource,
+no device is behind it."""
+NODE_OBJECT_STORE = 100 * 1024**2
+"""Each node's object store, scaled down with the rest (cluster.yaml's head: 8 GB)."""
+MARKER = "ADLM_AUTOSCALING_CLUSTER"
+"""Set, to the cluster's temp dir, in the environment of every process of an autoscaling cluster (the head's, the
+nodes its monitor launches, their workers and job drivers inherit it): how its processes are found and stopped,
+and no other Ray on the machine is touched."""
+
+
+def autoscaling_config(gcs_address: str, without: tuple[str, ...] = (), idle_timeout_s: float = 5.0) -> dict:
+    """The autoscaler's config for Ray's fake multi-node provider: cluster.yaml's node types (names and custom
+    resources read from it; CPU, GPU and object store scaled: ``SCALED_WORKERS``), all workers from zero, idle
+    nodes retired after ``idle_timeout_s``; ``without``: worker types left out (a control). Written in full (the
+    provider's defaults file, example.yaml, is not in Ray's wheel)."""
+    import yaml
+
+    recipe = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    types = recipe["available_node_types"]
+    head = types[recipe["head_node_type"]]
+    node_types = {FAKE_HEAD_TYPE: {"resources": dict(head["resources"]), "node_config": {}, "max_workers": 0}}
+    for name, (scaled, most) in SCALED_WORKERS.items():
+        spec = types[name]  # a KeyError here: cluster.yaml renamed a node type this test stands for
+        assert ("GPU" in spec["resources"]) == ("GPU" in scaled), (name, spec["resources"])
+        if name in without:
+            continue
+        custom = {k: v for k, v in spec["resources"].items() if k not in ("CPU", "GPU")}
+        node_types[name] = {"resources": {**custom, **scaled, "object_store_memory": NODE_OBJECT_STORE},
+                            "node_config": {}, "min_workers": spec.get("min_workers", 0), "max_workers": most}
+    return {
+        "cluster_name": "adlm-autoscaling-test", "max_workers": sum(m for _, m in SCALED_WORKERS.values()),
+        "upscaling_speed": recipe.get("upscaling_speed", 1.0), "idle_timeout_minutes": idle_timeout_s / 60,
+        "docker": {}, "auth": {}, "available_node_types": node_types, "head_node_type": FAKE_HEAD_TYPE,
+        # Ray's fake multi-node provider, each node with a runtime-env folder of its own (tests/autoscaler_provider).
+        # launch_multiple: a launch of n nodes starts n (by default the provider starts one whatever n is, and the
+        # autoscaler, seeing fewer than it asked for, launches more than the demand needs).
+        "provider": {"type": "external", "module": "adlm_fake_provider.OwnDiskFakeProvider",
+                     "gcs_address": gcs_address, "use_node_id_as_ip": True, "disable_node_updaters": True,
+                     "disable_launch_config_check": True, "launch_multiple": True},
+        "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [],
+        "rsync_filter": [], "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
+        "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": []}
+
+
+def node_type(node: dict) -> str:
+    """The node type of a state-API node row, from what it offers (``SCALED_WORKERS`` tell them apart)."""
+    res = node.get("resources_total") or {}
+    if node.get("is_head_node"):
+        return "head"
+    return "gpu_worker" if res.get("GPU") else "cpu_worker" if res.get("CPU") else "unknown"
+
+
+@dataclass
+class AutoscalingCluster:
+    """A running autoscaling cluster (``autoscaling_cluster``): its addresses, token and temp dir, and what a test
+    asks of it (nodes and actors through the state API, its processes, a node killed, ``ray status``)."""
+
+    address: str
+    """GCS address."""
+    dashboard: str
+    """Job and state API (loopback)."""
+    temp_dir: Path
+    token: str
+    client_env: dict[str, str]
+    """The environment of a client of this cluster (``ray status``): token mode and the token file."""
+
+    def _get(self, kind: str) -> list[dict]:
+        import requests
+
+        r = requests.get(f"{self.dashboard}/api/v0/{kind}", params={"limit": 10000, "detail": "1"},
+                         headers={"authorization": f"Bearer {self.token}"}, timeout=30)
+        r.raise_for_status()
+        return r.json()["data"]["result"]["result"]
+
+    def nodes(self) -> list[dict]:
+        """Every node the cluster has had, alive or dead (state, type by ``node_type``, start and end times)."""
+        return self._get("nodes")
+
+    def workers(self) -> list[dict]:
+        """The worker nodes alive now."""
+        return [n for n in self.nodes() if n.get("state") == "ALIVE" and not n.get("is_head_node")]
+
+    def actors(self) -> list[dict]:
+        return self._get("actors")
+
+    def head_id(self) -> str:
+        return next(n["node_id"] for n in self.nodes() if n.get("is_head_node"))
+
+    session_id: int = 0
+    """The session id of the ``ray start`` that started the head (every process it started keeps it)."""
+
+    def processes(self) -> list:
+        """This cluster's live processes (``_cluster_processes``)."""
+        return _cluster_processes(str(self.temp_dir), self.session_id)
+
+    def kill_node(self, node_id: str) -> int:
+        """Kill a worker node as a preempted cloud instance goes: its raylet and everything it started, at once
+        (SIGKILL), nothing told. Returns how many processes were killed. The provider still lists the node until
+        the autoscaler finds it unresponsive and terminates it (``AUTOSCALER_HEARTBEAT_TIMEOUT_S``), as a cloud
+        provider lists an instance until it is gone."""
+        import psutil
+
+        roots = [p for p in self.processes() if _environ(p).get("RAY_OVERRIDE_NODE_ID_FOR_TESTING") == node_id]
+        victims = {p.pid: p for p in roots}
+        for p in roots:
+            with contextlib.suppress(psutil.Error):
+                victims.update({c.pid: c for c in p.children(recursive=True)})
+        for p in victims.values():
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        return len(victims)
+
+    def status(self) -> str:
+        """``ray status`` and the tail of the autoscaler's log: what a failed wait shows."""
+        try:
+            out = subprocess.run([str(BIN / "ray"), "status", "--address", self.address], env=self.client_env,
+                                 capture_output=True, text=True, timeout=60)
+            text = out.stdout + out.stderr
+        except subprocess.TimeoutExpired:
+            text = "(ray status did not answer in 60 s)"
+        logs = sorted(self.temp_dir.glob("session_*/logs/monitor.log"))
+        tail = logs[-1].read_text(errors="replace")[-3000:] if logs else "(no monitor.log)"
+        return f"ray status:\n{text[-3000:]}\nmonitor.log (tail):\n{tail}"
+
+    def wait_for(self, what: str, check: Callable[[], object], timeout: float, poll: float = 1.0) -> object:
+        """Polls ``check`` until it returns something truthy (returned) or ``timeout`` seconds pass (an
+        AssertionError naming ``what``, with ``status()``)."""
+        import requests
+
+        deadline = time.time() + timeout
+        while True:
+            try:
+                got = check()
+            except requests.RequestException:  # the state API slow to answer on a busy machine: ask again
+                got = None
+            except AssertionError as e:  # the check found that waiting is of no use
+                raise AssertionError(f"{what}: no longer possible: {e}\n{self.status()}") from None
+            if got:
+                return got
+            if time.time() > deadline:
+                raise AssertionError(f"{what}: not within {timeout:.0f} s\n{self.status()}")
+            time.sleep(poll)
+
+
+def _environ(p: object) -> dict[str, str]:
+    """The process's environment, read from /proc: psutil's ``environ()`` stops at the first empty entry, and Ray's
+    processes that retitle themselves (``ray::DashboardAgent``) leave empty entries before the rest (it read {} for
+    them, and two of a stopped cluster's agents were left running)."""
+    try:
+        raw = Path(f"/proc/{p.pid}/environ").read_bytes()
+    except OSError:  # gone, or not ours to read
+        return {}
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def _cluster_processes(marker: str, session_id: int) -> list:
+    """The live processes of the cluster ``marker`` names: those whose environment carries it, those of the session
+    its ``ray start`` began (``session_id``), and everything they started. Not the environment alone: a process that
+    retitles itself (``ray::DashboardAgent``) may overwrite the start of its environment as /proc shows it."""
+    import psutil
+
+    found = {}
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if p.status() != psutil.STATUS_ZOMBIE and (
+                    _environ(p).get(MARKER) == marker or (session_id and os.getsid(p.pid) == session_id)):
+                found[p.pid] = p
+    for p in list(found.values()):
+        with contextlib.suppress(psutil.Error):
+            found.update({c.pid: c for c in p.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE})
+    return list(found.values())
+
+
+def _stop_cluster(marker: str, session_id: int, timeout: float = 60.0) -> list[str]:
+    """SIGKILL every process of the cluster (``_cluster_processes``; the autoscaler's monitor first, so that it
+    launches nothing more), again until none is left or ``timeout`` passes; returns what is left (``name pid``)."""
+    import psutil
+
+    deadline = time.time() + timeout
+    while True:
+        procs = _cluster_processes(marker, session_id)
+        if not procs or time.time() > deadline:
+            return [f"{p.name()} {p.pid}" for p in procs if p.is_running()]
+        procs.sort(key=lambda p: "monitor" not in " ".join(_cmdline(p)))
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        time.sleep(0.5)
+
+
+def _cmdline(p: object) -> list[str]:
+    import psutil
+
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+@contextlib.contextmanager
+def autoscaling_cluster(env: dict[str, str], token: str, log: Path, without: tuple[str, ...] = (),
+                        idle_timeout_s: float = 5.0) -> Iterator[AutoscalingCluster]:
+    """A 0-CPU head (cluster.yaml's, with ``adlm_driver``) whose autoscaler launches cluster.yaml's worker types
+    (``autoscaling_config``) as Ray's fake multi-node provider does: Ray node processes on this machine. Started with
+    ``ray start --head --autoscaling-config`` in ``env`` (token authentication on: ``RAY_AUTH_MODE=token`` and
+    ``RAY_AUTH_TOKEN_PATH``; the S3 settings), in a temp dir and on ports of its own; never
+    ``AutoscalingCluster.start()`` or ``ray stop``, which stop every Ray on the machine. The nodes the autoscaler
+    launches are processes of its monitor: they inherit ``env``. On exit every process of this cluster is killed
+    (``MARKER``), and none may be left."""
+    import json
+    import shutil
+    import tempfile
+
+    import yaml
+    from ray._private.services import get_node_ip_address
+
+    from pipelines.runtime import LOCAL_SYSTEM_CONFIG
+
+    # Short: Ray's Unix socket paths live under it (at most 107 characters).
+    temp = Path(tempfile.mkdtemp(prefix="adlm-as-", dir="/tmp"))
+    port, dash = free_port(), free_port()
+    gcs = f"{get_node_ip_address()}:{port}"
+    config = temp / "autoscaling.yaml"
+    config.write_text(yaml.safe_dump(autoscaling_config(gcs, without, idle_timeout_s)))
+    head = autoscaling_config(gcs)["available_node_types"][FAKE_HEAD_TYPE]["resources"]
+    ports = _free_ports()
+    pythonpath = os.pathsep.join(p for p in (str(ROOT / "tests" / "autoscaler_provider"), env.get("PYTHONPATH")) if p)
+    # RAY_ADDRESS: a process of the cluster that looks for "its" Ray (Ray Train's placement-group cleaner, through
+    # the state API) finds this one, as on a machine of its own, not "multiple active Ray instances".
+    head_env = {**env, MARKER: str(temp), "RAY_FAKE_CLUSTER": "1", "PYTHONPATH": pythonpath, "RAY_ADDRESS": gcs,
+                # The autoscaler's loop every second (Ray's fake-cluster tests' setting; default 5 s), and a node
+                # that stops reporting given up after 10 s (default 30), after the GCS's health checks, every
+                # second here (default 3), find it dead: scaled down with the rest.
+                "AUTOSCALER_UPDATE_INTERVAL_S": "1", "AUTOSCALER_HEARTBEAT_TIMEOUT_S": "10",
+                "RAY_health_check_period_ms": "1000"}
+    cmd = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=0",
+           f"--resources={json.dumps({k: v for k, v in head.items() if k not in ('CPU', 'GPU')})}",
+           f"--temp-dir={temp}", "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+           f"--dashboard-agent-listen-port={ports['dashboard_agent_listen_port']}",
+           f"--dashboard-agent-grpc-port={ports['metrics_agent_port']}",
+           f"--metrics-export-port={ports['metrics_export_port']}",
+           f"--runtime-env-agent-port={ports['runtime_env_agent_port']}", f"--ray-client-server-port={free_port()}",
+           f"--object-store-memory={NODE_OBJECT_STORE}", f"--autoscaling-config={config}",
+           f"--system-config={json.dumps(LOCAL_SYSTEM_CONFIG, separators=(',', ':'))}", "--disable-usage-stats"]
+    cluster = AutoscalingCluster(gcs, f"http://127.0.0.1:{dash}", temp, token,
+                                 {k: v for k, v in env.items() if k != MARKER})
+    left: list[str] = []
+    sessions: list[int] = []
+    try:
+        for attempt in (1, 2):
+            with log.open("w") as fh:
+                # A session of its own: every process it starts (and they start) can be found by it.
+                proc = subprocess.Popen(cmd, env=head_env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+                sessions.append(proc.pid)
+                cluster.session_id = proc.pid
+                rc = proc.wait(timeout=240)
+            if rc == 0:
+                break
+            out = log.read_text(errors="replace")
+            # A raylet that missed Ray's 30 s start-up window on 2 busy cores: once more, from scratch.
+            if attempt == 2 or "timed out during startup" not in out:
+                raise RuntimeError(f"ray start failed:\n{out[-3000:]}")
+            _stop_cluster(str(temp), proc.pid)
+        cluster.wait_for("the head's job API", lambda: _jobs_api_up(cluster), timeout=120)
+        yield cluster
+    finally:
+        left = [x for sid in sessions or [0] for x in _stop_cluster(str(temp), sid)]
+        for f in temp.glob("session_*/logs/monitor.*"):  # the autoscaler's log, kept beside ``log`` for a post-mortem
+            with contextlib.suppress(OSError):
+                shutil.copy(f, log.parent / f"autoscaler-{f.name}")
+        shutil.rmtree(temp, ignore_errors=True)
+    assert not left, f"processes of the autoscaling cluster left after stopping it: {left}"
+
+
+def _jobs_api_up(cluster: AutoscalingCluster) -> bool:
+    import requests
+
+    try:
+        return requests.get(f"{cluster.dashboard}/api/jobs/", headers={"authorization": f"Bearer {cluster.token}"},
+                            timeout=5).status_code == 200
+    except requests.RequestException:
+        return False

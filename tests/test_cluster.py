@@ -4,9 +4,10 @@ On this machine (tests/support_cluster.py): an S3 server on loopback, an MLflow 
 artifacts live in that bucket, a Ray cluster of a 0-CPU head and two worker nodes. The whole smoke pipeline
 runs as a `ray job submit` job with ADLM_WORKDIR=s3://... on a cluster with token authentication whose head does not
 offer the trial-driver resource, submitted with README.md's client settings (less of them is refused), and leaves
-nothing reserved or running; a node dies under a sweep whose runs live in the bucket;
-bad storage inputs fail in one line before any work.
-"""
+nothing reserved or running; on a cluster whose nodes Ray's own autoscaler launches (the fake multi-node provider,
+cluster.yaml's node types), a sweep job makes it launch workers from zero, a node killed under the sweep is
+replaced and the sweep completes from the bucket with the undisturbed results, idle workers are retired and an
+evaluation asking for a GPU gets a GPU node; bad storage inputs fail in one line before any work."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import away_from_session_ray
+from tests.conftest import away_from_session_ray, start_session_ray
 from tests.support_cluster import (
     BIN,
     ROOT,
@@ -28,7 +29,6 @@ from tests.support_cluster import (
     job_submit_command,
     leftovers,
     mlflow_server,
-    ray_cluster,
     ray_cluster_process,
     s3_server,
     submit_job,
@@ -43,22 +43,6 @@ def _module_s3():
     the module's duration (its clusters are the Ray here) and brought back afterwards."""
     with away_from_session_ray(), s3_server("cloud") as s3:
         yield s3
-
-
-@pytest.fixture()
-def cloud(_module_s3, request: pytest.FixtureRequest):
-    """A bucket of this test's own and a Ray cluster of its own, shaped like cluster.yaml's: a 0-CPU head that
-    offers the trial-driver resource, two 1-CPU worker nodes, started after the S3 server (they inherit its
-    settings, as nodes take theirs from their environment or instance role). Not one cluster for the module: a
-    finished job can leave a Ray Train placement group reserved on a node (seen: half a CPU of the pipeline job's,
-    still CREATED after the job SUCCEEDED), and a later test that loses a node then starves its Ray Data reads."""
-    import ray
-
-    from pipelines.runtime import DRIVER_RESOURCE
-
-    ray.shutdown()  # the session's local Ray, if a fixture of this test (tiny_data) has just started it
-    with ray_cluster(nodes=2, head_resources={DRIVER_RESOURCE: 100}) as rc:
-        yield _module_s3.new_bucket(_bucket_name(request)), rc
 
 
 def _bucket_name(request: pytest.FixtureRequest) -> str:
@@ -249,16 +233,28 @@ def test_bad_storage_fails_in_one_line_before_any_work(case: str, message: str, 
     assert "Ray" not in r.stdout and not (tmp_path / "work").exists()
 
 
-def test_a_node_lost_under_a_sweep_completes_it_from_the_bucket_with_the_undisturbed_results(
-        tmp_path: Path, tiny_data: Path, cloud) -> None:
-    """A sweep on a cluster shaped like cluster.yaml's: an on-demand head with 0 CPUs that offers the driver
-    resource, two 1-CPU (spot) nodes; the work directory, data and checkpoints in the bucket. A 2-trial sweep runs
-    while the node that hosts a trial's training worker is killed after its first checkpoint: it completes in the
-    same command (no rerun), because the trial drivers (and their Ray Train controllers) were on the head and Ray
-    Train restarted the worker group on the other node from the bucket's checkpoint. Every trial equals the same
-    run undisturbed (trained in-process beforehand: steps and validation bounds), and took every optimiser step
-    once: its final checkpoint has made exactly ``steps`` updates (the EMA counts them) on exactly ``steps``
-    batches of data (its data position), and every step's loss was logged once."""
+CONTROL_ENV = "ADLM_AUTOSCALER_CONTROL"
+"""Set to 1: the autoscaling cluster is built without its ``cpu_worker`` type, and the autoscaler test must fail
+(README.md: what the control printed)."""
+
+
+def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a_gpu_evaluation(
+        tmp_path: Path, tiny_data: Path, _module_s3, request: pytest.FixtureRequest) -> None:
+    """Ray's own autoscaler (its monitor, with Ray's fake multi-node provider) on cluster.yaml's node types scaled to
+    this machine: a 0-CPU head offering ``adlm_driver``, token authentication on, no worker node at first. A 2-trial
+    sweep submitted as a job (README.md's client settings; the work directory in the bucket) makes the autoscaler
+    launch ``cpu_worker`` nodes; once both trials have a checkpoint in the bucket, a node that hosts a trial's training
+    worker is killed (SIGKILL of its raylet and everything it started: a preempted instance), the autoscaler
+    launches a new ``cpu_worker`` in its place, and the sweep completes in the same job and registers its best:
+    every trial equal to the same recipe trained undisturbed in this process (steps and validation bounds), each
+    optimiser step taken once (its final checkpoint made exactly ``steps`` updates, the EMA counts them, on ``steps``
+    batches of data: its data position), each step's loss logged once, the killed one resumed from a checkpoint;
+    the trial drivers and Ray Train controllers all on the head. Then the idle workers are retired; an evaluation of
+    the registered version that asks for a GPU launches a ``gpu_worker`` and its task runs there. Nothing of the
+    jobs outlives them, nothing lands on the local disk, and no process of the cluster is left when it stops."""
+    import csv
+    import io
+    import json
     import threading
 
     import mlflow
@@ -266,110 +262,147 @@ def test_a_node_lost_under_a_sweep_completes_it_from_the_bucket_with_the_undistu
 
     from adlm_model.checkpoint import load_state
     from pipelines.data.manifest import read_manifest
-    from pipelines.storage import download_dir, upload_dir, warn_if_node_local
+    from pipelines.storage import download_dir, upload_dir
     from pipelines.training.config import load_config
     from pipelines.training.trainer import train
-    from pipelines.tuning.space import load_space
-    from pipelines.tuning.sweep import sweep
-    from tests.support_data import TINY_MODEL, data_overrides
+    from tests.support_cluster import autoscaling_cluster, node_type
+    from tests.support_data import TINY_MODEL, set_args
 
-    steps = 60
-    overrides = {"run.max_steps": steps, "run.val_every": 10, "run.ckpt_every": 10, "run.log_every": 1,
-                 # A quarter CPU a worker: both trials' restarted workers plus a Ray Data read task
-                 # (data.read_cpus 0.25) fit on the one node left (at 0.5 two workers fill it and their
-                 # reads wait for good: no autoscaler here adds the node a cloud would).
-                 "run.val_batches": 1, "scaling.num_workers": 1, "scaling.cpus_per_worker": 0.25,
-                 "batch.global_batch": 8, "batch.micro_batch": 8, "optim.warmup_steps": 2, "failure.max_failures": 3}
-    space_file = tmp_path / "space.yaml"
-    space_file.write_text(yaml.safe_dump({
-        "name": "storm", "params": {"tau": {"distribution": "grid", "values": [2, 5]}},
-        "search": {"algorithm": "random", "seed": 0}, "scheduler": {"type": "fifo", "max_t": steps},
-        "num_samples": 1, "max_concurrent": 2,  # both trials at once: one node's loss can hit both
-        "overrides": overrides}))
+    space_file = "tests/fixtures/autoscaler_sweep.yaml"
+    overrides = yaml.safe_load((ROOT / space_file).read_text())["overrides"]
+    steps = overrides["run.max_steps"]
+    model = [f"model.{k}={v}" for k, v in read_manifest(tiny_data / "train").model_overrides().items()]
+    # The undisturbed runs: each trial's recipe trained in this process on the local copy of the data (local mode
+    # gives a one-worker Ray Train run's numbers: tests/test_tune.py; here the comparison checks that too).
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    calm = {}
+    if not ray.is_initialized():  # this module stopped the session's Ray: the same, for these runs (no dashboard)
+        start_session_ray()
+    for tau in (2, 5):
+        cfg = load_config(ROOT / "configs" / "demo.yaml", [
+            f"data.train={tiny_data / 'train'}", f"data.validation={tiny_data / 'validation'}", *model, *TINY_MODEL,
+            *(f"{k}={v}" for k, v in overrides.items()), f"model.tau={tau}", f"run.name=calm-tau{tau}",
+            "scaling.num_workers=0", "scaling.threads=1", "mlflow.experiment=calm"])
+        # The job's tracking store too (made here once: its tables are not created again under the job's clock); an
+        # experiment of their own, whose artifacts stay in this folder.
+        calm[tau] = train(cfg, workdir=tmp_path / "calm", tracking_uri=uri, register=False)
+    ray.shutdown()  # this process's Ray: the cluster below is the Ray here
 
-    s3, rc = cloud
+    s3 = _module_s3.new_bucket(_bucket_name(request))
     bucket = f"s3://{s3.bucket}"
     upload_dir(tiny_data, f"{bucket}/run/data/tiny")
-    sets = [*data_overrides(tiny_data), *TINY_MODEL]
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    killed: list[str] = []
-    drivers: set[tuple[str, str]] = set()
-    # This test's cluster (its head offers the driver resource).
-    os.environ["RAY_ADDRESS"] = rc.address
-    try:
-        ray.init(address=rc.address)
-        head = rc.cluster.head_node.node_id
-        # The undisturbed runs: each trial's recipe trained in this process on the local copy of the data (local
-        # mode gives a one-worker Ray Train run's numbers: tests/test_tune.py; here the comparison checks that too).
-        calm = {}
-        for tau in (2, 5):
-            cfg = load_config(ROOT / "configs" / "demo.yaml", [
-                *sets, *(f"{k}={v}" for k, v in overrides.items()), f"model.tau={tau}", f"run.name=calm-tau{tau}",
-                "scaling.num_workers=0", "scaling.threads=1"])
-            calm[tau] = train(cfg, workdir=tmp_path / "calm", tracking_uri=uri, register=False)
+    token_file = tmp_path / "auth_token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    env = {**_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file)), **_module_s3.env,
+           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]}
+    without = ("cpu_worker",) if os.environ.get(CONTROL_ENV) == "1" else ()
+    client_env = _env(**readme_client_env())
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with autoscaling_cluster(env, TOKEN, tmp_path / "ray-start.log", without=without) as ac:
+        head = ac.head_id()
+        assert not ac.workers(), ac.status()  # from zero: no worker node until a job asks for one
+        env_file = _job_env(tmp_path, ADLM_WORKDIR=f"{bucket}/run", MLFLOW_TRACKING_URI=uri,
+                            ADLM_PLACEMENT_TIMEOUT_S="120")
+        entry = ["python", "-m", "pipelines.tune", "--space", space_file, "--config", "configs/demo.yaml",
+                 *set_args([*model, *TINY_MODEL, "data.train=data/tiny/train", "data.validation=data/tiny/validation"])]
+        job: dict = {}
 
-        def kill_a_trials_node() -> None:
-            # Once both trials have a checkpoint in the bucket (Ray Train's controller registers one within a poll,
-            # RAY_TRAIN_HEALTH_CHECK_INTERVAL_S here), kill a node that runs a trial's training worker: the trial it
-            # hits resumes from a checkpoint whichever it is (after the first trial's checkpoint alone, the other
-            # trial could be the one hit and restart from scratch: seen under the suite's load).
-            deadline = time.time() + 400
-            while time.time() < deadline and not killed:
-                keys = [k for k in s3.keys("run/ray_results/storm-") if re.search(r"/checkpoint_\d+/config\.json$", k)]
-                ckpts = len({k.split("/")[2] for k in keys}) == 2
-                actors = ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
-                drivers.update((a.class_name, a.node_id) for a in actors if a.class_name != "RayTrainWorker")
-                workers = {a.node_id for a in actors if a.class_name == "RayTrainWorker"}
-                for node in list(rc.workers):
-                    if ckpts and node.node_id in workers:
-                        killed.append(node.node_id)
-                        rc.remove(node)
-                        return
-                time.sleep(0.5)
+        def run_job() -> None:  # `ray job submit` waits for the job's end; the waits below watch it meanwhile
+            job["status"], job["log"] = submit_job(ac.dashboard, entry, env_file, empty, tmp_path / "sweep-job.log",
+                                                   timeout=480, env=client_env)
 
-        t = threading.Thread(target=kill_a_trials_node, daemon=True)
-        t.start()
-        storm = sweep(load_space(space_file), ROOT / "configs" / "demo.yaml",
-                      [*sets, "data.train=data/tiny/train", "data.validation=data/tiny/validation"],
-                      workdir=f"{bucket}/run", tracking_uri=uri)
-        t.join(timeout=10)
-        # This cluster runs work off the head: a path on the driver's disk is worth a warning there.
-        assert warn_if_node_local([str(tmp_path)], "a local folder")
-        # Nothing of the finished sweep outlives it (its driver still connected): no trial's or Ray Train's placement
-        # group still reserved, no trial, controller or training worker alive.
-        groups, actors = leftovers(rc.dashboard)
+        submitted = time.time()
+        submitter = threading.Thread(target=run_job, daemon=True)
+        submitter.start()
+
+        def running() -> bool:
+            if not submitter.is_alive():  # the job ended before what is waited for happened: no use waiting
+                launched = sorted(node_type(n) for n in ac.nodes() if not n.get("is_head_node"))
+                raise AssertionError(f"the sweep job ended first ({job.get('status')}), the autoscaler having launched "
+                                     f"{launched or 'no node'}; the job's log:\n{job.get('log', '')[-3000:]}")
+            return True
+
+        def cpu_workers(since: float = 0.0) -> list[dict]:
+            return [n for n in ac.workers() if node_type(n) == "cpu_worker" and n["start_time_ms"] / 1000 > since]
+
+        # Both trials at once, a node each: the autoscaler launches two cpu_worker nodes.
+        ac.wait_for("two cpu_worker nodes launched for the sweep", lambda: running() and len(cpu_workers()) >= 2,
+                    timeout=180)
+        # Once both trials have a checkpoint in the bucket, kill a node that runs a trial's training worker: the trial
+        # it hits resumes from a checkpoint whichever it is.
+        ac.wait_for("a checkpoint of each trial in the bucket", lambda: running() and len({
+            k.split("/")[2] for k in s3.keys("run/ray_results/storm-")
+            if re.search(r"/checkpoint_\d+/config\.json$", k)}) == 2, timeout=300, poll=0.5)
+        node = ac.wait_for("a node running a trial's training worker", lambda: running() and sorted(
+            {a["node_id"] for a in ac.actors() if a.get("state") == "ALIVE" and a.get("class_name") == "RayTrainWorker"}
+            - {head}), timeout=30, poll=0.5)[0]
+        killed_at, victims = time.time(), ac.kill_node(node)
+        assert victims >= 2, victims  # its raylet and what it started
+        replacement = ac.wait_for("a cpu_worker node launched in place of the killed one",
+                                  lambda: running() and cpu_workers(since=killed_at), timeout=180)
+        submitter.join(timeout=max(1.0, 480 - (time.time() - submitted)))
+        status, log = job.get("status"), job.get("log", "(the job's submission did not return)")
+        assert status == "SUCCEEDED", f"{log[-5000:]}\n{ac.status()}"
+        cpu = {n["node_id"]: n for n in ac.nodes() if node_type(n) == "cpu_worker"}
+        assert cpu[node]["state"] == "DEAD" and replacement[0]["node_id"] != node, (cpu, node)
+        # The trial drivers (Tune's function-trainable actors) and the Ray Train controllers ran on the head only.
+        drivers = {(a["class_name"], a["node_id"]) for a in ac.actors()
+                   if "TrainController" in a["class_name"] or "Func" in a["class_name"] or "run_trial" in a["class_name"]}
+        assert {c for c, n in drivers if "TrainController" in c} and all(n == head for _, n in drivers), drivers
+        # Nothing of the finished job outlives it: no trial's or Ray Train's placement group, no actor of it alive.
+        groups, actors = leftovers(ac.dashboard, TOKEN)
         assert not groups and not actors, describe_leftovers(groups, actors)
-    finally:
-        os.environ.pop("RAY_ADDRESS", None)
-        ray.shutdown()
-    assert killed, "no trial's worker node was killed"
-    # The trial drivers (Tune's function-trainable actors) and the Ray Train controllers ran on the head only.
-    on_head = {c for c, n in drivers if n == head}
-    assert "TrainController" in on_head and any("Func" in c or "run_trial" in c for c in on_head), drivers
-    assert not [(c, n) for c, n in drivers if n != head and ("TrainController" in c or "Func" in c
-                                                             or "run_trial" in c)], drivers
-    assert not storm.interrupted
+        # Idle workers retired (idle_timeout_minutes, scaled down to seconds).
+        ac.wait_for("the idle worker nodes retired", lambda: not ac.workers(), timeout=90)
+
+        # The registered best, then its evaluation asking for a GPU (gpu_min_params 0: "a large model"), on no GPU
+        # node: the autoscaler launches a gpu_worker and the task runs there.
+        summary = json.loads(re.findall(r'^\{"sweep": .*\}$', log, re.M)[-1])
+        version = summary["registered_version"]
+        client = mlflow.MlflowClient(uri)
+        assert version and str(client.get_model_version_by_alias("adlm", "candidate").version) == str(version)
+        evaluated = time.time()
+        status, elog = submit_job(ac.dashboard, [
+            "python", "-m", "pipelines.evaluate", "--model", f"models:/adlm/{version}", "--suite", "ppl",
+            *set_args(["gpu_min_params=0", "cpus_per_task=0.5", "max_rows=16", "batch_size=8"])],
+            env_file, empty, tmp_path / "eval-job.log", timeout=300, env=client_env)
+        gpu = [n for n in ac.nodes() if node_type(n) == "gpu_worker" and n["start_time_ms"] / 1000 > evaluated]
+        assert status == "SUCCEEDED" and gpu, f"{elog[-5000:]}\n{ac.status()}"
+        tasks = [t for t in ac._get("tasks") if (t.get("required_resources") or {}).get("GPU")]
+        assert tasks and {t["node_id"] for t in tasks} <= {n["node_id"] for n in gpu}, tasks
+        assert client.get_model_version("adlm", version).tags.get("eval.run_id")
+        groups, actors = leftovers(ac.dashboard, TOKEN)
+        assert not groups and not actors, describe_leftovers(groups, actors)
+
+        # Nothing of the run landed on the local disk: not in the folder the jobs were submitted from, not in the
+        # jobs' working directory on the nodes (only the uploaded project files are there).
+        assert not any(empty.iterdir())
+        for folder in _job_folders((ac.temp_dir / "session_latest").resolve(), log):
+            assert not _new_files(folder, _tracked_files()), folder
+
+    # Every trial equals the same run undisturbed.
+    rows = list(csv.DictReader(io.StringIO(s3.read("run/sweeps/storm/trials.csv").decode())))
     before = {tau: ("finished", r.step, r.best_val_ppl) for tau, r in calm.items()}
-    after = {r.params["tau"]: (r.status, r.step, r.best_val_ppl) for r in storm.trials}
+    after = {int(float(r["tau"])): (r["status"], int(r["step"]), float(r["best_val_ppl"])) for r in rows}
     assert set(before) == set(after) == {2, 5}
     for tau, (status, step, ppl) in before.items():
         assert (status, step) == ("finished", steps) and after[tau][:2] == (status, step), (tau, after[tau])
         assert after[tau][2] == pytest.approx(ppl, rel=1e-5), (tau, after[tau], ppl)
-
     # Every trial took each optimiser step once, on its own batch, and logged it once; a restarted one resumed from
     # a checkpoint (train/resumed_from at a multiple of ckpt_every).
-    client = mlflow.MlflowClient(uri)
     per_epoch = read_manifest(tiny_data / "train").rows // 8  # one worker, 8 rows a step, the last part dropped
     resumed = []
-    for r in storm.trials:
-        final = download_dir(f"{bucket}/run/ray_results/storm-{r.trial_id}/checkpoint_{steps:08d}",
-                             tmp_path / "final" / r.trial_id)
+    for r in rows:
+        final = download_dir(f"{bucket}/run/ray_results/storm-{r['trial_id']}/checkpoint_{steps:08d}",
+                             tmp_path / "final" / r["trial_id"])
         state = load_state(final, "trainer_state")
-        assert state["step"] == steps and state["ema_updates"] == steps, r.trial_id  # no update twice, none skipped
+        assert state["step"] == steps and state["ema_updates"] == steps, r  # no update twice, none skipped
         assert state["data"]["epoch"] * per_epoch + state["data"]["position"] == steps  # each step's own batch
-        logged = sorted(m.step for m in client.get_metric_history(r.mlflow_run_id, "train/loss"))
-        assert logged == list(range(1, steps + 1)), (r.trial_id, logged)  # no step twice, none skipped
-        resumed += [m.value for m in client.get_metric_history(r.mlflow_run_id, "train/resumed_from")]
+        logged = sorted(m.step for m in client.get_metric_history(r["mlflow_run_id"], "train/loss"))
+        assert logged == list(range(1, steps + 1)), (r["trial_id"], logged)  # no step twice, none skipped
+        resumed += [m.value for m in client.get_metric_history(r["mlflow_run_id"], "train/resumed_from")]
     assert resumed and all(v % 10 == 0 and v >= 10 for v in resumed), resumed
     # The sweep's runs live in the bucket: nothing of them on this disk.
     assert not [q for q in tmp_path.rglob("*") if "storm-" in q.name or q.name == "tracking_spool"]
