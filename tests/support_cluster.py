@@ -3,6 +3,10 @@ tracking server whose artifacts live in it, and a Ray cluster of a 0-CPU head an
 
 Nodes of a real cluster share nothing but the object store and the MLflow server; here they share this
 machine's disk too, so the tests that use these assert that nothing of a run lands on the local disk.
+
+Longer than 500 lines because every part of the local stand-in for a cluster lives here (S3, MLflow's server, a
+static Ray cluster, one in a process of its own, Ray's autoscaler with its fake provider, jobs, scoring servers):
+the cluster tests share them.
 """
 
 from __future__ import annotations
