@@ -81,6 +81,18 @@ def _write_json(obj: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _adamw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor, step: int, lr: float) -> float:
+    """One optimiser step on ``loss`` (training and distillation alike): ``lr`` after 20 warm-up steps, gradients
+    clipped to norm 1; returns the loss's value."""
+    for group in opt.param_groups:
+        group["lr"] = lr * min(1.0, (step + 1) / 20)
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
 def train(kind: str, tb: Testbed, steps: int, workdir: Path, seed: int = 0, batch: int = 32, lr: float = 3e-3,
           checkpoint_every: int = 200) -> tuple[torch.nn.Module, object, dict]:
     """A small model of ``kind`` trained ``steps`` AdamW steps on fresh testbed rows, seeded end to end and cached
@@ -121,14 +133,8 @@ def train(kind: str, tb: Testbed, steps: int, workdir: Path, seed: int = 0, batc
         t0, losses = time.perf_counter(), []
         for step in range(start, steps):
             x = tb.sample(batch, seed=1000 + step)
-            for group in opt.param_groups:
-                group["lr"] = lr * min(1.0, (step + 1) / 20)
             loss = compute_loss(model, x, None, cfg, step=step, train=True, generator=g).loss
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(loss.item())
+            losses.append(_adamw_step(model, opt, loss, step, lr))
             if (step + 1) % 100 == 0:
                 print(f"  {kind} step {step + 1}/{steps} loss {statistics.fmean(losses[-100:]):.4f} (mean of the last "
                       f"100; {time.perf_counter() - t0:.0f} s)", flush=True)
@@ -191,15 +197,9 @@ def distill(kind: str, teacher: torch.nn.Module, cfg, tb: Testbed, workdir: Path
                 t0, losses = time.perf_counter(), []
                 for step in range(steps_per_round):
                     x = tb.sample(batch, seed=5_000_000 + r * steps_per_round + step)
-                    for group in opt.param_groups:
-                        group["lr"] = lr * min(1.0, (step + 1) / 20)
                     loss = sdtt_objective(student, current, x, None, cfg, dt=round_dt(t0_steps, r, substeps),
                                           substeps=substeps, generator=g).loss
-                    opt.zero_grad()
-                    loss.backward()
-                    torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-                    opt.step()
-                    losses.append(loss.item())
+                    losses.append(_adamw_step(student, opt, loss, step, lr))
                     if (step + 1) % 100 == 0:
                         print(f"  {kind} SDTT round {r + 1}/{rounds} step {step + 1}/{steps_per_round} divergence "
                               f"{statistics.fmean(losses[-100:]):.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
