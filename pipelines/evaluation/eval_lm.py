@@ -141,6 +141,14 @@ def _hub_check(name: str, what: str, hint: str) -> None:
                           f"{first}); {hint}") from e
 
 
+def require_causal(model_kind_name: str, what: str) -> None:
+    """EvalLMError unless the kinds table says the kind is causal (not a diffusion kind): gen-PPL scores with
+    next-token likelihoods."""
+    if model_kind(model_kind_name).diffusion:
+        raise EvalLMError(f"{what} is a {model_kind_name} model; gen-PPL needs a causal LM: an AR checkpoint, "
+                          f"{DEFAULT_EVAL_LM} or {OFFLINE_LM}")
+
+
 def check_eval_lm(spec: str, *, tracking_uri: str | None = None) -> str:
     """Validate an eval LM spec cheaply (no weights loaded); returns its kind or raises EvalLMError."""
     kind = classify(spec)
@@ -153,16 +161,12 @@ def check_eval_lm(spec: str, *, tracking_uri: str | None = None) -> str:
         from pipelines.registry import get_version
 
         mv = get_version(spec, tracking_uri)
-        if model_kind((mv.tags or {}).get("kind", "ar")).diffusion:
-            raise EvalLMError(f"eval LM {spec} is a {mv.tags['kind']} model; gen-PPL needs a causal LM: an AR "
-                              f"checkpoint, {DEFAULT_EVAL_LM} or {OFFLINE_LM}")
+        require_causal((mv.tags or {}).get("kind", "ar"), f"eval LM {spec}")
     elif kind == "checkpoint":
         from adlm_model.checkpoint import read_config
 
         cfg, _ = read_config(spec)
-        if model_kind(cfg.kind).diffusion:
-            raise EvalLMError(f"eval LM checkpoint {spec} is a {cfg.kind} model; gen-PPL needs a causal LM: an AR "
-                              f"checkpoint, {DEFAULT_EVAL_LM} or {OFFLINE_LM}")
+        require_causal(cfg.kind, f"eval LM checkpoint {spec}")
     elif kind == "hub":
         _hub_check(spec, "eval LM", _OFFLINE_HINT)
     return kind
@@ -289,7 +293,8 @@ def _from_checkpoint(path: Path, name: str, device: torch.device) -> EvalLM:
     from adlm_model.checkpoint import load_checkpoint
     from adlm_model.losses import suppress_mask
 
-    model, cfg, meta = load_checkpoint(path, map_location=device)  # a causal kind: check_eval_lm refused the rest
+    model, cfg, meta = load_checkpoint(path, map_location=device)
+    require_causal(cfg.kind, f"eval LM {name}")  # the weights' own config: a registry tag may be missing or wrong
     model.eval()
     tok = checkpoint_tokenizer(path, meta)
 
