@@ -687,9 +687,10 @@ def autoscaling_cluster(env: dict[str, str], token: str, log: Path, without: tup
     temp = Path(tempfile.mkdtemp(prefix="adlm-as-", dir="/tmp"))
     port, dash = free_port(), free_port()
     gcs = f"{get_node_ip_address()}:{port}"
+    settings = autoscaling_config(gcs, without, idle_timeout_s)
     config = temp / "autoscaling.yaml"
-    config.write_text(yaml.safe_dump(autoscaling_config(gcs, without, idle_timeout_s)))
-    head = autoscaling_config(gcs)["available_node_types"][FAKE_HEAD_TYPE]["resources"]
+    config.write_text(yaml.safe_dump(settings))
+    head = settings["available_node_types"][FAKE_HEAD_TYPE]["resources"]
     ports = _free_ports()
     pythonpath = os.pathsep.join(p for p in (str(ROOT / "tests" / "autoscaler_provider"), env.get("PYTHONPATH")) if p)
     # RAY_ADDRESS: a process of the cluster that looks for "its" Ray (Ray Train's placement-group cleaner, through

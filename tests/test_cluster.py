@@ -245,7 +245,8 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
     sweep submitted as a job (README.md's client settings; the work directory in the bucket) makes the autoscaler
     launch ``cpu_worker`` nodes; once both trials have a checkpoint in the bucket, a node that hosts a trial's training
     worker is killed (SIGKILL of its raylet and everything it started: a preempted instance), the autoscaler
-    launches a new ``cpu_worker`` in its place, and the sweep completes in the same job and registers its best:
+    launches a new ``cpu_worker`` in its place (or had launched a third one already, which the hit trial then
+    takes), and the sweep completes in the same job and registers its best:
     every trial equal to the same recipe trained undisturbed in this process (steps and validation bounds), each
     optimiser step taken once (its final checkpoint made exactly ``steps`` updates, the EMA counts them, on ``steps``
     batches of data: its data position), each step's loss logged once, the killed one resumed from a checkpoint;
@@ -346,8 +347,9 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
             sweep's pending work (seen under the suite's load: a read task's demand), two live ones besides the
             killed node, which the hit trial's restarted worker then takes. Every worker node here is the
             autoscaler's: the cluster starts with none."""
-            new = cpu_workers(since=killed_at)
-            others = [n for n in ac.workers() if node_type(n) == "cpu_worker" and n["node_id"] != node]
+            alive = cpu_workers()
+            new = [n for n in alive if n["start_time_ms"] / 1000 > killed_at]
+            others = [n for n in alive if n["node_id"] != node]
             return new or (others if len(others) >= 2 else None)
 
         replacement = ac.wait_for("a cpu_worker node in place of the killed one",
