@@ -24,6 +24,10 @@ _ENV = {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "RAY_USAGE_STATS_ENABLED": "0",
     "TOKENIZERS_PARALLELISM": "false",
+    # No Ray API call starts a local Ray by itself: a thread a finished test left behind (Ray Data's prefetcher)
+    # would otherwise start one in this process while a test starts a cluster of its own, and the pytest worker
+    # dies with it ("the connection to the plasma store is failed. Terminate the process": seen once).
+    "RAY_ENABLE_AUTO_CONNECT": "0",
 }
 os.environ.update(_ENV)
 # moto's in-process S3/EC2 servers run on werkzeug, which sets its own logger to INFO on its first request: every

@@ -243,10 +243,10 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
     """Ray's own autoscaler (its monitor, with Ray's fake multi-node provider) on cluster.yaml's node types scaled to
     this machine: a 0-CPU head offering ``adlm_driver``, token authentication on, no worker node at first. A 2-trial
     sweep submitted as a job (README.md's client settings; the work directory in the bucket) makes the autoscaler
-    launch ``cpu_worker`` nodes; once both trials have a checkpoint in the bucket, a node that hosts a trial's training
-    worker is killed (SIGKILL of its raylet and everything it started: a preempted instance), the autoscaler
-    launches a new ``cpu_worker`` in its place (or had launched a third one already, which the hit trial then
-    takes), and the sweep completes in the same job and registers its best:
+    launch ``cpu_worker`` nodes; once both trials have a checkpoint in the bucket and one still trains, every
+    ``cpu_worker`` node is killed (SIGKILL of its raylet and everything it started: preempted instances; all of them,
+    so that no node freed by a trial that ends meanwhile can take the restarted one), the autoscaler launches a new
+    ``cpu_worker``, and the sweep completes in the same job and registers its best:
     every trial equal to the same recipe trained undisturbed in this process (steps and validation bounds), each
     optimiser step taken once (its final checkpoint made exactly ``steps`` updates, the EMA counts them, on ``steps``
     batches of data: its data position), each step's loss logged once, the killed one resumed from a checkpoint;
@@ -331,34 +331,25 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
         # Both trials at once, a node each: the autoscaler launches two cpu_worker nodes.
         ac.wait_for("two cpu_worker nodes launched for the sweep", lambda: running() and len(cpu_workers()) >= 2,
                     timeout=180)
-        # Once both trials have a checkpoint in the bucket, kill a node that runs a trial's training worker: the trial
-        # it hits resumes from a checkpoint whichever it is.
+        # Once both trials have a checkpoint in the bucket and a training worker is still alive, kill every cpu_worker
+        # node: whichever trial is unfinished resumes from a checkpoint, and only on a node launched after the kill.
         ac.wait_for("a checkpoint of each trial in the bucket", lambda: running() and len({
             k.split("/")[2] for k in s3.keys("run/ray_results/storm-")
             if re.search(r"/checkpoint_\d+/config\.json$", k)}) == 2, timeout=300, poll=0.5)
-        node = ac.wait_for("a node running a trial's training worker", lambda: running() and sorted(
+        ac.wait_for("a node running a trial's training worker", lambda: running() and sorted(
             {a["node_id"] for a in ac.actors() if a.get("state") == "ALIVE" and a.get("class_name") == "RayTrainWorker"}
-            - {head}), timeout=30, poll=0.5)[0]
-        killed_at, victims = time.time(), ac.kill_node(node)
-        assert victims >= 2, victims  # its raylet and what it started
-
-        def replaced() -> list[dict] | None:
-            """A cpu_worker the autoscaler launched after the kill; or, if it had already launched a third for the
-            sweep's pending work (seen under the suite's load: a read task's demand), two live ones besides the
-            killed node, which the hit trial's restarted worker then takes. Every worker node here is the
-            autoscaler's: the cluster starts with none."""
-            alive = cpu_workers()
-            new = [n for n in alive if n["start_time_ms"] / 1000 > killed_at]
-            others = [n for n in alive if n["node_id"] != node]
-            return new or (others if len(others) >= 2 else None)
-
-        replacement = ac.wait_for("a cpu_worker node in place of the killed one",
-                                  lambda: replaced() or (running() and None), timeout=180)
+            - {head}), timeout=30, poll=0.5)
+        killed = [n["node_id"] for n in cpu_workers()]
+        killed_at = time.time()
+        for node in killed:
+            assert ac.kill_node(node) >= 2, node  # its raylet and what it started
+        replacement = ac.wait_for("a cpu_worker node launched after the kill", lambda: cpu_workers(since=killed_at)
+                                  or (running() and None), timeout=180)
         submitter.join(timeout=max(1.0, 480 - (time.time() - submitted)))
         status, log = job.get("status"), job.get("log", "(the job's submission did not return)")
         assert status == "SUCCEEDED", f"{log[-5000:]}\n{ac.status()}"
         cpu = {n["node_id"]: n for n in ac.nodes() if node_type(n) == "cpu_worker"}
-        assert cpu[node]["state"] == "DEAD" and replacement[0]["node_id"] != node, (cpu, node)
+        assert all(cpu[n]["state"] == "DEAD" for n in killed) and replacement[0]["node_id"] not in killed, (cpu, killed)
         # The trial drivers (Tune's function-trainable actors) and the Ray Train controllers ran on the head only.
         drivers = {(a["class_name"], a["node_id"]) for a in ac.actors()
                    if "TrainController" in a["class_name"] or "Func" in a["class_name"] or "run_trial" in a["class_name"]}
