@@ -365,9 +365,11 @@ class Outage:
     thread: object = field(repr=False, default=None)
 
 
-def tracking_outage(server: MLflowServer, run_name: str, seconds: float, after_windows: int = 5) -> Outage:
+def tracking_outage(server: MLflowServer, run_name: str, seconds: float, after_windows: int = 5,
+                    back_by: Callable[[], bool] | None = None) -> Outage:
     """In the background: once the MLflow run tagged ``adlm.run_name = run_name`` has ``after_windows`` logged
-    loss windows, stop ``server`` for ``seconds``, then start it again on the same port and store."""
+    loss windows, stop ``server`` for ``seconds`` (or until ``back_by()`` is true, if sooner: a point of the run by
+    which the server must be back, whatever the machine's pace), then start it again on the same port and store."""
     import threading
 
     import mlflow
@@ -386,7 +388,8 @@ def tracking_outage(server: MLflowServer, run_name: str, seconds: float, after_w
             time.sleep(1)
         outage.start = time.time()
         server.stop()
-        time.sleep(seconds)
+        while time.time() < outage.start + seconds and not (back_by and back_by()):
+            time.sleep(0.1)
         server.start()
         outage.end = time.time()
 
