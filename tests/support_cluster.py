@@ -332,17 +332,17 @@ def _wait_for_job_api(dashboard: str, timeout: float = 120.0) -> None:
             time.sleep(1)
 
 
-def job_submit_command(dashboard: str, entrypoint: list[str], runtime_env: Path) -> list[str]:
+def job_submit_command(dashboard: str, entrypoint: list[str], runtime_env: Path, working_dir: Path = ROOT) -> list[str]:
     """``ray job submit --working-dir <repo> --runtime-env <file> -- <entrypoint>``, as README.md submits."""
-    return [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--working-dir", str(ROOT),
+    return [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--working-dir", str(working_dir),
             "--runtime-env", str(runtime_env), "--", *entrypoint]
 
 
 def submit_job(dashboard: str, entrypoint: list[str], runtime_env: Path, cwd: Path, log: Path,
-               timeout: float = 900.0, env: dict[str, str] | None = None) -> tuple[str, str]:
+               timeout: float = 900.0, env: dict[str, str] | None = None, working_dir: Path = ROOT) -> tuple[str, str]:
     """``job_submit_command`` run from ``cwd`` (with ``env``, else this process's environment), waited on;
     returns (final status, the job's logs)."""
-    cmd = job_submit_command(dashboard, entrypoint, runtime_env)
+    cmd = job_submit_command(dashboard, entrypoint, runtime_env, working_dir)
     env = env or {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     for _ in range(30):  # the head's job agent may still be starting: "No available agent to submit job"
         with log.open("w") as fh:

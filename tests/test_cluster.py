@@ -3,14 +3,16 @@
 On this machine (tests/support_cluster.py): an S3 server on loopback, an MLflow tracking server whose
 artifacts live in that bucket, a Ray cluster of a 0-CPU head and two worker nodes. The whole smoke pipeline
 runs as a `ray job submit` job with ADLM_WORKDIR=s3://... on a cluster with token authentication whose head does not
-offer the trial-driver resource, submitted with README.md's client settings (less of them is refused), and leaves
-nothing reserved or running; on a cluster whose nodes Ray's own autoscaler launches (the fake multi-node provider,
+offer the trial-driver resource, submitted with README.md's client settings (less of them is refused) from a copy
+whose code differs from the nodes' (every process of the job runs the submitted copy), and leaves nothing reserved
+or running; on a cluster whose nodes Ray's own autoscaler launches (the fake multi-node provider,
 cluster.yaml's node types), a sweep job makes it launch workers from zero, a node killed under the sweep is
 replaced and the sweep completes from the bucket with the undisturbed results, idle workers are retired and an
 evaluation asking for a GPU gets a GPU node; bad storage inputs fail in one line before any work."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -122,16 +124,85 @@ def _new_files(folder: Path, tracked: set[str]) -> list[str]:
     return sorted(new)
 
 
+PROBE = """
+
+# --- Only in the copy tests/test_cluster.py submits: which code each process of the job imports. ---
+import importlib.util as _util  # noqa: E402
+import json as _json  # noqa: E402
+import os as _os  # noqa: E402
+
+if _os.environ.get("ADLM_CODE_PROBE"):
+    from pipelines import _submitted_probe
+
+    (_Path(_os.environ["ADLM_CODE_PROBE"]) / f"{_os.getpid()}.json").write_text(_json.dumps({
+        "file": __file__, "added": _submitted_probe.MARK,
+        "deleted_importable": _util.find_spec("pipelines.import_model") is not None}))
+"""
+
+
+def _submitted_copy(dest: Path) -> set[str]:
+    """The project as a submitter's checkout that differs from the nodes' code (their venv's editable install is
+    this checkout): an edited module (``pipelines/__init__.py``, which then records, in every process of the job
+    that imports it, its own path, the added module's mark and whether the deleted module still imports), an added
+    one (``pipelines/_submitted_probe.py``) and a deleted one (``pipelines/import_model.py``, which the pipeline
+    does not use). Returns the copy's files."""
+    import shutil
+
+    files = {f for f in _tracked_files() if (ROOT / f).is_file()}
+    for f in files:
+        (dest / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, dest / f)
+    (dest / "pipelines" / "import_model.py").unlink()
+    (dest / "pipelines" / "_submitted_probe.py").write_text('MARK = "submitted"\n')
+    with (dest / "pipelines" / "__init__.py").open("a") as fh:
+        fh.write(PROBE)
+    return (files - {"pipelines/import_model.py"}) | {"pipelines/_submitted_probe.py"}
+
+
+def _job_processes(dashboard: str, token: str) -> dict[str, set[int]]:
+    """The processes of the cluster's jobs by role, from the job and state APIs: each job's driver, Ray Train's
+    workers, Tune's trials, Ray Data's actors and the evaluation's tasks."""
+    import requests
+
+    headers = {"authorization": f"Bearer {token}"}
+
+    def rows(kind: str) -> list[dict]:
+        r = requests.get(f"{dashboard}/api/v0/{kind}", params={"limit": 10000, "detail": "1"}, headers=headers,
+                         timeout=30)
+        r.raise_for_status()
+        return r.json()["data"]["result"]["result"]
+
+    jobs = requests.get(f"{dashboard}/api/jobs/", headers=headers, timeout=30).json()
+    roles: dict[str, set[int]] = {"driver": {int(j["driver_info"]["pid"]) for j in jobs if j.get("driver_info")}}
+    for a in rows("actors"):
+        for role, cls in (("Ray Train worker", "RayTrainWorker"), ("Tune trial", "ImplicitFunc"),
+                          ("Ray Data actor", "MapWorker")):
+            if cls in str(a.get("class_name")) and a.get("pid"):
+                roles.setdefault(role, set()).add(int(a["pid"]))
+    for t in rows("tasks"):
+        if t.get("name") in ("ppl_job", "sample_job") and t.get("worker_pid"):
+            roles.setdefault("evaluation task", set()).add(int(t["worker_pid"]))
+    return roles
+
+
 def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(tmp_path: Path, auth_cloud) -> None:
     """The client environment is exactly README.md's; less of it is refused: no token, or the token without
     RAY_AUTH_MODE=token (Ray's client then sends no token); a driver without the token fails in one line. With
-    it, the smoke pipeline runs as a job, keeps everything in the bucket, and a second run finds it all done."""
+    it, the smoke pipeline runs as a job, keeps everything in the bucket, and a second run finds it all done.
+    It is submitted from a copy that differs from the nodes' code (``_submitted_copy``): its driver, Ray Train
+    workers, Tune trials, Ray Data actors and evaluation tasks all run the submitted copy (the edited and the added
+    module; the deleted one does not import, although the nodes' editable install still has it)."""
     import mlflow
 
     s3, rc = auth_cloud
     client_env = readme_client_env()
     with mlflow_server(tmp_path / "mlflow.db", f"s3://{s3.bucket}/mlartifacts", tmp_path / "mlflow.log") as ml:
-        env_file = _job_env(tmp_path, ADLM_WORKDIR=f"s3://{s3.bucket}/run", MLFLOW_TRACKING_URI=ml.url)
+        probe = tmp_path / "probe"
+        probe.mkdir()
+        env_file = _job_env(tmp_path, ADLM_WORKDIR=f"s3://{s3.bucket}/run", MLFLOW_TRACKING_URI=ml.url,
+                            ADLM_CODE_PROBE=str(probe))
+        submitted = tmp_path / "submitted"
+        submitted_files = _submitted_copy(submitted)
         empty = tmp_path / "empty"
         empty.mkdir()
         entry = ["python", "-m", "pipelines.run_all", "--profile", "smoke"]
@@ -147,11 +218,26 @@ def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(t
                                                       PYTHONPATH=str(ROOT)))
         err = [line for line in driver.stderr.splitlines() if line.startswith("error: ")]
         assert driver.returncode == 2 and len(err) == 1, driver.stderr[-3000:]
-        assert err[0].startswith("error: the Ray cluster at") and "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN" in err[0]
+        # Ray refuses it as an authentication error, or (seen under the suite's load) as a failure to connect: the
+        # line then names both causes; either way it names what to set.
+        assert err[0].startswith(("error: the Ray cluster at", "error: could not join the Ray cluster at")), err[0]
+        assert "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN" in err[0], err[0]
         assert not s3.keys("run/")  # nothing ran
 
-        status, log = submit_job(rc.dashboard, entry, env_file, empty, tmp_path / "job1.log", env=_env(**client_env))
+        status, log = submit_job(rc.dashboard, entry, env_file, empty, tmp_path / "job1.log", env=_env(**client_env),
+                                 working_dir=submitted)
         assert status == "SUCCEEDED", log[-6000:]
+
+        # Every process of the job ran the submitted copy: the edited module (its record), the added one, and not the
+        # deleted one, which the nodes' editable install of this checkout still has.
+        records = {int(p.stem): json.loads(p.read_text()) for p in probe.glob("*.json")}
+        roles = _job_processes(rc.dashboard, TOKEN)
+        for role in ("driver", "Ray Train worker", "Tune trial", "Ray Data actor", "evaluation task"):
+            assert roles.get(role), (role, roles)
+            for pid in roles[role]:
+                r = records.get(pid)
+                assert r and "working_dir_files" in r["file"] and r["added"] == "submitted", (role, pid, r)
+                assert not r["deleted_importable"], (role, pid, r)
 
         client = mlflow.MlflowClient(ml.url)
         champion = client.get_model_version_by_alias("adlm", "champion")
@@ -184,10 +270,11 @@ def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(t
         # the job's working directory on the head node (only the uploaded project files are there).
         assert not any(empty.iterdir())
         for folder in _job_folders(rc.session_dir, log):
-            assert not _new_files(folder, _tracked_files()), folder
+            assert not _new_files(folder, submitted_files), folder
 
         # A second run of the same command finds everything done: no new version, no alias moves.
-        status, log2 = submit_job(rc.dashboard, entry, env_file, empty, tmp_path / "job2.log", env=_env(**client_env))
+        status, log2 = submit_job(rc.dashboard, entry, env_file, empty, tmp_path / "job2.log", env=_env(**client_env),
+                                  working_dir=submitted)
         assert status == "SUCCEEDED", log2[-6000:]
         assert len(client.search_model_versions("name='adlm'")) == 2
         assert client.get_model_version_by_alias("adlm", "champion").version == champion.version
