@@ -416,24 +416,25 @@ RAY_OWN_ACTORS = ("_StatsActor", "_StatsSummaryActor", "AutoscalingRequester", "
 actors, one each per cluster; the job API's supervisors, which end with their jobs): not work of the pipeline's."""
 
 
+def state_rows(dashboard: str, kind: str, token: str | None = None) -> list[dict]:
+    """Every row of Ray's state API for ``kind`` (``actors``, ``tasks``, ``nodes``, ``placement_groups``) on the
+    cluster whose dashboard is at ``dashboard`` (``token``: a token-authenticated cluster's)."""
+    import requests
+
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    r = requests.get(f"{dashboard}/api/v0/{kind}", params={"limit": 10000, "detail": "1"}, headers=headers, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"]["result"]["result"]
+
+
 def leftovers(dashboard: str, token: str | None = None, timeout: float = 60.0) -> tuple[list[dict], list[dict]]:
     """The placement groups not removed and the live actors of the pipeline's work on the cluster whose state API
     is at ``dashboard`` (``token``: a token-authenticated cluster's), once both are empty or after ``timeout``
     seconds (a finished driver's groups and actors go within seconds: its job's end removes them)."""
-    import requests
-
-    headers = {"authorization": f"Bearer {token}"} if token else {}
-
-    def rows(kind: str) -> list[dict]:
-        r = requests.get(f"{dashboard}/api/v0/{kind}", params={"limit": 10000, "detail": "1"}, headers=headers,
-                         timeout=30)
-        r.raise_for_status()
-        return r.json()["data"]["result"]["result"]
-
     deadline = time.time() + timeout
     while True:
-        groups = [g for g in rows("placement_groups") if g.get("state") != "REMOVED"]
-        actors = [a for a in rows("actors") if a.get("state") != "DEAD"
+        groups = [g for g in state_rows(dashboard, "placement_groups", token) if g.get("state") != "REMOVED"]
+        actors = [a for a in state_rows(dashboard, "actors", token) if a.get("state") != "DEAD"
                   and not str(a.get("class_name", "")).endswith(RAY_OWN_ACTORS)]
         if (not groups and not actors) or time.time() > deadline:
             return groups, actors
@@ -530,12 +531,7 @@ class AutoscalingCluster:
     """The environment of a client of this cluster (``ray status``): token mode and the token file."""
 
     def _get(self, kind: str) -> list[dict]:
-        import requests
-
-        r = requests.get(f"{self.dashboard}/api/v0/{kind}", params={"limit": 10000, "detail": "1"},
-                         headers={"authorization": f"Bearer {self.token}"}, timeout=30)
-        r.raise_for_status()
-        return r.json()["data"]["result"]["result"]
+        return state_rows(self.dashboard, kind, self.token)
 
     def nodes(self) -> list[dict]:
         """Every node the cluster has had, alive or dead (state, type by ``node_type``, start and end times)."""

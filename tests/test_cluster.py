@@ -33,6 +33,7 @@ from tests.support_cluster import (
     mlflow_server,
     ray_cluster_process,
     s3_server,
+    state_rows,
     submit_job,
 )
 
@@ -164,22 +165,14 @@ def _job_processes(dashboard: str, token: str) -> dict[str, set[int]]:
     workers, Tune's trials, Ray Data's actors and the evaluation's tasks."""
     import requests
 
-    headers = {"authorization": f"Bearer {token}"}
-
-    def rows(kind: str) -> list[dict]:
-        r = requests.get(f"{dashboard}/api/v0/{kind}", params={"limit": 10000, "detail": "1"}, headers=headers,
-                         timeout=30)
-        r.raise_for_status()
-        return r.json()["data"]["result"]["result"]
-
-    jobs = requests.get(f"{dashboard}/api/jobs/", headers=headers, timeout=30).json()
+    jobs = requests.get(f"{dashboard}/api/jobs/", headers={"authorization": f"Bearer {token}"}, timeout=30).json()
     roles: dict[str, set[int]] = {"driver": {int(j["driver_info"]["pid"]) for j in jobs if j.get("driver_info")}}
-    for a in rows("actors"):
+    for a in state_rows(dashboard, "actors", token):
         for role, cls in (("Ray Train worker", "RayTrainWorker"), ("Tune trial", "ImplicitFunc"),
                           ("Ray Data actor", "MapWorker")):
             if cls in str(a.get("class_name")) and a.get("pid"):
                 roles.setdefault(role, set()).add(int(a["pid"]))
-    for t in rows("tasks"):
+    for t in state_rows(dashboard, "tasks", token):
         if t.get("name") in ("ppl_job", "sample_job") and t.get("worker_pid"):
             roles.setdefault("evaluation task", set()).add(int(t["worker_pid"]))
     return roles
@@ -342,7 +335,6 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
     jobs outlives them, nothing lands on the local disk, and no process of the cluster is left when it stops."""
     import csv
     import io
-    import json
     import threading
 
     import mlflow
