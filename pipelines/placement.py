@@ -4,7 +4,9 @@ actor left, and a pre-flight placement with the autoscaler's own bin packing.
 - ``placement_deadline`` (below): work Ray cannot place fails in one line instead of waiting for ever.
 - ``release_orphaned_groups``: a job's placement groups whose creating actor died (Ray keeps them to the job's end).
 - ``run_demand`` / ``sweep_demand`` / ``unplaceable`` / ``fit_concurrency``: what a run or a sweep asks for at
-  once, placed on a cluster's nodes (or cluster.yaml's node types) with ``get_bin_pack_residual``.
+  once, placed on a cluster's nodes (or cluster.yaml's node types) with ``get_bin_pack_residual``;
+  ``fixed_nodes``: the nodes of a Ray that will not grow (this process's own, or a running cluster without an
+  autoscaler), on which ``check_run`` and the sweep's ``fit_concurrency`` refuse what cannot be placed.
 
 Ray waits without end for a task, actor or placement group that no node can take now, and says so only in
 ``ray status`` ("Pending Demands"). On an autoscaling cluster the wait ends when a node is launched; on a fixed
@@ -43,6 +45,12 @@ class PlacementError(RuntimeError):
     """Work that Ray could not place within the deadline (the message is the one line to print)."""
 
     exit_code = 1  # the work failed after it started (pipelines.cli)
+
+
+class Unplaceable(PlacementError):
+    """Pre-flight: a run or a sweep that a fixed cluster's nodes cannot place, refused before any work starts."""
+
+    exit_code = 2  # bad input, found before any work (pipelines.cli)
 
 
 def _demands(status: Any) -> list[tuple[tuple[tuple[str, float], ...], int]]:
@@ -241,6 +249,11 @@ def release_orphaned_groups() -> list[str]:
 # Pre-flight: what a recipe or a sweep asks for, placed with the autoscaler's own bin packing
 
 
+def brief(nodes: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Nodes as a message shows them: their CPUs, GPUs and custom resources, without memory and object store."""
+    return [{k: v for k, v in n.items() if k not in ("memory", "object_store_memory")} for n in nodes]
+
+
 def run_demand(cfg: Any) -> list[dict[str, float]]:
     """What one training run asks Ray for at once (a ``TrainConfig``): its worker group's bundles
     (``scaling.num_workers`` x ``cpus_per_worker`` CPUs, a GPU each with ``use_gpu``; Ray Train's PACK group, which
@@ -284,17 +297,62 @@ def fit_concurrency(cfg: Any, trial: dict[str, float], wanted: int, nodes: list[
         if not unplaceable(sweep_demand(cfg, trial, k), nodes):
             return k
     left = unplaceable(sweep_demand(cfg, trial, 1), nodes)
-    raise PlacementError(f"one trial asks for {dict(trial)} and {run_demand(cfg)} together, but this Ray's nodes "
-                         f"({nodes}) cannot place {left}: ask less (scaling.cpus_per_worker, scaling.num_workers, "
+    raise Unplaceable(f"one trial asks for {dict(trial)} and {run_demand(cfg)} together, but this Ray's nodes "
+                         f"({brief(nodes)}) cannot place {left}: ask less (scaling.cpus_per_worker, scaling.num_workers, "
                          "data.read_cpus, resources.trial_cpu) or run on a bigger machine or cluster")
 
 
-def local_nodes() -> list[dict[str, float]] | None:
-    """The nodes of the Ray this process started itself (no ``$RAY_ADDRESS``: a fixed cluster, nothing will be
-    added), as their total resources; None on a cluster that may autoscale."""
+def check_run(cfg: Any) -> None:
+    """Pre-flight of one training run: on a Ray that will not grow (``fixed_nodes``), a run whose worker group
+    and read task its nodes cannot place together is refused in one line (``Unplaceable``) before any work, where
+    Ray would wait for good. Nothing is checked where nodes may still be added."""
+    nodes = fixed_nodes()
+    if nodes is None:
+        return
+    left = unplaceable(run_demand(cfg), nodes)
+    if left:
+        raise Unplaceable(f"run {cfg.run.name!r} asks for {run_demand(cfg)} at once, but this Ray's nodes ({brief(nodes)}) "
+                          f"will not grow and cannot place {left}: ask less (scaling.num_workers, "
+                          "scaling.cpus_per_worker, scaling.use_gpu, data.read_cpus) or run on a bigger machine or an "
+                          "autoscaling cluster")
+
+
+AUTOSCALING_STATUS_KEY = "__autoscaling_status"
+"""Where Ray's v1 monitor (run on every head that ``ray start --head`` or ``ray.init`` starts, unless an autoscaler of
+its own replaces it: KubeRay's sidecar, the v2 autoscaler) writes its report every few seconds (``ray status`` reads
+it)."""
+
+
+def without_autoscaler(report: bytes | str | None) -> bool:
+    """Whether a monitor's report (``AUTOSCALING_STATUS_KEY``) is that of Ray's read-only provider: a cluster
+    started by hand (``ray start`` on each node, KubeRay without autoscaling, a laptop head), whose nodes nothing
+    will add. That provider types every node ``node_<its id>``; an autoscaler (cluster.yaml's, KubeRay's) types
+    them by its node types. False when there is no report to read (a head just started, or an autoscaler that
+    writes none, such as the v2 one): a cluster that may grow."""
+    import json
+
+    try:
+        summary = (json.loads(report).get("autoscaler_report") or {}) if report else {}
+        mapping = summary.get("node_type_mapping") or {}
+        return bool(mapping) and all(t == f"node_{n}" for n, t in mapping.items())
+    except (ValueError, AttributeError, TypeError):  # unreadable: it says nothing, so the cluster may grow
+        return False
+
+
+def autoscaling_report() -> bytes | None:
+    """The connected cluster's monitor report (what ``ray status`` reads), None if there is none."""
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
+
+    return _internal_kv_get(AUTOSCALING_STATUS_KEY) if _internal_kv_initialized() else None
+
+
+def fixed_nodes() -> list[dict[str, float]] | None:
+    """The nodes of a Ray that will not grow, as their total resources: the one this process started itself (no
+    ``$RAY_ADDRESS``), or a running cluster with no autoscaler (``without_autoscaler``); None where nodes may
+    still be added (an autoscaling cluster: its demands wait for a launch, which ``placement_deadline`` bounds)."""
     import ray
 
-    if os.environ.get("RAY_ADDRESS") or not ray.is_initialized():
+    if not ray.is_initialized() or (os.environ.get("RAY_ADDRESS") and not without_autoscaler(autoscaling_report())):
         return None
     return [{k: float(v) for k, v in (n.get("Resources") or {}).items() if not k.startswith("node:")}
             for n in ray.nodes() if n.get("Alive")]

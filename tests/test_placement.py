@@ -197,3 +197,51 @@ def test_the_smoke_sweep_fits_where_it_ran_and_not_on_a_one_cpu_head() -> None:
     with pytest.raises(placement.PlacementError) as e:
         placement.fit_concurrency(cfg, {"CPU": 0.5}, 2, [{"CPU": 0.5}])
     assert "\n" not in str(e.value) and "cannot place" in str(e.value)
+
+
+def test_a_ray_that_will_not_grow_is_told_from_one_that_may(ray_session, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fixed_nodes``: the Ray this process started gives its nodes; the same Ray joined as a running cluster
+    (``$RAY_ADDRESS``) gives them too, read from its monitor's report, which is Ray's read-only provider's (a
+    cluster started by hand); a report that types nodes by an autoscaler's node types, or none, may grow. (The
+    autoscaler test in tests/test_cluster.py runs a sweep against a real autoscaler's 0-CPU head: taken for
+    fixed, it would be refused.)"""
+    import json
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    own = placement.fixed_nodes()
+    assert own and sum(n.get("CPU", 0) for n in own) == 2, own
+    deadline = time.monotonic() + 60  # the monitor writes its first report a few seconds after the head starts
+    while not placement.without_autoscaler(report := placement.autoscaling_report()):
+        assert time.monotonic() < deadline, report
+        time.sleep(0.5)
+    monkeypatch.setenv("RAY_ADDRESS", ray_session.get_runtime_context().gcs_address)
+    assert placement.fixed_nodes() == own
+    status = json.loads(report)
+    status["autoscaler_report"]["node_type_mapping"] = {n: "cpu_worker" for n in
+                                                        status["autoscaler_report"]["node_type_mapping"]}
+    assert not placement.without_autoscaler(json.dumps(status))
+    assert not any(placement.without_autoscaler(r) for r in (None, b"", b"{", b'{"load_metrics_report": {}}'))
+
+
+@pytest.mark.parametrize("command", ["train", "tune"])
+def test_what_a_fixed_ray_cannot_place_is_refused_in_one_line_before_any_work(
+        command: str, ray_session, tiny_data: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A run of three 1-CPU workers on this 2-CPU Ray, and a sweep whose one trial asks as much: exit 2, one line
+    naming what to lower, before the MLflow run (no store written) or any Ray work."""
+    import importlib
+
+    from tests.support_data import TINY_MODEL, data_overrides, set_args
+
+    root = Path(__file__).resolve().parents[1]
+    work = tmp_path / "work"
+    sets = [*data_overrides(tiny_data), *TINY_MODEL, "run.name=too-big", "scaling.num_workers=3",
+            "scaling.cpus_per_worker=1", "batch.global_batch=24"]
+    args = ["--config", str(root / "configs" / "demo.yaml"), "--workdir", str(work), *set_args(sets)]
+    if command == "tune":
+        args = ["--space", str(root / "tune_spaces" / "smoke.yaml"), *args]
+    rc = importlib.import_module(f"pipelines.{command}").main(args)
+    err = capfd.readouterr().err.strip().splitlines()
+    assert rc == 2 and err, err
+    line = err[-1]
+    assert line.startswith("error: ") and "cannot place" in line and "scaling.num_workers" in line, line
+    assert not (work / "mlflow.db").exists() and not (work / "ray_results").exists()

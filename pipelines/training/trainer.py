@@ -27,6 +27,7 @@ from typing import Any
 from adlm_model.config import ConfigError
 from pipelines.faults import fault
 from pipelines.logs import first_line, get_logger, verbosity
+from pipelines.placement import check_run
 from pipelines.runtime import init_ray, quiet_environment
 from pipelines.storage import (
     check_location,
@@ -311,6 +312,10 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     cfg = pin_init(cfg, prev_meta if prev else None, uri, plan.tokenizer_hash)
     if cfg.distill.teacher:  # a distillation's teacher is the version its student started from, pinned
         cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, teacher=cfg.run.init))
+    finished = prev is not None and prev[0] >= cfg.run.max_steps and not _in_tune()
+    if not finished:  # a run that will train: what a Ray that will not grow cannot place fails here, in one line
+        init_ray()
+        check_run(cfg)
     prev_id = prev_meta.get("mlflow_run_id")
     run_id = open_run(cfg, plan, uri, wd, prev_id, parent_run_id, extra_tags,
                       without=f"training without a run: the metrics wait in {join(run_dir, SPOOL)} and the next run "
@@ -322,7 +327,7 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         f"train rows; storage {run_dir}; MLflow run {run_id} at {redact_uri(uri)}"
         + (f"; resuming from step {prev[0]}" if prev else ""))
 
-    if prev is not None and prev[0] >= cfg.run.max_steps and not _in_tune():
+    if finished:
         # A rerun of a finished run: nothing to train, so no Ray and no Ray Train worker group (20-30 s of start-up
         # on 2 cores; a job's second run on a cluster); its result is the final checkpoint's, validated at
         # max_steps. The spooled metrics and the registration below are done as after any run. Inside a Tune trial

@@ -45,7 +45,7 @@ from pipelines import placement
 from pipelines.logs import get_logger, verbosity
 from pipelines.runtime import driver_resources, init_ray, quiet_environment
 from pipelines.storage import join, publish_dir, resolve_workdir, temp_dir, warn_if_node_local
-from pipelines.tracking import client, ensure_experiment, redact_uri, resolve_tracking_uri
+from pipelines.tracking import client, ensure_experiment, redact_uri, resolve_tracking_uri, tracking_reachable
 from pipelines.training.config import TrainConfig, apply_override, load_raw
 from pipelines.tuning.report import TrialRow, plot_search, table_markdown
 from pipelines.tuning.space import METRIC, TIME_ATTR, SearchSpace, parse_space
@@ -372,13 +372,25 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     (``table_markdown(result.trials, result.best)``) is the command's to print."""
     quiet_environment()
     plan = plan_sweep(space, config, overrides, workdir=workdir, tracking_uri=tracking_uri)
-    parent = _parent_run(plan)
+    tracking_reachable(plan.tracking_uri)  # refused credentials (401/403) fail here in one line, before Ray
 
     from ray import tune
+    from ray.tune import FailureConfig, RunConfig, TuneConfig, Tuner
 
     init_ray()
     warn_if_node_local([plan.storage], "the sweep's Tune storage")
     exp_dir = join(plan.storage, space.name)
+    nodes = placement.fixed_nodes()
+    if nodes is not None and not Tuner.can_restore(exp_dir):
+        # A Ray that will not grow (this process's own, or a cluster without an autoscaler) is all there will be:
+        # as many trials at once as it can place, each with its workers and a read task (more would wait on each
+        # other's reads for good), said once; none fits: one line, before the parent run or any trial.
+        fitted = placement.fit_concurrency(plan.base, driver_resources(space.trial_cpu), space.max_concurrent, nodes)
+        if fitted < space.max_concurrent:
+            log.warning(f"[sweep {space.name}] {fitted} trial(s) at a time, not max_concurrent {space.max_concurrent}: "
+                        f"this Ray's nodes ({placement.brief(nodes)}) cannot place more with their workers and reads")
+            space = dataclasses.replace(space, max_concurrent=fitted)
+    parent = _parent_run(plan)
     trial_plan = TrialPlan(space_raw=space.to_raw(), space_source=space.source, base_raw=plan.base_raw,
                            workdir=plan.workdir, tracking_uri=plan.tracking_uri, parent_run_id=parent)
     # Each trial's driver (and the Ray Train controller, which attaches to its driver's node) asks for what only
@@ -386,17 +398,6 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     # workers, which Ray Train restarts from the bucket's checkpoint (failure.max_failures of the recipe).
     trainable = tune.with_resources(tune.with_parameters(run_trial, plan=trial_plan),
                                     driver_resources(space.trial_cpu))
-    from ray.tune import FailureConfig, RunConfig, TuneConfig, Tuner
-
-    nodes = placement.local_nodes()
-    if nodes is not None and not Tuner.can_restore(exp_dir):
-        # A Ray of this process alone is all there will be: as many trials at once as it can place, each with its
-        # workers and a read task (more would wait on each other's reads for good), said once.
-        fitted = placement.fit_concurrency(plan.base, driver_resources(space.trial_cpu), space.max_concurrent, nodes)
-        if fitted < space.max_concurrent:
-            log.warning(f"[sweep {space.name}] {fitted} trial(s) at a time, not max_concurrent {space.max_concurrent}: "
-                        f"this machine's Ray ({nodes}) cannot place more with their workers and reads")
-            space = dataclasses.replace(space, max_concurrent=fitted)
     if Tuner.can_restore(exp_dir):
         log.info(f"[sweep {space.name}] resuming from {exp_dir}: finished trials are not rerun")
         tuner = Tuner.restore(exp_dir, trainable=trainable, resume_unfinished=True, resume_errored=True)
