@@ -40,6 +40,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     (bottom-right alignment, as flash-attn does).
     """
     lq, lk = q.shape[1], k.shape[1]
+    if causal and lq == 1:
+        # One query (a KV-cached decoding step) sits at the last position and sees every key: no mask to build
+        # each step, which also leaves SDPA's flash kernel eligible (a boolean mask rules it out).
+        causal = False
     if mask is None and flash_available(q):
         return FLASH_ATTN(q, k, v, causal=causal)
     if causal and lq != lk:
