@@ -6,10 +6,12 @@ Masks: bidirectional (``mask=None, causal=False``), causal, or an arbitrary bool
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def _load_flash_attn():
@@ -26,6 +28,14 @@ FLASH_ATTN = _load_flash_attn()
 """flash-attn's ``flash_attn_func`` or None, resolved once at import. Not at the first call: under
 ``torch.compile`` that call is traced, and the failed import inside it breaks the graph (dynamo on torch 2.13:
 "Import failure"), so every compiled block on CUDA would be split in two wherever flash-attn is not installed."""
+
+
+CACHED_STEP_BACKENDS: list | None = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""SDPA's kernels for a cached decoding step (fewer queries than keys: AR's KV cache, BD3-LM's block cache); None
+leaves the choice to SDPA. cuDNN is left out: it builds a graph for every new shape (tens to hundreds of ms,
+reported by MLX's and SGLang's cuDNN attention work), and each decoding step's key length is new. On the first
+H100 run, with cuDNN chosen, AR's and BD3-LM's cached steps cost 74 and 65 ms a call at batch 16, more than a
+whole uncached MDLM forward at L = 1024 (36 ms). benchmarks/gpu_check.py times both ways (``..._with_cudnn``)."""
 
 
 def flash_available(q: torch.Tensor) -> bool:
@@ -50,7 +60,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         pos_q = torch.arange(lk - lq, lk, device=q.device)
         mask = pos_q[:, None] >= torch.arange(lk, device=q.device)[None, :]
         causal = False
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask, is_causal=causal and mask is None)
+    kernels = sdpa_kernel(CACHED_STEP_BACKENDS) if lq != lk and CACHED_STEP_BACKENDS else contextlib.nullcontext()
+    with kernels:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask, is_causal=causal and mask is None)
     return out.transpose(1, 2)

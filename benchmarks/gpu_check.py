@@ -59,7 +59,7 @@ Items, in this order (``--list`` prints them; ``--only`` / ``--skip`` pick them 
 - ``sample_forward``: one denoising forward of MDLM at batch 16, L = 1024 in float32 and in bf16 autocast (the
   served model runs float32: ``adlm_model.textgen`` does not autocast).
 - ``sample_exact``, ``sample_cached``, ``sample_confidence``, ``sample_bd3lm_kv``, ``sample_ar_kv`` (and the last two
-  again with SDPA's cuDNN kernel left out, ``..._no_cudnn``): batch 16,
+  again with SDPA free to pick cuDNN for the cached steps, ``..._with_cudnn``, as the first H100 run did): batch 16,
   L = 1024, bf16 autocast, networks at their initial weights (zero output layer: p_x0 uniform, which sets the
   schedule's behaviour, not the cost of a call), nucleus off (on a uniform p_x0 the nucleus would sort the whole
   vocabulary at every position, a cost a trained network's peaked p_x0 rarely pays), after a short warm-up run: the
@@ -696,8 +696,8 @@ def sample_forward(ctx: Ctx) -> dict[str, Any]:
             "detail": {"batch": x.shape[0], "seq_len": cfg.seq_len}}
 
 
-SAMPLE_NEED_S = {"exact": 30, "cached": 30, "confidence": 15, "bd3lm_kv": 15, "ar_kv": 10, "ar_kv_no_cudnn": 10,
-                 "bd3lm_kv_no_cudnn": 15}
+SAMPLE_NEED_S = {"exact": 30, "cached": 30, "confidence": 15, "bd3lm_kv": 15, "ar_kv": 10, "ar_kv_with_cudnn": 15,
+                 "bd3lm_kv_with_cudnn": 15}
 """Estimated seconds of each sampling item on an H100 (``Item.need_s``)."""
 SAMPLE_RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # item: (kind, sampler, options; "T" stands for --tiny's or the full T)
@@ -706,11 +706,10 @@ SAMPLE_RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "confidence": ("mdlm", "confidence", {"threshold": 0.9, "kv_cache": "dual"}),
     "bd3lm_kv": ("bd3lm", "bd3lm", {"kv_cache": True}),
     "ar_kv": ("ar", "ar", {"cache": True}),
-    # The KV-cached steps again with SDPA's cuDNN kernel left out: on the first H100 run they cost 65-74 ms a call,
-    # more than a whole uncached MDLM forward (36 ms), with cuDNN chosen; a hypothesis is cuDNN building a new
-    # graph for every key length (each step's is one longer).
-    "ar_kv_no_cudnn": ("ar", "ar", {"cache": True}),
-    "bd3lm_kv_no_cudnn": ("bd3lm", "bd3lm", {"kv_cache": True}),
+    # The KV-cached steps again with SDPA free to choose cuDNN (adlm_model.attention.CACHED_STEP_BACKENDS = None),
+    # as on the first H100 run, where they cost 65-74 ms a call: more than a whole uncached MDLM forward (36 ms).
+    "ar_kv_with_cudnn": ("ar", "ar", {"cache": True}),
+    "bd3lm_kv_with_cudnn": ("bd3lm", "bd3lm", {"kv_cache": True}),
 }
 
 
@@ -726,12 +725,17 @@ def sample_item(ctx: Ctx, which: str) -> dict[str, Any]:
         steps = cfg.block_size  # T = b a block: one token a step on average
     if sampler == "ar":
         opts["bos_id"] = 0
-    def backends() -> contextlib.AbstractContextManager:  # a fresh one each time: these are single-use
-        if not which.endswith("_no_cudnn"):
-            return contextlib.nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    @contextlib.contextmanager
+    def backends() -> Iterator[None]:  # a fresh one each time: generator-based managers are single-use
+        from adlm_model import attention
 
-        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+        saved = attention.CACHED_STEP_BACKENDS
+        if which.endswith("_with_cudnn"):
+            attention.CACHED_STEP_BACKENDS = None
+        try:
+            yield
+        finally:
+            attention.CACHED_STEP_BACKENDS = saved
 
     with backends(), ctx.autocast():  # warm-up: a short run (64 positions, 2 steps) takes the lazy initialisations
         sample(model, cfg, batch_size=sz.sample_batch, length=min(sz.sample_len, 64), steps=2, sampler=sampler,
