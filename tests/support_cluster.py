@@ -298,6 +298,25 @@ class RayCluster:
         self.workers.remove(node)
 
 
+def _children() -> set[int]:
+    import psutil
+
+    return {c.pid for c in psutil.Process().children()}
+
+
+def _kill_new_children(before: set[int]) -> None:
+    """SIGKILL this process's children not in ``before``, and theirs: a node start that failed leaves its
+    processes (GCS, raylet, dashboard) with no object to stop them through."""
+    import psutil
+
+    for child in psutil.Process().children():
+        if child.pid not in before:
+            with contextlib.suppress(psutil.Error):
+                for p in [*child.children(recursive=True), child]:
+                    with contextlib.suppress(psutil.Error):
+                        p.kill()
+
+
 @contextlib.contextmanager
 def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] | None = None) -> Iterator[RayCluster]:
     """Head (0 CPUs, dashboard and job API on loopback) plus ``nodes`` nodes of ``cpus`` CPUs. The nodes are
@@ -315,15 +334,20 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] 
     try:
         for attempt in (1, 2):
             dash = free_port()
-            cluster = Cluster(initialize_head=True, head_node_args={
-                "num_cpus": 0, "resources": dict(head_resources or {}), "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dash,
-                "_system_config": LOCAL_SYSTEM_CONFIG, **_free_ports()})
+            before, cluster = _children(), None
             try:
+                cluster = Cluster(initialize_head=True, head_node_args={
+                    "num_cpus": 0, "resources": dict(head_resources or {}), "include_dashboard": True,
+                    "dashboard_host": "127.0.0.1", "dashboard_port": dash, "_system_config": LOCAL_SYSTEM_CONFIG,
+                    **_free_ports()})
                 workers = [cluster.add_node(num_cpus=cpus, runtime_env_dir_name=f"runtime_resources_node{i}",
                                             **_free_ports()) for i in range(nodes)]
                 break
-            except Exception as e:  # a raylet that missed Ray's 30 s start-up window on 2 busy cores: once more
-                cluster.shutdown()
+            except Exception as e:  # a raylet (the head's too) that missed Ray's 30 s start-up window: once more
+                if cluster is not None:
+                    cluster.shutdown()
+                else:  # the head never came up: what it started is this process's, since the attempt began
+                    _kill_new_children(before)
                 if attempt == 2 or "timed out during startup" not in str(e):
                     raise
         try:
