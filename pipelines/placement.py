@@ -346,13 +346,23 @@ def autoscaling_report() -> bytes | None:
     return _internal_kv_get(AUTOSCALING_STATUS_KEY) if _internal_kv_initialized() else None
 
 
-def fixed_nodes() -> list[dict[str, float]] | None:
-    """The nodes of a Ray that will not grow, as their total resources: the one this process started itself (no
-    ``$RAY_ADDRESS``), or a running cluster with no autoscaler (``without_autoscaler``); None where nodes may
-    still be added (an autoscaling cluster: its demands wait for a launch, which ``placement_deadline`` bounds)."""
+def own_ray() -> bool:
+    """Whether this process started the Ray it is connected to: a driver (no Ray task or actor runs it) without
+    ``$RAY_ADDRESS``, for which ``init_ray`` starts a local Ray."""
     import ray
 
-    if not ray.is_initialized() or (os.environ.get("RAY_ADDRESS") and not without_autoscaler(autoscaling_report())):
+    return not os.environ.get("RAY_ADDRESS") and ray.get_runtime_context().get_task_id() is None
+
+
+def fixed_nodes() -> list[dict[str, float]] | None:
+    """The nodes of a Ray that will not grow, as their total resources: the one this process started itself (a
+    driver without ``$RAY_ADDRESS``: ``init_ray`` then starts a local Ray), or a running cluster with no autoscaler
+    (``without_autoscaler``); None where nodes may still be added (an autoscaling cluster: its demands wait for a
+    launch, which ``placement_deadline`` bounds). A Ray task or actor (a Tune trial) started no Ray, whatever its
+    environment says: only the monitor's report tells."""
+    import ray
+
+    if not ray.is_initialized() or not (own_ray() or without_autoscaler(autoscaling_report())):
         return None
     return [{k: float(v) for k, v in (n.get("Resources") or {}).items() if not k.startswith("node:")}
             for n in ray.nodes() if n.get("Alive")]

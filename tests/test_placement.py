@@ -202,9 +202,10 @@ def test_the_smoke_sweep_fits_where_it_ran_and_not_on_a_one_cpu_head() -> None:
 def test_a_ray_that_will_not_grow_is_told_from_one_that_may(ray_session, monkeypatch: pytest.MonkeyPatch) -> None:
     """``fixed_nodes``: the Ray this process started gives its nodes; the same Ray joined as a running cluster
     (``$RAY_ADDRESS``) gives them too, read from its monitor's report, which is Ray's read-only provider's (a
-    cluster started by hand); a report that types nodes by an autoscaler's node types, or none, may grow. (The
-    autoscaler test in tests/test_cluster.py runs a sweep against a real autoscaler's 0-CPU head: taken for
-    fixed, it would be refused.)"""
+    cluster started by hand), and so does a Ray task (a Tune trial: it started no Ray, whatever its environment
+    lacks); a report that types nodes by an autoscaler's node types, or none, may grow. (The autoscaler test in
+    tests/test_cluster.py runs a sweep against a real autoscaler's 0-CPU head: taken for fixed, it would be
+    refused.)"""
     import json
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -215,7 +216,12 @@ def test_a_ray_that_will_not_grow_is_told_from_one_that_may(ray_session, monkeyp
         assert time.monotonic() < deadline, report
         time.sleep(0.5)
     monkeypatch.setenv("RAY_ADDRESS", ray_session.get_runtime_context().gcs_address)
-    assert placement.fixed_nodes() == own
+    assert placement.fixed_nodes() == own and not placement.own_ray()
+    # A Tune trial (any Ray task or actor) started no Ray, without $RAY_ADDRESS too: the report decides there.
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert placement.own_ray()
+    assert ray_session.get(ray_session.remote(lambda: (placement.own_ray(), placement.fixed_nodes())).remote()) == (
+        False, own)
     status = json.loads(report)
     status["autoscaler_report"]["node_type_mapping"] = {n: "cpu_worker" for n in
                                                         status["autoscaler_report"]["node_type_mapping"]}
