@@ -298,8 +298,8 @@ def fit_concurrency(cfg: Any, trial: dict[str, float], wanted: int, nodes: list[
             return k
     left = unplaceable(sweep_demand(cfg, trial, 1), nodes)
     raise Unplaceable(f"one trial asks for {dict(trial)} and {run_demand(cfg)} together, but this Ray's nodes "
-                         f"({brief(nodes)}) cannot place {left}: ask less (scaling.cpus_per_worker, scaling.num_workers, "
-                         "data.read_cpus, resources.trial_cpu) or run on a bigger machine or cluster")
+                      f"({brief(nodes)}) cannot place {left}: ask less (scaling.cpus_per_worker, scaling.num_workers, "
+                      "data.read_cpus, resources.trial_cpu) or run on a bigger machine or cluster")
 
 
 def check_run(cfg: Any) -> None:
@@ -309,9 +309,10 @@ def check_run(cfg: Any) -> None:
     nodes = fixed_nodes()
     if nodes is None:
         return
-    left = unplaceable(run_demand(cfg), nodes)
+    demand = run_demand(cfg)
+    left = unplaceable(demand, nodes)
     if left:
-        raise Unplaceable(f"run {cfg.run.name!r} asks for {run_demand(cfg)} at once, but this Ray's nodes ({brief(nodes)}) "
+        raise Unplaceable(f"run {cfg.run.name!r} asks for {demand} at once, but this Ray's nodes ({brief(nodes)}) "
                           f"will not grow and cannot place {left}: ask less (scaling.num_workers, "
                           "scaling.cpus_per_worker, scaling.use_gpu, data.read_cpus) or run on a bigger machine or an "
                           "autoscaling cluster")

@@ -146,7 +146,7 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
         wd = tmp_path / "work"
         monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url)
         client = mlflow.MlflowClient(real.url)
-        # The run must outlast the outage (a few windows, OUTAGE_S down, the server's restart), whatever this
+        # The run must outlast the outage (a few windows, then OUTAGE_S down), whatever this
         # machine's pace: a fixed step count long enough on a quiet machine is two minutes under the suite's load.
         # So the loop's own pace is measured first (the median window of a short run of the same recipe) and the
         # long run is sized to about TRAIN_S at that pace.
@@ -155,7 +155,7 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
         steps = min(max(LOG_EVERY * round(tok_s / (64 * 32) * TRAIN_S / LOG_EVERY), 200), 2000)
         # The pace can still change under the suite's load (the other worker's tests end: twice as fast, seen once,
         # and the run ended with the server down). So the outage also ends once the run has a checkpoint at
-        # BACK_BY of its steps, whichever comes first: the server is restarted by then, whatever the pace.
+        # BACK_BY of its steps, whichever comes first: the server is back by then, whatever the pace.
         back = LOG_EVERY * round(steps * BACK_BY / LOG_EVERY)
         outage = tracking_outage(server, "long", OUTAGE_S, back_by=lambda: any(
             (wd / "ray_results" / "long").glob(f"checkpoint_{back:08d}*")))
