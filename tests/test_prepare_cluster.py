@@ -1,11 +1,12 @@
 """Data preparation where it runs at scale (issues 28 and 24): a stand-in for a hub dataset in Parquet files,
 prepared into s3:// (moto) on a Ray cluster of a 0-CPU head and two worker nodes (tests/support_cluster.py).
 
-- The driver reads no row (a row-count probe in this process, which is the driver) and each tokenizer actor
-  reads one unit's row groups of one file at a time (each unit's record says how many rows it read); the
-  shards equal those of the local path over the same files with the same settings, byte for byte.
-- A node that hosts a tokenizer actor dies mid-prepare: the actor is restarted on the other node, its units are
-  done again, and the command completes without a rerun with the same shards as the undisturbed run.
+One run of the hub path, with a node that hosts a tokenizer actor killed mid-prepare: the actor is restarted on
+the other node, its units are done again, and the command completes without a rerun. The driver read no row (a
+row-count probe in this process, which is the driver); each tokenizer actor read one unit's row groups of one file
+at a time (each unit's record says how many rows it read); and the shards equal, byte for byte, those of the local
+path over the same files with the same settings on the same cluster, undisturbed. (The hub path undisturbed gives
+the local path's shards too: tests/test_prepare_hub.py, on one node; so the node loss changed nothing.)
 """
 
 from __future__ import annotations
@@ -73,41 +74,41 @@ def test_a_hub_dataset_prepared_into_s3_on_a_cluster_survives_a_node_loss(tmp_pa
     with s3_server() as s3, ray_cluster(nodes=2) as rc:
         mirror = f"s3://{s3.bucket}/hub"
         write_stand_in(mirror, docs, files=FILES, row_group=5)
-        opts = dict(source=["standin"], hub_mirror=mirror, ray_address=rc.address)
         try:
+            # The hub path into the bucket; a tokenizer actor's node dies once the run has written its first unit.
             READS.update(units=0, max_rows=0)
-            m = prepare(PrepareConfig.from_dict({**opts, "out": f"s3://{s3.bucket}/out"}))["train"]
-            assert READS == {"units": 0, "max_rows": 0}  # the driver read footers, never rows
-            records = [json.loads(s3.read(k)) for k in s3.keys("out/train/_units/") if k.endswith(".json")]
-            assert len(records) == m.options["units"] >= 16
-            # Each unit read its own row groups of one file: every row once, never more than a file's rows at a time.
-            assert max(r["stats"]["rows_read"] for r in records) < per_file
-            assert sum(r["stats"]["rows_read"] for r in records) == len(docs)
-            hub = _shards(s3, "out/train/")
-            assert sorted(hub) == sorted(s.name for s in m.shards) and m.documents == len(docs)
-
-            # The local path over the same files with the same settings: the same shards, byte for byte.
-            local = prepare(PrepareConfig(source=[f"train={tmp_path / 'local' / REPO / 'plain_text'}"], tokenizer="gpt2",
-                                 length=64, out=str(tmp_path / "local_out"), ray_address=rc.address))["train"]
-            assert local.content_hash() == m.content_hash() and local.token_frequency == m.token_frequency
-            assert {s.name: (tmp_path / "local_out" / "train" / s.name).read_bytes() for s in local.shards} == hub
-
-            # A tokenizer actor's node dies mid-prepare: the same command completes, with the same shards.
             result: dict = {}
 
             def run() -> None:
                 try:
-                    result["m"] = prepare(PrepareConfig.from_dict({**opts, "out": f"s3://{s3.bucket}/out2"}))["train"]
+                    result["m"] = prepare(PrepareConfig.from_dict({
+                        "source": ["standin"], "hub_mirror": mirror, "ray_address": rc.address,
+                        "out": f"s3://{s3.bucket}/out"}))["train"]
                 except BaseException as e:  # noqa: BLE001 - reported by the assertion below
                     result["error"] = e
 
             t = threading.Thread(target=run)
             t.start()
-            assert _kill_a_tokenizer_node(rc, s3, "out2/train", time.time() + 300), "the run ended before the node died"
+            assert _kill_a_tokenizer_node(rc, s3, "out/train", time.time() + 300), "the run ended before the node died"
             t.join(timeout=600)
             assert not t.is_alive() and "error" not in result, result.get("error")
-            assert result["m"].content_hash() == m.content_hash()
-            assert _shards(s3, "out2/train/") == hub
+            m = result["m"]
             assert len(rc.workers) == 1
+            assert READS == {"units": 0, "max_rows": 0}  # the driver read footers, never rows
+            records = [json.loads(s3.read(k)) for k in s3.keys("out/train/_units/") if k.endswith(".json")]
+            assert len(records) == m.options["units"] >= 16
+            # Each unit read its own row groups of one file: every row once, never more than a file's rows at a time
+            # (a unit done again on the other node rewrote its record).
+            assert max(r["stats"]["rows_read"] for r in records) < per_file
+            assert sum(r["stats"]["rows_read"] for r in records) == len(docs)
+            hub = _shards(s3, "out/train/")
+            assert sorted(hub) == sorted(s.name for s in m.shards) and m.documents == len(docs)
+
+            # The local path over the same files with the same settings, on the node left: the same shards, byte for
+            # byte.
+            local = prepare(PrepareConfig(source=[f"train={tmp_path / 'local' / REPO / 'plain_text'}"], tokenizer="gpt2",
+                                 length=64, out=str(tmp_path / "local_out"), ray_address=rc.address))["train"]
+            assert local.content_hash() == m.content_hash() and local.token_frequency == m.token_frequency
+            assert {s.name: (tmp_path / "local_out" / "train" / s.name).read_bytes() for s in local.shards} == hub
         finally:
             ray.shutdown()  # the driver leaves the cluster before it is taken down

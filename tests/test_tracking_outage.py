@@ -99,6 +99,15 @@ def test_a_stopped_server_trains_on_and_the_command_ends_non_zero_with_the_line_
     assert line.startswith("error: run 'stopped' is trained") and "rerun the same command to register it" in line
     assert (tmp_path / "work" / "ray_results" / "stopped" / "tracking_spool").is_dir()
 
+@pytest.fixture(scope="module")
+def tracking_server(tmp_path_factory: pytest.TempPathFactory):
+    """One real MLflow tracking server for the module's outage tests (each its own experiment); each test outages
+    a ``Gate`` in front of it, so the server itself starts once (5-25 s of start-up under the suite's load)."""
+    base = tmp_path_factory.mktemp("tracking")
+    with mlflow_server(base / "mlflow.db", str(base / "artifacts"), base / "mlflow.log") as server:
+        yield server
+
+
 TRAIN_S = 35.0
 """The long run's planned length at the pace measured just before it: the outage needs about 25 s of it (five
 windows, then OUTAGE_S down); if the pace rises under a load that drops, BACK_BY shortens the outage so that the
@@ -131,90 +140,92 @@ def _cfg(tiny_data: Path, name: str, steps: int, micro: int = 8, ckpt_every: int
 
 @pytest.mark.slow
 def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             capfd: pytest.CaptureFixture[str]) -> None:
+                                             capfd: pytest.CaptureFixture[str], tracking_server) -> None:
     import mlflow
 
     from pipelines.training.trainer import train
 
     for k in [k for k in __import__("os").environ if k.startswith("MLFLOW_HTTP_REQUEST")]:
         monkeypatch.delenv(k)  # MLflow's own defaults
-    with mlflow_server(tmp_path / "mlflow.db", str(tmp_path / "artifacts"), tmp_path / "mlflow.log") as real:
-        # Training talks to the server through a gate that goes down and comes back at once (a restarted server
-        # takes up to 25 s to answer under the suite's load: a run meant to end with it up ended first); the
-        # test reads the server directly. tests below restart a real server: the give-up path and the README job.
-        server = Gate(real.port)
-        wd = tmp_path / "work"
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url)
-        client = mlflow.MlflowClient(real.url)
-        # The run must outlast the outage (a few windows, then OUTAGE_S down), whatever this
-        # machine's pace: a fixed step count long enough on a quiet machine is two minutes under the suite's load.
-        # So the loop's own pace is measured first (the median window of a short run of the same recipe) and the
-        # long run is sized to about TRAIN_S at that pace.
-        calib = train(_cfg(tiny_data, "calibrate", 80, micro=64), workdir=str(wd), tracking_uri=server.url)
-        tok_s = statistics.median(m.value for m in client.get_metric_history(calib.run_id, "train/tokens_per_s"))
-        steps = min(max(LOG_EVERY * round(tok_s / (64 * 32) * TRAIN_S / LOG_EVERY), 200), 2000)
-        # The pace can still change under the suite's load (the other worker's tests end: twice as fast, seen once,
-        # and the run ended with the server down). So the outage also ends once the run has a checkpoint at
-        # BACK_BY of its steps, whichever comes first: the server is back by then, whatever the pace.
-        back = LOG_EVERY * round(steps * BACK_BY / LOG_EVERY)
-        outage = tracking_outage(server, "long", OUTAGE_S, back_by=lambda: any(
-            (wd / "ray_results" / "long").glob(f"checkpoint_{back:08d}*")))
-        # In this process: what is under test is the loop and its tracker, which are the same in a Ray Train
-        # worker, not Ray Train's 20 s of start-up. (Each epoch's reread of the shards shows in no window's pace:
-        # 1.007 measured alone.) The outage starts after a few windows and ends with training still running.
-        res = train(_cfg(tiny_data, "long", steps, micro=64, ckpt_every=back), workdir=str(wd), tracking_uri=server.url)
-        ended = time.time()
-        outage.thread.join(timeout=OUTAGE_S + 60)
-        assert outage.end, "the outage never happened"
-        # Training went on well into the outage, and the server answered again before it ended (BACK_BY).
-        assert ended > outage.start + 10, f"training ended {ended - outage.start:.0f} s into the outage ({steps} steps)"
-        assert ended > outage.end, f"training ended {outage.end - ended:.1f} s before the server was back"
-        assert res.step == steps and res.registered_version is not None  # the server was back for the run's end
+    real = tracking_server
+    # Training talks to the server through a gate that goes down and comes back at once (a restarted server
+    # takes up to 25 s to answer under the suite's load: a run meant to end with it up ended first); the
+    # test reads the server directly. A real server's restart: benchmarks/tracking_outage.py and the README job.
+    server = Gate(real.port)
+    wd = tmp_path / "work"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url)
+    client = mlflow.MlflowClient(real.url)
+    # The run must outlast the outage (a few windows, then OUTAGE_S down), whatever this
+    # machine's pace: a fixed step count long enough on a quiet machine is two minutes under the suite's load.
+    # So the loop's own pace is measured first (the median window of a short run of the same recipe) and the
+    # long run is sized to about TRAIN_S at that pace.
+    calib = train(_cfg(tiny_data, "calibrate", 80, micro=64), workdir=str(wd), tracking_uri=server.url)
+    tok_s = statistics.median(m.value for m in client.get_metric_history(calib.run_id, "train/tokens_per_s"))
+    steps = min(max(LOG_EVERY * round(tok_s / (64 * 32) * TRAIN_S / LOG_EVERY), 200), 2000)
+    # The pace can still change under the suite's load (the other worker's tests end: twice as fast, seen once,
+    # and the run ended with the server down). So the outage also ends once the run has a checkpoint at
+    # BACK_BY of its steps, whichever comes first: the server is back by then, whatever the pace.
+    back = LOG_EVERY * round(steps * BACK_BY / LOG_EVERY)
+    outage = tracking_outage(server, "long", OUTAGE_S, back_by=lambda: any(
+        (wd / "ray_results" / "long").glob(f"checkpoint_{back:08d}*")))
+    # In this process: what is under test is the loop and its tracker, which are the same in a Ray Train
+    # worker, not Ray Train's 20 s of start-up. (Each epoch's reread of the shards shows in no window's pace:
+    # 1.007 measured alone.) The outage starts after a few windows and ends with training still running.
+    res = train(_cfg(tiny_data, "long", steps, micro=64, ckpt_every=back), workdir=str(wd), tracking_uri=server.url)
+    ended = time.time()
+    outage.thread.join(timeout=OUTAGE_S + 60)
+    assert outage.end, "the outage never happened"
+    # Training went on well into the outage, and the server answered again before it ended (BACK_BY).
+    assert ended > outage.start + 10, f"training ended {ended - outage.start:.0f} s into the outage ({steps} steps)"
+    assert ended > outage.end, f"training ended {outage.end - ended:.1f} s before the server was back"
+    assert res.step == steps and res.registered_version is not None  # the server was back for the run's end
 
-        # The loop never waited on the server: windows kept coming at the rate they came with it up. A stall
-        # (a call waiting out MLflow's ~250 s of retries) would leave a handful of windows at a fraction of it.
-        # How close the rates are is a measurement, not an assertion: benchmarks/tracking_outage.py.
-        up, down = outage_step_rates(real.url, res.run_id, outage)
-        assert len(up) >= 3 and len(down) >= 5, (len(up), len(down))
-        ratio = statistics.median(down) / statistics.median(up)
-        with capfd.disabled():
-            print(f"\nstep rate during the outage / with the server up: {ratio:.3f} ({len(down)} windows in "
-                  f"{OUTAGE_S:.0f} s down, {steps} steps)")
-        # A loop that waited on the server would log no window while it is down (len(down) above); one that paid a
-        # refused connection a window would crawl. The margin is wide: other processes on a loaded 2-core
-        # machine move this ratio more than tracking does (0.56 seen at load 13; about 1.0 on a quiet machine).
-        assert ratio > 0.3, ratio
-        logged = [m.step for m in client.get_metric_history(res.run_id, "train/loss")]
-        assert sorted(logged) == list(range(LOG_EVERY, steps + 1, LOG_EVERY))  # every window once, the outage's included
+    # The loop never waited on the server: windows kept coming at the rate they came with it up. A stall
+    # (a call waiting out MLflow's ~250 s of retries) would leave a handful of windows at a fraction of it.
+    # How close the rates are is a measurement, not an assertion: benchmarks/tracking_outage.py.
+    up, down = outage_step_rates(real.url, res.run_id, outage)
+    assert len(up) >= 3 and len(down) >= 5, (len(up), len(down))
+    ratio = statistics.median(down) / statistics.median(up)
+    with capfd.disabled():
+        print(f"\nstep rate during the outage / with the server up: {ratio:.3f} ({len(down)} windows in "
+              f"{OUTAGE_S:.0f} s down, {steps} steps)")
+    # A loop that waited on the server would log no window while it is down (len(down) above); one that paid a
+    # refused connection a window would crawl. The margin is wide: other processes on a loaded 2-core
+    # machine move this ratio more than tracking does (0.56 seen at load 13; about 1.0 on a quiet machine).
+    assert ratio > 0.3, ratio
+    logged = [m.step for m in client.get_metric_history(res.run_id, "train/loss")]
+    assert sorted(logged) == list(range(LOG_EVERY, steps + 1, LOG_EVERY))  # every window once, the outage's included
 
-        # A run that ends while the server is down: one clear message, nothing registered; the next run of the
-        # same command (server back) trains nothing, sends the metrics it kept and registers. In-process (Ray Train
-        # is not what this part tests; one epoch of data, so no reread either).
-        server.stop()
-        short = train(_cfg(tiny_data, "short", 60), workdir=str(wd), tracking_uri=server.url)
-        assert short.registered_version is None
-        assert "is unreachable: the run is trained" in capfd.readouterr().err  # a log line: WARNING on stderr
-        server.start()
-        again = train(_cfg(tiny_data, "short", 60), workdir=str(wd), tracking_uri=server.url)
-        assert again.registered_version is not None and again.step == 60
-        logged = [m.step for m in client.get_metric_history(again.run_id, "train/loss")]
-        assert sorted(logged) == list(range(LOG_EVERY, 61, LOG_EVERY))
-        server.stop()
+    # A run that ends while the server is down: one clear message, nothing registered; the next run of the
+    # same command (server back) trains nothing, sends the metrics it kept and registers. In-process (Ray Train
+    # is not what this part tests; one epoch of data, so no reread either).
+    server.stop()
+    short = train(_cfg(tiny_data, "short", 60), workdir=str(wd), tracking_uri=server.url)
+    assert short.registered_version is None
+    assert "is unreachable: the run is trained" in capfd.readouterr().err  # a log line: WARNING on stderr
+    server.start()
+    again = train(_cfg(tiny_data, "short", 60), workdir=str(wd), tracking_uri=server.url)
+    assert again.registered_version is not None and again.step == 60
+    logged = [m.step for m in client.get_metric_history(again.run_id, "train/loss")]
+    assert sorted(logged) == list(range(LOG_EVERY, 61, LOG_EVERY))
+    server.stop()
 
 
 @pytest.mark.slow
 def test_a_call_whose_retries_run_out_is_sent_again_once_the_server_is_back(tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sender's give-up path against a real server: a batch whose call fails (here at once: no retries) goes
-    back to the front of the queue, the logger keeps queuing, and once the server is back every step arrives
-    exactly once, in order, without close() having to spool anything."""
+                                                                           monkeypatch: pytest.MonkeyPatch,
+                                                                           tracking_server) -> None:
+    """The sender's give-up path against a real server (behind a gate that goes down): a batch whose call fails
+    (here at once: no retries) goes back to the front of the queue, the logger keeps queuing, and once the server
+    is back every step arrives exactly once, in order, without close() having to spool anything."""
     import mlflow
 
     from pipelines.tracking import ResilientLogger, ensure_experiment, find_or_create_run
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
-    with mlflow_server(tmp_path / "mlflow.db", str(tmp_path / "artifacts"), tmp_path / "mlflow.log") as server:
+    server = Gate(tracking_server.port)
+    try:
         run_id, _ = find_or_create_run(server.url, ensure_experiment("giveup", server.url, tmp_path), "r")
         log = ResilientLogger(server.url, run_id, spool_dir=str(tmp_path / "spool"), retry_s=0.2, max_retry_s=0.5)
         log.log_metrics({"train/loss": 1.0}, 1)
@@ -229,8 +240,10 @@ def test_a_call_whose_retries_run_out_is_sent_again_once_the_server_is_back(tmp_
         server.start()
         assert log.flush(timeout=60) is True and log.close() == 0
         assert not (tmp_path / "spool").exists()
-        hist = mlflow.MlflowClient(server.url).get_metric_history(run_id, "train/loss")
+        hist = mlflow.MlflowClient(tracking_server.url).get_metric_history(run_id, "train/loss")
         assert sorted(m.step for m in hist) == [1, 2, 3, 4, 5]
+    finally:
+        server.stop()
 
 
 def test_a_sweep_and_a_study_say_refused_credentials_are_refused_and_go_on_through_an_outage(
