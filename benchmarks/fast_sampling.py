@@ -46,6 +46,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -94,9 +95,12 @@ def _adamw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.
 
 
 def train(kind: str, tb: Testbed, steps: int, workdir: Path, seed: int = 0, batch: int = 32, lr: float = 3e-3,
-          checkpoint_every: int = 200) -> tuple[torch.nn.Module, object, dict]:
+          checkpoint_every: int = 200, device: str = "cpu") -> tuple[torch.nn.Module, object, dict]:
     """A small model of ``kind`` trained ``steps`` AdamW steps on fresh testbed rows, seeded end to end and cached
-    by the hash of its recipe (module docstring); resumes from the last checkpoint. Returns (model, cfg, meta)."""
+    by the hash of its recipe (module docstring); resumes from the last checkpoint. Returns (model, cfg, meta), the
+    model on the CPU. ``device``: where it trains (``--train-device``); not part of the recipe's key, so a model
+    trained on a GPU is the cached model of a CPU run of the same recipe (the device is recorded in its meta; the
+    two devices' random streams differ, so their weights do too), and a checkpoint resumes on its own device only."""
     cfg = preset("tiny", kind=kind, vocab_size=tb.vocab_size, mask_id=MASK_ID, seq_len=tb.length, hidden=128, heads=4,
                  n_blocks=2, denoiser_blocks=1, cond_dim=64, dropout=0.0)
     recipe = {"format": TRAIN_FORMAT, "kind": kind, "model": cfg.to_dict(), "testbed": tb.to_dict(), "steps": steps,
@@ -114,42 +118,50 @@ def train(kind: str, tb: Testbed, steps: int, workdir: Path, seed: int = 0, batc
             model.load_state_dict(load_file(str(d / "model.safetensors")))
             print(f"  {kind}: cached model {d.name} ({steps} steps)", flush=True)
             return model.eval(), cfg, meta
+        model.to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator(device=device).manual_seed(seed)
         start, state_path = 0, d / "state.safetensors"
-        if state_path.is_file() and (d / "state.json").is_file():
-            st, info = load_file(str(state_path)), json.loads((d / "state.json").read_text())
+        info = json.loads((d / "state.json").read_text()) if (d / "state.json").is_file() else {}
+        if info and info.get("device", "cpu") != device:
+            print(f"  {kind}: the checkpoint in {d.name} is from {info.get('device', 'cpu')}, this run trains on "
+                  f"{device}: starting over (a random stream does not carry across devices)", flush=True)
+            info = {}
+        if state_path.is_file() and info:
+            st = load_file(str(state_path))  # on the CPU: AdamW keeps its step counts there
             model.load_state_dict({k[6:]: v for k, v in st.items() if k.startswith("model.")})
             params = list(model.parameters())
             opt.state.clear()
             for i, p in enumerate(params):
                 if f"opt.{i}.exp_avg" in st:
-                    opt.state[p] = {"step": st[f"opt.{i}.step"], "exp_avg": st[f"opt.{i}.exp_avg"],
-                                    "exp_avg_sq": st[f"opt.{i}.exp_avg_sq"]}
-            g.set_state(st["generator"])
+                    opt.state[p] = {"step": st[f"opt.{i}.step"], "exp_avg": st[f"opt.{i}.exp_avg"].to(device),
+                                    "exp_avg_sq": st[f"opt.{i}.exp_avg_sq"].to(device)}
+            g.set_state(st["generator"].cpu())
             start = int(info["step"])
             print(f"  {kind}: resuming {d.name} at step {start}/{steps}", flush=True)
         model.train()
         t0, losses = time.perf_counter(), []
         for step in range(start, steps):
-            x = tb.sample(batch, seed=1000 + step)
+            x = tb.sample(batch, seed=1000 + step).to(device)
             loss = compute_loss(model, x, None, cfg, step=step, train=True, generator=g).loss
             losses.append(_adamw_step(model, opt, loss, step, lr))
             if (step + 1) % 100 == 0:
                 print(f"  {kind} step {step + 1}/{steps} loss {statistics.fmean(losses[-100:]):.4f} (mean of the last "
                       f"100; {time.perf_counter() - t0:.0f} s)", flush=True)
             if (step + 1) % checkpoint_every == 0 and step + 1 < steps:
-                st = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+                st = {f"model.{k}": v.detach().cpu().clone() for k, v in model.state_dict().items()}
                 for i, p in enumerate(model.parameters()):
                     if p in opt.state:
                         for name in ("step", "exp_avg", "exp_avg_sq"):
-                            st[f"opt.{i}.{name}"] = torch.as_tensor(opt.state[p][name]).clone()
+                            st[f"opt.{i}.{name}"] = torch.as_tensor(opt.state[p][name]).cpu().clone()
                 st["generator"] = g.get_state()
                 _save_atomic(st, state_path)
-                _write_json({"step": step + 1}, d / "state.json")
+                _write_json({"step": step + 1, "device": device}, d / "state.json")
+        model.cpu()
         _save_atomic({k: v.detach().clone() for k, v in model.state_dict().items()}, d / "model.safetensors")
         meta = {"done": True, "recipe": recipe, "key": key, "final_loss_mean_100": statistics.fmean(losses[-100:])
-                if losses else None}
+                if losses else None, "trained_on": device,
+                "seconds": round(time.perf_counter() - t0, 1)}
         _write_json(meta, d / "meta.json")
         for f in (state_path, d / "state.json"):
             f.unlink(missing_ok=True)
@@ -164,13 +176,14 @@ DISTILL_FORMAT = 1
 
 def distill(kind: str, teacher: torch.nn.Module, cfg, tb: Testbed, workdir: Path, teacher_key: str, *, rounds: int,
             steps_per_round: int, lr: float = 1e-4, batch: int = 32, seed: int = 0,
-            substeps: int = 2) -> list[tuple[int, torch.nn.Module]]:
+            substeps: int = 2, device: str = "cpu") -> list[tuple[int, torch.nn.Module]]:
     """Self-distillation through time (``adlm_model.distill``, METHOD.md section 4) from ``teacher`` at ``T0 = L``
     sampling steps: round ``r``'s student starts from the weights of round ``r - 1``'s (the teacher's first) and
     learns to take in one step what that model takes in ``substeps`` steps of size ``dt_r``; it then becomes the
     teacher. For ADLM the composed network is the student (anchor network and denoiser both learn). Seeded end to
     end like ``train``; each round's student is cached by the hash of the chain of recipes that made it (a rerun
-    skips the rounds done). Returns ``[(student's sampling steps, student)]``, one per round."""
+    skips the rounds done). Returns ``[(student's sampling steps, student)]``, one per round, on the CPU;
+    ``device``: where the rounds train (as ``train``'s, not part of the key)."""
     from adlm_model.distill import round_dt, sdtt_objective, student_steps
 
     t0_steps = tb.length
@@ -191,20 +204,23 @@ def distill(kind: str, teacher: torch.nn.Module, cfg, tb: Testbed, workdir: Path
                 print(f"  {kind}: cached SDTT round {r + 1} student ({steps} steps) {d.name}", flush=True)
             else:
                 student.load_state_dict(current.state_dict())
-                student.train()
+                student.to(device).train()
+                current.to(device)
                 opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
-                g = torch.Generator().manual_seed(seed * 1000 + r)
+                g = torch.Generator(device=device).manual_seed(seed * 1000 + r)
                 t0, losses = time.perf_counter(), []
                 for step in range(steps_per_round):
-                    x = tb.sample(batch, seed=5_000_000 + r * steps_per_round + step)
+                    x = tb.sample(batch, seed=5_000_000 + r * steps_per_round + step).to(device)
                     loss = sdtt_objective(student, current, x, None, cfg, dt=round_dt(t0_steps, r, substeps),
                                           substeps=substeps, generator=g).loss
                     losses.append(_adamw_step(student, opt, loss, step, lr))
                     if (step + 1) % 100 == 0:
                         print(f"  {kind} SDTT round {r + 1}/{rounds} step {step + 1}/{steps_per_round} divergence "
                               f"{statistics.fmean(losses[-100:]):.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+                student.cpu()
+                current.cpu()
                 _save_atomic({k: v.detach().clone() for k, v in student.state_dict().items()}, d / "model.safetensors")
-                _write_json({"done": True, "recipe": recipe, "student_steps": steps,
+                _write_json({"done": True, "recipe": recipe, "student_steps": steps, "trained_on": device,
                              "final_divergence_mean_100": statistics.fmean(losses[-100:]) if losses else None},
                             d / "meta.json")
             current = student.eval()
@@ -365,7 +381,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="SDTT rounds from T0 = L (each halves the steps: 16, 8, 4, 2 at L = 32; 0: none)")
     p.add_argument("--distill-steps", type=int, default=300, help="training steps per SDTT round")
     p.add_argument("--distill-presets", default="natural", help="presets whose models are distilled")
+    p.add_argument("--train-device", default="cpu",
+                   help="where the models train and distil (e.g. cuda; default cpu); sampling is always timed on the "
+                        "CPU, so a GPU-trained --workdir is carried back and read by a CPU run of the same flags")
+    p.add_argument("--train-only", action="store_true",
+                   help="train each model, print its distance from the truth, distil the ones whose bound is within "
+                        "--max-excess, and stop: no timing (a GPU machine's part of the run)")
     args = p.parse_args(argv)
+    if args.train_device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", args.train_device):
+        p.error(f"--train-device {args.train_device!r}: use cpu or cuda[:N]")
+    if args.train_device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--train-device cuda: this machine has no CUDA device; train on the CPU (the default)")
     torch.set_num_threads(args.threads)
     all_points: dict[str, list[dict]] = {}
     distance: dict[str, dict] = {}
@@ -380,11 +406,17 @@ def main(argv: list[str] | None = None) -> int:
         for kind in args.kinds.split(","):
             name = kind if preset_name == "natural" else f"{kind}_{preset_name}"
             model, cfg, meta = train(kind, tb, args.train_steps, Path(args.workdir), seed=args.seed,
-                                     checkpoint_every=args.checkpoint_every)
+                                     checkpoint_every=args.checkpoint_every, device=args.train_device)
             b = bound_excess(model, cfg, tb)
             distance[name] = {"bound": b["bound"], "bound_excess": b["excess"], "entropy": h}
             print(f"  {name}: bound {b['bound']:.4f} nats/token, excess over the exact entropy {b['excess']:.4f}",
                   flush=True)
+            if args.train_only:
+                if args.distill_rounds and preset_name in args.distill_presets.split(",") \
+                        and b["excess"] <= args.max_excess:
+                    distill(kind, model, cfg, tb, Path(args.workdir), meta["key"], rounds=args.distill_rounds,
+                            steps_per_round=args.distill_steps, seed=args.seed, device=args.train_device)
+                continue
 
             def gate(base: dict, name: str = name, b: dict = b, h: float = h) -> str | None:
                 distance[name]["sample_excess"] = base["nll"] - h
@@ -408,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.distill_rounds and preset_name in args.distill_presets.split(",") \
                     and "refused" not in all_points[name][0]:
                 students = distill(kind, model, cfg, tb, Path(args.workdir), meta["key"], rounds=args.distill_rounds,
-                                   steps_per_round=args.distill_steps, seed=args.seed)
+                                   steps_per_round=args.distill_steps, seed=args.seed, device=args.train_device)
                 base = all_points[name][0]
                 for steps, student in students:  # the student at its steps, and the teacher at the same steps
                     for method, m in (("distilled", student), ("teacher", model)):
@@ -421,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
                               f"entropy {q['entropy']:.3f}", flush=True)
             for q in all_points[name]:
                 q["L"], q["preset"] = tb.length, preset_name
+    if args.train_only:
+        print(json.dumps({"distance": distance}, indent=1))
+        return 0
     out_json = Path(args.plot).with_suffix(".json")
     out_json.write_text(json.dumps({"points": all_points, "distance": distance}, indent=1))
     plot(all_points, Path(args.plot))

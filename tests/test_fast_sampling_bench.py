@@ -93,3 +93,14 @@ def test_the_whole_benchmark_runs_tiny_with_a_distillation_round_on_both_presets
     students = sorted(p.name for p in (tmp_path / "w").iterdir() if "-sdtt1-" in p.name)
     assert len(students) == 1
     assert bench.main(args) == 0 and "cached SDTT round 1 student" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device, message", [("cuda", "this machine has no CUDA device"), ("tpu", "use cpu or cuda")])
+def test_a_training_device_this_machine_lacks_is_refused_in_one_line(bench, tmp_path, capsys, device, message):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--train-device", device, "--train-only", "--workdir", str(tmp_path / "w")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and message in err, err
+    assert not (tmp_path / "w").exists()  # refused before any work
