@@ -123,9 +123,8 @@ def train(kind: str, tb: Testbed, steps: int, workdir: Path, seed: int = 0, batc
         g = torch.Generator(device=device).manual_seed(seed)
         start, state_path = 0, d / "state.safetensors"
         info = json.loads((d / "state.json").read_text()) if (d / "state.json").is_file() else {}
-        if info and info.get("device", "cpu") != device:
-            print(f"  {kind}: the checkpoint in {d.name} is from {info.get('device', 'cpu')}, this run trains on "
-                  f"{device}: starting over (a random stream does not carry across devices)", flush=True)
+        if info and info.get("device", "cpu") != device:  # a random stream does not carry across devices
+            print(f"  {kind}: {d.name}'s checkpoint is from {info.get('device', 'cpu')}: starting over", flush=True)
             info = {}
         if state_path.is_file() and info:
             st = load_file(str(state_path))  # on the CPU: AdamW keeps its step counts there
@@ -160,8 +159,7 @@ def train(kind: str, tb: Testbed, steps: int, workdir: Path, seed: int = 0, batc
         model.cpu()
         _save_atomic({k: v.detach().clone() for k, v in model.state_dict().items()}, d / "model.safetensors")
         meta = {"done": True, "recipe": recipe, "key": key, "final_loss_mean_100": statistics.fmean(losses[-100:])
-                if losses else None, "trained_on": device,
-                "seconds": round(time.perf_counter() - t0, 1)}
+                if losses else None, "trained_on": device, "seconds": round(time.perf_counter() - t0, 1)}
         _write_json(meta, d / "meta.json")
         for f in (state_path, d / "state.json"):
             f.unlink(missing_ok=True)
@@ -217,8 +215,7 @@ def distill(kind: str, teacher: torch.nn.Module, cfg, tb: Testbed, workdir: Path
                     if (step + 1) % 100 == 0:
                         print(f"  {kind} SDTT round {r + 1}/{rounds} step {step + 1}/{steps_per_round} divergence "
                               f"{statistics.fmean(losses[-100:]):.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-                student.cpu()
-                current.cpu()
+                student.cpu(), current.cpu()
                 _save_atomic({k: v.detach().clone() for k, v in student.state_dict().items()}, d / "model.safetensors")
                 _write_json({"done": True, "recipe": recipe, "student_steps": steps, "trained_on": device,
                              "final_divergence_mean_100": statistics.fmean(losses[-100:]) if losses else None},
