@@ -99,6 +99,7 @@ def test_a_stopped_server_trains_on_and_the_command_ends_non_zero_with_the_line_
     assert line.startswith("error: run 'stopped' is trained") and "rerun the same command to register it" in line
     assert (tmp_path / "work" / "ray_results" / "stopped" / "tracking_spool").is_dir()
 
+
 @pytest.fixture(scope="module")
 def tracking_server(tmp_path_factory: pytest.TempPathFactory):
     """One real MLflow tracking server for the module's outage tests (each its own experiment); each test outages
@@ -106,6 +107,14 @@ def tracking_server(tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp("tracking")
     with mlflow_server(base / "mlflow.db", str(base / "artifacts"), base / "mlflow.log") as server:
         yield server
+
+
+@pytest.fixture()
+def gate(tracking_server):
+    """A test's own ``Gate`` in front of the module's server, closed when the test ends, whatever its outcome."""
+    g = Gate(tracking_server.port)
+    yield g
+    g.stop()
 
 
 TRAIN_S = 35.0
@@ -140,7 +149,7 @@ def _cfg(tiny_data: Path, name: str, steps: int, micro: int = 8, ckpt_every: int
 
 @pytest.mark.slow
 def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             capfd: pytest.CaptureFixture[str], tracking_server) -> None:
+                                             capfd: pytest.CaptureFixture[str], tracking_server, gate) -> None:
     import mlflow
 
     from pipelines.training.trainer import train
@@ -151,7 +160,7 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
     # Training talks to the server through a gate that goes down and comes back at once (a restarted server
     # takes up to 25 s to answer under the suite's load: a run meant to end with it up ended first); the
     # test reads the server directly. A real server's restart: benchmarks/tracking_outage.py and the README job.
-    server = Gate(real.port)
+    server = gate
     wd = tmp_path / "work"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url)
     client = mlflow.MlflowClient(real.url)
@@ -208,13 +217,12 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
     assert again.registered_version is not None and again.step == 60
     logged = [m.step for m in client.get_metric_history(again.run_id, "train/loss")]
     assert sorted(logged) == list(range(LOG_EVERY, 61, LOG_EVERY))
-    server.stop()
 
 
 @pytest.mark.slow
 def test_a_call_whose_retries_run_out_is_sent_again_once_the_server_is_back(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch,
-                                                                           tracking_server) -> None:
+                                                                           tracking_server, gate) -> None:
     """The sender's give-up path against a real server (behind a gate that goes down): a batch whose call fails
     (here at once: no retries) goes back to the front of the queue, the logger keeps queuing, and once the server
     is back every step arrives exactly once, in order, without close() having to spool anything."""
@@ -224,26 +232,23 @@ def test_a_call_whose_retries_run_out_is_sent_again_once_the_server_is_back(tmp_
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
-    server = Gate(tracking_server.port)
-    try:
-        run_id, _ = find_or_create_run(server.url, ensure_experiment("giveup", server.url, tmp_path), "r")
-        log = ResilientLogger(server.url, run_id, spool_dir=str(tmp_path / "spool"), retry_s=0.2, max_retry_s=0.5)
-        log.log_metrics({"train/loss": 1.0}, 1)
-        assert log.flush(timeout=60) is True
-        server.stop()
-        for step in range(2, 6):
-            log.log_metrics({"train/loss": 1.0 / step}, step)
-        deadline = time.time() + 30
-        while log.failures < 2 and time.time() < deadline:  # the call failed, was queued again, failed again
-            time.sleep(0.1)
-        assert log.failures >= 2 and log.pending() == 4, (log.failures, log.pending())
-        server.start()
-        assert log.flush(timeout=60) is True and log.close() == 0
-        assert not (tmp_path / "spool").exists()
-        hist = mlflow.MlflowClient(tracking_server.url).get_metric_history(run_id, "train/loss")
-        assert sorted(m.step for m in hist) == [1, 2, 3, 4, 5]
-    finally:
-        server.stop()
+    server = gate
+    run_id, _ = find_or_create_run(server.url, ensure_experiment("giveup", server.url, tmp_path), "r")
+    log = ResilientLogger(server.url, run_id, spool_dir=str(tmp_path / "spool"), retry_s=0.2, max_retry_s=0.5)
+    log.log_metrics({"train/loss": 1.0}, 1)
+    assert log.flush(timeout=60) is True
+    server.stop()
+    for step in range(2, 6):
+        log.log_metrics({"train/loss": 1.0 / step}, step)
+    deadline = time.time() + 30
+    while log.failures < 2 and time.time() < deadline:  # the call failed, was queued again, failed again
+        time.sleep(0.1)
+    assert log.failures >= 2 and log.pending() == 4, (log.failures, log.pending())
+    server.start()
+    assert log.flush(timeout=60) is True and log.close() == 0
+    assert not (tmp_path / "spool").exists()
+    hist = mlflow.MlflowClient(tracking_server.url).get_metric_history(run_id, "train/loss")
+    assert sorted(m.step for m in hist) == [1, 2, 3, 4, 5]
 
 
 def test_a_sweep_and_a_study_say_refused_credentials_are_refused_and_go_on_through_an_outage(

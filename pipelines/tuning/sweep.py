@@ -380,8 +380,9 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     init_ray()
     warn_if_node_local([plan.storage], "the sweep's Tune storage")
     exp_dir = join(plan.storage, space.name)
+    resuming = Tuner.can_restore(exp_dir)  # one look at the sweep's storage (a bucket's listing on a cluster)
     nodes = placement.fixed_nodes()
-    if nodes is not None and not Tuner.can_restore(exp_dir):
+    if nodes is not None and not resuming:
         # A Ray that will not grow (this process's own, or a cluster without an autoscaler) is all there will be:
         # as many trials at once as it can place, each with its workers and a read task (more would wait on each
         # other's reads for good), said once; none fits: one line, before the parent run or any trial.
@@ -398,7 +399,7 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     # workers, which Ray Train restarts from the bucket's checkpoint (failure.max_failures of the recipe).
     trainable = tune.with_resources(tune.with_parameters(run_trial, plan=trial_plan),
                                     driver_resources(space.trial_cpu))
-    if Tuner.can_restore(exp_dir):
+    if resuming:
         log.info(f"[sweep {space.name}] resuming from {exp_dir}: finished trials are not rerun")
         tuner = Tuner.restore(exp_dir, trainable=trainable, resume_unfinished=True, resume_errored=True)
     else:
