@@ -85,6 +85,26 @@ def test_missing_data_fails_before_ray(workdir: Path, capsys: pytest.CaptureFixt
     assert not (workdir / "ray_results").exists()
 
 
+def test_a_trial_still_pending_at_ctrl_c_is_not_counted_as_ended() -> None:
+    """Tune hands back a trial that was still pending when Ctrl-C stopped it as TERMINATED, with a result that holds
+    nothing but its id (seen with two trials, one at a time, stopped between them): the sweep counts the trials
+    that ended from their results (a report of their own, or an error), so it says "interrupted" (exit 130) and
+    registers nothing until a rerun has run the rest."""
+    from ray.tune import Result
+
+    from pipelines.tuning.sweep import _ended
+
+    def result(metrics: dict, error: Exception | None = None) -> Result:
+        return Result(metrics=metrics, checkpoint=None, error=error, path="/nowhere")
+
+    finished = result({"trial_id": "a_00000", "step": 40, "val_ppl": 121.8})
+    stopped = result({"trial_id": "a_00001", "step": 10, "val_ppl": 510.0})  # by ASHA: a report of its own
+    failed = result({"trial_id": "a_00002"}, RuntimeError("the trial's driver died"))
+    pending = result({"trial_id": "a_00003"})
+    assert _ended([finished, stopped, failed]) == 3
+    assert _ended([finished, pending]) == 1
+
+
 def _trial_runs(experiment: str = "adlm-demo") -> dict[str, object]:
     """The sweep's training runs (MLflow child runs) by trial id; a trial's run is FINISHED once its
     training ended, and it carries a ``train/resumed_from`` metric when it was ever restarted."""

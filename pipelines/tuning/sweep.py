@@ -269,6 +269,14 @@ def _rows(grid: Any, space: SearchSpace, max_t: int) -> list[TrialRow]:
     return sorted(rows, key=lambda r: r.trial_id)
 
 
+def _ended(grid: Any) -> int:
+    """How many trials ended: with a report of their own (finished, or stopped by the scheduler) or an error.
+    Counted from the results, not from Tune's statuses: a trial still pending when Ctrl-C stops Tune comes back
+    TERMINATED without ever having run (its result holds nothing but its id), and a sweep that counted it done
+    would register its best before the rest of the search had run."""
+    return sum(1 for r in grid if r.error is not None or (r.metrics or {}).get(TIME_ATTR) is not None)
+
+
 def _child_runs(plan: SweepPlan, parent: str) -> dict[str, Any]:
     c = client(plan.tracking_uri)
     exp = c.get_experiment_by_name(plan.base.mlflow.experiment)
@@ -426,7 +434,7 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     # placement group that Ray keeps until this job ends: nothing of the sweep may outlive it.
     placement.release_orphaned_groups()
     rows = _rows(grid, space, plan.max_t)
-    interrupted = grid.num_terminated + grid.num_errors < space.total_trials
+    interrupted = _ended(grid) < space.total_trials
     finished = [r for r in rows if r.status == "finished" and r.selection_ppl is not None]
     best = min(finished, key=lambda r: r.selection_ppl) if finished and not interrupted else None
     version, arts = _finalise(plan, parent, rows, best, interrupted)
@@ -437,7 +445,7 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
                         "the same command to register it (it trains nothing)")
         log.warning(unregistered)
     if interrupted:
-        log.info(f"[sweep {space.name}] interrupted with {grid.num_terminated} of {space.total_trials} trials done; "
+        log.info(f"[sweep {space.name}] interrupted with {_ended(grid)} of {space.total_trials} trials done; "
                  "rerun the same command to resume")
     elif best is not None:
         at = f" (step {best.best_step})" if best.best_step is not None else ""
