@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU half of benchmarks/fast_sampling.py (issue 36) as one command for a lent GPU machine: the four testbed
+# models (the natural and anchored presets, MDLM and ADLM) train side by side on the card with --train-only, each
+# stopped at LIMIT_S if unfinished (it checkpoints every 2,000 steps, and a rerun on the same machine resumes it),
+# then the whole work directory is packed into ONE archive under $OUT. The device tool returns a limited number of
+# files and silently leaves the rest out: on 2026-11-27 the finished model folders did not come back.
+#
+#   bash benchmarks/gpu_fast_sampling.sh [STEPS [LIMIT_S [KINDS]]]     # defaults: 24000 470 mdlm,adlm
+#
+# The work directory stays on the machine (work/gpu_fast_sampling, git-ignored) while it is held: a second call
+# resumes the unfinished models (ADLM needed more than 470 s for 24,000 steps with four processes on an H100).
+# Then, here (the CPU half, which times the samplers; the recipe's cache key leaves the device out):
+#   tar -xzf fs.tgz -C /tmp && python benchmarks/fast_sampling.py --train-steps STEPS --workdir /tmp/fs
+set -uo pipefail
+STEPS=${1:-24000}
+LIMIT_S=${2:-470}
+KINDS=${3:-mdlm,adlm}
+DEVICE=${ADLM_FS_DEVICE:-cuda}   # cpu: a dry run of this script on a machine without a GPU (tiny STEPS)
+OUT=${OUT:?set OUT to the folder whose files come back (the device tool sets it)}
+WORK=work/gpu_fast_sampling
+mkdir -p "$WORK/fs" "$OUT"
+pids=()
+for preset in natural anchored; do
+  for kind in ${KINDS//,/ }; do
+    timeout "$LIMIT_S" python3 benchmarks/fast_sampling.py --train-only --train-device "$DEVICE" \
+      --train-steps "$STEPS" --checkpoint-every 2000 --presets "$preset" --kinds "$kind" --workdir "$WORK/fs" \
+      > "$OUT/fs_${preset}_${kind}.log" 2>&1 &
+    pids+=($!)
+  done
+done
+status=0
+for pid in "${pids[@]}"; do
+  wait "$pid" || status=$?   # 124: stopped at LIMIT_S (resumable); other codes: see the process's log
+done
+tar -C "$WORK" -czf "$OUT/fs.tgz" fs
+echo "packed $(du -sh "$OUT/fs.tgz" | cut -f1) into $OUT/fs.tgz; last exit status $status"
+tail -n 3 "$OUT"/fs_*.log
