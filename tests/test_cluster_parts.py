@@ -45,13 +45,18 @@ def test_drivers_forward_no_credential_to_a_clusters_workers(monkeypatch: pytest
 
 def test_the_tokenizer_actor_pool_grows_and_shrinks_within_its_bounds() -> None:
     from pipelines.data.plan import MAX_ACTORS, PrepareConfig
-    from pipelines.data.prepare import actor_pool_bounds
+    from pipelines.data.prepare import ACTOR_BYTES, actor_pool_bounds
 
     # Not sized from the CPUs present at start: one actor at first, up to one a unit (or --actors).
     assert actor_pool_bounds(PrepareConfig(), 1000) == (1, MAX_ACTORS)
     assert actor_pool_bounds(PrepareConfig(), 3) == (1, 3)
     assert actor_pool_bounds(PrepareConfig(actors=8, min_actors=2), 1000) == (2, 8)
     assert actor_pool_bounds(PrepareConfig(actors=8, min_actors=4), 2) == (2, 2)
+    # A small text input gets no actor its units would leave idle: one per ACTOR_BYTES at most, unless --actors.
+    assert actor_pool_bounds(PrepareConfig(), 8, text_bytes=132_000) == (1, 1)
+    assert actor_pool_bounds(PrepareConfig(), 8, text_bytes=3 * ACTOR_BYTES + 1) == (1, 4)
+    assert actor_pool_bounds(PrepareConfig(), 1000, text_bytes=10**12) == (1, MAX_ACTORS)
+    assert actor_pool_bounds(PrepareConfig(actors=8), 8, text_bytes=132_000) == (1, 8)
 
 
 def test_evaluation_asks_for_a_gpu_for_large_work_even_before_one_is_up(ray_session) -> None:

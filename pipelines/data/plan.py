@@ -110,7 +110,8 @@ class PrepareConfig:
     """Named sources: read the dataset's Parquet files from this folder or object-store prefix, laid out as the
     hub (``<mirror>/<dataset id>/<path>``), instead of the hub (``data.hub``; default ``$ADLM_HUB_MIRROR``)."""
     actors: int | None = None
-    """Most tokenizer actors of the autoscaling pool (default: one a unit of work, at most 64)."""
+    """Most tokenizer actors of the autoscaling pool (default: one a unit of work, at most 64, and for text input
+    one per 4 MB of it: an actor's start costs about as much as tokenizing that)."""
     min_actors: int = 1
     """Tokenizer actors the pool starts with (it grows as the cluster offers CPUs)."""
     actor_cpus: float = 0.5
