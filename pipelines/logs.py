@@ -88,6 +88,11 @@ def setup_logging(verbosity: int = 0, stream=None) -> None:
     logging.getLogger(PROJECT_LOGGER).setLevel(ours)
     for name in THIRD_PARTY:
         logging.getLogger(name).setLevel(theirs)
+    # A connection retried by an HTTP client (MLflow's, boto's: they retry on their own) is no line of the command's:
+    # what fails in the end is said once, by the project (the tracker's outage warning, the command's error). A
+    # tracker's call still retrying after its run ended (a server gone for good) would otherwise print into
+    # whatever this process does next. Shown from -v.
+    logging.getLogger("urllib3.connectionpool").setLevel(theirs if verbosity > 0 else logging.ERROR)
     os.environ[VERBOSITY_ENV] = str(verbosity)
     if verbosity <= 0:
         # MLflow's tqdm bar on artifact downloads (every registry read) is noise unless asked for.

@@ -78,9 +78,19 @@ def start_session_ray() -> None:
     process's environment), without the dashboard. A dashboard's dozen processes cost about 0.1 CPU-second a
     second while idle (0.2 with it, 0.1 without, measured here), over the whole session of each xdist worker; no
     test on this Ray needs its state API (Ray Train under Tune does: the cluster tests' heads have one)."""
+    import ray
+
     from pipelines.runtime import init_ray
 
-    init_ray(num_cpus=2, dashboard=False)
+    for attempt in (1, 2):
+        try:
+            init_ray(num_cpus=2, dashboard=False)
+            return
+        except Exception as e:  # its raylet missed Ray's 30 s start-up window under the suite's load (seen once, on
+            # the way back from a module's own cluster): once more, as tests/support_cluster.py does for a node
+            ray.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
 
 
 @contextlib.contextmanager

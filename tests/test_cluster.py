@@ -415,13 +415,14 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
         ac.wait_for("a checkpoint of each trial in the bucket", lambda: running() and len({
             k.split("/")[2] for k in s3.keys("run/ray_results/storm-")
             if re.search(r"/checkpoint_\d+/config\.json$", k)}) == 2, timeout=300, poll=0.5)
-        ac.wait_for("a node running a trial's training worker", lambda: running() and sorted(
+        training = ac.wait_for("a node running a trial's training worker", lambda: running() and sorted(
             {a["node_id"] for a in ac.actors() if a.get("state") == "ALIVE" and a.get("class_name") == "RayTrainWorker"}
             - {head}), timeout=30, poll=0.5)
         killed = [n["node_id"] for n in cpu_workers()]
         killed_at = time.time()
-        for node in killed:
-            assert ac.kill_node(node) >= 2, node  # its raylet and what it started
+        for node in killed:  # its raylet and what it started; a node the autoscaler was retiring (its trial ended,
+            # idle) may have none left by now (seen once under the suite's load): the training one must have
+            assert ac.kill_node(node) >= 2 or node not in training, node
         replacement = ac.wait_for("a cpu_worker node launched after the kill", lambda: cpu_workers(since=killed_at)
                                   or (running() and None), timeout=180)
         submitter.join(timeout=max(1.0, 480 - (time.time() - submitted)))
