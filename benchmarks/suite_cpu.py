@@ -1,0 +1,94 @@
+"""Where a command's CPU goes, process by process: runs COMMAND, reads every process's CPU time from /proc every
+``--interval`` seconds while it runs, and prints the CPU-seconds by kind of process (Ray actors by class, Ray's node
+processes, MLflow servers, the pytest workers, ...). Made for the test suite's time (README, "Tests and
+benchmarks"): the suite is CPU-bound on two cores, and what costs is processes starting more than work.
+
+    python benchmarks/suite_cpu.py -- .venv/bin/python -m pytest -q -n 2 --dist loadfile tests
+    python benchmarks/suite_cpu.py --top 20 -- .venv/bin/python -m pytest -q tests/test_cluster.py -k autoscaler
+
+Processes shorter than an interval are missed, and a process's CPU is counted up to its last sample: a lower
+bound. The machine's own CPU (every process, from /proc/stat) is the reference the ratio is taken against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import time
+
+KINDS = ("gcs_server", "raylet", "dashboard/dashboard.py", "dashboard/agent.py", "runtime_env/agent", "log_monitor",
+         "autoscaler/_private/monitor.py", "mlflow models serve", "mlflow server", "pipelines.", "xdist", "pytest")
+
+
+def _read(pid: str) -> tuple[float, str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            st = f.read()
+        fields = st[st.rfind(")") + 2:].split()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), cmd or st[st.find("(") + 1:st.rfind(")")]
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def kind(cmd: str) -> str:
+    """Ray workers by the title they last had (``ray::TrainController``); other processes by what they run."""
+    if cmd.startswith("ray::"):
+        return cmd.split()[0].split(".")[0][:48]
+    if "default_worker.py" in cmd:
+        return "ray worker (untitled)"
+    return next((k for k in KINDS if k in cmd), cmd.split()[0].rsplit("/", 1)[-1][:32] if cmd else "?")
+
+
+def machine_cpu() -> float:
+    with open("/proc/stat") as f:
+        user, nice, system = (int(x) for x in f.readline().split()[1:4])
+    return (user + nice + system) / os.sysconf("SC_CLK_TCK")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between samples (default 0.5)")
+    p.add_argument("--top", type=int, default=30, help="kinds of process printed (default 30)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("error: no command given: put it after --, e.g. -- python -m pytest -q tests", file=sys.stderr)
+        return 2
+    before = {pid: r for pid in os.listdir("/proc") if pid.isdigit() and (r := _read(pid))}
+    seen: dict[str, list] = {}  # pid -> [cpu now, title]
+    m0, t0 = machine_cpu(), time.time()
+    proc = subprocess.Popen(command)
+    while proc.poll() is None:
+        for pid in os.listdir("/proc"):
+            if pid.isdigit() and (r := _read(pid)):
+                seen[pid] = [max(r[0], seen.get(pid, [0.0])[0]), r[1]]
+        time.sleep(args.interval)
+    wall, machine = time.time() - t0, machine_cpu() - m0
+    by_kind: collections.Counter[str] = collections.Counter()
+    count: collections.Counter[str] = collections.Counter()
+    for pid, (cpu, cmd) in seen.items():
+        used = cpu - (before[pid][0] if pid in before else 0.0)
+        if used > 0:
+            by_kind[kind(cmd)] += used
+            count[kind(cmd)] += 1
+    counted = sum(by_kind.values())
+    print(f"\n{command[0]} ... exited {proc.returncode} after {wall:.1f} s; the machine used {machine:.1f} CPU-seconds, "
+          f"{counted:.1f} of them counted in {len(seen)} processes")
+    print(f"{'CPU-s':>8} {'procs':>6}  kind")
+    for k, v in by_kind.most_common(args.top):
+        print(f"{v:8.1f} {count[k]:6d}  {k}")
+    print(f"RESULT wall_s={wall:.1f}")
+    print(f"RESULT machine_cpu_s={machine:.1f}")
+    print(f"RESULT counted_share={counted / max(machine, 1e-9):.3f}")
+    print(f"RESULT cores_busy={machine / max(wall, 1e-9):.2f}")
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
