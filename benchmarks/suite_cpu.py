@@ -75,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     for pid, (cpu, cmd) in seen.items():
         used = cpu - (before[pid][0] if pid in before else 0.0)
         if used > 0:
-            by_kind[kind(cmd)] += used
-            count[kind(cmd)] += 1
+            k = kind(cmd)
+            by_kind[k] += used
+            count[k] += 1
     counted = sum(by_kind.values())
     print(f"\n{command[0]} ... exited {proc.returncode} after {wall:.1f} s; the machine used {machine:.1f} CPU-seconds, "
           f"{counted:.1f} of them counted in {len(seen)} processes")

@@ -434,7 +434,8 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     # placement group that Ray keeps until this job ends: nothing of the sweep may outlive it.
     placement.release_orphaned_groups()
     rows = _rows(grid, space, plan.max_t)
-    interrupted = _ended(grid) < space.total_trials
+    ended = _ended(grid)
+    interrupted = ended < space.total_trials
     finished = [r for r in rows if r.status == "finished" and r.selection_ppl is not None]
     best = min(finished, key=lambda r: r.selection_ppl) if finished and not interrupted else None
     version, arts = _finalise(plan, parent, rows, best, interrupted)
@@ -445,7 +446,7 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
                         "the same command to register it (it trains nothing)")
         log.warning(unregistered)
     if interrupted:
-        log.info(f"[sweep {space.name}] interrupted with {_ended(grid)} of {space.total_trials} trials done; "
+        log.info(f"[sweep {space.name}] interrupted with {ended} of {space.total_trials} trials done; "
                  "rerun the same command to resume")
     elif best is not None:
         at = f" (step {best.best_step})" if best.best_step is not None else ""
