@@ -6,6 +6,12 @@ nodes' CPUs are held in part by placement groups (a Tune trial's driver of 0.01 
 has a whole CPU free, and the read never starts (issue 38: a sweep that waited until killed). The manifest
 already knows every shard's rows, so this source lists nothing and samples nothing: its only tasks are the
 read tasks, each asking for the ``num_cpus`` the caller gives (``data.read_cpus``).
+
+A read task's worker process costs about 2 CPU-seconds to start (Python and Ray imported: measured here), far more
+than a small split's read. Ray starts a worker for every task that runs at once, so at most one task per
+``READ_TASK_BYTES`` of the split runs at a time (``read_concurrency``): a split of a few MB is read by one worker, one
+piece after the other (a sweep's trial read 8 pieces with 7 new workers, 15 CPU-seconds, before), and a corpus of
+many GB by as many tasks at once as the cluster has room for.
 """
 
 from __future__ import annotations
@@ -26,6 +32,16 @@ def _read_piece(uri: str, columns: list[str], start: int, stop: int) -> list[Any
     return [table.slice(start, stop - start)]
 
 
+READ_TASK_BYTES = 64 * 2**20
+"""The split's bytes per read task that may run at once (``read_concurrency``)."""
+
+
+def read_concurrency(split_bytes: int, pieces: int) -> int:
+    """How many of a split's ``pieces`` read tasks run at once: one per ``READ_TASK_BYTES`` of the split, at
+    least one, at most one a piece."""
+    return max(1, min(pieces, -(-split_bytes // READ_TASK_BYTES)))
+
+
 def read_pieces(shards: list[tuple[str, int]], blocks: int) -> list[tuple[str, int, int]]:
     """``(uri, start, stop)`` row ranges in manifest order: one a shard (empty shards left out), the largest
     range halved while there are fewer than ``blocks`` (Ray Train's split hands whole blocks to workers: two a
@@ -43,7 +59,7 @@ def read_pieces(shards: list[tuple[str, int]], blocks: int) -> list[tuple[str, i
 
 def split_dataset(manifest: Manifest, columns: list[str], *, blocks: int, num_cpus: float) -> Any:
     """The split's rows (``columns`` only) as a Ray Dataset of at least ``blocks`` blocks, in manifest order,
-    read by tasks of ``num_cpus`` CPUs each and nothing else."""
+    read by tasks of ``num_cpus`` CPUs each and nothing else, ``read_concurrency`` of them at a time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import ray.data
@@ -54,7 +70,7 @@ def split_dataset(manifest: Manifest, columns: list[str], *, blocks: int, num_cp
     fs, path = get_fs(pieces[0][0])
     file_schema = pq.ParquetFile(path, filesystem=fs).schema_arrow  # one footer, read here: no task
     schema = pa.schema([file_schema.field(c) for c in columns])
-    bytes_per_row = max(1, sum(s.bytes for s in manifest.shards) // max(1, manifest.rows))
+    bytes_per_row = max(1, sum(s.bytes for s in manifest.shards) // max(1, manifest.rows))  # on disk: an estimate
 
     class ManifestSplit(Datasource):
         def estimate_inmemory_data_size(self) -> int:
@@ -68,4 +84,6 @@ def split_dataset(manifest: Manifest, columns: list[str], *, blocks: int, num_cp
                              schema=schema, per_task_row_limit=per_task_row_limit)
                     for uri, a, b in pieces]
 
-    return ray.data.read_datasource(ManifestSplit(), override_num_blocks=len(pieces), num_cpus=num_cpus)
+    split_bytes = sum(s.bytes for s in manifest.shards)
+    return ray.data.read_datasource(ManifestSplit(), override_num_blocks=len(pieces), num_cpus=num_cpus,
+                                    concurrency=read_concurrency(split_bytes, len(pieces)))
