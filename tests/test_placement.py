@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pipelines import placement
-from pipelines.data.ray_source import read_pieces
+from pipelines.data.ray_source import READ_TASK_BYTES, read_concurrency, read_pieces
 
 
 def test_read_pieces_cover_every_row_once_in_manifest_order() -> None:
@@ -25,6 +25,15 @@ def test_read_pieces_cover_every_row_once_in_manifest_order() -> None:
     assert len(pieces) >= 8
     rows = [(u, r) for u, a, b in pieces for r in range(a, b)]
     assert rows == [(u, r) for u, n in shards for r in range(n)]
+
+
+def test_a_small_split_is_read_one_task_at_a_time_and_a_large_one_by_as_many_as_it_has_pieces() -> None:
+    """A read task's worker costs more to start than a small split costs to read: the tiny data's 8 pieces are read
+    one after the other (one worker), a 10 GB split by all its 100 pieces at once, anything between by its size."""
+    assert read_concurrency(3 * 2**20, 8) == 1
+    assert read_concurrency(0, 8) == 1
+    assert read_concurrency(READ_TASK_BYTES + 1, 8) == 2
+    assert read_concurrency(10 * 2**30, 100) == 100
 
 
 def test_the_split_is_read_where_only_a_sliver_of_cpu_is_free(ray_session, tiny_data: Path) -> None:
