@@ -21,13 +21,14 @@ folder or to an object store that every node of a cluster shares.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -236,7 +237,8 @@ SHARED_DONE = "_COMPLETE"
 def shared_cache_entry(local: Path, build: Callable[[Path], None], complete: Callable[[Path], bool],
                        shared: str | None = None) -> Path:
     """The cache entry ``local`` (a folder on this node), filled once: ``build(tmp)`` writes a temporary folder
-    that becomes ``local`` by an atomic rename (a concurrent builder's result is kept if it finished first).
+    that becomes ``local`` by an atomic rename. Processes of the node that ask at once take turns (a lock beside
+    the entry): one builds, the others find it built.
 
     ``shared``: the same entry in the work directory's object store (a cluster, whose nodes share nothing
     else). A node without the entry fetches it from there instead of building it, and a node that has it
@@ -256,6 +258,33 @@ def shared_cache_entry(local: Path, build: Callable[[Path], None], complete: Cal
         if shared and not exists(join(shared, SHARED_DONE)):
             share()
         return local
+    with _node_lock(local.with_name(local.name + ".lock")):  # processes of one node that ask at once build it once
+        if complete(local):
+            return local
+        return _build_entry(local, build, complete, shared, share)
+
+
+@contextlib.contextmanager
+def _node_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` among this node's processes (``flock``; released when the holder exits,
+    however it ends). Where there is no ``fcntl``, no lock: concurrent builders then each build, and the first
+    rename wins."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _build_entry(local: Path, build: Callable[[Path], None], complete: Callable[[Path], bool], shared: str | None,
+                 share: Callable[[], None]) -> Path:
     tmp = local.with_name(local.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)

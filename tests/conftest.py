@@ -70,7 +70,13 @@ def _isolated_caches(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["HF_HOME"] = str(base / "hf")
     os.environ["HF_DATASETS_CACHE"] = str(base / "hf" / "datasets")
     os.environ["MPLCONFIGDIR"] = str(base / "mpl")
-    os.environ["ADLM_CACHE"] = str(base / "adlm")
+    # The node cache (the converted evaluation LM: 23 CPU-seconds to convert) is the whole run's, shared by the
+    # xdist workers as every process of a machine shares it (its entries are written whole, by an atomic rename:
+    # storage.shared_cache_entry); each worker converted its own before. Still empty at the start of every run.
+    run_base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run_base = run_base.parent  # pytest-N/popen-gwK -> pytest-N, the run's
+    os.environ["ADLM_CACHE"] = str(run_base / "node-cache")
 
 
 def start_session_ray() -> None:

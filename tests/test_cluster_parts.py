@@ -4,9 +4,12 @@ on a one-node Ray. (Hugging Face splits on a cluster are read as the hub's Parqu
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from tests.support_cluster import s3_server
+from tests.support_cluster import ROOT, s3_server
 
 
 def test_uris_lose_their_secrets_in_everything_the_pipeline_prints() -> None:
@@ -121,6 +124,33 @@ def test_a_cache_entry_is_built_once_per_cluster_through_the_work_directorys_sto
     # Without a shared store: this node's entry alone.
     assert shared_cache_entry(tmp_path / "c" / "x", build, complete) == tmp_path / "c" / "x" and len(built) == 2
 
+
+_BUILD_ONCE = """
+import sys, time
+from pathlib import Path
+from pipelines.storage import shared_cache_entry
+
+log, entry = Path(sys.argv[1]), Path(sys.argv[2])
+
+def build(d):
+    with log.open("a") as fh:
+        fh.write("built\\n")
+    d.mkdir()
+    time.sleep(1.0)  # long enough that the other process asks while this one builds
+    (d / "model.safetensors").write_bytes(b"w")
+
+shared_cache_entry(entry, build, lambda d: (d / "model.safetensors").is_file())
+"""
+
+
+def test_processes_of_one_node_that_ask_for_a_cache_entry_at_once_build_it_once(tmp_path) -> None:
+    """Two processes (two test workers, two Ray tasks of a node) ask for the same missing entry at the same time:
+    one builds it, the other waits and takes it."""
+    log, entry = tmp_path / "log", tmp_path / "cache" / "lm-f32-0123"
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILD_ONCE, str(log), str(entry)], cwd=ROOT) for _ in range(2)]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    assert log.read_text() == "built\n" and (entry / "model.safetensors").read_bytes() == b"w"
+    assert not list(tmp_path.rglob("*.tmp-*"))
 
 @pytest.mark.slow
 def test_a_best_checkpoint_cut_short_mid_upload_is_never_registered(tiny_data, tmp_path, ray_session) -> None:
