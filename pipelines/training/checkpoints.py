@@ -98,6 +98,7 @@ def publish_best(local: Path, run_dir: str | Path, step: int, *, crash_at: int |
         if crash:
             write_text(join(run_dir, ".crashed_writing_best"), str(step))
             log.warning(f"fault train.crash_writing_best: the writer dies after {f.name} of {name}")
+            shutil.rmtree(local, ignore_errors=True)  # the scratch copy only: what the fault leaves is in run_dir
             os._exit(1)
     write_text(join(run_dir, BEST_POINTER), json.dumps({"name": name, "step": step}))
     shutil.rmtree(local, ignore_errors=True)
