@@ -166,7 +166,10 @@ def run_trial(config: dict[str, Any], *, plan: TrialPlan) -> None:
     cfg = TrainConfig.from_dict(raw)
     cfg.run.name = f"{space.name}-{trial_id}"
     tags = {"sweep": space.name, "tune.trial_id": trial_id, "tune.params": json.dumps(config, sort_keys=True)}
-    res = train(cfg, workdir=plan.workdir, tracking_uri=plan.tracking_uri, callbacks=[TuneReportCallback()],
+    # The callback forwards a Ray Train worker group's reports through a queue actor it starts (a process, about
+    # 1.5 CPU-seconds): a local-mode trial has no worker group, it reports to Tune itself (TrialSession).
+    callbacks = [TuneReportCallback()] if cfg.scaling.num_workers > 0 else []
+    res = train(cfg, workdir=plan.workdir, tracking_uri=plan.tracking_uri, callbacks=callbacks,
                 parent_run_id=plan.parent_run_id, extra_tags=tags, register=False)
     tune.report({TIME_ATTR: res.step, METRIC: res.val_ppl, "mlflow_run_id": res.run_id,
                  "checkpoint_dir": str(res.checkpoint_dir), "finished": True, "best_step": res.best_step,
