@@ -42,15 +42,16 @@ os.environ.pop("ADLM_WORKDIR", None)
 
 
 # The longest modules, longest first (per-module totals of `--durations=0` on this machine). `make test` runs
-# `pytest -n 2 --dist loadfile`, and xdist then hands out whole modules, those with the most tests first
-# (--loadscope-reorder, its default): this order only breaks its ties. Kept as the order itself
-# (--no-loadscope-reorder), the long modules all started their clusters and fits at once and the suite took
-# 1,120 s against 1,036 s (one run each, in place).
-LONGEST_FIRST = ("test_cluster.py", "test_tune.py", "test_train.py", "test_tracking_outage.py", "test_recipes.py",
-                 "test_study.py", "test_prepare_cluster.py", "test_mlflow_server.py",
-                 "test_cluster_parts.py", "test_distill_pipeline.py", "test_import_pipeline.py", "test_placement.py",
-                 "test_metrics.py", "test_gpu_check.py", "test_hf_export.py", "test_prepare_data.py", "test_model_core.py",
-                 "test_evaluate.py", "test_serving.py", "test_promotion.py", "test_lm_eval.py", "test_serve_load.py")
+# `pytest -n 2 --dist loadfile --no-loadscope-reorder`: xdist hands out whole modules in this order, each worker
+# starting with two. The cluster module (about 470-520 s of mostly waiting on its clusters, 7 tests) goes first: with
+# xdist's default order (the modules of most tests first) it was handed out after about 85% of the tests and ran
+# its last 8 minutes with the other worker out of work (two in-place runs: 815 s and 1,007 s).
+LONGEST_FIRST = ("test_cluster.py", "test_train.py", "test_tune.py", "test_recipes.py", "test_tracking_outage.py",
+                 "test_prepare_cluster.py", "test_fast_sampling_bench.py", "test_prepare_data.py", "test_metrics.py",
+                 "test_model_core.py", "test_study.py", "test_mlflow_server.py", "test_cluster_parts.py",
+                 "test_serving.py", "test_lm_eval.py", "test_promotion.py", "test_evaluate.py", "test_placement.py",
+                 "test_encoder.py", "test_distill_pipeline.py", "test_gpu_check.py", "test_serve_load.py",
+                 "test_import_pipeline.py", "test_hf_export.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
