@@ -80,6 +80,20 @@ def _isolated_caches(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["ADLM_CACHE"] = str(run_base / "node-cache")
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_tracking_uri() -> None:
+    """Each test starts with MLflow's process-wide tracking URI unset (its environment decides), whatever ran before
+    it in this worker: a block of ``pipelines.mlflow_model.using_tracking_uri`` in a thread that outlived its test
+    (a tracker's sender) can restore another test's URI, and a later test then reads the wrong store ("Registered
+    Model with name=adlm not found", seen once with the modules in another order)."""
+    import sys
+
+    if "mlflow" in sys.modules:
+        from mlflow.tracking._tracking_service import utils
+
+        utils._tracking_uri = None
+
+
 def start_session_ray() -> None:
     """The session's local Ray: 2 CPUs, started the way every stage starts it (its workers inherit this
     process's environment), without the dashboard. A dashboard's dozen processes cost about 0.1 CPU-second a
