@@ -261,7 +261,24 @@ def shared_cache_entry(local: Path, build: Callable[[Path], None], complete: Cal
     with _node_lock(local.with_name(local.name + ".lock")):  # processes of one node that ask at once build it once
         if complete(local):
             return local
-        return _build_entry(local, build, complete, shared, share)
+        tmp = local.with_name(local.name + f".tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        fetched = bool(shared) and exists(join(shared, SHARED_DONE))
+        if fetched:
+            download_dir(shared, tmp)
+        else:
+            build(tmp)
+        try:
+            os.replace(tmp, local)
+        except OSError as e:  # another process finished first: keep theirs; anything else leaves the entry unwritten
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not complete(local):
+                raise StorageError(f"cannot write the cache entry {local} ({e}); check the disk and its permissions, "
+                                   "or point ADLM_CACHE elsewhere") from e
+        if shared and not fetched:
+            share()
+        return local
 
 
 @contextlib.contextmanager
@@ -281,28 +298,6 @@ def _node_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _build_entry(local: Path, build: Callable[[Path], None], complete: Callable[[Path], bool], shared: str | None,
-                 share: Callable[[], None]) -> Path:
-    tmp = local.with_name(local.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    fetched = bool(shared) and exists(join(shared, SHARED_DONE))
-    if fetched:
-        download_dir(shared, tmp)
-    else:
-        build(tmp)
-    try:
-        os.replace(tmp, local)
-    except OSError as e:  # another process finished first: keep theirs; anything else leaves the entry unwritten
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not complete(local):
-            raise StorageError(f"cannot write the cache entry {local} ({e}); check the disk and its permissions, "
-                               "or point ADLM_CACHE elsewhere") from e
-    if shared and not fetched:
-        share()
-    return local
 
 
 def node_cache_dir(*parts: str) -> Path:

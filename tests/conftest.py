@@ -83,9 +83,9 @@ def _isolated_caches(tmp_path_factory: pytest.TempPathFactory) -> None:
 @pytest.fixture(autouse=True)
 def _no_leaked_tracking_uri() -> None:
     """Each test starts with MLflow's process-wide tracking URI unset (its environment decides), whatever ran before
-    it in this worker: a block of ``pipelines.mlflow_model.using_tracking_uri`` in a thread that outlived its test
-    (a tracker's sender) can restore another test's URI, and a later test then reads the wrong store ("Registered
-    Model with name=adlm not found", seen once with the modules in another order)."""
+    it in this worker. Seen once with the modules in another order: a test_serving test read another test's store
+    ("Registered Model with name=adlm not found"). The leak's source is not pinned down; a suspect is a block of
+    ``pipelines.mlflow_model.using_tracking_uri`` in a thread that outlived its test, restoring another's URI."""
     import sys
 
     if "mlflow" in sys.modules:

@@ -70,7 +70,8 @@ def split_dataset(manifest: Manifest, columns: list[str], *, blocks: int, num_cp
     fs, path = get_fs(pieces[0][0])
     file_schema = pq.ParquetFile(path, filesystem=fs).schema_arrow  # one footer, read here: no task
     schema = pa.schema([file_schema.field(c) for c in columns])
-    bytes_per_row = max(1, sum(s.bytes for s in manifest.shards) // max(1, manifest.rows))  # on disk: an estimate
+    split_bytes = sum(s.bytes for s in manifest.shards)
+    bytes_per_row = max(1, split_bytes // max(1, manifest.rows))  # on disk: an estimate
 
     class ManifestSplit(Datasource):
         def estimate_inmemory_data_size(self) -> int:
@@ -84,6 +85,5 @@ def split_dataset(manifest: Manifest, columns: list[str], *, blocks: int, num_cp
                              schema=schema, per_task_row_limit=per_task_row_limit)
                     for uri, a, b in pieces]
 
-    split_bytes = sum(s.bytes for s in manifest.shards)
     return ray.data.read_datasource(ManifestSplit(), override_num_blocks=len(pieces), num_cpus=num_cpus,
                                     concurrency=read_concurrency(split_bytes, len(pieces)))
