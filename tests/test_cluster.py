@@ -204,11 +204,15 @@ def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(t
                                      env=_env(**partial), capture_output=True, text=True, timeout=120)
             out = refused.stdout + refused.stderr
             assert refused.returncode != 0 and re.search(r"(?i)auth|401|unauthori", out), (partial.keys(), out[-3000:])
-        # A driver (not a job) that joins the cluster without the token: one line naming what to set, exit 2.
+        # A driver (not a job) that joins the cluster without the token: one line naming what to set, exit 2. Its
+        # HOME is a folder of its own: Ray also reads a token from ~/.ray/auth_token, and one a local Ray left there
+        # would be sent instead (a wrong token: refused only after Ray's 20 s of connection retries).
+        home = tmp_path / "driver-home"
+        home.mkdir()
         driver = subprocess.run([sys.executable, "-m", "pipelines.run_all", "--profile", "smoke", "--skip-sweep",
                                  "--workdir", str(tmp_path / "driver-work")], cwd=ROOT, capture_output=True, text=True,
                                 timeout=120, env=_env(RAY_ADDRESS=rc.address, RAY_AUTH_MODE="token",
-                                                      PYTHONPATH=str(ROOT)))
+                                                      PYTHONPATH=str(ROOT), HOME=str(home)))
         err = [line for line in driver.stderr.splitlines() if line.startswith("error: ")]
         assert driver.returncode == 2 and len(err) == 1, driver.stderr[-3000:]
         # Ray refuses it as an authentication error, or (seen under the suite's load) as a failure to connect: the
