@@ -74,7 +74,7 @@ def _texts(out: Path, src_mode: str) -> dict[str, Path]:
 
 SCALED = ["model.hidden=32", "model.heads=2", "model.n_blocks=1", "model.denoiser_blocks=1", "model.cond_dim=16",
           "run.max_steps=2", "run.val_every=1", "run.ckpt_every=2", "run.log_every=1", "run.val_batches=1",
-          "run.clip_search_batches=1", "batch.global_batch=2", "batch.micro_batch=2", "scaling.num_workers=0",
+          "run.clip_search_batches=1", "batch.global_batch=1", "batch.micro_batch=1", "scaling.num_workers=0",
           "scaling.use_gpu=false", "scaling.bf16=false", "optim.warmup_steps=1", "mlflow.register=false"]
 
 
