@@ -41,8 +41,10 @@ demo: $(STAMP)
 study: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pipelines.study studies/laptop.yaml
 
+# PYTHONDONTWRITEBYTECODE emptied: the project's own modules are compiled once into __pycache__ (git-ignored), not
+# again in each of the run's hundreds of processes (Ray workers, trials, commands) when the environment sets it
 test: $(STAMP)
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile --no-loadscope-reorder tests
+	PYTHONDONTWRITEBYTECODE= PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile --no-loadscope-reorder tests
 
 test-fast: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -m "not slow" tests
