@@ -152,6 +152,7 @@ def test_processes_of_one_node_that_ask_for_a_cache_entry_at_once_build_it_once(
     assert log.read_text() == "built\n" and (entry / "model.safetensors").read_bytes() == b"w"
     assert not list(tmp_path.rglob("*.tmp-*"))
 
+
 @pytest.mark.slow
 def test_a_best_checkpoint_cut_short_mid_upload_is_never_registered(tiny_data, tmp_path, ray_session) -> None:
     """The training process dies after the first file of a new best checkpoint is uploaded (the fault
