@@ -114,10 +114,17 @@ def start_session_ray() -> None:
                 raise
 
 
+# Whether this process's ``ray_session`` fixture has started. A session fixture is set up once, so the Ray it
+# promises must be back after any module that took it away, even when the fixture was first asked for inside that
+# module (its tests' ``tiny_data`` does): CI once ran the cluster module first on an xdist worker, whose Ray was then
+# down for test_tune's sweep ("Ray has not been started yet").
+_SESSION_RAY = {"started": False}
+
+
 @contextlib.contextmanager
 def away_from_session_ray() -> Iterator[None]:
     """For tests with a Ray cluster of their own: the session's local Ray is stopped while they run and brought
-    back afterwards (if it was up)."""
+    back afterwards (if it was up, or the ``ray_session`` fixture started it meanwhile)."""
     import ray
 
     was = ray.is_initialized()
@@ -126,7 +133,7 @@ def away_from_session_ray() -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
-        if was:
+        if was or _SESSION_RAY["started"]:
             start_session_ray()
 
 
@@ -136,7 +143,9 @@ def ray_session():
     import ray
 
     start_session_ray()
+    _SESSION_RAY["started"] = True
     yield ray
+    _SESSION_RAY["started"] = False
     ray.shutdown()
 
 
