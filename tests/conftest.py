@@ -32,6 +32,10 @@ _ENV = {
     # with the few hundred worker logs a session gathers, that listing is most of its CPU (4.6% of a core with 300
     # files, 2.3% listing every 0.5 s; measured here). New workers' lines reach the driver at most 0.5 s later.
     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+    # Ray Train's preemption watcher, an actor a fit, polls Ray's drain state so that a run can checkpoint before a
+    # spot node is reclaimed through the drain API. No test drains a node (the node-loss tests kill theirs), and
+    # each watcher is a process of its own: about 1.5 CPU-seconds a fit, 11 of them a suite (benchmarks/suite_cpu.py).
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }
 os.environ.update(_ENV)
 # moto's in-process S3/EC2 servers run on werkzeug, which sets its own logger to INFO on its first request: every

@@ -122,6 +122,12 @@ TRAIN_S = 35.0
 windows, then OUTAGE_S down); if the pace rises under a load that drops, BACK_BY shortens the outage so that the
 run still ends with the server up."""
 LOG_EVERY = 10
+STEP_PAUSE_S = 0.1
+"""What each step of the calibration and the long run waits after its update (in this process: the loop's
+``optimiser_step``): the runs idle rather than compute."""
+MICRO = 16
+"""Their micro-batch: a step's compute well under STEP_PAUSE_S, so that a window of LOG_EVERY steps lasts about a
+second and the outage holds a dozen of them."""
 BACK_BY = 0.7
 """The share of the long run by which the server is back at the latest (its checkpoint there ends the outage)."""
 OUTAGE_S = 20.0
@@ -152,6 +158,7 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
                                              capfd: pytest.CaptureFixture[str], tracking_server, gate) -> None:
     import mlflow
 
+    from pipelines.training import loop as loop_mod
     from pipelines.training.trainer import train
 
     for k in [k for k in __import__("os").environ if k.startswith("MLFLOW_HTTP_REQUEST")]:
@@ -168,9 +175,19 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
     # machine's pace: a fixed step count long enough on a quiet machine is two minutes under the suite's load.
     # So the loop's own pace is measured first (the median window of a short run of the same recipe) and the
     # long run is sized to about TRAIN_S at that pace.
-    calib = train(_cfg(tiny_data, "calibrate", 80, micro=64), workdir=str(wd), tracking_uri=server.url)
+    # Each optimiser step then pauses STEP_PAUSE_S, as a step on an accelerator leaves the CPU idle: the run lasts
+    # TRAIN_S without keeping a core busy (the suite is CPU-bound), and its pace moves less with the suite's load.
+    real_step = loop_mod.optimiser_step
+
+    def paced_step(*args, **kwargs):
+        out = real_step(*args, **kwargs)
+        time.sleep(STEP_PAUSE_S)
+        return out
+
+    monkeypatch.setattr(loop_mod, "optimiser_step", paced_step)
+    calib = train(_cfg(tiny_data, "calibrate", 40, micro=MICRO), workdir=str(wd), tracking_uri=server.url)
     tok_s = statistics.median(m.value for m in client.get_metric_history(calib.run_id, "train/tokens_per_s"))
-    steps = min(max(LOG_EVERY * round(tok_s / (64 * 32) * TRAIN_S / LOG_EVERY), 200), 2000)
+    steps = min(max(LOG_EVERY * round(tok_s / (MICRO * 32) * TRAIN_S / LOG_EVERY), 200), 2000)
     # The pace can still change under the suite's load (the other worker's tests end: twice as fast, seen once,
     # and the run ended with the server down). So the outage also ends once the run has a checkpoint at
     # BACK_BY of its steps, whichever comes first: the server is back by then, whatever the pace.
@@ -180,7 +197,7 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
     # In this process: what is under test is the loop and its tracker, which are the same in a Ray Train
     # worker, not Ray Train's 20 s of start-up. (Each epoch's reread of the shards shows in no window's pace:
     # 1.007 measured alone.) The outage starts after a few windows and ends with training still running.
-    res = train(_cfg(tiny_data, "long", steps, micro=64, ckpt_every=back), workdir=str(wd), tracking_uri=server.url)
+    res = train(_cfg(tiny_data, "long", steps, micro=MICRO, ckpt_every=back), workdir=str(wd), tracking_uri=server.url)
     ended = time.time()
     outage.thread.join(timeout=OUTAGE_S + 60)
     assert outage.end, "the outage never happened"
@@ -208,6 +225,7 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
     # A run that ends while the server is down: one clear message, nothing registered; the next run of the
     # same command (server back) trains nothing, sends the metrics it kept and registers. In-process (Ray Train
     # is not what this part tests; one epoch of data, so no reread either).
+    monkeypatch.setattr(loop_mod, "optimiser_step", real_step)
     server.stop()
     short = train(_cfg(tiny_data, "short", 60), workdir=str(wd), tracking_uri=server.url)
     assert short.registered_version is None
