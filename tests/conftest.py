@@ -6,10 +6,13 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+
+T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,15 +110,22 @@ def start_session_ray() -> None:
 
     from pipelines.runtime import init_ray
 
+    # Its raylet once missed Ray's start-up window under the suite's load, on the way back from a module's own cluster.
+    start_ray_once_more_if_late(lambda: init_ray(num_cpus=2, dashboard=False), undo=ray.shutdown)
+
+
+def start_ray_once_more_if_late(start: Callable[[], T], undo: Callable[[], object]) -> T:
+    """``start()``, and once more from scratch (after ``undo()``) if it failed because a raylet missed Ray's 30 s
+    start-up window ("timed out during startup"), as one can on 2 busy cores; any other failure is raised at once.
+    The one retry policy of every Ray the tests start: the session's, a module's cluster, a ``ray start`` head."""
     for attempt in (1, 2):
         try:
-            init_ray(num_cpus=2, dashboard=False)
-            return
-        except Exception as e:  # its raylet missed Ray's 30 s start-up window under the suite's load (seen once, on
-            # the way back from a module's own cluster): once more, as tests/support_cluster.py does for a node
-            ray.shutdown()
+            return start()
+        except Exception as e:
+            undo()
             if attempt == 2 or "timed out during startup" not in str(e):
                 raise
+    raise AssertionError("unreachable")
 
 
 # Whether this process's ``ray_session`` fixture has started. A session fixture is set up once, so the Ray it

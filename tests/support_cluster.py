@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.conftest import free_port
+from tests.conftest import free_port, start_ray_once_more_if_late
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
@@ -332,7 +332,7 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] 
     saved_path = os.environ["PATH"]
     os.environ["PATH"] = f"{BIN}{os.pathsep}{saved_path}"
     try:
-        for attempt in (1, 2):
+        def start() -> tuple[Cluster, list, int]:
             dash = free_port()
             before, cluster = _children(), None
             try:
@@ -340,16 +340,16 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] 
                     "num_cpus": 0, "resources": dict(head_resources or {}), "include_dashboard": True,
                     "dashboard_host": "127.0.0.1", "dashboard_port": dash, "_system_config": LOCAL_SYSTEM_CONFIG,
                     **_free_ports()})
-                workers = [cluster.add_node(num_cpus=cpus, runtime_env_dir_name=f"runtime_resources_node{i}",
-                                            **_free_ports()) for i in range(nodes)]
-                break
-            except Exception as e:  # a raylet (the head's too) that missed Ray's 30 s start-up window: once more
+                return cluster, [cluster.add_node(num_cpus=cpus, runtime_env_dir_name=f"runtime_resources_node{i}",
+                                                  **_free_ports()) for i in range(nodes)], dash
+            except Exception:
                 if cluster is not None:
                     cluster.shutdown()
                 else:  # the head never came up: what it started is this process's, since the attempt began
                     _kill_new_children(before)
-                if attempt == 2 or "timed out during startup" not in str(e):
-                    raise
+                raise
+
+        cluster, workers, dash = start_ray_once_more_if_late(start, undo=lambda: None)  # cleaned up by start()
         try:
             cluster.wait_for_nodes()
             _wait_for_job_api(f"http://127.0.0.1:{dash}")
@@ -816,20 +816,18 @@ def autoscaling_cluster(env: dict[str, str], token: str, log: Path, without: tup
     left: list[str] = []
     sessions: list[int] = []
     try:
-        for attempt in (1, 2):
+        def start_head() -> None:
             with log.open("w") as fh:
                 # A session of its own: every process it starts (and they start) can be found by it.
                 proc = subprocess.Popen(cmd, env=head_env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
                 sessions.append(proc.pid)
                 cluster.session_id = proc.pid
-                rc = proc.wait(timeout=240)
-            if rc == 0:
-                break
-            out = log.read_text(errors="replace")
-            # A raylet that missed Ray's 30 s start-up window on 2 busy cores: once more, from scratch.
-            if attempt == 2 or "timed out during startup" not in out:
-                raise RuntimeError(f"ray start failed:\n{out[-3000:]}")
-            _stop_cluster(str(temp), proc.pid)
+                if proc.wait(timeout=240) != 0:
+                    out = log.read_text(errors="replace")
+                    late = " (timed out during startup)" if "timed out during startup" in out else ""
+                    raise RuntimeError(f"ray start failed{late}:\n{out[-3000:]}")
+
+        start_ray_once_more_if_late(start_head, undo=lambda: sessions and _stop_cluster(str(temp), sessions[-1]))
         cluster.wait_for("the head's job API", lambda: _jobs_api_up(cluster), timeout=120)
         yield cluster
     finally:

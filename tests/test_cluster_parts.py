@@ -215,3 +215,36 @@ def test_an_export_without_its_ema_weights_is_an_error(tmp_path) -> None:
         (src / f).write_bytes(b"{}")
     with pytest.raises(FileNotFoundError, match="lacks ema.safetensors"):
         fetch_export(src, tmp_path / "out")
+
+
+def test_a_ray_start_that_misses_rays_start_up_window_is_tried_once_more_and_nothing_else_is() -> None:
+    """The tests' one retry policy for every Ray they start (tests/conftest.py): a raylet that timed out during
+    start-up gets one more try from scratch, after its remains are undone; any other failure, or a second timeout,
+    is raised as it came."""
+    from tests.conftest import start_ray_once_more_if_late
+
+    calls: list[str] = []
+
+    def late_then_up() -> str:
+        calls.append("start")
+        if calls.count("start") == 1:
+            raise RuntimeError("The current node timed out during startup.")
+        return "up"
+
+    assert start_ray_once_more_if_late(late_then_up, undo=lambda: calls.append("undo")) == "up"
+    assert calls == ["start", "undo", "start"]
+
+    def broken() -> None:
+        calls.append("broken")
+        raise ValueError("bad resources")
+
+    calls.clear()
+    with pytest.raises(ValueError, match="bad resources"):
+        start_ray_once_more_if_late(broken, undo=lambda: calls.append("undo"))
+    assert calls == ["broken", "undo"]
+
+    def always_late() -> None:
+        raise RuntimeError("timed out during startup")
+
+    with pytest.raises(RuntimeError, match="timed out"):
+        start_ray_once_more_if_late(always_late, undo=lambda: None)
