@@ -47,7 +47,7 @@ test: $(STAMP)
 	PYTHONDONTWRITEBYTECODE= PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile --no-loadscope-reorder tests
 
 test-fast: $(STAMP)
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -m "not slow" tests
+	PYTHONDONTWRITEBYTECODE= PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -m "not slow" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check adlm_model pipelines tests benchmarks
