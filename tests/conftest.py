@@ -114,16 +114,20 @@ def start_session_ray() -> None:
     start_ray_once_more_if_late(lambda: init_ray(num_cpus=2, dashboard=False), undo=ray.shutdown)
 
 
+RAY_LATE = "timed out during startup"
+"""What Ray says of a raylet that missed its 30 s start-up window (in the exception, or ``ray start``'s output)."""
+
+
 def start_ray_once_more_if_late(start: Callable[[], T], undo: Callable[[], object]) -> T:
     """``start()``, and once more from scratch (after ``undo()``) if it failed because a raylet missed Ray's 30 s
-    start-up window ("timed out during startup"), as one can on 2 busy cores; any other failure is raised at once.
+    start-up window (RAY_LATE in the error), as one can on 2 busy cores; any other failure is raised at once.
     The one retry policy of every Ray the tests start: the session's, a module's cluster, a ``ray start`` head."""
     for attempt in (1, 2):
         try:
             return start()
         except Exception as e:
             undo()
-            if attempt == 2 or "timed out during startup" not in str(e):
+            if attempt == 2 or RAY_LATE not in str(e):
                 raise
     raise AssertionError("unreachable")
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.conftest import free_port, start_ray_once_more_if_late
+from tests.conftest import RAY_LATE, free_port, start_ray_once_more_if_late
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
@@ -824,7 +824,7 @@ def autoscaling_cluster(env: dict[str, str], token: str, log: Path, without: tup
                 cluster.session_id = proc.pid
                 if proc.wait(timeout=240) != 0:
                     out = log.read_text(errors="replace")
-                    late = " (timed out during startup)" if "timed out during startup" in out else ""
+                    late = f" ({RAY_LATE})" if RAY_LATE in out else ""  # anywhere in the log, not only its tail
                     raise RuntimeError(f"ray start failed{late}:\n{out[-3000:]}")
 
         start_ray_once_more_if_late(start_head, undo=lambda: sessions and _stop_cluster(str(temp), sessions[-1]))

@@ -40,14 +40,14 @@ def _shards(s3, prefix: str) -> dict[str, bytes]:
     return {k.rsplit("/", 1)[1]: s3.read(k) for k in s3.keys(prefix) if k.rsplit("/", 1)[1].startswith("part-")}
 
 
-def _kill_a_tokenizer_node(rc, s3, prefix: str, deadline: float) -> bool:
+def _kill_a_tokenizer_node(rc, s3, prefix: str, deadline: float, run_over: threading.Event) -> bool:
     """Kill the node of a live tokenizer actor as soon as the run has written its first unit (or half a second
     after the actor is up: units here take milliseconds); whether the run was still going (no manifest yet)
-    when the node died."""
+    when the node died. Gives up at ``deadline`` or once ``run_over`` is set (no actor will show up then)."""
     from ray.util.state import list_actors
 
     node = None
-    while node is None and time.time() < deadline:
+    while node is None and time.time() < deadline and not run_over.is_set():
         alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
                  if "MapWorker" in (a.class_name or "")]
         node = next((n for a in alive for n in rc.workers if n.node_id == a.node_id), None)
@@ -82,18 +82,22 @@ def test_a_hub_dataset_prepared_into_s3_on_a_cluster_survives_a_node_loss(tmp_pa
             # as this test did after the autoscaler test in one process.
             READS.update(units=0, max_rows=0)
             killed: dict = {}
+            run_over = threading.Event()
 
             def kill() -> None:
                 try:
-                    killed["mid_run"] = _kill_a_tokenizer_node(rc, s3, "out/train", time.time() + 300)
+                    killed["mid_run"] = _kill_a_tokenizer_node(rc, s3, "out/train", time.time() + 300, run_over)
                 except BaseException as e:  # noqa: BLE001 - reported by the assertion below
                     killed["error"] = e
 
             t = threading.Thread(target=kill)
             t.start()
-            m = prepare(PrepareConfig.from_dict({"source": ["standin"], "hub_mirror": mirror,
-                                                 "ray_address": rc.address, "out": f"s3://{s3.bucket}/out"}))["train"]
-            t.join(timeout=120)
+            try:
+                m = prepare(PrepareConfig.from_dict({"source": ["standin"], "hub_mirror": mirror,
+                                                     "ray_address": rc.address, "out": f"s3://{s3.bucket}/out"}))["train"]
+            finally:
+                run_over.set()
+                t.join(timeout=60)
             assert not t.is_alive() and "error" not in killed, killed.get("error")
             assert killed["mid_run"], "the run ended before the node died"
             assert len(rc.workers) == 1
