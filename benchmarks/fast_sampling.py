@@ -434,8 +434,8 @@ def main(argv: list[str] | None = None) -> int:
 
             all_points[name] = sweep(kind, model, cfg, tb, args.samples, args.repeats, paper_t=not args.skip_paper_t,
                                      gate=None if args.sweep_far_models else gate)
-            if args.sweep_far_models:
-                gate(all_points[name][0])
+            if args.sweep_far_models and (reason := gate(all_points[name][0])):
+                all_points[name][0]["refused"] = reason  # timed, but neither distilled nor given a speedup
             if args.distill_rounds and preset_name in args.distill_presets.split(",") \
                     and "refused" not in all_points[name][0]:
                 students = distill(kind, model, cfg, tb, Path(args.workdir), meta["key"], rounds=args.distill_rounds,

@@ -72,17 +72,19 @@ def test_training_is_seeded_cached_and_resumes_exactly(bench, tmp_path, monkeypa
 @pytest.mark.slow
 def test_the_whole_benchmark_runs_tiny_with_a_distillation_round_on_both_presets(bench, tmp_path, capsys):
     """The benchmark end to end at toy size so that it cannot rot: both presets, MDLM (ADLM's distillation: tests/test_distill.py), one SDTT round, a few
-    rows; every method timed although a model of 4 steps is far from the truth (``--sweep-far-models``). Its RESULT lines come out, the distilled
-    student and its control appear in the frontier's points, and a rerun reuses the cached student."""
+    rows; a model of 4 steps let through the distance gate (``--max-excess``). Its RESULT lines come out, the distilled student and its control
+    appear in the frontier's points, and a rerun reuses the cached student. With the gate (``--sweep-far-models``), every method is still timed on
+    the far model but it gets no speedup and no student."""
     import json
 
     args = ["--length", "8", "--kinds", "mdlm", "--train-steps", "4", "--samples", "4", "--repeats", "1", "--skip-paper-t",
-            "--sweep-far-models", "--distill-rounds", "1", "--distill-steps", "2", "--workdir", str(tmp_path / "w"),
+            "--max-excess", "1e9", "--distill-rounds", "1", "--distill-steps", "2", "--workdir", str(tmp_path / "w"),
             "--plot", str(tmp_path / "frontier.png"), "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]
     assert bench.main(args) == 0
     out = capsys.readouterr().out
-    for name in ("mdlm", "mdlm_anchored"):
-        assert f"RESULT fast_sampling_speedup_at_5pct_{name}=" in out, name
+    assert "RESULT fast_sampling_speedup_at_5pct_mdlm=" in out
+    # the anchored toy's samples are all impossible (true NLL inf): refused even at this gate, and said why
+    assert ("RESULT fast_sampling_speedup_at_5pct_mdlm_anchored=" in out) != ("NO SPEEDUP for mdlm_anchored" in out)
     # distilled on the natural preset only (--distill-presets)
     assert "RESULT distilled_steps_at_5pct_mdlm=" in out and "RESULT distilled_speedup_at_5pct_mdlm=" in out
     points = json.loads((tmp_path / "frontier.json").read_text())["points"]
@@ -93,6 +95,13 @@ def test_the_whole_benchmark_runs_tiny_with_a_distillation_round_on_both_presets
     students = sorted(p.name for p in (tmp_path / "w").iterdir() if "-sdtt1-" in p.name)
     assert len(students) == 1
     assert bench.main(args) == 0 and "cached SDTT round 1 student" in capsys.readouterr().out
+    far = [a if a != "1e9" else "0.3" for a in args] + ["--sweep-far-models", "--presets", "natural"]
+    assert bench.main(far) == 0
+    out = capsys.readouterr().out
+    assert "NO SPEEDUP for mdlm: mdlm is farther from the truth than 0.3" in out, out[-2000:]
+    assert "RESULT fast_sampling_speedup_at_5pct_mdlm=" not in out and "RESULT distilled_steps" not in out
+    points = json.loads((tmp_path / "frontier.json").read_text())["points"]["mdlm"]
+    assert {p["method"] for p in points} == {"baseline", "paper-T", "threshold", "dual", "prefix"}  # all timed
 
 
 @pytest.mark.parametrize("device, message", [("cuda", "this machine has no CUDA device"), ("tpu", "use cpu or cuda")])
