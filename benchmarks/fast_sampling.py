@@ -57,6 +57,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _frontier_plot import STEP_METHODS, plot
 from _util import result
 
 from adlm_model import build_model, compute_loss, preset, sample, unigram_entropy
@@ -97,14 +98,17 @@ def _adamw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.
 
 
 def train(kind: str, tb: Testbed, steps: int, workdir: Path, seed: int = 0, batch: int = 32, lr: float = LR,
-          checkpoint_every: int = 200, device: str = "cpu") -> tuple[torch.nn.Module, object, dict]:
+          checkpoint_every: int = 200, device: str = "cpu", hidden: int = 128,
+          blocks: int = 2) -> tuple[torch.nn.Module, object, dict]:
     """A small model of ``kind`` trained ``steps`` AdamW steps on fresh testbed rows, seeded end to end and cached
     by the hash of its recipe (module docstring); resumes from the last checkpoint. Returns (model, cfg, meta), the
     model on the CPU. ``device``: where it trains (``--train-device``); not part of the recipe's key, so a model
     trained on a GPU is the cached model of a CPU run of the same recipe (the device is recorded in its meta; the
-    two devices' random streams differ, so their weights do too), and a checkpoint resumes on its own device only."""
-    cfg = preset("tiny", kind=kind, vocab_size=tb.vocab_size, mask_id=MASK_ID, seq_len=tb.length, hidden=128, heads=4,
-                 n_blocks=2, denoiser_blocks=1, cond_dim=64, dropout=0.0)
+    two devices' random streams differ, so their weights do too), and a checkpoint resumes on its own device only.
+    ``hidden`` / ``blocks``: the network's width and depth (ADLM's denoiser has half the blocks, at least one; the
+    time conditioning is half the width); the default, 128 x 2, is the model every earlier run cached."""
+    cfg = preset("tiny", kind=kind, vocab_size=tb.vocab_size, mask_id=MASK_ID, seq_len=tb.length, hidden=hidden,
+                 heads=4, n_blocks=blocks, denoiser_blocks=max(1, blocks // 2), cond_dim=hidden // 2, dropout=0.0)
     recipe = {"format": TRAIN_FORMAT, "kind": kind, "model": cfg.to_dict(), "testbed": tb.to_dict(), "steps": steps,
               "batch": batch, "lr": lr, "warmup": 20, "seed": seed, "clip": 1.0, "cosine_to": lr * COSINE_FLOOR}
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
@@ -307,9 +311,6 @@ def best_within(points: list[dict], tol: float = 0.05) -> float:
     return max(ok, default=float("nan"))
 
 
-STEP_METHODS = ("distilled", "teacher")
-"""Points of fewer ancestral steps: SDTT students at their step counts, and the teacher itself at the same counts
-(what distillation is measured against); not samplers of the threshold family (``best_within``)."""
 
 
 def distilled_within(points: list[dict], tol: float = 0.05) -> tuple[float, float]:
@@ -324,36 +325,6 @@ def distilled_within(points: list[dict], tol: float = 0.05) -> tuple[float, floa
     return float(best["steps"]), best["speedup"]
 
 
-def plot(all_points: dict[str, list[dict]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(all_points), figsize=(6 * len(all_points), 4.5), squeeze=False)
-    for ax, (kind, pts) in zip(axes[0], all_points.items(), strict=True):
-        for method in ("threshold", "dual", "prefix", "paper-T", *STEP_METHODS):
-            mp = sorted((p for p in pts if p["method"] == method), key=lambda p: p["speedup"])
-            if not mp:
-                continue
-            ax.scatter([p["speedup"] for p in mp], [100 * p["nll_increase"] for p in mp], label=method, s=18)
-            front, best = [], float("inf")  # the frontier: no faster point is better
-            for p in sorted(mp, key=lambda p: -p["speedup"]):
-                if p["nll_increase"] < best:
-                    best = p["nll_increase"]
-                    front.append(p)
-            ax.plot([p["speedup"] for p in front], [100 * p["nll_increase"] for p in front], lw=1)
-        ax.axhline(5, ls="--", c="grey", lw=0.8)
-        ax.axvline(1, ls=":", c="grey", lw=0.8)
-        ax.set_xscale("log")
-        ax.set_xlabel("wall-time speedup over mdlm T=L (exact cache)")
-        ax.set_ylabel("true NLL/token increase (%)")
-        ax.set_title(f"{kind.upper()} on the testbed (L={pts[0].get('L', '')})")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--length", type=int, default=32, help="testbed row length L (BOS, EOS included; default 32)")
@@ -362,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--natural", action="append", default=[], metavar="KEY=VALUE",
                    help="a field of the natural preset (adlm_model.testbed.TestbedConfig), e.g. n_words=128")
     p.add_argument("--seed", type=int, default=0, help="training seed (weights, noise); the data rows are fixed")
+    p.add_argument("--hidden", type=int, default=128, help="the models' width (default 128; part of the cache key)")
+    p.add_argument("--blocks", type=int, default=2,
+                   help="the models' transformer blocks (default 2; ADLM's denoiser gets half, at least one)")
     p.add_argument("--checkpoint-every", type=int, default=200, help="training steps between checkpoints")
     p.add_argument("--max-excess", type=float, default=MAX_EXCESS,
                    help="nats/token: farther from the truth, a model gets no speedup (default 0.3)")
@@ -391,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--train-device {args.train_device!r}: use cpu or cuda[:N]")
     if args.train_device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--train-device cuda: this machine has no CUDA device; train on the CPU (the default)")
+    if args.hidden < 8 or args.hidden % 8 or args.blocks < 1:
+        p.error(f"--hidden {args.hidden} --blocks {args.blocks}: the width must be a multiple of 8 (4 heads, and half "
+                "of it the time conditioning) and the depth at least 1")
     torch.set_num_threads(args.threads)
     all_points: dict[str, list[dict]] = {}
     distance: dict[str, dict] = {}
@@ -405,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         for kind in args.kinds.split(","):
             name = kind if preset_name == "natural" else f"{kind}_{preset_name}"
             model, cfg, meta = train(kind, tb, args.train_steps, Path(args.workdir), seed=args.seed,
-                                     checkpoint_every=args.checkpoint_every, device=args.train_device)
+                                     checkpoint_every=args.checkpoint_every, device=args.train_device,
+                                     hidden=args.hidden, blocks=args.blocks)
             b = bound_excess(model, cfg, tb)
             distance[name] = {"bound": b["bound"], "bound_excess": b["excess"], "entropy": h}
             print(f"  {name}: bound {b['bound']:.4f} nats/token, excess over the exact entropy {b['excess']:.4f}",

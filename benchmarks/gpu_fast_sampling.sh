@@ -5,16 +5,23 @@
 # then the whole work directory is packed into ONE archive under $OUT. The device tool returns a limited number of
 # files and silently leaves the rest out: on 2026-11-27 the finished model folders did not come back.
 #
-#   bash benchmarks/gpu_fast_sampling.sh [STEPS [LIMIT_S [KINDS]]]     # defaults: 24000 470 mdlm,adlm
+#   bash benchmarks/gpu_fast_sampling.sh [STEPS [LIMIT_S [KINDS [NETWORK]]]]  # defaults: 24000 470 mdlm,adlm 128x2
+#
+# NETWORK is WIDTHxBLOCKS (--hidden, --blocks of fast_sampling.py; part of the models' cache key).
 #
 # The work directory stays on the machine (work/gpu_fast_sampling, git-ignored) while it is held: a second call
 # resumes the unfinished models (ADLM needed more than 470 s for 24,000 steps with four processes on an H100).
 # Then, here (the CPU half, which times the samplers; the recipe's cache key leaves the device out):
-#   tar -xzf fs.tgz -C /tmp && python benchmarks/fast_sampling.py --train-steps STEPS --workdir /tmp/fs
+#   tar -xzf fs.tgz -C /tmp && python benchmarks/fast_sampling.py --train-steps STEPS --hidden W --blocks B \
+#       --workdir /tmp/fs
 set -uo pipefail
 STEPS=${1:-24000}
 LIMIT_S=${2:-470}
 KINDS=${3:-mdlm,adlm}
+NETWORK=${4:-128x2}
+[[ $NETWORK =~ ^([0-9]+)x([0-9]+)$ ]] || { echo "NETWORK $NETWORK: write WIDTHxBLOCKS, e.g. 256x4" >&2; exit 2; }
+HIDDEN=${BASH_REMATCH[1]}
+BLOCKS=${BASH_REMATCH[2]}
 DEVICE=${ADLM_FS_DEVICE:-cuda}   # cpu: a dry run of this script on a machine without a GPU (tiny STEPS)
 OUT=${OUT:?set OUT to the folder whose files come back (the device tool sets it)}
 WORK=work/gpu_fast_sampling
@@ -24,6 +31,7 @@ for preset in natural anchored; do
   for kind in ${KINDS//,/ }; do
     timeout "$LIMIT_S" python3 benchmarks/fast_sampling.py --train-only --train-device "$DEVICE" \
       --train-steps "$STEPS" --checkpoint-every 2000 --presets "$preset" --kinds "$kind" --workdir "$WORK/fs" \
+      --hidden "$HIDDEN" --blocks "$BLOCKS" \
       > "$OUT/fs_${preset}_${kind}.log" 2>&1 &
     pids+=($!)
   done

@@ -67,6 +67,9 @@ def test_training_is_seeded_cached_and_resumes_exactly(bench, tmp_path, monkeypa
     e, _, _ = bench.train("mdlm", tb, 6, tmp_path / "a", seed=1, checkpoint_every=3)
     assert len(list((tmp_path / "a").iterdir())) == 2
     assert not all(torch.equal(x, y) for x, y in zip(_weights(a), _weights(e), strict=True))
+    # So is another network size (--hidden, --blocks): its own folder, its own width.
+    f, cfg, _ = bench.train("mdlm", tb, 6, tmp_path / "a", checkpoint_every=3, hidden=16, blocks=1)
+    assert len(list((tmp_path / "a").iterdir())) == 3 and (cfg.hidden, cfg.n_blocks) == (16, 1)
 
 
 @pytest.mark.slow
@@ -104,12 +107,14 @@ def test_the_whole_benchmark_runs_tiny_with_a_distillation_round_on_both_presets
     assert {p["method"] for p in points} == {"baseline", "paper-T", "threshold", "dual", "prefix"}  # all timed
 
 
-@pytest.mark.parametrize("device, message", [("cuda", "this machine has no CUDA device"), ("tpu", "use cpu or cuda")])
-def test_a_training_device_this_machine_lacks_is_refused_in_one_line(bench, tmp_path, capsys, device, message):
-    if device == "cuda" and torch.cuda.is_available():
+@pytest.mark.parametrize("args, message", [(["--train-device", "cuda"], "this machine has no CUDA device"),
+                                           (["--train-device", "tpu"], "use cpu or cuda"),
+                                           (["--hidden", "12"], "the width must be a multiple of 8")])
+def test_a_device_or_network_the_benchmark_cannot_use_is_refused_in_one_line(bench, tmp_path, capsys, args, message):
+    if "cuda" in args and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(SystemExit) as e:
-        bench.main(["--train-device", device, "--train-only", "--workdir", str(tmp_path / "w")])
+        bench.main([*args, "--train-only", "--workdir", str(tmp_path / "w")])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2 and message in err, err
     assert not (tmp_path / "w").exists()  # refused before any work
