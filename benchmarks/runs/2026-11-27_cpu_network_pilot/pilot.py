@@ -1,4 +1,4 @@
-"""Network-size pilot for issue 36's natural-preset models (pre-registered in the README before its first run).
+"""Network-size and batch pilots for issue 36's natural-preset models (pre-registered in the README before its first run).
 
 The fast-sampling benchmark's recipe (benchmarks/fast_sampling.py: the same batches, loss generator, AdamW, clip, 20
 warm-up steps) at a constant peak lr, like session 11's lr pilots, for one network size; every ``--every`` steps the
@@ -6,6 +6,7 @@ bound's excess over the exact entropy (256 held-out rows, 4 noise draws) and the
 (128 rows, seed 7, nucleus off): their true NLL excess and impossible-row share, the two halves of the 0.3 gate.
 
     python benchmarks/runs/2026-11-27_cpu_network_pilot/pilot.py --hidden 256 --blocks 4 --steps 3000
+    python benchmarks/runs/2026-11-27_cpu_network_pilot/pilot.py --batch 128 --steps 2000
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--blocks", type=int, default=2)
     p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch", type=int, default=32, help="rows a step (the benchmark's 32)")
     p.add_argument("--every", type=int, default=500)
     p.add_argument("--samples-every", type=int, default=1000)
     p.add_argument("--lr", type=float, default=LR)
@@ -44,7 +46,7 @@ def main() -> None:
                  cond_dim=args.hidden // 2, dropout=0.0)
     torch.manual_seed(0)
     model = build_model(cfg)
-    print(f"{args.kind} hidden {args.hidden} blocks {args.blocks}: "
+    print(f"{args.kind} hidden {args.hidden} blocks {args.blocks} batch {args.batch}: "
           f"{sum(q.numel() for q in model.parameters()):,} parameters; exact entropy {h:.4f}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
@@ -52,7 +54,7 @@ def main() -> None:
     losses = []
     for step in range(args.steps):
         model.train()
-        x = tb.sample(32, seed=1000 + step)
+        x = tb.sample(args.batch, seed=1000 + step)
         losses.append(_adamw_step(model, opt, compute_loss(model, x, None, cfg, step=step, train=True,
                                                           generator=g).loss, step, args.lr))
         if (step + 1) % args.every == 0:
