@@ -5,15 +5,17 @@
 # then the whole work directory is packed into ONE archive under $OUT. The device tool returns a limited number of
 # files and silently leaves the rest out: on 2026-11-27 the finished model folders did not come back.
 #
-#   bash benchmarks/gpu_fast_sampling.sh [STEPS [LIMIT_S [KINDS [NETWORK]]]]  # defaults: 24000 470 mdlm,adlm 128x2
+#   bash benchmarks/gpu_fast_sampling.sh [STEPS [LIMIT_S [KINDS [NETWORK [BATCH]]]]]
+#                                        # defaults: 24000 470 mdlm,adlm 128x2 32
 #
-# NETWORK is WIDTHxBLOCKS (--hidden, --blocks of fast_sampling.py; part of the models' cache key).
+# NETWORK is WIDTHxBLOCKS, BATCH the training rows a step (--hidden, --blocks, --batch of fast_sampling.py; all
+# part of the models' cache key, so the CPU half below names them too).
 #
 # The work directory stays on the machine (work/gpu_fast_sampling, git-ignored) while it is held: a second call
 # resumes the unfinished models (ADLM needed more than 470 s for 24,000 steps with four processes on an H100).
 # Then, here (the CPU half, which times the samplers; the recipe's cache key leaves the device out):
 #   tar -xzf fs.tgz -C /tmp && python benchmarks/fast_sampling.py --train-steps STEPS --hidden W --blocks B \
-#       --workdir /tmp/fs
+#       --batch BATCH --workdir /tmp/fs
 set -uo pipefail
 STEPS=${1:-24000}
 LIMIT_S=${2:-470}
@@ -22,6 +24,7 @@ NETWORK=${4:-128x2}
 [[ $NETWORK =~ ^([0-9]+)x([0-9]+)$ ]] || { echo "NETWORK $NETWORK: write WIDTHxBLOCKS, e.g. 256x4" >&2; exit 2; }
 HIDDEN=${BASH_REMATCH[1]}
 BLOCKS=${BASH_REMATCH[2]}
+BATCH=${5:-32}
 DEVICE=${ADLM_FS_DEVICE:-cuda}   # cpu: a dry run of this script on a machine without a GPU (tiny STEPS)
 OUT=${OUT:?set OUT to the folder whose files come back (the device tool sets it)}
 WORK=work/gpu_fast_sampling
@@ -31,7 +34,7 @@ for preset in natural anchored; do
   for kind in ${KINDS//,/ }; do
     timeout "$LIMIT_S" python3 benchmarks/fast_sampling.py --train-only --train-device "$DEVICE" \
       --train-steps "$STEPS" --checkpoint-every 2000 --presets "$preset" --kinds "$kind" --workdir "$WORK/fs" \
-      --hidden "$HIDDEN" --blocks "$BLOCKS" \
+      --hidden "$HIDDEN" --blocks "$BLOCKS" --batch "$BATCH" \
       > "$OUT/fs_${preset}_${kind}.log" 2>&1 &
     pids+=($!)
   done

@@ -109,7 +109,8 @@ def test_the_whole_benchmark_runs_tiny_with_a_distillation_round_on_both_presets
 
 @pytest.mark.parametrize("args, message", [(["--train-device", "cuda"], "this machine has no CUDA device"),
                                            (["--train-device", "tpu"], "use cpu or cuda"),
-                                           (["--hidden", "12"], "the width must be a multiple of 8")])
+                                           (["--hidden", "12"], "the width must be a multiple of 8"),
+                                           (["--batch", "0"], "train on at least one row a step")])
 def test_a_device_or_network_the_benchmark_cannot_use_is_refused_in_one_line(bench, tmp_path, capsys, args, message):
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
