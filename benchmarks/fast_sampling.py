@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _frontier_plot import STEP_METHODS, plot
+from _testbed_rows import step_rows
 from _util import result
 
 from adlm_model import build_model, compute_loss, preset, sample, unigram_entropy
@@ -98,15 +99,16 @@ def _adamw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.
 
 
 def train(kind: str, tb: Testbed, steps: int, workdir: Path, seed: int = 0, batch: int = 32, lr: float = LR,
-          checkpoint_every: int = 200, device: str = "cpu", hidden: int = 128,
-          blocks: int = 2) -> tuple[torch.nn.Module, object, dict]:
+          checkpoint_every: int = 200, device: str = "cpu", hidden: int = 128, blocks: int = 2,
+          loader_workers: int = 0) -> tuple[torch.nn.Module, object, dict]:
     """A small model of ``kind`` trained ``steps`` AdamW steps on fresh testbed rows, seeded end to end and cached
     by the hash of its recipe (module docstring); resumes from the last checkpoint. Returns (model, cfg, meta), the
     model on the CPU. ``device``: where it trains (``--train-device``); not part of the recipe's key, so a model
     trained on a GPU is the cached model of a CPU run of the same recipe (the device is recorded in its meta; the
     two devices' random streams differ, so their weights do too), and a checkpoint resumes on its own device only.
     ``hidden`` / ``blocks``: the network's width and depth (ADLM's denoiser has half the blocks, at least one; the
-    time conditioning is half the width); the default, 128 x 2, is the model every earlier run cached."""
+    time conditioning is half the width); the default, 128 x 2, is the model every earlier run cached.
+    ``loader_workers``: processes that draw the rows ahead (``_testbed_rows``; the same rows, not in the key)."""
     cfg = preset("tiny", kind=kind, vocab_size=tb.vocab_size, mask_id=MASK_ID, seq_len=tb.length, hidden=hidden,
                  heads=4, n_blocks=blocks, denoiser_blocks=max(1, blocks // 2), cond_dim=hidden // 2, dropout=0.0)
     recipe = {"format": TRAIN_FORMAT, "kind": kind, "model": cfg.to_dict(), "testbed": tb.to_dict(), "steps": steps,
@@ -146,8 +148,8 @@ def train(kind: str, tb: Testbed, steps: int, workdir: Path, seed: int = 0, batc
             print(f"  {kind}: resuming {d.name} at step {start}/{steps}", flush=True)
         model.train()
         t0, losses = time.perf_counter(), []
-        for step in range(start, steps):
-            x = tb.sample(batch, seed=1000 + step).to(device)
+        for step, rows in zip(range(start, steps), step_rows(tb, batch, start, steps, loader_workers), strict=True):
+            x = rows.to(device)
             loss = compute_loss(model, x, None, cfg, step=step, train=True, generator=g).loss
             losses.append(_adamw_step(model, opt, loss, step, lr, horizon=steps))
             if (step + 1) % 100 == 0:
@@ -340,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="training rows a step (default 32; part of the cache key; on a GPU a step of these models "
                         "costs about the same at 256 rows as at 32)")
     p.add_argument("--checkpoint-every", type=int, default=200, help="training steps between checkpoints")
+    p.add_argument("--loader-workers", type=int, default=0,
+                   help="processes drawing the training rows ahead (default 0: in the loop; the same rows either way)")
     p.add_argument("--max-excess", type=float, default=MAX_EXCESS,
                    help="nats/token: farther from the truth, a model gets no speedup (default 0.3)")
     p.add_argument("--sweep-far-models", action="store_true",
@@ -388,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
             name = kind if preset_name == "natural" else f"{kind}_{preset_name}"
             model, cfg, meta = train(kind, tb, args.train_steps, Path(args.workdir), seed=args.seed,
                                      checkpoint_every=args.checkpoint_every, device=args.train_device,
-                                     hidden=args.hidden, blocks=args.blocks, batch=args.batch)
+                                     hidden=args.hidden, blocks=args.blocks, batch=args.batch,
+                                     loader_workers=args.loader_workers)
             b = bound_excess(model, cfg, tb)
             distance[name] = {"bound": b["bound"], "bound_excess": b["excess"], "entropy": h}
             print(f"  {name}: bound {b['bound']:.4f} nats/token, excess over the exact entropy {b['excess']:.4f}",

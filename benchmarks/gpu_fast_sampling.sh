@@ -10,6 +10,8 @@
 #
 # NETWORK is WIDTHxBLOCKS, BATCH the training rows a step (--hidden, --blocks, --batch of fast_sampling.py; all
 # part of the models' cache key, so the CPU half below names them too).
+# Each process draws its rows ahead in 3 loader processes (--loader-workers: the same rows, not in the key), so
+# the four use 16 cores: the natural preset's row sampler, not the card, is what a large BATCH waits on.
 #
 # The work directory stays on the machine (work/gpu_fast_sampling, git-ignored) while it is held: a second call
 # resumes the unfinished models (ADLM needed more than 470 s for 24,000 steps with four processes on an H100).
@@ -34,7 +36,7 @@ for preset in natural anchored; do
   for kind in ${KINDS//,/ }; do
     timeout "$LIMIT_S" python3 benchmarks/fast_sampling.py --train-only --train-device "$DEVICE" \
       --train-steps "$STEPS" --checkpoint-every 2000 --presets "$preset" --kinds "$kind" --workdir "$WORK/fs" \
-      --hidden "$HIDDEN" --blocks "$BLOCKS" --batch "$BATCH" \
+      --hidden "$HIDDEN" --blocks "$BLOCKS" --batch "$BATCH" --loader-workers 3 \
       > "$OUT/fs_${preset}_${kind}.log" 2>&1 &
     pids+=($!)
   done

@@ -1,6 +1,6 @@
 """The fast-sampling benchmark's models (benchmarks/fast_sampling.py): trained seeded end to end (two runs, the
-same weights, whatever state the global RNG is in), cached by the recipe's hash, and a run killed after a
-checkpoint resumes to exactly the weights of an uninterrupted one."""
+same weights, whatever state the global RNG is in or whichever process draws the rows), cached by the recipe's
+hash, and a run killed after a checkpoint resumes to exactly the weights of an uninterrupted one."""
 
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ def test_training_is_seeded_cached_and_resumes_exactly(bench, tmp_path, monkeypa
     torch.rand(5)
     b, _, _ = bench.train("mdlm", tb, 6, tmp_path / "b", checkpoint_every=3)
     assert all(torch.equal(x, y) for x, y in zip(_weights(a), _weights(b), strict=True))
+    # Rows drawn ahead by loader processes are the same rows: the same weights.
+    w, _, _ = bench.train("mdlm", tb, 6, tmp_path / "w", checkpoint_every=3, loader_workers=2)
+    assert all(torch.equal(x, y) for x, y in zip(_weights(a), _weights(w), strict=True))
     assert meta["done"] and len(list((tmp_path / "a").iterdir())) == 1
     # A second call reuses the cached model (no training: the loss is never computed).
     calls = []
@@ -60,8 +63,8 @@ def test_training_is_seeded_cached_and_resumes_exactly(bench, tmp_path, monkeypa
     (run,) = (tmp_path / "killed").iterdir()
     assert (run / "state.safetensors").is_file() and not (run / "meta.json").exists()
     monkeypatch.setattr(bench, "compute_loss", lambda *a, step=0, **k: calls.append(step) or real(*a, step=step, **k))
-    d, _, _ = bench.train("mdlm", tb, 6, tmp_path / "killed", checkpoint_every=3)
-    assert calls == [3, 4, 5]
+    d, _, _ = bench.train("mdlm", tb, 6, tmp_path / "killed", checkpoint_every=3, loader_workers=1)
+    assert calls == [3, 4, 5]  # resumed with the rows drawn ahead from step 3 on
     assert all(torch.equal(x, y) for x, y in zip(_weights(a), _weights(d), strict=True))
     # Another recipe is another model.
     e, _, _ = bench.train("mdlm", tb, 6, tmp_path / "a", seed=1, checkpoint_every=3)
