@@ -16,6 +16,8 @@ from adlm_model.testbed import Testbed
 
 SEED_BASE = 1000
 """Step ``s``'s rows are ``sample(batch, seed=SEED_BASE + s)``: every earlier model was trained on these."""
+ROWS_TIMEOUT_S = 300.0
+"""Seconds a step waits for its rows from the loader processes (a batch takes well under one)."""
 
 
 class _StepRows(Dataset):
@@ -33,5 +35,7 @@ def step_rows(tb: Testbed, batch: int, start: int, steps: int, workers: int = 0)
     """The rows of steps ``start .. steps - 1`` in order, each ``(batch, L)``."""
     if workers <= 0:
         return (tb.sample(batch, seed=SEED_BASE + s) for s in range(start, steps))
+    # A loader process that dies or hangs raises after ROWS_TIMEOUT_S instead of stalling the run (a killed run
+    # resumes from its last checkpoint).
     return iter(DataLoader(_StepRows(tb, batch, start, steps), batch_size=None, num_workers=workers,
-                           prefetch_factor=4, persistent_workers=False))
+                           prefetch_factor=4, timeout=ROWS_TIMEOUT_S))
