@@ -33,9 +33,9 @@ class _StepRows(Dataset):
 
 def step_rows(tb: Testbed, batch: int, start: int, steps: int, workers: int = 0) -> Iterator[torch.Tensor]:
     """The rows of steps ``start .. steps - 1`` in order, each ``(batch, L)``."""
+    rows = _StepRows(tb, batch, start, steps)
     if workers <= 0:
-        return (tb.sample(batch, seed=SEED_BASE + s) for s in range(start, steps))
+        return (rows[i] for i in range(len(rows)))
     # A loader process that dies or hangs raises after ROWS_TIMEOUT_S instead of stalling the run (a killed run
     # resumes from its last checkpoint).
-    return iter(DataLoader(_StepRows(tb, batch, start, steps), batch_size=None, num_workers=workers,
-                           prefetch_factor=4, timeout=ROWS_TIMEOUT_S))
+    return iter(DataLoader(rows, batch_size=None, num_workers=workers, prefetch_factor=4, timeout=ROWS_TIMEOUT_S))

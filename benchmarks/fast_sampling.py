@@ -98,6 +98,13 @@ def _adamw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.
     return loss.item()
 
 
+def network_config(kind: str, tb: Testbed, hidden: int = 128, blocks: int = 2):
+    """The benchmark's network of ``kind`` for ``tb``: ``hidden`` wide, ``blocks`` deep (ADLM's denoiser half as
+    deep, at least one block; the time conditioning half as wide); 128 x 2 is the model every earlier run cached."""
+    return preset("tiny", kind=kind, vocab_size=tb.vocab_size, mask_id=MASK_ID, seq_len=tb.length, hidden=hidden,
+                  heads=4, n_blocks=blocks, denoiser_blocks=max(1, blocks // 2), cond_dim=hidden // 2, dropout=0.0)
+
+
 def train(kind: str, tb: Testbed, steps: int, workdir: Path, seed: int = 0, batch: int = 32, lr: float = LR,
           checkpoint_every: int = 200, device: str = "cpu", hidden: int = 128, blocks: int = 2,
           loader_workers: int = 0) -> tuple[torch.nn.Module, object, dict]:
@@ -106,11 +113,9 @@ def train(kind: str, tb: Testbed, steps: int, workdir: Path, seed: int = 0, batc
     model on the CPU. ``device``: where it trains (``--train-device``); not part of the recipe's key, so a model
     trained on a GPU is the cached model of a CPU run of the same recipe (the device is recorded in its meta; the
     two devices' random streams differ, so their weights do too), and a checkpoint resumes on its own device only.
-    ``hidden`` / ``blocks``: the network's width and depth (ADLM's denoiser has half the blocks, at least one; the
-    time conditioning is half the width); the default, 128 x 2, is the model every earlier run cached.
+    ``hidden`` / ``blocks``: the network's width and depth (``network_config``).
     ``loader_workers``: processes that draw the rows ahead (``_testbed_rows``; the same rows, not in the key)."""
-    cfg = preset("tiny", kind=kind, vocab_size=tb.vocab_size, mask_id=MASK_ID, seq_len=tb.length, hidden=hidden,
-                 heads=4, n_blocks=blocks, denoiser_blocks=max(1, blocks // 2), cond_dim=hidden // 2, dropout=0.0)
+    cfg = network_config(kind, tb, hidden, blocks)
     recipe = {"format": TRAIN_FORMAT, "kind": kind, "model": cfg.to_dict(), "testbed": tb.to_dict(), "steps": steps,
               "batch": batch, "lr": lr, "warmup": 20, "seed": seed, "clip": 1.0, "cosine_to": lr * COSINE_FLOOR}
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
@@ -311,8 +316,6 @@ def best_within(points: list[dict], tol: float = 0.05) -> float:
     ok = [p["speedup"] for p in points if p["method"] not in ("baseline", "paper-T", *STEP_METHODS)
           and p["nll_increase"] <= tol and p["impossible"] <= base["impossible"] + 0.05]
     return max(ok, default=float("nan"))
-
-
 
 
 def distilled_within(points: list[dict], tol: float = 0.05) -> tuple[float, float]:

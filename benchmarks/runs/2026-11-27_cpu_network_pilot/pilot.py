@@ -21,10 +21,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from fast_sampling import LR, _adamw_step, bound_excess, measure
+from _testbed_rows import step_rows
+from fast_sampling import LR, _adamw_step, bound_excess, measure, network_config
 
-from adlm_model import build_model, compute_loss, preset
-from adlm_model.testbed import MASK_ID, Testbed, TestbedConfig
+from adlm_model import build_model, compute_loss
+from adlm_model.testbed import Testbed, TestbedConfig
 
 
 def main() -> None:
@@ -41,9 +42,7 @@ def main() -> None:
     torch.set_num_threads(1)
     tb = Testbed(TestbedConfig.natural(length=32))
     h = tb.entropy_per_token().mean
-    cfg = preset("tiny", kind=args.kind, vocab_size=tb.vocab_size, mask_id=MASK_ID, seq_len=tb.length,
-                 hidden=args.hidden, heads=4, n_blocks=args.blocks, denoiser_blocks=max(1, args.blocks // 2),
-                 cond_dim=args.hidden // 2, dropout=0.0)
+    cfg = network_config(args.kind, tb, args.hidden, args.blocks)
     torch.manual_seed(0)
     model = build_model(cfg)
     print(f"{args.kind} hidden {args.hidden} blocks {args.blocks} batch {args.batch}: "
@@ -52,9 +51,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
     losses = []
-    for step in range(args.steps):
+    for step, x in enumerate(step_rows(tb, args.batch, 0, args.steps)):
         model.train()
-        x = tb.sample(args.batch, seed=1000 + step)
         losses.append(_adamw_step(model, opt, compute_loss(model, x, None, cfg, step=step, train=True,
                                                           generator=g).loss, step, args.lr))
         if (step + 1) % args.every == 0:
