@@ -5,13 +5,14 @@
 # then the whole work directory is packed into ONE archive under $OUT. The device tool returns a limited number of
 # files and silently leaves the rest out: on 2026-11-27 the finished model folders did not come back.
 #
-#   bash benchmarks/gpu_fast_sampling.sh [STEPS [LIMIT_S [KINDS [NETWORK [BATCH]]]]]
-#                                        # defaults: 24000 470 mdlm,adlm 128x2 32
+#   bash benchmarks/gpu_fast_sampling.sh [STEPS [LIMIT_S [KINDS [NETWORK [BATCH [PRESETS]]]]]]
+#                                        # defaults: 24000 470 mdlm,adlm 128x2 32 natural,anchored
 #
 # NETWORK is WIDTHxBLOCKS, BATCH the training rows a step (--hidden, --blocks, --batch of fast_sampling.py; all
 # part of the models' cache key, so the CPU half below names them too).
-# Each process draws its rows ahead in 3 loader processes (--loader-workers: the same rows, not in the key), so
-# the four use 16 cores: the natural preset's row sampler, not the card, is what a large BATCH waits on.
+# Each process draws its rows ahead in loader processes (--loader-workers: the same rows, not in the key), the
+# machine's cores shared out (16 cores: 3 each for four processes, 7 each for two): the natural preset's row
+# sampler, not the card, is what a large BATCH waits on.
 #
 # The work directory stays on the machine (work/gpu_fast_sampling, git-ignored) while it is held: a second call
 # resumes the unfinished models (ADLM needed more than 470 s for 24,000 steps with four processes on an H100).
@@ -27,16 +28,20 @@ NETWORK=${4:-128x2}
 HIDDEN=${BASH_REMATCH[1]}
 BLOCKS=${BASH_REMATCH[2]}
 BATCH=${5:-32}
+PRESETS=${6:-natural,anchored}
 DEVICE=${ADLM_FS_DEVICE:-cuda}   # cpu: a dry run of this script on a machine without a GPU (tiny STEPS)
 OUT=${OUT:?set OUT to the folder whose files come back (the device tool sets it)}
 WORK=work/gpu_fast_sampling
 mkdir -p "$WORK/fs" "$OUT"
+n_procs=$(( $(wc -w <<<"${PRESETS//,/ }") * $(wc -w <<<"${KINDS//,/ }") ))
+LOADERS=$(( ($(nproc) - n_procs) / n_procs ))
+(( LOADERS >= 1 )) || LOADERS=1
 pids=()
-for preset in natural anchored; do
+for preset in ${PRESETS//,/ }; do
   for kind in ${KINDS//,/ }; do
     timeout "$LIMIT_S" python3 benchmarks/fast_sampling.py --train-only --train-device "$DEVICE" \
       --train-steps "$STEPS" --checkpoint-every 2000 --presets "$preset" --kinds "$kind" --workdir "$WORK/fs" \
-      --hidden "$HIDDEN" --blocks "$BLOCKS" --batch "$BATCH" --loader-workers 3 \
+      --hidden "$HIDDEN" --blocks "$BLOCKS" --batch "$BATCH" --loader-workers "$LOADERS" \
       > "$OUT/fs_${preset}_${kind}.log" 2>&1 &
     pids+=($!)
   done
