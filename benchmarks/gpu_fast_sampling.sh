@@ -2,11 +2,12 @@
 # The GPU half of benchmarks/fast_sampling.py (issue 36) as one command for a lent GPU machine: the four testbed
 # models (the natural and anchored presets, MDLM and ADLM) train side by side on the card with --train-only, each
 # stopped at LIMIT_S if unfinished (it checkpoints every 2,000 steps, and a rerun on the same machine resumes it),
-# then the whole work directory is packed into ONE archive under $OUT. The device tool returns a limited number of
-# files and silently leaves the rest out: on 2026-11-27 the finished model folders did not come back.
+# then the whole work directory is packed into one archive under $OUT, split in parts under the tool's 16 MiB a
+# file. The device tool returns at most 8 files and silently leaves the rest out: on 2026-11-27 the finished model
+# folders did not come back.
 #
 #   bash benchmarks/gpu_fast_sampling.sh [STEPS [LIMIT_S [KINDS [NETWORK [BATCH [PRESETS]]]]]]
-#                                        # defaults: 24000 470 mdlm,adlm 128x2 32 natural,anchored
+#                                        # defaults: 18000 540 mdlm,adlm 128x2 256 natural,anchored
 #
 # NETWORK is WIDTHxBLOCKS, BATCH the training rows a step (--hidden, --blocks, --batch of fast_sampling.py; all
 # part of the models' cache key, so the CPU half below names them too).
@@ -15,19 +16,21 @@
 # sampler, not the card, is what a large BATCH waits on.
 #
 # The work directory stays on the machine (work/gpu_fast_sampling, git-ignored) while it is held: a second call
-# resumes the unfinished models (ADLM needed more than 470 s for 24,000 steps with four processes on an H100).
+# resumes the unfinished models, if it comes within the tool's 30 idle seconds (ADLM needed more than 470 s for
+# 24,000 steps of 32 rows with four processes on an H100; on 2026-11-28, natural preset only, two processes, 18,000
+# steps of 256 rows took 292 s for MDLM and 437 s for ADLM, the SDTT rounds 534 s in all: run one preset a call).
 # Then, here (the CPU half, which times the samplers; the recipe's cache key leaves the device out):
-#   tar -xzf fs.tgz -C /tmp && python benchmarks/fast_sampling.py --train-steps STEPS --hidden W --blocks B \
+#   cat fs.tgz.part.* | tar -xzf - -C /tmp && python benchmarks/fast_sampling.py --train-steps STEPS --hidden W --blocks B \
 #       --batch BATCH --workdir /tmp/fs
 set -uo pipefail
-STEPS=${1:-24000}
-LIMIT_S=${2:-470}
+STEPS=${1:-18000}
+LIMIT_S=${2:-540}
 KINDS=${3:-mdlm,adlm}
 NETWORK=${4:-128x2}
 [[ $NETWORK =~ ^([0-9]+)x([0-9]+)$ ]] || { echo "NETWORK $NETWORK: write WIDTHxBLOCKS, e.g. 256x4" >&2; exit 2; }
 HIDDEN=${BASH_REMATCH[1]}
 BLOCKS=${BASH_REMATCH[2]}
-BATCH=${5:-32}
+BATCH=${5:-256}
 PRESETS=${6:-natural,anchored}
 DEVICE=${ADLM_FS_DEVICE:-cuda}   # cpu: a dry run of this script on a machine without a GPU (tiny STEPS)
 OUT=${OUT:?set OUT to the folder whose files come back (the device tool sets it)}
@@ -50,6 +53,8 @@ status=0
 for pid in "${pids[@]}"; do
   wait "$pid" || status=$?   # 124: stopped at LIMIT_S (resumable); other codes: see the process's log
 done
-tar -C "$WORK" -czf "$OUT/fs.tgz" fs
-echo "packed $(du -sh "$OUT/fs.tgz" | cut -f1) into $OUT/fs.tgz; last exit status $status"
+# in parts of 15 MiB: the device tool drops any file over 16 MiB (on 2026-11-28 the two natural models and their
+# eight SDTT students made one 28 MB archive, which did not come back)
+tar -C "$WORK" -czf - fs | split -b 15M - "$OUT/fs.tgz.part."
+echo "packed $(cat "$OUT"/fs.tgz.part.* | wc -c) bytes into $(ls "$OUT"/fs.tgz.part.* | wc -l) part(s) under $OUT; last exit status $status"
 tail -n 3 "$OUT"/fs_*.log

@@ -89,7 +89,7 @@ def test_the_whole_benchmark_runs_tiny_with_a_distillation_round_on_both_presets
     args = [*tiny, "--max-excess", "1e9"]
     assert bench.main(args) == 0
     out = capsys.readouterr().out
-    assert "RESULT fast_sampling_speedup_at_5pct_mdlm=" in out
+    assert "RESULT fast_sampling_speedup_at_5pct_mdlm=" in out and "RESULT fast_sampling_sample_excess_mdlm=" in out
     # the anchored toy's samples are all impossible (true NLL inf): refused even at this gate, and said why
     assert ("RESULT fast_sampling_speedup_at_5pct_mdlm_anchored=" in out) != ("NO SPEEDUP for mdlm_anchored" in out)
     # distilled on the natural preset only (--distill-presets)
@@ -108,12 +108,19 @@ def test_the_whole_benchmark_runs_tiny_with_a_distillation_round_on_both_presets
     assert "RESULT fast_sampling_speedup_at_5pct_mdlm=" not in out and "RESULT distilled_steps" not in out
     points = json.loads((tmp_path / "frontier.json").read_text())["points"]["mdlm"]
     assert {p["method"] for p in points} == {"baseline", "paper-T", "threshold", "dual", "prefix"}  # all timed
+    # the samples' half of the distance, printed beside every result, refuses only when asked to
+    assert bench.main([*tiny, "--sweep-far-models", "--presets", "natural", "--max-excess", "1e9",
+                       "--max-samples-excess", "1e-6"]) == 0
+    out = capsys.readouterr().out
+    assert "samples at T = L score" in out and "(--max-samples-excess 1e-06)" in out, out[-2000:]
+    assert "RESULT fast_sampling_speedup_at_5pct_mdlm=" not in out
 
 
 @pytest.mark.parametrize("args, message", [(["--train-device", "cuda"], "this machine has no CUDA device"),
                                            (["--train-device", "tpu"], "use cpu or cuda"),
                                            (["--hidden", "12"], "the width must be a multiple of 8"),
-                                           (["--batch", "0"], "train on at least one row a step")])
+                                           (["--batch", "0"], "train on at least one row a step"),
+                                           (["--max-samples-excess", "0"], "a positive number of nats/token")])
 def test_a_device_or_network_the_benchmark_cannot_use_is_refused_in_one_line(bench, tmp_path, capsys, args, message):
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
