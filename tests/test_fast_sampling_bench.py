@@ -83,8 +83,8 @@ def test_the_whole_benchmark_runs_tiny_with_a_distillation_round_on_both_presets
     the far model but it gets no speedup and no student."""
     import json
 
-    tiny = ["--length", "8", "--kinds", "mdlm", "--train-steps", "4", "--samples", "4", "--repeats", "1", "--skip-paper-t",
-            "--distill-rounds", "1", "--distill-steps", "2", "--workdir", str(tmp_path / "w"),
+    tiny = ["--length", "8", "--kinds", "mdlm", "--train-steps", "4", "--batch", "8", "--samples", "4", "--repeats", "1",
+            "--skip-paper-t", "--distill-rounds", "1", "--distill-steps", "2", "--workdir", str(tmp_path / "w"),
             "--plot", str(tmp_path / "frontier.png"), "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]
     args = [*tiny, "--max-excess", "1e9"]
     assert bench.main(args) == 0
