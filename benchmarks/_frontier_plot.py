@@ -32,7 +32,7 @@ def plot(all_points: dict[str, list[dict]], path: Path) -> None:
         ax.axhline(5, ls="--", c="grey", lw=0.8)
         ax.axvline(1, ls=":", c="grey", lw=0.8)
         ax.set_xscale("log")
-        ax.set_xlabel("wall-time speedup over mdlm T=L (exact cache)")
+        ax.set_xlabel("wall-time speedup over the exact sampler at T=L (row cache)")
         ax.set_ylabel("true NLL/token increase (%)")
         ax.set_title(f"{kind.upper()} on the testbed (L={pts[0].get('L', '')})")
         ax.legend(fontsize=8)
