@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--train-device cuda: this machine has no CUDA device; train on the CPU (the default)")
     if args.batch < 1:
         p.error(f"--batch {args.batch}: train on at least one row a step")
-    if min(args.max_excess, 1 if args.max_samples_excess is None else args.max_samples_excess) <= 0:
+    if args.max_excess <= 0 or (args.max_samples_excess is not None and args.max_samples_excess <= 0):
         p.error("--max-excess / --max-samples-excess: a distance gate must be a positive number of nats/token")
     if args.hidden < 8 or args.hidden % 8 or args.blocks < 1:
         p.error(f"--hidden {args.hidden} --blocks {args.blocks}: the width must be a multiple of 8 (4 heads, and half "
@@ -465,8 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         mlflow.set_tracking_uri(args.tracking_uri or resolve_tracking_uri(None))
         mlflow.set_experiment("adlm-fast-sampling")
         with mlflow.start_run(run_name="fast-sampling-frontier"):
-            mlflow.log_params({"length": args.length, "samples": args.samples, "train_steps": args.train_steps,
-                               "seed": args.seed, "presets": args.presets})
+            mlflow.log_params(vars(args))  # every flag: batch, network and gates included, not a hand-kept subset
             for name, pts in all_points.items():
                 mlflow.log_metrics({f"{k}_{name}": distance[name][k] for k in ("bound_excess", "sample_excess")})
                 if "refused" not in pts[0]:

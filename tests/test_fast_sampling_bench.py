@@ -99,6 +99,11 @@ def test_the_whole_benchmark_runs_tiny_with_a_distillation_round_on_both_presets
     assert methods == [("distilled", 4), ("teacher", 4)], methods  # T0 = L = 8, one round: 4 steps
     assert not any(p["method"] == "distilled" for p in points["mdlm_anchored"])
     assert (tmp_path / "frontier.png").stat().st_size > 10_000
+    import mlflow  # the run's params are every flag, the recipe's batch among them
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("adlm-fast-sampling").experiment_id])
+    assert run.data.params["batch"] == "8" and run.data.params["max_excess"] == "1000000000.0", run.data.params
     students = sorted(p.name for p in (tmp_path / "w").iterdir() if "-sdtt1-" in p.name)
     assert len(students) == 1
     assert bench.main(args) == 0 and "cached SDTT round 1 student" in capsys.readouterr().out
