@@ -23,8 +23,7 @@ content symbols follow, then the anchor symbols (``vocab_size`` ids in all; the 
 
 That is the ``anchored`` preset (the default). ``preset = "natural"`` is another language, as exact, with natural
 text's confidence profile (``testbed_natural.py``, which registers itself in ``PRESET_CLASSES``); ``Testbed(config)``
-builds whichever the config names.
-"""
+builds whichever the config names."""
 
 from __future__ import annotations
 
@@ -54,6 +53,7 @@ class TestbedError(ValueError):
 TESTBED_PRESETS = ("anchored", "natural")
 NATURAL_DEFAULTS: dict[str, Any] = {"content_vocab": 256}  # the defaults that differ under preset = "natural"
 PRESET_CLASSES: dict[str, type] = {}  # preset -> its Testbed subclass (anchored: Testbed itself)
+_ENTROPY: dict[TestbedConfig, Estimate] = {}  # config -> H(X) per row: a language built again reuses it
 
 
 @dataclass(frozen=True)
@@ -409,12 +409,13 @@ class Testbed:
 
     # ------------------------------------------------------------------------------------------------ summaries
 
-    @cached_property
+    @property
     def _entropy(self) -> Estimate:
         c = self.config
-        nll = -torch.cat([self.log_prob(self.sample(min(4096, c.entropy_rows - i), seed=10_000_000 + i))
-                          for i in range(0, c.entropy_rows, 4096)])
-        return _mean_se(nll)
+        if c not in _ENTROPY:  # a pure function of the frozen config (seeded rows): once per config and process
+            rows = (self.sample(min(4096, c.entropy_rows - i), seed=10_000_000 + i) for i in range(0, c.entropy_rows, 4096))
+            _ENTROPY[c] = _mean_se(-torch.cat([self.log_prob(r) for r in rows]))
+        return _ENTROPY[c]
 
     def entropy_per_row(self) -> Estimate:
         """H(X) in nats per row: the mean exact NLL of ``entropy_rows`` generated rows, with its standard error."""
@@ -448,8 +449,7 @@ class Testbed:
         - ``mutual_information_per_token``: (log p(rest | anchors) - log p(rest)) / L, i.e. I(anchors; rest) / L;
         - ``gain_at_full_masking``: mean over non-anchor content positions of log p(x^l | anchors) - log p(x^l),
           how much better a lone token is predicted from the anchors alone (the high-masking regime);
-        - ``anchors_per_row``: anchor tokens per row.
-        """
+        - ``anchors_per_row``: anchor tokens per row."""
         x = self.sample(n, seed)
         anc = self.is_anchor_token(x)
         only_anchors = torch.where(anc | (torch.arange(self.length) == 0) | (torch.arange(self.length) == self.length - 1),

@@ -127,3 +127,15 @@ def test_confidence_profile_and_the_presets():
     assert TestbedConfig.from_dict({"preset": "natural"}) == TestbedConfig.natural()
     with pytest.raises(TestbedError, match="preset must be one of anchored, natural"):
         TestbedConfig.from_dict({"preset": "english"})
+
+
+def test_the_entropy_is_kept_per_language_and_is_the_mean_exact_nll_of_its_rows():
+    """A language built again with the same config reuses its entropy (the benchmark builds each preset's language
+    once per run of its sweeps); the value is the mean exact NLL of its seeded rows, and another config has its own."""
+    cfg = TestbedConfig.natural(**TINY, entropy_rows=300)
+    first = Testbed(cfg).entropy_per_row()
+    assert Testbed(cfg).entropy_per_row() is first
+    tb = Testbed(cfg)
+    assert first.mean == pytest.approx(-float(tb.log_prob(tb.sample(300, seed=10_000_000)).mean()), rel=1e-12)
+    other = Testbed(TestbedConfig.natural(**{**TINY, "seed": 10}, entropy_rows=300)).entropy_per_row()
+    assert other is not first and other.mean != first.mean
