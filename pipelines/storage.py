@@ -196,9 +196,42 @@ def download_dir(src: str | os.PathLike, local: str | os.PathLike) -> Path:
     return out
 
 
+SCRATCH = "adlm-scratch"
+"""The folder of this machine's temp dir that holds every ``temp_dir``."""
+
+
 def temp_dir(prefix: str = "adlm-") -> Path:
-    """A fresh local scratch folder (the caller removes it)."""
-    return Path(tempfile.mkdtemp(prefix=prefix))
+    """A fresh local scratch folder (the caller removes it), under ``<temp dir>/adlm-scratch`` and named after this
+    process and host. A process killed before it removed its folder leaves a whole checkpoint there: a sweep trial
+    that ASHA stops while its best checkpoint uploads, a training worker on a preempted node (a kill runs no
+    ``finally``; 30 such folders had piled up in this machine's /tmp from the cluster tests). So each new scratch
+    folder first removes those of this host's processes that are gone."""
+    root = Path(tempfile.gettempdir()) / SCRATCH
+    root.mkdir(exist_ok=True)
+    host = _host_tag()
+    for old in root.iterdir():
+        pid, _, rest = old.name.partition(".")
+        if pid.isdigit() and rest.startswith(f"{host}.") and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)  # another process may be removing it too
+    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}.{host}.{prefix}", dir=root))
+
+
+def _host_tag() -> str:
+    """This host, as a folder-name part: process ids are only comparable on one host (a temp dir shared by
+    containers with their own process ids would otherwise lose a live process's folder)."""
+    import socket
+
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 def publish_dir(local: str | os.PathLike, dest: str | os.PathLike) -> str:

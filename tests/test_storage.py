@@ -97,3 +97,28 @@ def test_a_scheme_no_filesystem_serves_is_one_clear_error() -> None:
 
     with pytest.raises(StorageError, match="no filesystem serves the scheme 'ftp'"):
         get_fs("ftp://host/run")
+
+
+def test_a_scratch_folder_whose_process_was_killed_goes_with_the_next_one(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process killed with its scratch folder still there (a stopped trial, a preempted node's worker) leaves it;
+    the next scratch folder made on the host removes it, and leaves those of live processes alone."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from pipelines.storage import SCRATCH, temp_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mine = temp_dir("adlm-best-")
+    (mine / "model.safetensors").write_bytes(b"x")
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, signal; from pipelines.storage import temp_dir; d = temp_dir('adlm-best-'); "
+        "(d / 'model.safetensors').write_bytes(b'x'); print(d, flush=True); os.kill(os.getpid(), signal.SIGKILL)")],
+        capture_output=True, text=True, env={**os.environ, "TMPDIR": str(tmp_path)}, timeout=120)
+    orphan = Path(killed.stdout.strip())
+    assert killed.returncode == -9 and orphan.parent == tmp_path / SCRATCH and orphan.is_dir(), killed.stderr[-2000:]
+    new = temp_dir("adlm-ckpt-")
+    assert not orphan.exists() and mine.is_dir() and new.is_dir()
+    assert sorted(p.name for p in (tmp_path / SCRATCH).iterdir()) == sorted([mine.name, new.name])
