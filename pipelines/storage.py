@@ -196,17 +196,18 @@ def download_dir(src: str | os.PathLike, local: str | os.PathLike) -> Path:
     return out
 
 
-SCRATCH = "adlm-scratch"
-"""The folder of this machine's temp dir that holds every ``temp_dir``."""
+def scratch_root() -> Path:
+    """``<temp dir>/adlm-scratch-<uid>``: the folder of every ``temp_dir`` (one per user: another user's is not
+    writable)."""
+    return Path(tempfile.gettempdir()) / f"adlm-scratch-{os.getuid()}"
 
 
 def temp_dir(prefix: str = "adlm-") -> Path:
-    """A fresh local scratch folder (the caller removes it), under ``<temp dir>/adlm-scratch`` and named after this
-    process and host. A process killed before it removed its folder leaves a whole checkpoint there: a sweep trial
+    """A fresh local scratch folder (the caller removes it), in ``scratch_root()`` and named after this process and
+    host. A process killed before it removed its folder leaves a whole checkpoint there: a sweep trial
     that ASHA stops while its best checkpoint uploads, a training worker on a preempted node (a kill runs no
-    ``finally``; 30 such folders had piled up in this machine's /tmp from the cluster tests). So each new scratch
-    folder first removes those of this host's processes that are gone."""
-    root = Path(tempfile.gettempdir()) / SCRATCH
+    ``finally``). So each new scratch folder first removes those of this host's processes that are gone."""
+    root = scratch_root()
     root.mkdir(exist_ok=True)
     host = _host_tag()
     for old in root.iterdir():
@@ -225,6 +226,7 @@ def _host_tag() -> str:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (a zombie counts: its parent has not reaped it yet)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

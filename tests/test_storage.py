@@ -108,7 +108,7 @@ def test_a_scratch_folder_whose_process_was_killed_goes_with_the_next_one(tmp_pa
     import sys
     import tempfile
 
-    from pipelines.storage import SCRATCH, temp_dir
+    from pipelines.storage import scratch_root, temp_dir
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     mine = temp_dir("adlm-best-")
@@ -118,7 +118,8 @@ def test_a_scratch_folder_whose_process_was_killed_goes_with_the_next_one(tmp_pa
         "(d / 'model.safetensors').write_bytes(b'x'); print(d, flush=True); os.kill(os.getpid(), signal.SIGKILL)")],
         capture_output=True, text=True, env={**os.environ, "TMPDIR": str(tmp_path)}, timeout=120)
     orphan = Path(killed.stdout.strip())
-    assert killed.returncode == -9 and orphan.parent == tmp_path / SCRATCH and orphan.is_dir(), killed.stderr[-2000:]
+    assert scratch_root() == tmp_path / f"adlm-scratch-{os.getuid()}"
+    assert killed.returncode == -9 and orphan.parent == scratch_root() and orphan.is_dir(), killed.stderr[-2000:]
     new = temp_dir("adlm-ckpt-")
     assert not orphan.exists() and mine.is_dir() and new.is_dir()
-    assert sorted(p.name for p in (tmp_path / SCRATCH).iterdir()) == sorted([mine.name, new.name])
+    assert sorted(p.name for p in scratch_root().iterdir()) == sorted([mine.name, new.name])
