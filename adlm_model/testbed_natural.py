@@ -109,15 +109,12 @@ class NaturalTestbed(Testbed):
         self.T, self.pi, self.E = torch.from_numpy(T), torch.from_numpy(pi), torch.from_numpy(E)
         # T is a shift inside words plus the word chain between last and first positions: the messages use that
         # (a (B, W) x (W, W) product a step instead of (B, S) x (S, S)).
-        inner = np.setdiff1d(np.arange(S), last)
-        self._inner, self._last = torch.from_numpy(inner), torch.from_numpy(last)
-        self._first = torch.from_numpy(first[:-1].copy())
+        self._last, self._first = torch.from_numpy(last), torch.from_numpy(first[:-1].copy())
+        is_last = np.isin(np.arange(S), last)
         # 1 at a state that moves on inside its word, 0 at a word's last state: the shift inside words is then a
         # contiguous shifted product (an indexed assignment over (B, S) cost 3x as much: the forward's hot loop).
-        self._moves_on = torch.ones(S, dtype=torch.float64)
-        self._moves_on[self._last] = 0.0
-        self.state_symbol, self.state_next_in_word = symbol, np.where(np.isin(np.arange(S), last), -1,
-                                                                      np.arange(S) + 1)
+        self._moves_on = torch.from_numpy((~is_last).astype(np.float64))
+        self.state_symbol, self.state_next_in_word = symbol, np.where(is_last, -1, np.arange(S) + 1)
         self.state_word = np.repeat(np.arange(W), [len(sp) for sp in spellings])
         self.content_lo = N_SPECIALS
         self.anchor_lo = N_SPECIALS + V  # no anchor symbols: every id at or above this is foreign
