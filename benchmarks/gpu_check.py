@@ -607,6 +607,29 @@ def graph_breaks() -> tuple[int, dict[str, int]]:
     return sum(reasons.values()), reasons
 
 
+def timed_steps(ctx: Ctx, tr: Trainer, x: torch.Tensor, tried: list[int]) -> tuple[int, list[float], list[int]]:
+    """The timed steps on the rows ``x``; where they run out of memory, the same at the next smaller batch the
+    search found to fit (else half the batch) until one runs. The search's two steps fitting does not make the
+    longer timed run fit: the allocator's cache fragments, and on an H200 (2026-11-28) ADLM and BD3-LM ran out at
+    batch 64 with 12.7 GiB reserved but unallocated. Returns (batch, step times, the batches that ran out)."""
+    ooms: list[int] = []
+    while True:
+        batch = x.shape[0]
+        try:
+            ctx.reset_peak()
+            return batch, timed(ctx, lambda rows=x: tr.step(rows), repeats=ctx.args.steps,
+                                warmup=ctx.sizes.warmup_steps), ooms
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+            if not is_oom(e) or batch <= 1:
+                raise
+        # out of the except block, as in Trainer.fits: the traceback's frames (and their tensors) are gone
+        ooms.append(batch)
+        below = [b for b in tried if b < batch]
+        x = x[: max(below) if below else batch // 2].clone()
+        tr.opt.zero_grad(set_to_none=True)
+        free_memory(ctx)
+
+
 def train_item(ctx: Ctx, kind: str, compiled: bool) -> dict[str, Any]:
     cfg = ctx.train_config(kind)
     tr = Trainer(ctx, cfg, compiled=compiled)
@@ -633,9 +656,11 @@ def train_item(ctx: Ctx, kind: str, compiled: bool) -> dict[str, Any]:
         ctx.shared[f"flops_row_{kind}"] = flops_row
         x = random_rows(cfg, batch, ctx.device)
     flops_row = ctx.shared.get(f"flops_row_{kind}")
-    ctx.reset_peak()
-    step = tr.step
-    times = timed(ctx, lambda: step(x), repeats=ctx.args.steps, warmup=ctx.sizes.warmup_steps)
+    batch, times, ooms = timed_steps(ctx, tr, x, detail.get("batches_tried", []))
+    if ooms:
+        detail["timed_oom_at"] = ooms
+        if not compiled:
+            ctx.shared[f"batch_{kind}"] = batch
     step_s = statistics.median(times)
     ctx.shared[f"step_s_{tag}"] = step_s
     tokens_s = batch * cfg.seq_len / step_s

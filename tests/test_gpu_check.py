@@ -269,3 +269,27 @@ def test_the_readme_runbook_names_what_exists() -> None:
         argv = shlex.split(line.replace("$OUT", "out"))
         args = gpu_check.parse_args(argv[argv.index("benchmarks/gpu_check.py") + 1:])
         assert args.out and all(any(fnmatch.fnmatch(i.name, p) for i in gpu_check.ITEMS) for p in args.only)
+
+
+def test_a_timed_run_out_of_memory_steps_down_to_a_batch_that_fitted(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The search's two steps fitted at the largest batch, the longer timed run did not (ADLM and BD3-LM on an H200,
+    2026-11-28, lost their whole item): the item times the next batch the search found to fit instead. A CPU
+    cannot run out of device memory on cue, so the step raises CUDA's error itself past the search's two steps."""
+    import torch
+
+    real_step, calls = gpu_check.Trainer.step, {"n": 0}
+
+    def step(self, x):
+        if x.shape[0] == 2:
+            calls["n"] += 1
+            if calls["n"] > 2:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.27 GiB.")
+        return real_step(self, x)
+
+    monkeypatch.setattr(gpu_check.Trainer, "step", step)
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--only", "train_mdlm"]) == 0
+    results = _results(capsys.readouterr().out)
+    item = json.loads((tmp_path / "gpu_check.json").read_text())["items"]["train_mdlm"]
+    assert item["status"] == "ok" and item["detail"]["batches_tried"] == [1, 2]
+    assert item["detail"]["timed_oom_at"] == [2] and results["train_batch_mdlm"] == "1"
+    assert float(results["train_tokens_per_s_mdlm"]) > 0
