@@ -43,7 +43,8 @@ pids=()
 for preset in ${PRESETS//,/ }; do
   for kind in ${KINDS//,/ }; do
     timeout "$LIMIT_S" python3 benchmarks/fast_sampling.py --train-only --train-device "$DEVICE" \
-      --train-steps "$STEPS" --checkpoint-every 2000 --presets "$preset" --kinds "$kind" --workdir "$WORK/fs" \
+      --train-steps "$STEPS" --checkpoint-every 2000 --presets "$preset" --distill-presets "$preset" --kinds "$kind" \
+      --workdir "$WORK/fs" \
       --hidden "$HIDDEN" --blocks "$BLOCKS" --batch "$BATCH" --loader-workers "$LOADERS" \
       > "$OUT/fs_${preset}_${kind}.log" 2>&1 &
     pids+=($!)
