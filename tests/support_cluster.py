@@ -329,6 +329,9 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] 
 
     from pipelines.runtime import LOCAL_SYSTEM_CONFIG  # idle workers reused, as in a local Ray
 
+    # A killed node found dead by the GCS's health checks every second (default 3 s; 5 missed in a row), as the
+    # autoscaler's cluster below: with the default, the node-loss test waited about 25 s doing nothing.
+    system_config = {**LOCAL_SYSTEM_CONFIG, "health_check_period_ms": 1000}
     saved_path = os.environ["PATH"]
     os.environ["PATH"] = f"{BIN}{os.pathsep}{saved_path}"
     try:
@@ -338,7 +341,7 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] 
             try:
                 cluster = Cluster(initialize_head=True, head_node_args={
                     "num_cpus": 0, "resources": dict(head_resources or {}), "include_dashboard": True,
-                    "dashboard_host": "127.0.0.1", "dashboard_port": dash, "_system_config": LOCAL_SYSTEM_CONFIG,
+                    "dashboard_host": "127.0.0.1", "dashboard_port": dash, "_system_config": system_config,
                     **_free_ports()})
                 return cluster, [cluster.add_node(num_cpus=cpus, runtime_env_dir_name=f"runtime_resources_node{i}",
                                                   **_free_ports()) for i in range(nodes)], dash
