@@ -281,6 +281,17 @@ def invocations(url: str, payload: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+NODE_SETTINGS = ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
+                 "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD")
+"""The suite's Ray settings (tests/conftest.py, ``_ENV``) that the nodes of a cluster started with an environment
+of its own take too (tests/test_cluster.py's ``_env`` leaves out every Ray setting, as a fresh shell): Ray Train's
+faster polling, no preemption watcher (no test drains a node: the autoscaler test kills its nodes; 7 CPU-seconds
+of watchers there), the log monitor's slower listing."""
+
+
+def node_settings() -> dict[str, str]:
+    return {k: os.environ[k] for k in NODE_SETTINGS}
+
 @dataclass
 class RayCluster:
     """A Ray cluster on this machine: a head with 0 CPUs (nothing runs there) and ``nodes`` worker nodes."""

@@ -31,6 +31,7 @@ from tests.support_cluster import (
     job_submit_command,
     leftovers,
     mlflow_server,
+    node_settings,
     ray_cluster_process,
     s3_server,
     state_rows,
@@ -68,7 +69,7 @@ def auth_cloud(_module_s3, tmp_path: Path, request: pytest.FixtureRequest):
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
     env = {**_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file)), **_module_s3.env,
-           **_node_settings()}
+           **node_settings()}
     with ray_cluster_process(env, tmp_path / "cluster.log", nodes=2) as rc:
         yield _module_s3.new_bucket(_bucket_name(request)), rc
 
@@ -79,17 +80,6 @@ def _env(**extra: str) -> dict[str, str]:
            if not k.startswith("RAY_") and k not in ("MLFLOW_TRACKING_URI", "ADLM_WORKDIR")}
     env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", RAY_USAGE_STATS_ENABLED="0", **extra)
     return env
-
-
-NODE_SETTINGS = ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
-                 "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD")
-"""The suite's Ray settings (tests/conftest.py, ``_ENV``) that the clusters' nodes take too, which ``_env`` leaves
-out with every other Ray setting: Ray Train's faster polling, no preemption watcher (no test drains a node: the
-autoscaler test kills its nodes; 7 CPU-seconds of watchers there), the log monitor's slower listing."""
-
-
-def _node_settings() -> dict[str, str]:
-    return {k: os.environ[k] for k in NODE_SETTINGS}
 
 
 def readme_client_env() -> dict[str, str]:
@@ -390,7 +380,7 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
     env = {**_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file)), **_module_s3.env,
-           **_node_settings()}
+           **node_settings()}
     without = ("cpu_worker",) if os.environ.get(CONTROL_ENV) == "1" else ()
     client_env = _env(**readme_client_env())
     empty = tmp_path / "empty"
