@@ -292,6 +292,7 @@ of watchers there), the log monitor's slower listing."""
 def node_settings() -> dict[str, str]:
     return {k: os.environ[k] for k in NODE_SETTINGS}
 
+
 @dataclass
 class RayCluster:
     """A Ray cluster on this machine: a head with 0 CPUs (nothing runs there) and ``nodes`` worker nodes."""
