@@ -8,6 +8,12 @@ benchmarks"): the suite is CPU-bound on two cores, and what costs is processes s
 
 Processes shorter than an interval are missed, and a process's CPU is counted up to its last sample: a lower
 bound. The machine's own CPU (every process, from /proc/stat) is the reference the ratio is taken against.
+
+This host's speed moves by half between runs of the same code (README, "Tests and benchmarks": 727 s and 1,100 s
+the same day), so each run also times a fixed reference, measured around the command in the same run: the CPU it
+takes to import the pipeline's heavy packages (``--proxy``, median of ``--proxy-runs`` before and as many after).
+``wall_per_proxy_cpu_s`` is then comparable between runs and hosts; ``wall_over_limit`` is the wall time against the
+suite's goal (``--limit-s``, 10 minutes).
 """
 
 from __future__ import annotations
@@ -15,9 +21,13 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import statistics
 import subprocess
 import sys
 import time
+
+PROXY = "import ray, torch, mlflow, pandas, matplotlib"
+"""The host reference: the pipeline's heavy imports, what most of the suite's processes spend their CPU on."""
 
 KINDS = ("gcs_server", "raylet", "dashboard/dashboard.py", "dashboard/agent.py", "runtime_env/agent", "log_monitor",
          "autoscaler/_private/monitor.py", "mlflow models serve", "mlflow server", "pipelines.", "xdist", "pytest")
@@ -50,16 +60,37 @@ def machine_cpu() -> float:
     return (user + nice + system) / os.sysconf("SC_CLK_TCK")
 
 
+def proxy_cpu_s(code: str, runs: int) -> float:
+    """Median user + system CPU-seconds of ``runs`` fresh interpreters (this one) running ``code``, bytecode cached
+    as the suite runs (``make test`` empties PYTHONDONTWRITEBYTECODE)."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": ""}
+    used = []
+    for _ in range(runs):
+        before = os.times()
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, stdout=subprocess.DEVNULL)
+        after = os.times()
+        used.append(after.children_user + after.children_system - before.children_user - before.children_system)
+    return statistics.median(used)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--interval", type=float, default=0.5, help="seconds between samples (default 0.5)")
     p.add_argument("--top", type=int, default=30, help="kinds of process printed (default 30)")
+    p.add_argument("--proxy", default=PROXY, help=f"the host reference's Python code (default: {PROXY!r})")
+    p.add_argument("--proxy-runs", type=int, default=3,
+                   help="runs of the reference before the command and as many after (default 3; 0: none)")
+    p.add_argument("--limit-s", type=float, default=600.0, help="the goal the wall time is read against (default 600)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         print("error: no command given: put it after --, e.g. -- python -m pytest -q tests", file=sys.stderr)
         return 2
+    if args.proxy_runs < 0 or args.limit_s <= 0:
+        print("error: --proxy-runs must be 0 or more and --limit-s above 0", file=sys.stderr)
+        return 2
+    proxy = [proxy_cpu_s(args.proxy, args.proxy_runs)] if args.proxy_runs else []
     before = {pid: r for pid in os.listdir("/proc") if pid.isdigit() and (r := _read(pid))}
     seen: dict[str, list] = {}  # pid -> [cpu now, title]
     m0, t0 = machine_cpu(), time.time()
@@ -70,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                 seen[pid] = [max(r[0], seen.get(pid, [0.0])[0]), r[1]]
         time.sleep(args.interval)
     wall, machine = time.time() - t0, machine_cpu() - m0
+    if proxy:
+        proxy.append(proxy_cpu_s(args.proxy, args.proxy_runs))
     by_kind: collections.Counter[str] = collections.Counter()
     count: collections.Counter[str] = collections.Counter()
     for pid, (cpu, cmd) in seen.items():
@@ -88,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"RESULT machine_cpu_s={machine:.1f}")
     print(f"RESULT counted_share={counted / max(machine, 1e-9):.3f}")
     print(f"RESULT cores_busy={machine / max(wall, 1e-9):.2f}")
+    print(f"RESULT wall_over_limit={wall / args.limit_s:.3f}")
+    if proxy:
+        print(f"RESULT proxy_cpu_s_before={proxy[0]:.2f}")
+        print(f"RESULT proxy_cpu_s_after={proxy[1]:.2f}")
+        print(f"RESULT wall_per_proxy_cpu_s={wall / max(statistics.mean(proxy), 1e-9):.1f}")
     return proc.returncode
 
 
