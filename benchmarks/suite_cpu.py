@@ -12,8 +12,8 @@ bound. The machine's own CPU (every process, from /proc/stat) is the reference t
 This host's speed moves by half between runs of the same code (README, "Tests and benchmarks": 727 s and 1,100 s
 the same day), so each run also times a fixed reference, measured around the command in the same run: the CPU it
 takes to import the pipeline's heavy packages (``--proxy``, median of ``--proxy-runs`` before and as many after).
-``wall_per_proxy_cpu_s`` is then comparable between runs and hosts; ``wall_over_limit`` is the wall time against the
-suite's goal (``--limit-s``, 10 minutes).
+``wall_per_proxy_cpu_s`` then compares runs on hosts of different speed, in part only (145-182 across the
+README's runs); ``wall_over_limit`` is the wall time against the suite's goal (``--limit-s``, 10 minutes).
 """
 
 from __future__ import annotations
@@ -67,7 +67,11 @@ def proxy_cpu_s(code: str, runs: int) -> float:
     used = []
     for _ in range(runs):
         before = os.times()
-        subprocess.run([sys.executable, "-c", code], env=env, check=True, stdout=subprocess.DEVNULL)
+        r = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True)
+        if r.returncode:
+            last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ValueError(f"the host reference (--proxy) failed: {last}; fix it or pass --proxy-runs 0")
         after = os.times()
         used.append(after.children_user + after.children_system - before.children_user - before.children_system)
     return statistics.median(used)
@@ -90,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.proxy_runs < 0 or args.limit_s <= 0:
         print("error: --proxy-runs must be 0 or more and --limit-s above 0", file=sys.stderr)
         return 2
-    proxy = [proxy_cpu_s(args.proxy, args.proxy_runs)] if args.proxy_runs else []
+    try:
+        proxy = [proxy_cpu_s(args.proxy, args.proxy_runs)] if args.proxy_runs else []
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     before = {pid: r for pid in os.listdir("/proc") if pid.isdigit() and (r := _read(pid))}
     seen: dict[str, list] = {}  # pid -> [cpu now, title]
     m0, t0 = machine_cpu(), time.time()

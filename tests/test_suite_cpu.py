@@ -36,7 +36,7 @@ def test_the_wall_time_is_read_against_the_limit_and_the_host_reference(capsys: 
 
 def test_bad_arguments_fail_in_one_line_before_the_command_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     marker = tmp_path / "ran"
-    for bad in (["--proxy-runs", "-1"], ["--limit-s", "0"]):
+    for bad in (["--proxy-runs", "-1"], ["--limit-s", "0"], ["--proxy", "import no_such_module", "--proxy-runs", "1"]):
         assert _suite_cpu().main([*bad, "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err, err
