@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import socket
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -64,6 +66,17 @@ LONGEST_FIRST = ("test_cluster.py", "test_train.py", "test_tune.py", "test_recip
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def load_script(path: Path, name: str, register: bool = False):
+    """The script at ``path`` (a benchmark, a deploy tool: not in a package) as a fresh module named ``name``;
+    ``register``: also put in ``sys.modules`` under that name (a dataclass looks its module up there)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def free_port() -> int:

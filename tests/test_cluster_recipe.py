@@ -8,7 +8,6 @@ and the head and the workers carry their own instance profiles with the policies
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import free_port
+from tests.conftest import free_port, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 REGION = "us-west-2"
@@ -25,10 +24,7 @@ REGISTRY = "123456789012.dkr.ecr.us-west-2.amazonaws.com/adlm"
 
 
 def _provisioner():
-    spec = importlib.util.spec_from_file_location("adlm_provision", ROOT / "deploy" / "aws" / "provision.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "deploy" / "aws" / "provision.py", "adlm_provision")
 
 
 @pytest.fixture(scope="module")

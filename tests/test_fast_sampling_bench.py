@@ -4,7 +4,6 @@ hash, and a run killed after a checkpoint resumes to exactly the weights of an u
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from adlm_model.testbed import Testbed, TestbedConfig
+from tests.conftest import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "fast_sampling.py"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -21,10 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def bench():
     sys.path.insert(0, str(BENCH.parent))
     try:
-        spec = importlib.util.spec_from_file_location("fast_sampling_bench", BENCH)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        yield mod
+        yield load_script(BENCH, "fast_sampling_bench")
     finally:
         sys.path.remove(str(BENCH.parent))
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import fnmatch
-import importlib.util
 import json
 import math
 import os
@@ -19,6 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
@@ -31,15 +32,7 @@ NAN_ON_CPU = ("datasheet", "peak_mem")
 """RESULT names a CPU run cannot measure: no datasheet peak for a CPU, no CUDA memory statistics."""
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gpu_check = _load_script()
+gpu_check = load_script(SCRIPT, "gpu_check", register=True)  # its dataclasses look their module up there
 
 
 def _results(stdout: str) -> dict[str, str]:

@@ -5,19 +5,17 @@ in the benchmark: a loaded 2-core machine makes any wall-clock bound here flaky.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("serve_load", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(BENCH, "serve_load")
 
 
 @pytest.mark.slow

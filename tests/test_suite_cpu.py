@@ -3,21 +3,19 @@ command in the same run (what makes two runs' wall times comparable on this host
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _suite_cpu():
-    spec = importlib.util.spec_from_file_location("suite_cpu", ROOT / "benchmarks" / "suite_cpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "suite_cpu.py", "suite_cpu")
 
 
 def test_the_wall_time_is_read_against_the_limit_and_the_host_reference(capsys: pytest.CaptureFixture) -> None:
