@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _record():
-    return load_script(ROOT / "benchmarks" / "_record.py", "bench_record")
+    return load_script(ROOT / "benchmarks" / "_record.py", "bench_record", register=True)
 
 
 def test_a_record_holds_the_command_the_commit_and_exactly_the_printed_results(tmp_path: Path) -> None:
