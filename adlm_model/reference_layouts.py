@@ -1,5 +1,4 @@
-"""The released checkpoints' layouts and how each maps onto this code's networks (issue 34; README "Released
-models").
+"""The released checkpoints' layouts and how each maps onto this code's networks (docs: usage/released-models.md).
 
 A *family* is one table entry (:data:`FAMILIES`): the model kind it becomes, the reference repository and commit
 whose layout it follows, how to recognise it, how to read its hyper-parameters and one function mapping a

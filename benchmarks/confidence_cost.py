@@ -1,4 +1,4 @@
-"""What one network call of the confidence sampler costs next to the exact sampler's (issue 36, item 3).
+"""What one network call of the confidence sampler costs next to the exact sampler's.
 
 At the same batch and length, with the fast-sampling benchmark's small architecture (untrained: the cost does
 not depend on the weights, and threshold 1 makes every row take one token a call, so no row finishes early),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU half of benchmarks/fast_sampling.py (issue 36) as one command for a lent GPU machine: the four testbed
+# The GPU half of benchmarks/fast_sampling.py as one command for a lent GPU machine: the four testbed
 # models (the natural and anchored presets, MDLM and ADLM) train side by side on the card with --train-only, each
 # stopped at LIMIT_S if unfinished (it checkpoints every 2,000 steps, and a rerun on the same machine resumes it),
 # then the whole work directory is packed into one archive under $OUT, split in parts under the tool's 16 MiB a

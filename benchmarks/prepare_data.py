@@ -1,4 +1,4 @@
-"""Benchmark of pipelines.prepare_data (issue 4): ours end to end vs the reference recipe vs the tokenizer limit.
+"""Benchmark of pipelines.prepare_data: ours end to end vs the reference recipe vs the tokenizer limit.
 
 On the same corpus (the bundled embedded text repeated to ``--size-mb``, one document a line), GPT-2
 tokenizer, ``wrap`` packing into rows of ``--length``:

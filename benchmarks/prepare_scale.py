@@ -1,4 +1,4 @@
-"""Benchmark of pipelines.prepare_data as the corpus grows (issue 28): the driver's peak memory and the wall time
+"""Benchmark of pipelines.prepare_data as the corpus grows: the driver's peak memory and the wall time
 for a corpus and for four times that corpus, from local files and from a local stand-in for a hub dataset in
 Parquet files (read through the hub path: ``data.hub`` with a mirror), and the throughput with 1 and 2
 tokenizer actors.

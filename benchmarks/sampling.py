@@ -1,4 +1,4 @@
-"""Sampling speed (issue 3), run by hand.
+"""Sampling speed, run by hand.
 
 At ``tiny`` (L = 128, 8,192-entry vocabulary, random weights): tokens/s of every sampler, and
 ``RESULT`` lines measured in this one run (medians of ``--repeats`` runs):

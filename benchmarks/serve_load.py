@@ -1,4 +1,4 @@
-"""A bounded load test of the served model on loopback (issue 29), run by hand or by the slow test.
+"""A bounded load test of the served model on loopback, run by hand or by the slow test.
 
 Starts ``mlflow models serve`` (one worker) on an MLflow Model folder, warms it up (the weights load on the first
 request), records the server's memory (RSS of its process tree), then sends ``--requests`` requests,

@@ -1,4 +1,4 @@
-"""Training step cost of ADLM, MDLM and AR (issue 2), run by hand.
+"""Training step cost of ADLM, MDLM and AR, run by hand.
 
 Forward+backward time per step at the ``tiny`` and ``small`` configs (L = 128 on CPU), tokens/s,
 analytical FLOPs per token, and two goals measured in this one run:

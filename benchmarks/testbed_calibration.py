@@ -1,4 +1,4 @@
-"""The testbed presets' confidence profile next to a real language model's on natural text (issue 36, item 1).
+"""The testbed presets' confidence profile next to a real language model's on natural text.
 
 Two figures per source: the share of positions whose conditional puts >= 0.9 on one token, and the histogram of
 the conditionals' entropies (nats), over

@@ -1,5 +1,5 @@
-"""Training's step rate through a tracking-server outage (issue 15: "training keeps its step rate, within a few
-percent"), run by hand: about 10 minutes.
+"""Training's step rate through a tracking-server outage (the goal: training keeps its step rate, within a few
+percent), run by hand: about 10 minutes.
 
 A one-worker Ray Train run of a tiny ADLM (the test suite's tiny real data: embedded-corpus text, a 512-entry
 BPE, rows of 32; 64 rows a step, a metrics window every 20 steps) logs to a real ``mlflow server`` on

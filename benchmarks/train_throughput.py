@@ -1,4 +1,4 @@
-"""Training throughput of pipelines.train (issue 5), run by hand.
+"""Training throughput of pipelines.train, run by hand.
 
 On the ``demo`` recipe (configs/demo.yaml: ADLM, 8,192-entry BPE, rows of 128, micro-batch 8, global
 batch 16, so accumulation 2 on one worker) with the embedded demo data (prepared once with
@@ -102,7 +102,7 @@ def ray_train_rates(args: argparse.Namespace, workdir: Path) -> list[float]:
         # Ray Train's PlacementGroupCleaner asks the state API whether the controller lives, at the address
         # in <RAY_TMPDIR or /tmp>/ray/ray_current_cluster: the last `ray start` on this machine. If that
         # is another live cluster, it finds no such controller and removes this run's placement group,
-        # killing the worker (seen here while another session ran `ray start`). An empty RAY_TMPDIR for
+        # killing the worker (seen while another process ran `ray start`). An empty RAY_TMPDIR for
         # this job's processes makes it look for running clusters instead (one: this; several: it gives up).
         private = workdir / "ray-address"
         private.mkdir(exist_ok=True)

@@ -18,7 +18,7 @@ def _only_this_copy() -> None:
     images: ``configs/gpu.Dockerfile`` installs the dependencies only) also has that install's import hook: a
     finder appended to ``sys.meta_path`` that maps ``pipelines`` and ``adlm_model`` and their modules to the
     checkout's folders. It runs after the path finder, so a module the submitter deleted would still import, from
-    that checkout (issue 38). When this package is not the folder such a finder maps, the finder goes: the job runs
+    that checkout. When this package is not the folder such a finder maps, the finder goes: the job runs
     exactly the code it was submitted with."""
     here = _Path(__file__).resolve().parent
     for finder in list(_sys.meta_path):

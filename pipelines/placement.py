@@ -11,7 +11,7 @@ actor left, and a pre-flight placement with the autoscaler's own bin packing.
 Ray waits without end for a task, actor or placement group that no node can take now, and says so only in
 ``ray status`` ("Pending Demands"). On an autoscaling cluster the wait ends when a node is launched; on a fixed
 cluster (a laptop head, KubeRay without autoscaling, nodes whose CPUs placement groups hold in part) it never
-does (issue 38: a sweep that waited 15 minutes for a 1-CPU task until killed).
+does (a sweep waits for a 1-CPU task until killed).
 
 ``placement_deadline`` watches the cluster's pending demands from the driver (the GCS's view, what ``ray status``
 prints). When the same demands have been pending, with nothing else on the cluster changing (no node added or

@@ -1,4 +1,4 @@
-"""A stand-in for a Hugging Face Hub dataset served as Parquet files (issue 28): real documents (King James
+"""A stand-in for a Hugging Face Hub dataset served as Parquet files: real documents (King James
 chapters) in several Parquet files with small row groups, laid out as a hub mirror
 (``<mirror>/<dataset id>/<path>``), and a named source that reads them (``data.hub``)."""
 

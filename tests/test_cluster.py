@@ -62,7 +62,7 @@ def auth_cloud(_module_s3, tmp_path: Path, request: pytest.FixtureRequest):
     """A 0-CPU head and two 1-CPU nodes with Ray's token authentication on, as cluster.yaml's nodes run: every node
     reads the token from a file (never a command line). Its head does NOT offer cluster.yaml's trial-driver
     resource, as on any cluster not started from this project's cluster.yaml or manifests: the trials' drivers
-    then hold a sliver of a worker node's CPU, and every task must still find what it asks for (issue 38: Ray
+    then hold a sliver of a worker node's CPU, and every task must still find what it asks for (Ray
     Data's 1-CPU file sampling never started there). Run by a process of its own (tests/cluster_process.py): Ray
     reads its authentication settings once per process, and this one runs local Rays without."""
     token_file = tmp_path / "auth_token"

@@ -109,7 +109,7 @@ def test_a_distillation_killed_mid_round_resumes_in_that_round_and_ends_as_the_u
     sets = [a for s in _sets(data, "killed", *distil) for a in ("--set", s)]
     import ray
 
-    # The killed command joins this session's Ray (a Ray of its own costs ~20 s to start on 2 cores).
+    # The killed command joins the test session's Ray (a Ray of its own costs ~20 s to start on 2 cores).
     environ = {**os.environ, FAULT_ENV: "train.crash_at_step=5", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0",
                "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     killed = subprocess.run([sys.executable, "-m", "pipelines.train", "--config", str(ROOT / "configs" / "demo.yaml"),

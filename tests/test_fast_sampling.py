@@ -117,7 +117,7 @@ def test_confidence_settings_belong_to_the_confidence_sampler() -> None:
 
 @pytest.mark.parametrize("kind", ["mdlm", "adlm"])
 def test_a_pass_runs_on_the_rows_still_live_in_the_block(kind: str, one_torch_thread) -> None:
-    """Rows done with the active block are left out of the pass (issue 36): fewer row passes than calls x batch,
+    """Rows done with the active block are left out of the pass: fewer row passes than calls x batch,
     and the cached sampler that refreshes every step, whose partial passes then read and write some rows' keys and
     values only, still gives the uncached sampler's tokens."""
     cfg = micro(kind)

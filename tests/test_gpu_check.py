@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py, the GPU path's one command (issue 37), kept from rotting between GPU runs: its tiny CPU
+"""benchmarks/gpu_check.py, the GPU path's one command, kept from rotting between GPU runs: its tiny CPU
 run passes every item and prints every RESULT name the GPU run prints; the runner's guard, budget and batch search
 behave; and ``adlm_model`` imports nothing the GPU machine lacks (it has torch, numpy, safetensors and tokenizers).
 

@@ -1,4 +1,4 @@
-"""An imported released checkpoint is a version like a trained one (issue 34): the MDLM reference fixture (its
+"""An imported released checkpoint is a version like a trained one: the MDLM reference fixture (its
 Lightning .ckpt, tests/fixtures/reference/mdlm) is registered by ``pipelines.import_model`` with its provenance
 tags, then goes through the staged evaluation (``evaluate --stage-all``, in process), ``generate`` with the
 confidence sampler, ``mlflow models serve`` (a real scoring server over HTTP) and the lm-eval adapter. One real

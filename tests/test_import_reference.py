@@ -1,4 +1,4 @@
-"""Released checkpoints (issue 34): each reference fixture (tests/fixtures/reference, made by the reference code:
+"""Released checkpoints: each reference fixture (tests/fixtures/reference, made by the reference code:
 see its source.json) imports onto our network and gives the reference's logits and NELBO at the same t and mask;
 pickles are read without running them; the ADLM layout maps completely or is refused with its unmatched keys;
 the importer's bad inputs are one line, before any registry write. In-process and CPU-cheap (no registry here:

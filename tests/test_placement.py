@@ -1,4 +1,4 @@
-"""Work Ray can place where the pipeline runs, and a wait it cannot satisfy failing in one line (issue 38).
+"""Work Ray can place where the pipeline runs, and a wait it cannot satisfy failing in one line.
 
 On the session's local Ray (2 CPUs): the training split is read with nothing but read tasks of the CPUs asked
 for, even when a placement group holds all but a sliver of every CPU (Ray Data's read_parquet first samples the
@@ -177,7 +177,7 @@ def test_a_group_whose_creating_actor_died_is_released_and_no_other(ray_session)
 
 
 def test_the_smoke_sweep_fits_where_it_ran_and_not_on_a_one_cpu_head() -> None:
-    """The pre-flight's packing (Ray's autoscaler's) on the fixed clusters of issue 38: the smoke sweep's two trials
+    """The pre-flight's packing (Ray's autoscaler's) on fixed clusters: the smoke sweep's two trials
     (a 0.5-CPU worker and a 0.25-CPU read task each) fit two 1-CPU nodes with their drivers on them (0.01 CPU
     each, no adlm_driver on the head) or on the head's adlm_driver; on a head of one CPU with adlm_driver and no
     other node, two trials' workers fill the CPU and their reads are left over: refused (it waited for good)."""

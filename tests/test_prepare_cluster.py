@@ -1,4 +1,4 @@
-"""Data preparation where it runs at scale (issues 28 and 24): a stand-in for a hub dataset in Parquet files,
+"""Data preparation where it runs at scale: a stand-in for a hub dataset in Parquet files,
 prepared into s3:// (moto) on a Ray cluster of a 0-CPU head and two worker nodes (tests/support_cluster.py).
 
 One run of the hub path, with a node that hosts a tokenizer actor killed mid-prepare: the actor is restarted on

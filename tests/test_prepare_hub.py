@@ -1,4 +1,4 @@
-"""Named hub datasets read as the hub serves them (issue 28): Parquet files, cut into units of one file's rows,
+"""Named hub datasets read as the hub serves them: Parquet files, cut into units of one file's rows,
 read by the tokenizer actors; the driver reads footers only. Offline, a mirror holds a stand-in for a hub
 dataset (tests/support_hub.py) and goes through the same code as ``hf://`` paths."""
 

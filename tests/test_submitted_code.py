@@ -1,4 +1,4 @@
-"""A job runs exactly the code it was submitted with (issue 38). A node whose venv holds an editable install of
+"""A job runs exactly the code it was submitted with. A node whose venv holds an editable install of
 some checkout has that install's import hook, which maps ``pipelines`` and ``adlm_model`` and their modules to the
 checkout's folders after the path finder: a module the submitter deleted would still import from there.
 ``pipelines/__init__.py`` drops such a hook when the package is not the folder it maps. Here in one process; the

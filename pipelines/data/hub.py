@@ -1,7 +1,7 @@
 """Named Hugging Face datasets read as the hub serves them: Parquet files, read on the workers.
 
 ``datasets.load_dataset`` downloads and converts a whole split in one process; for OpenWebText that is
-about 40 GB of Arrow text on the driver (issue 28). On a cluster (an object-store ``--out``), or when a hub
+about 40 GB of Arrow text on the driver. On a cluster (an object-store ``--out``), or when a hub
 mirror is given, a named source's split is instead its Parquet files on the hub (``hf://datasets/...``,
 ``huggingface_hub.HfFileSystem``): the driver reads their footers only (row counts, row groups) and cuts
 them into units of work that never span two files; each tokenizer actor reads its unit's row groups itself.

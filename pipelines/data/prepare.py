@@ -296,7 +296,7 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
                  "width": tok.width}
         try:
             ds = rdata.from_items(items, override_num_blocks=len(items))
-            # Spot nodes go away (issue 24): Ray Data's actor pool defaults are kept on purpose, max_restarts=-1 (an
+            # Spot nodes go away: Ray Data's actor pool defaults are kept on purpose, max_restarts=-1 (an
             # actor whose node died is started again elsewhere) and max_task_retries=-1 (its units are submitted
             # again until it is back: a bounded count runs out within seconds while the cluster has not yet
             # declared the node dead, each try failing "actor temporarily unavailable"). A unit done twice writes

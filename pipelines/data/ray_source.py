@@ -3,7 +3,7 @@
 ``ray.data.read_parquet`` (Ray 2.60, either datasource) first samples the files' footers in tasks of one whole
 CPU that no argument lowers (``_fetch_parquet_file_info``: no ``num_cpus`` in its options). On a cluster whose
 nodes' CPUs are held in part by placement groups (a Tune trial's driver of 0.01 CPU on each 1-CPU node) no node
-has a whole CPU free, and the read never starts (issue 38: a sweep that waited until killed). The manifest
+has a whole CPU free, and the read never starts (a sweep waits until killed). The manifest
 already knows every shard's rows, so this source lists nothing and samples nothing: its only tasks are the
 read tasks, each asking for the ``num_cpus`` the caller gives (``data.read_cpus``).
 

@@ -349,7 +349,7 @@ def _maybe_crash(w: Worker) -> None:
 
 @dataclass
 class Progress:
-    """Where this session of the loop started (for the ETA: a resumed run counts from its resume step)."""
+    """Where this run of the loop started (for the ETA: a resumed run counts from its resume step)."""
 
     t_start: float
     start_step: int

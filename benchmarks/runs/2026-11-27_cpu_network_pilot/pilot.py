@@ -1,7 +1,7 @@
-"""Network-size and batch pilots for issue 36's natural-preset models (pre-registered in the README before its first run).
+"""Network-size and batch pilots for the fast-sampling benchmark's natural-preset models (benchmarks/preregistrations/).
 
 The fast-sampling benchmark's recipe (benchmarks/fast_sampling.py: the same batches, loss generator, AdamW, clip, 20
-warm-up steps) at a constant peak lr, like session 11's lr pilots, for one network size; every ``--every`` steps the
+warm-up steps) at a constant peak lr, like the earlier lr pilots, for one network size; every ``--every`` steps the
 bound's excess over the exact entropy (256 held-out rows, 4 noise draws) and the exact sampler's samples at T = L
 (128 rows, seed 7, nucleus off): their true NLL excess and impossible-row share, the two halves of the 0.3 gate.
 

@@ -1,4 +1,4 @@
-"""Where the natural-preset models' samples excess comes from (README, issue 36, session 12): the true NLL excess
+"""Where the natural-preset models' samples excess comes from: the true NLL excess
 over the exact entropy of the exact sampler's samples (``mdlm``, seed 7, BOS/EOS given) at several step counts and
 nucleus settings, for a cached benchmark model or for the exact denoiser itself (``--model oracle``).
 
