@@ -12,6 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("adlm_model", "pipelines")
 MAX_LINES = 500
+ARCHITECTURE = ROOT / "docs" / "design" / "architecture.md"
+"""The page whose layout table names every module and whose list says what a new kind, sampler, metric touches."""
 REASON = "Longer than 500 lines because"
 
 
@@ -187,12 +189,12 @@ def test_stage_entry_points_are_thin() -> None:
 
 
 def test_the_readme_layout_table_names_every_module() -> None:
-    """The README's layout table is where a newcomer looks for the one file to open: every module of
-    ``adlm_model`` and ``pipelines`` is named in the row of its folder, and every file it names exists."""
+    """The layout table (docs/design/architecture.md) is where a newcomer looks for the one file to open: every
+    module of ``adlm_model`` and ``pipelines`` is named in the row of its folder, and every file it names exists."""
     import re
 
     rows = {}
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in ARCHITECTURE.read_text().splitlines():
         m = re.match(r"\| `((?:adlm_model|pipelines)/[^`]*)`([^|]*)\|(.*)\|\s*$", line)
         if m:
             rows[m.group(1)] = m.group(0)
@@ -209,8 +211,8 @@ def test_the_readme_layout_table_names_every_module() -> None:
         for f in re.findall(r"`([\w/]+\.py)`", row):
             if not (base / f.split("/")[-1]).is_file():
                 missing.append(f"{folder}: {f}")
-    assert not unnamed, f"modules the README's layout table does not name: {', '.join(unnamed)}"
-    assert not missing, f"files the README's layout table names that do not exist: {', '.join(missing)}"
+    assert not unnamed, f"modules the layout table of {ARCHITECTURE.name} does not name: {', '.join(unnamed)}"
+    assert not missing, f"files the layout table of {ARCHITECTURE.name} names that do not exist: {', '.join(missing)}"
 
 
 PRINTS_RESULTS = {("pipelines.cli", "run_command"),  # the one `error:` line of every command
@@ -242,7 +244,7 @@ def test_library_code_never_prints() -> None:
     assert PRINTS_RESULTS <= printing, f"allowed but printing nothing (drop them): {PRINTS_RESULTS - printing}"
 
 
-TABLE_ENTRIES = {  # what makes a new one, and the README's word for it
+TABLE_ENTRIES = {  # what makes a new one, and the architecture page's word for it
     "metric": lambda n: isinstance(n, ast.Call) and getattr(n.func, "id", "") in ("register_suite", "Suite", "Figure"),
     "sampler": lambda n: isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Sampler",
     "model kind": lambda n: isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ModelKind",
@@ -250,23 +252,23 @@ TABLE_ENTRIES = {  # what makes a new one, and the README's word for it
 }
 
 
-def test_the_readme_says_which_files_a_new_metric_sampler_kind_and_store_touch() -> None:
-    """The README's paragraph after the layout table names, for each of a metric, a sampler, a model kind and a
-    store, the file of its table (the first file of its line); a table's entries are made there and nowhere else
-    in ``adlm_model`` or ``pipelines``, so that adding one is the change the README says."""
+def test_the_docs_say_which_files_a_new_metric_sampler_kind_and_store_touch() -> None:
+    """The architecture page's list of what a new one touches names, for each of a metric, a sampler, a model kind
+    and a store, the file of its table (the first file of its line); a table's entries are made there and nowhere
+    else in ``adlm_model`` or ``pipelines``, so that adding one is the change the docs say."""
     import re
 
-    readme = (ROOT / "README.md").read_text()
-    layout = readme[readme.index("## Layout"):]
-    layout = layout[:layout.index("\n## ", 1)]
+    page = ARCHITECTURE.read_text()
+    layout = page[page.index("## What a new one touches"):]
     nodes = {str(path.relative_to(ROOT)): list(ast.walk(ast.parse(path.read_text()))) for path in MODULES.values()}
     for what, is_entry in TABLE_ENTRIES.items():
         line = re.search(rf"^- a \*\*{what}\*\*[^`]*`([^`]+)`", layout, re.M)
-        assert line, f"the README's layout section says nothing of a new {what}"
+        assert line, f"{ARCHITECTURE.name} says nothing of a new {what}"
         table = line.group(1)
-        assert (ROOT / table).is_file(), f"the README names {table} for a new {what}: no such file"
+        assert (ROOT / table).is_file(), f"{ARCHITECTURE.name} names {table} for a new {what}: no such file"
         where = {f for f, found in nodes.items() if any(is_entry(n) for n in found)}
-        assert where == {table}, f"a {what}'s table entries are made in {sorted(where)}, the README says {table}"
+        assert where == {table}, \
+            f"a {what}'s table entries are made in {sorted(where)}, {ARCHITECTURE.name} says {table}"
 
 
 def test_no_kind_name_is_compared_outside_the_kinds_table() -> None:

@@ -3,7 +3,7 @@
 On this machine (tests/support_cluster.py): an S3 server on loopback, an MLflow tracking server whose
 artifacts live in that bucket, a Ray cluster of a 0-CPU head and two worker nodes. The whole smoke pipeline
 runs as a `ray job submit` job with ADLM_WORKDIR=s3://... on a cluster with token authentication whose head does not
-offer the trial-driver resource, submitted with README.md's client settings (less of them is refused) from a copy
+offer the trial-driver resource, submitted with the cluster docs' client settings (less of them is refused) from a copy
 whose code differs from the nodes' (every process of the job runs the submitted copy), and leaves nothing reserved
 or running; on a cluster whose nodes Ray's own autoscaler launches (the fake multi-node provider,
 cluster.yaml's node types), a sweep job makes it launch workers from zero, a node killed under the sweep is
@@ -83,10 +83,10 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def readme_client_env() -> dict[str, str]:
-    """The client settings README.md's cluster steps export, exactly: each ``export NAME=...`` line of the
-    block that submits the first job. The token's value is what its command prints (the secret: ``TOKEN``)."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Running on a cluster"):]
+    """The client settings the cluster page's steps export (docs/operations/cluster.md), exactly: each
+    ``export NAME=...`` line of the block that submits the first job. The token's value is what its command prints
+    (the secret: ``TOKEN``)."""
+    section = (ROOT / "docs" / "operations" / "cluster.md").read_text()
     block = next(b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "ray job submit" in b)
     exports = dict(re.findall(r"^export (\w+)=(.*)$", block, re.M))
     assert set(exports) == {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}, exports
@@ -180,7 +180,7 @@ def _job_processes(dashboard: str, token: str) -> dict[str, set[int]]:
 
 
 def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(tmp_path: Path, auth_cloud) -> None:
-    """The client environment is exactly README.md's; less of it is refused: no token, or the token without
+    """The client environment is exactly the cluster docs'; less of it is refused: no token, or the token without
     RAY_AUTH_MODE=token (Ray's client then sends no token); a driver without the token fails in one line. With
     it, the smoke pipeline runs as a job, keeps everything in the bucket, and a second run finds it all done.
     It is submitted from a copy that differs from the nodes' code (``_submitted_copy``): its driver, Ray Train
@@ -320,14 +320,14 @@ def test_bad_storage_fails_in_one_line_before_any_work(case: str, message: str, 
 
 CONTROL_ENV = "ADLM_AUTOSCALER_CONTROL"
 """Set to 1: the autoscaling cluster is built without its ``cpu_worker`` type, and the autoscaler test must fail
-(README.md: what the control printed)."""
+(docs/operations/cluster.md: what the control printed)."""
 
 
 def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a_gpu_evaluation(
         tmp_path: Path, tiny_data: Path, _module_s3, request: pytest.FixtureRequest) -> None:
     """Ray's own autoscaler (its monitor, with Ray's fake multi-node provider) on cluster.yaml's node types scaled to
     this machine: a 0-CPU head offering ``adlm_driver``, token authentication on, no worker node at first. A 2-trial
-    sweep submitted as a job (README.md's client settings; the work directory in the bucket) makes the autoscaler
+    sweep submitted as a job (the cluster docs' client settings; the work directory in the bucket) makes the autoscaler
     launch ``cpu_worker`` nodes; once both trials have a checkpoint in the bucket and one still trains, every
     ``cpu_worker`` node is killed (SIGKILL of its raylet and everything it started: preempted instances; all of them,
     so that no node freed by a trial that ends meanwhile can take the restarted one), the autoscaler launches a new

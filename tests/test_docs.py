@@ -114,3 +114,148 @@ def test_the_narration_check_sees_each_known_slip(line: str) -> None:
 ])
 def test_the_narration_check_leaves_plain_words_alone(line: str) -> None:
     assert not narration(Path("x.py"), line), line
+
+
+# ---- the site ------------------------------------------------------------------------------------------------
+
+def _nav_pages(nav: list) -> list[str]:
+    pages = []
+    for entry in nav:
+        value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+        pages += _nav_pages(value) if isinstance(value, list) else [value]
+    return pages
+
+
+def _mkdocs_config() -> dict:
+    class Loader(yaml.SafeLoader):  # mkdocs.yml may carry !!python/name tags (extensions): read them as text
+        pass
+
+    Loader.add_multi_constructor("", lambda loader, suffix, node: None)
+    return yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=Loader)
+
+
+NAV = _nav_pages(_mkdocs_config()["nav"])
+
+
+def test_the_site_builds_strictly(tmp_path: Path) -> None:
+    """``mkdocs build --strict``: a link to a missing page or anchor, a page left out of the nav or a nav entry
+    without its page is a warning, and strict mode makes it an error (not with ``--quiet``, which drops the
+    warnings before strict mode counts them)."""
+    import os
+
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
+                        "-d", str(tmp_path / "site")], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stdout}\n{r.stderr}"
+    for page in NAV:
+        html = tmp_path / "site" / (page[:-3] + "/index.html" if page != "index.md" else "index.html")
+        assert html.is_file(), f"{page}: no page built at {html}"
+
+
+def test_the_strict_build_catches_a_dead_link(tmp_path: Path) -> None:
+    """The control: a site with this configuration's validation rules and one page linking a page that does not
+    exist fails the strict build (a small site with the default theme, to keep it cheap)."""
+    import os
+
+    cfg = {"site_name": "control", "docs_dir": "docs", "strict": True,
+           "validation": _mkdocs_config()["validation"], "nav": [{"Home": "index.md"}]}
+    (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump(cfg))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "index.md").write_text("# Home\n\n[gone](usage/no-such-page.md)\n")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(tmp_path / "mkdocs.yml"),
+                        "-d", str(tmp_path / "site")], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode != 0 and "no-such-page.md" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_every_page_in_docs_is_in_the_nav() -> None:
+    pages = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
+    assert sorted(NAV) == pages, f"nav and docs/ differ: {set(NAV) ^ set(pages)}"
+
+
+# ---- README.md: the front door -------------------------------------------------------------------------------
+
+def _readme() -> str:
+    return README.read_text()
+
+
+def _relative_links(text: str) -> list[str]:
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    return [link for link in links if not re.match(r"[a-z]+:|#|<", link)]
+
+
+def test_the_readme_is_a_front_door() -> None:
+    """At most 300 lines; the two commands; the demo's summary between the markers its script fills; a license."""
+    text = _readme()
+    assert len(text.splitlines()) <= 300, f"README.md has {len(text.splitlines())} lines: move detail into docs/"
+    assert "make demo" in text and "make test" in text
+    begin, end = "<!-- demo-summary:begin -->", "<!-- demo-summary:end -->"
+    assert text.count(begin) == 1 and text.count(end) == 1 and text.index(begin) < text.index(end)
+    block = text[text.index(begin) + len(begin):text.index(end)]
+    assert block.strip(), "the demo's summary belongs between its markers (its script fills them from a run)"
+    assert "Python 3.11" in text and "[LICENSE](LICENSE)" in text
+
+
+def test_every_readme_link_resolves() -> None:
+    """Every relative link of README.md (docs pages, records, LICENSE) names a file or folder that exists, and an
+    anchor into a docs page names one of its headings."""
+    missing = []
+    for link in _relative_links(_readme()):
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        if not target.exists():
+            missing.append(link)
+        elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+            missing.append(link)
+    assert not missing, f"README.md links to what does not exist: {missing}"
+
+
+def _anchors(page: Path) -> set[str]:
+    """The ids mkdocs' toc extension gives the page's headings (its default slugify)."""
+    from markdown.extensions.toc import slugify
+
+    return {slugify(re.sub(r"`", "", m), "-") for m in re.findall(r"^#+ (.+?)\s*$", page.read_text(), re.M)}
+
+
+def test_every_docs_page_is_one_click_from_the_readme() -> None:
+    """Any topic within two clicks: the README links every page of the site (one), whose sections are the topics."""
+    linked = {link.partition("#")[0] for link in _relative_links(_readme())}
+    unlinked = [page for page in NAV if f"docs/{page}" not in linked]
+    assert not unlinked, f"docs pages README.md does not link: {unlinked}"
+
+
+# ---- what the docs cite exists -------------------------------------------------------------------------------
+
+REPO_PATH = re.compile(r"`((?:adlm_model|pipelines|benchmarks|tests|configs|studies|tune_spaces|schemas|deploy|mlflow)"
+                       r"/[\w./-]*)`")
+"""A repository path in a code span: how docs pages name files (strict mkdocs cannot link outside docs/)."""
+CHECKED = {"", ".py", ".md", ".yaml", ".yml", ".json", ".png", ".sh", ".toml"}
+"""Suffixes whose files must exist when named (data written at run time, such as CSVs, is left out)."""
+
+
+def test_every_file_the_docs_name_exists() -> None:
+    """A docs page or README naming `benchmarks/results/...md`, a module or a recipe names something that exists:
+    a renamed file or a record that was never written fails here instead of leaving the reader a dead end."""
+    missing = []
+    for page in [README, ROOT / "CONTRIBUTING.md", *sorted(DOCS.rglob("*.md"))]:
+        for path in REPO_PATH.findall(page.read_text()):
+            if any(c in path for c in "*<>{}$") or "..." in path or Path(path).suffix not in CHECKED:
+                continue
+            if not (ROOT / path.rstrip("/")).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+    assert not missing, "named but missing:\n" + "\n".join(missing)
+
+
+def test_the_docs_cite_no_file_users_lack() -> None:
+    """The method's specification is written into docs/design/method.md; no page sends a reader to a file the
+    repository does not have."""
+    for page in [README, ROOT / "CONTRIBUTING.md", *sorted(DOCS.rglob("*.md"))]:
+        assert "METHOD.md" not in page.read_text(), f"{page.relative_to(ROOT)} cites METHOD.md"
+
+
+def test_the_records_written_from_raw_files_are_current() -> None:
+    """``benchmarks/records_from_raw.py --check``: every record it writes is committed and equals what its raw
+    files give (a record edited by hand, or a raw file changed without its record, fails)."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "records_from_raw.py"), "--check"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr

@@ -242,15 +242,14 @@ def test_a_second_try_resumes_the_items_the_first_finished(tmp_path: Path, capsy
     assert after["train_batch_ar"] == "nan"  # in neither run
 
 
-def test_the_readme_runbook_names_what_exists() -> None:
-    """README.md's "On a GPU" commands: the tarball holds what the script imports from the repository, and every
-    gpu_check.py command line parses (a renamed option would leave the runbook wrong on the day it is used)."""
+def test_the_gpu_runbook_names_what_exists() -> None:
+    """The GPU page's commands (docs/operations/gpu.md): the tarball holds what the script imports from the
+    repository, and every gpu_check.py command line parses (a renamed option would leave the runbook wrong on the
+    day it is used)."""
     import re
     import shlex
 
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## On a GPU"):]
-    section = section[:section.index("\n## ", 3)]
+    section = (ROOT / "docs" / "operations" / "gpu.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     archive = next(line for b in blocks for line in b.splitlines() if line.startswith("git archive"))
     assert {"adlm_model", "benchmarks/gpu_check.py"} <= set(shlex.split(archive))
