@@ -184,7 +184,7 @@ def map_identity(key: str) -> str | None:
     return key
 
 
-# ADLM (assumed layout, README "Released models"): ReMDM's Lightning module (the network under ``backbone.``)
+# ADLM (assumed layout, docs/usage/released-models.md): ReMDM's Lightning module (the network under ``backbone.``)
 # with the anchor network and the denoiser; the denoiser's token embedding replaced by a dense input layer.
 ADLM_ANCHOR_PREFIXES = ("backbone.anchor.", "anchor.", "backbone.")
 ADLM_DENOISER_PREFIXES = ("backbone.denoiser.", "denoiser.", "backbone2.")

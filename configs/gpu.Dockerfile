@@ -5,7 +5,7 @@
 #   docker build -f configs/gpu.Dockerfile --target gpu -t <registry>/adlm:gpu-0.1.0 . && docker push <registry>/adlm:gpu-0.1.0
 #   docker build -f configs/gpu.Dockerfile --target cpu -t <registry>/adlm:cpu-0.1.0 . && docker push <registry>/adlm:cpu-0.1.0
 #
-# Which builds (checked November 2026; README.md "Running on a cluster" says where):
+# Which builds (checked November 2026; docs/operations/cluster.md says where):
 # - Base: rayproject/ray:2.60.0-py311, Ray's CPU image of the pinned Ray (the tag the launcher's default uses).
 #   The GPU stage needs no CUDA base image: torch's wheel brings its CUDA runtime, and the node's driver
 #   (the Deep Learning Base AMI, NVIDIA driver >= 580) reaches the container through --gpus all.

@@ -4,7 +4,7 @@
     python -m pipelines.generate --model models:/adlm@champion --prompt "In the beginning" \\
         --suffix " and the earth." --length 24 --steps 256 --seed 7 --num-samples 2 --json
 
-Fast sampling (README "Fast sampling"): ``--sampler confidence`` unmasks every position whose top probability
+Fast sampling (docs/usage/fast-sampling.md): ``--sampler confidence`` unmasks every position whose top probability
 exceeds ``--threshold`` at each step (at least one), in ``--block``-token blocks, with the approximate KV
 cache refreshed every ``--refresh`` steps (``--kv-cache prefix|dual``; refresh 1 is exact):
 

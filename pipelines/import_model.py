@@ -1,5 +1,5 @@
 """Import a released checkpoint (MDLM, its AR baseline, BD3-LM, ADLM, or this project's own export) as a registry
-version, like a trained one (README "Released models").
+version, like a trained one (docs/usage/released-models.md).
 
     python -m pipelines.import_model kuleshov-group/mdlm-owt                 # a Hub id (downloads: needs network)
     python -m pipelines.import_model kuleshov-group/bd3lm-owt-block_size4 --revision main

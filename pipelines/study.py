@@ -1,6 +1,6 @@
 """Run a reproduction study (``studies/*.yaml``): arms x seeds, compared at equal steps and equal FLOPs.
 
-    python -m pipelines.study studies/laptop.yaml            # the README's study (about 45 minutes on 2 cores)
+    python -m pipelines.study studies/laptop.yaml            # docs/studies.md (under an hour on 2 cores)
     python -m pipelines.study studies/laptop.yaml --check    # validate and size it, train nothing
 
 Rerun the same command to resume: finished runs are skipped, interrupted ones continue from their

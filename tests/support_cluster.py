@@ -449,7 +449,7 @@ def _wait_for_job_api(dashboard: str, timeout: float = 120.0) -> None:
 
 
 def job_submit_command(dashboard: str, entrypoint: list[str], runtime_env: Path, working_dir: Path = ROOT) -> list[str]:
-    """``ray job submit --working-dir <repo> --runtime-env <file> -- <entrypoint>``, as README.md submits."""
+    """``ray job submit --working-dir <repo> --runtime-env <file> -- <entrypoint>``, as the cluster docs submit."""
     return [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--working-dir", str(working_dir),
             "--runtime-env", str(runtime_env), "--", *entrypoint]
 

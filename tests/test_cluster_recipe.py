@@ -1,4 +1,4 @@
-"""cluster.yaml as Ray 2.60's own launcher takes it, against moto's EC2/IAM server (ENVIRONMENT.md): the README's
+"""cluster.yaml as Ray 2.60's own launcher takes it, against moto's EC2/IAM server (ENVIRONMENT.md): the cluster docs'
 provisioning step (deploy/aws/provision.py) on a VPC with two private subnets, then Ray's `prepare_config`,
 `validate_config` and `bootstrap_aws` on the config it wrote, as `ray up` runs them. What AWS would start is
 read back with boto3: no security group of the cluster accepts anything from 0.0.0.0/0, every node type keeps
@@ -49,7 +49,7 @@ def aws(tmp_path_factory: pytest.TempPathFactory):
         vpc = ec2.create_vpc(CidrBlock="10.20.0.0/16")["Vpc"]["VpcId"]
         subnets = [ec2.create_subnet(VpcId=vpc, CidrBlock=f"10.20.{i}.0/24", AvailabilityZone=f"{REGION}{z}")
                    ["Subnet"]["SubnetId"] for i, z in enumerate("ab")]
-        # The Deep Learning Base AMI's SSM parameter is AWS's, which moto does not serve: the README passes the
+        # The Deep Learning Base AMI's SSM parameter is AWS's, which moto does not serve: the cluster docs pass the
         # AMI it looked up explicitly, as this does.
         ami = ec2.register_image(Name="Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) test",
                                  Architecture="x86_64", RootDeviceName="/dev/sda1")["ImageId"]

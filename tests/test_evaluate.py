@@ -232,7 +232,7 @@ def test_cli_help_documents_every_setting():
 def test_a_metric_registered_in_one_place_reaches_the_plan_run_report_tags_and_gate(art, workdir, monkeypatch):
     """One ``Suite`` entry (and its function) is all a new metric needs: the planner checks it, the runner runs
     it, the summary shows it, the registry version is tagged with it, promotion can gate on it, and its ``Figure``
-    reaches the model card and the pipeline's summary (the README's layout section: a metric touches suites.py)."""
+    reaches the model card and the pipeline's summary (docs/design/architecture.md: a metric touches suites.py)."""
     import mlflow
 
     from pipelines.evaluation import suites

@@ -1,5 +1,5 @@
 """The GPU path, for a machine with CUDA (skipped elsewhere; this repository's CI machine has no GPU, so these
-have never run here: README.md, "Running on a cluster", says how to run them on a GPU node). Each checks the
+have never run here: docs/operations/cluster.md says how to run them on a GPU node). Each checks the
 CUDA result against the CPU one or a property that would catch a real bug: the model core's likelihood is the
 CPU's, a bf16 training step (flash-attn when installed, else SDPA) lowers the loss with finite gradients, the
 samplers keep their contracts on CUDA generators, and a checkpoint served with ``device="cuda"`` generates.
@@ -7,7 +7,7 @@ samplers keep their contracts on CUDA generators, and a checkpoint served with `
     python -m pytest -m gpu tests/test_gpu.py
 
 On a GPU machine that has only torch (no pytest, no project install), ``benchmarks/gpu_check.py`` checks the same
-ground and measures speed in one command (README.md, "On a GPU").
+ground and measures speed in one command (docs/operations/gpu.md).
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ def test_training_outlives_a_tracking_outage(tiny_data: Path, tmp_path: Path, mo
     real = tracking_server
     # Training talks to the server through a gate that goes down and comes back at once (a restarted server
     # takes up to 25 s to answer under the suite's load: a run meant to end with it up ended first); the
-    # test reads the server directly. A real server's restart: benchmarks/tracking_outage.py and the README job.
+    # test reads the server directly. A real server's restart: benchmarks/tracking_outage.py.
     server = gate
     wd = tmp_path / "work"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url)

@@ -26,7 +26,7 @@ What it does (idempotent: a rerun finds what exists and changes nothing there):
 
 It does not create the VPC, the subnets, the bucket, the repository or the two secrets (``adlm/ray-auth-token``:
 the token; ``adlm/mlflow-credentials``: an INI file ``[mlflow]`` with ``mlflow_tracking_username`` and
-``mlflow_tracking_password``); README.md says how. Needs boto3 and credentials allowed to create the above.
+``mlflow_tracking_password``); the cluster docs say how. Needs boto3 and credentials allowed to create the above.
 """
 
 from __future__ import annotations

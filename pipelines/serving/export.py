@@ -14,7 +14,7 @@
 
 The folder is written beside ``out`` and moved into place only after ``adlm_model.load_pretrained`` has read
 it back with weights equal, tensor for tensor, to the registered model's: an export is complete or absent.
-Uploading it to the Hugging Face Hub is one command (README "Calling a model"):
+Uploading it to the Hugging Face Hub is one command (docs/usage/generation-and-serving.md):
 ``huggingface-cli upload <user>/<repo> <out> .``
 """
 

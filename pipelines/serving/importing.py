@@ -1,4 +1,4 @@
-"""The machinery of ``python -m pipelines.import_model`` (README "Released models"): fetch the source (a Hub id
+"""The machinery of ``python -m pipelines.import_model`` (docs/usage/released-models.md): fetch the source (a Hub id
 through ``huggingface_hub``, an object store, a local path), read it with ``adlm_model.reference_layouts`` (no
 code of the checkpoint runs), pick the tokenizer the model was trained with, and register the mapped weights as a
 version like a trained one (``registry.register_checkpoint``), tagged with its provenance. Every refusal is one
