@@ -46,6 +46,8 @@ class S3:
     bucket: str
     env: dict[str, str]
     server: object = field(repr=False, default=None)
+    calls: list = field(repr=False, default_factory=list)
+    """Every signed request the server answered (tests/support_iam.py's ``Call``), in order."""
 
     def keys(self, prefix: str = "") -> list[str]:
         import boto3
@@ -65,7 +67,7 @@ class S3:
         import boto3
 
         boto3.client("s3", endpoint_url=self.endpoint).create_bucket(Bucket=name)
-        return S3(self.endpoint, name, self.env, self.server)
+        return S3(self.endpoint, name, self.env, self.server, self.calls)
 
     def read(self, key: str) -> bytes | None:
         """The object's bytes, or None when it does not exist (yet)."""
@@ -79,13 +81,15 @@ class S3:
 
 @contextlib.contextmanager
 def s3_server(bucket: str = "adlm") -> Iterator[S3]:
-    """A moto S3 server on a free loopback port with ``bucket`` created; its settings are put into this
-    process's environment (and removed afterwards), so that pyarrow, boto3 and MLflow all reach it."""
+    """A moto S3 server on a free loopback port with ``bucket`` created, recording every request
+    (tests/support_iam.py: what AWS would authorise for each); its settings are put into this process's environment
+    (and removed afterwards), so that pyarrow, boto3 and MLflow all reach it."""
     import boto3
-    from moto.server import ThreadedMotoServer
 
-    srv = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    srv.start()
+    from tests.support_iam import recording_moto_server
+
+    recorder = recording_moto_server(free_port())
+    srv, calls = recorder.__enter__()
     host, port = srv.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     env = {"AWS_ENDPOINT_URL": endpoint, "MLFLOW_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
@@ -94,9 +98,9 @@ def s3_server(bucket: str = "adlm") -> Iterator[S3]:
     os.environ.update(env)
     try:
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
-        yield S3(endpoint, bucket, env, srv)
+        yield S3(endpoint, bucket, env, srv, calls)
     finally:
-        srv.stop()
+        recorder.__exit__(None, None, None)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
