@@ -306,6 +306,32 @@ def load_policy(name: str, values: dict[str, str]) -> dict:
     return json.loads(text)
 
 
+def policy_values(bucket: str, prefix: str, region: str = "us-east-1") -> dict[str, str]:
+    """What deploy/aws/provision.py fills into the policies, for a work directory ``s3://<bucket>/<prefix>`` (the
+    EC2 values are placeholders: the S3 requests judged with these touch none of them)."""
+    return {"ACCOUNT": ACCOUNT, "REGION": region, "BUCKET": bucket, "PREFIX": prefix, "CLUSTER": "adlm",
+            "REPOSITORY": "adlm", "GPU_AMI": "ami-0gpu", "CPU_AMI": "ami-0cpu", "SECURITY_GROUP": "sg-0adlm",
+            "INSTANCE_TYPES": "c6i.8xlarge", "SUBNET_ARNS": f"arn:aws:ec2:{region}:{ACCOUNT}:subnet/subnet-a"}
+
+
+NODE_POLICIES = ("head.json", "worker.json", "pods.json")
+"""The policies a node's (or a KubeRay pod's) storage requests run under."""
+
+
+def assert_node_policies_allow(calls: list[Call], key_id: str, bucket: str, prefix: str) -> list[Authorisation]:
+    """Every S3 request ``key_id`` signed is allowed by each of ``NODE_POLICIES`` for the work directory
+    ``s3://<bucket>/<prefix>``, and the bucket check (HeadBucket) is among them and refused once ``s3:prefix`` is
+    put back on the ListBucket grants (the control); returns the authorisations."""
+    auths = authorisations(calls, key_id)
+    assert "HeadBucket" in {a.api for a in auths}, sorted({a.api for a in auths})
+    for name in NODE_POLICIES:
+        policy = load_policy(name, policy_values(bucket, prefix))
+        assert not denied(policy, auths), f"{name} refuses:\n" + "\n".join(denied(policy, auths))
+        control = with_prefix_on_every_list(policy, prefix)
+        assert "HeadBucket" in {a.api for a in auths if decide(control, a) != "Allow"}, name
+    return auths
+
+
 def _list(x: Any) -> list:
     return [x] if isinstance(x, str | bool) else list(x)
 

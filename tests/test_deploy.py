@@ -74,7 +74,7 @@ def test_every_node_boots_a_prebuilt_image_and_installs_nothing() -> None:
     assert "['optional-dependencies']['optuna']" in image  # tune_spaces/gamma_tau.yaml searches with Optuna
 
 
-def test_dockerfile_pins_the_projects_torch_and_a_cuda_build_the_readme_names() -> None:
+def test_dockerfile_pins_the_projects_torch_and_a_cuda_build_the_docs_name() -> None:
     import tomllib
 
     import ray
@@ -85,10 +85,7 @@ def test_dockerfile_pins_the_projects_torch_and_a_cuda_build_the_readme_names() 
     torch_pin = next(d for d in deps if d.replace(" ", "").startswith("torch=="))
     assert torch_pin.replace(" ", "") == f"torch=={args['TORCH_VERSION']}"
     assert args["RAY_IMAGE"] == f"rayproject/ray:{ray.__version__}-py311"  # the launcher's Ray, the venv's Ray
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Running on a cluster"):]
-    section = section[:section.index("\n## ", 3)]
-    named = set(re.findall(r"`(cu\d{3})`", section))
+    named = set(re.findall(r"`(cu\d{3})`", (ROOT / "docs" / "operations" / "cluster.md").read_text()))
     assert args["TORCH_CUDA"] in named, (args["TORCH_CUDA"], named)
     assert "cu124" not in image  # torch has published no cu124 build since 2.6
 
@@ -272,6 +269,48 @@ def test_every_recipe_fits_one_node_type_of_the_cluster(recipe: Path) -> None:
     over = copy.deepcopy(cfg)
     over.scaling.num_workers, over.scaling.use_gpu = 65, True
     assert unplaceable(run_demand(over), node_types(cluster))
+
+
+def _gpu_nodes_for_cpu_work(cluster: dict) -> list[tuple[int, dict[str, float]]]:
+    """(cpu_worker nodes up, CPU bundle) for which Ray's v1 autoscaler (``get_nodes_for``, with its own scorer, as
+    its monitor calls it for pending tasks and actors under the cluster's ``max_workers``) would launch a GPU node
+    type: every recipe's CPU-only bundles, 100 of each pending, with each count of ``cpu_worker`` nodes up."""
+    from functools import partial
+
+    from ray.autoscaler._private.node_provider_availability_tracker import NodeAvailabilitySummary
+    from ray.autoscaler._private.resource_demand_scheduler import _default_utilization_scorer, get_nodes_for
+
+    from pipelines.placement import run_demand
+    from pipelines.training.config import load_config
+
+    types = {n: {"resources": {k: float(v) for k, v in t["resources"].items()}, "max_workers": t.get("max_workers", 0)}
+             for n, t in cluster["available_node_types"].items()}
+    head = cluster["head_node_type"]
+    gpu = {n for n, t in types.items() if t["resources"].get("GPU")}
+    scorer = partial(_default_utilization_scorer, node_availability_summary=NodeAvailabilitySummary({}))
+    bundles = {tuple(sorted(b.items())) for r in _recipes() for b in run_demand(load_config(r)) if not b.get("GPU")}
+    found = []
+    for up in range(types["cpu_worker"]["max_workers"] + 1):
+        existing = {head: 1, "cpu_worker": up}
+        for bundle in sorted(bundles):
+            added, _ = get_nodes_for(types, existing, head, cluster["max_workers"] + 1 - sum(existing.values()),
+                                     [dict(bundle)] * 100, scorer)
+            found += [(up, dict(bundle))] if gpu & {n for n, k in added.items() if k} else []
+    return found
+
+
+def test_cpu_only_work_never_makes_the_autoscaler_launch_a_gpu_node() -> None:
+    """Ray's autoscaler ranks a GPU node type last for demand that asks for no GPU, but takes it when no CPU type
+    can grow: cluster.yaml's ``cpu_worker`` may grow to the cluster's own ``max_workers``, so the CPU sweep, Ray
+    Data and CPU training never get a p4d.24xlarge. The control: ``cpu_worker`` capped below the cluster (4 of 12,
+    as it was), and the autoscaler launches GPU nodes for CPU work once the CPU type is (nearly) full."""
+    cluster = _cluster()
+    nodes = cluster["available_node_types"]
+    assert nodes["cpu_worker"]["max_workers"] >= cluster["max_workers"] and not nodes["cpu_worker"]["resources"].get("GPU")
+    assert not _gpu_nodes_for_cpu_work(cluster)
+    control = copy.deepcopy(cluster)
+    control["available_node_types"]["cpu_worker"]["max_workers"] = 4
+    assert _gpu_nodes_for_cpu_work(control)
 
 
 def test_no_credential_travels_in_the_job_runtime_env_or_the_cluster_config() -> None:
