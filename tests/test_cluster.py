@@ -7,8 +7,10 @@ offer the trial-driver resource, submitted with the cluster docs' client setting
 whose code differs from the nodes' (every process of the job runs the submitted copy), and leaves nothing reserved
 or running; on a cluster whose nodes Ray's own autoscaler launches (the fake multi-node provider,
 cluster.yaml's node types), a sweep job makes it launch workers from zero, a node killed under the sweep is
-replaced and the sweep completes from the bucket with the undisturbed results, idle workers are retired and an
-evaluation asking for a GPU gets a GPU node; bad storage inputs fail in one line before any work."""
+replaced (by a CPU node: no GPU node for CPU work) and the sweep completes from the bucket with the undisturbed
+results, idle workers are retired and an evaluation asking for a GPU gets a GPU node; bad storage inputs fail in
+one line before any work. Every S3 request the nodes send is one the shipped IAM policies allow
+(tests/support_iam.py)."""
 
 from __future__ import annotations
 
