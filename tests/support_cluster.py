@@ -89,24 +89,23 @@ def s3_server(bucket: str = "adlm") -> Iterator[S3]:
 
     from tests.support_iam import recording_moto_server
 
-    recorder = recording_moto_server(free_port())
-    srv, calls = recorder.__enter__()
-    host, port = srv.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    env = {"AWS_ENDPOINT_URL": endpoint, "MLFLOW_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
-        yield S3(endpoint, bucket, env, srv, calls)
-    finally:
-        recorder.__exit__(None, None, None)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with recording_moto_server(free_port()) as (srv, calls):
+        host, port = srv.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        env = {"AWS_ENDPOINT_URL": endpoint, "MLFLOW_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+               "AWS_EC2_METADATA_DISABLED": "true"}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+            yield S3(endpoint, bucket, env, srv, calls)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 class MLflowServer:
