@@ -4,15 +4,16 @@ tracking server whose artifacts live in it, and a Ray cluster of a 0-CPU head an
 Nodes of a real cluster share nothing but the object store and the MLflow server; here they share this
 machine's disk too, so the tests that use these assert that nothing of a run lands on the local disk.
 
-Longer than 500 lines because every part of the local stand-in for a cluster lives here (S3, MLflow's server, a
-static Ray cluster, one in a process of its own, Ray's autoscaler with its fake provider, jobs, scoring servers):
-the cluster tests share them.
+Longer than 500 lines because every part of the local stand-in for a cluster lives here (S3 that records every
+request, MLflow's server, a static Ray cluster, one in a process of its own, Ray's autoscaler with its fake provider,
+jobs and the submitted copy of their code, scoring servers): the cluster tests share them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -46,6 +47,8 @@ class S3:
     bucket: str
     env: dict[str, str]
     server: object = field(repr=False, default=None)
+    calls: list = field(repr=False, default_factory=list)
+    """Every signed request the server answered (tests/support_iam.py's ``Call``), in order."""
 
     def keys(self, prefix: str = "") -> list[str]:
         import boto3
@@ -65,7 +68,7 @@ class S3:
         import boto3
 
         boto3.client("s3", endpoint_url=self.endpoint).create_bucket(Bucket=name)
-        return S3(self.endpoint, name, self.env, self.server)
+        return S3(self.endpoint, name, self.env, self.server, self.calls)
 
     def read(self, key: str) -> bytes | None:
         """The object's bytes, or None when it does not exist (yet)."""
@@ -79,29 +82,30 @@ class S3:
 
 @contextlib.contextmanager
 def s3_server(bucket: str = "adlm") -> Iterator[S3]:
-    """A moto S3 server on a free loopback port with ``bucket`` created; its settings are put into this
-    process's environment (and removed afterwards), so that pyarrow, boto3 and MLflow all reach it."""
+    """A moto S3 server on a free loopback port with ``bucket`` created, recording every request
+    (tests/support_iam.py: what AWS would authorise for each); its settings are put into this process's environment
+    (and removed afterwards), so that pyarrow, boto3 and MLflow all reach it."""
     import boto3
-    from moto.server import ThreadedMotoServer
 
-    srv = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    srv.start()
-    host, port = srv.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    env = {"AWS_ENDPOINT_URL": endpoint, "MLFLOW_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
-        yield S3(endpoint, bucket, env, srv)
-    finally:
-        srv.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    from tests.support_iam import recording_moto_server
+
+    with recording_moto_server(free_port()) as (srv, calls):
+        host, port = srv.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        env = {"AWS_ENDPOINT_URL": endpoint, "MLFLOW_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+               "AWS_EC2_METADATA_DISABLED": "true"}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+            yield S3(endpoint, bucket, env, srv, calls)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 class MLflowServer:
@@ -291,6 +295,85 @@ of watchers there), the log monitor's slower listing."""
 
 def node_settings() -> dict[str, str]:
     return {k: os.environ[k] for k in NODE_SETTINGS}
+
+
+# ----------------------------------------------------------------------------------------------------
+# A job's code and processes: the copy a test submits, what of it each node unpacked, which process ran it.
+
+def tracked_files() -> set[str]:
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return set(out.split())
+
+
+def job_folders(session: Path, log: str) -> list[Path]:
+    """Every node's unpacked copy of the job's working directory (the driver runs in the head's; the worker
+    nodes unpack it too for the tasks and actors they run); ``session``: the head's session folder."""
+    pkg = re.findall(r"gcs://(_ray_pkg_\w+)\.zip", log)[-1]
+    found = sorted(session.glob(f"runtime_resources*/working_dir_files/{pkg}"))
+    assert found, f"no unpacked job folder {pkg} under {session}"
+    return found
+
+
+def new_files(folder: Path, tracked: set[str]) -> list[str]:
+    new = []
+    for p in folder.rglob("*"):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_file() and "__pycache__" not in rel and rel not in tracked:
+            new.append(rel)
+    return sorted(new)
+
+
+PROBE = """
+
+# --- Only in the copy tests/test_cluster.py submits: which code each process of the job imports. ---
+import importlib.util as _util  # noqa: E402
+import json as _json  # noqa: E402
+import os as _os  # noqa: E402
+
+if _os.environ.get("ADLM_CODE_PROBE"):
+    from pipelines import _submitted_probe
+
+    (_Path(_os.environ["ADLM_CODE_PROBE"]) / f"{_os.getpid()}.json").write_text(_json.dumps({
+        "file": __file__, "added": _submitted_probe.MARK,
+        "deleted_importable": _util.find_spec("pipelines.import_model") is not None}))
+"""
+
+
+def submitted_copy(dest: Path) -> set[str]:
+    """The project as a submitter's checkout that differs from the nodes' code (their venv's editable install is
+    this checkout): an edited module (``pipelines/__init__.py``, which then records, in every process of the job
+    that imports it, its own path, the added module's mark and whether the deleted module still imports), an added
+    one (``pipelines/_submitted_probe.py``) and a deleted one (``pipelines/import_model.py``, which the pipeline
+    does not use). Returns the copy's files."""
+    import shutil
+
+    files = {f for f in tracked_files() if (ROOT / f).is_file()}
+    for f in files:
+        (dest / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, dest / f)
+    (dest / "pipelines" / "import_model.py").unlink()
+    (dest / "pipelines" / "_submitted_probe.py").write_text('MARK = "submitted"\n')
+    with (dest / "pipelines" / "__init__.py").open("a") as fh:
+        fh.write(PROBE)
+    return (files - {"pipelines/import_model.py"}) | {"pipelines/_submitted_probe.py"}
+
+
+def job_processes(dashboard: str, token: str) -> dict[str, set[int]]:
+    """The processes of the cluster's jobs by role, from the job and state APIs: each job's driver, Ray Train's
+    workers, Tune's trials, Ray Data's actors and the evaluation's tasks."""
+    import requests
+
+    jobs = requests.get(f"{dashboard}/api/jobs/", headers={"authorization": f"Bearer {token}"}, timeout=30).json()
+    roles: dict[str, set[int]] = {"driver": {int(j["driver_info"]["pid"]) for j in jobs if j.get("driver_info")}}
+    for a in state_rows(dashboard, "actors", token):
+        for role, cls in (("Ray Train worker", "RayTrainWorker"), ("Tune trial", "ImplicitFunc"),
+                          ("Ray Data actor", "MapWorker")):
+            if cls in str(a.get("class_name")) and a.get("pid"):
+                roles.setdefault(role, set()).add(int(a["pid"]))
+    for t in state_rows(dashboard, "tasks", token):
+        if t.get("name") in ("ppl_job", "sample_job") and t.get("worker_pid"):
+            roles.setdefault("evaluation task", set()).add(int(t["worker_pid"]))
+    return roles
 
 
 @dataclass
@@ -576,13 +659,14 @@ def describe_leftovers(groups: list[dict], actors: list[dict]) -> str:
 FAKE_HEAD_TYPE = "ray.head.default"
 """The node type Ray's fake multi-node provider gives its head, whatever the config calls it: cluster.yaml's
 ``head`` goes under this name (its resources unchanged)."""
-SCALED_WORKERS = {"cpu_worker": ({"CPU": 1}, 3), "gpu_worker": ({"CPU": 1, "GPU": 1}, 1)}
-"""cluster.yaml's worker types scaled to this machine: (CPU and GPU, max_workers). cluster.yaml's 32-CPU
-``cpu_worker`` (up to 4) is a 1-CPU node here (up to 3: two at a time, and one more while a killed node is still on
-the provider's list: a cloud drops a preempted instance from it at once, the fake provider keeps it until the
-autoscaler finds it silent, and with no ``cpu_worker`` left to launch the autoscaler puts the work on a GPU node);
-its 96-CPU 8-GPU ``gpu_worker`` (up to 8) is a 1-CPU node with one fake GPU (up to 1): Ray schedules on the resource,
-no device is behind it."""
+SCALED_WORKERS = {"cpu_worker": {"CPU": 1}, "gpu_worker": {"CPU": 1, "GPU": 1}}
+"""cluster.yaml's worker types scaled to this machine: cluster.yaml's 32-CPU ``cpu_worker`` is a 1-CPU node here,
+its 96-CPU 8-GPU ``gpu_worker`` a 1-CPU node with one fake GPU (Ray schedules on the resource, no device is behind
+it). How many of each: ``scaled_max_workers``."""
+SCALED_MAX_WORKERS = 4
+"""The scaled cluster's ``max_workers``: two ``cpu_worker`` nodes at a time, and two more while killed ones are still
+on the provider's list (a cloud drops a preempted instance from it at once; the fake provider keeps it until the
+autoscaler finds it silent)."""
 NODE_OBJECT_STORE = 100 * 1024**2
 """Each node's object store, scaled down with the rest (cluster.yaml's head: 8 GB)."""
 MARKER = "ADLM_AUTOSCALING_CLUSTER"
@@ -591,27 +675,39 @@ nodes its monitor launches, their workers and job drivers inherit it): how its p
 and no other Ray on the machine is touched."""
 
 
-def autoscaling_config(gcs_address: str, without: tuple[str, ...] = (), idle_timeout_s: float = 5.0) -> dict:
-    """The autoscaler's config for Ray's fake multi-node provider: cluster.yaml's node types (names and custom
-    resources read from it; CPU, GPU and object store scaled: ``SCALED_WORKERS``), all workers from zero, idle
-    nodes retired after ``idle_timeout_s``; ``without``: worker types left out (a control). Written in full (the
-    provider's defaults file, example.yaml, is not in Ray's wheel)."""
+def scaled_max_workers(spec: dict, recipe: dict) -> int:
+    """A worker type's ``max_workers`` scaled: one GPU node (all this machine holds); a CPU type capped by the
+    cluster's ``max_workers`` alone (cluster.yaml's ``cpu_worker``) may take all ``SCALED_MAX_WORKERS``, one capped
+    below it one less, so that it fills up while the cluster still has room, as on the real cluster."""
+    if "GPU" in spec["resources"]:
+        return 1
+    return SCALED_MAX_WORKERS if spec["max_workers"] >= recipe["max_workers"] else SCALED_MAX_WORKERS - 1
+
+
+def autoscaling_config(gcs_address: str, without: tuple[str, ...] = (), idle_timeout_s: float = 5.0,
+                       recipe: dict | None = None) -> dict:
+    """The autoscaler's config for Ray's fake multi-node provider: cluster.yaml's node types (or ``recipe``'s, a
+    cluster.yaml-shaped config: a control; names and custom resources read from it; CPU, GPU, object store and
+    counts scaled: ``SCALED_WORKERS``, ``scaled_max_workers``), all workers from zero, idle nodes retired after
+    ``idle_timeout_s``; ``without``: worker types left out (a control). Written in full (the provider's defaults
+    file, example.yaml, is not in Ray's wheel)."""
     import yaml
 
-    recipe = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    recipe = recipe or yaml.safe_load((ROOT / "cluster.yaml").read_text())
     types = recipe["available_node_types"]
     head = types[recipe["head_node_type"]]
     node_types = {FAKE_HEAD_TYPE: {"resources": dict(head["resources"]), "node_config": {}, "max_workers": 0}}
-    for name, (scaled, most) in SCALED_WORKERS.items():
+    for name, scaled in SCALED_WORKERS.items():
         spec = types[name]  # a KeyError here: cluster.yaml renamed a node type this test stands for
         assert ("GPU" in spec["resources"]) == ("GPU" in scaled), (name, spec["resources"])
         if name in without:
             continue
         custom = {k: v for k, v in spec["resources"].items() if k not in ("CPU", "GPU")}
         node_types[name] = {"resources": {**custom, **scaled, "object_store_memory": NODE_OBJECT_STORE},
-                            "node_config": {}, "min_workers": spec.get("min_workers", 0), "max_workers": most}
+                            "node_config": {}, "min_workers": spec.get("min_workers", 0),
+                            "max_workers": scaled_max_workers(spec, recipe)}
     return {
-        "cluster_name": "adlm-autoscaling-test", "max_workers": sum(m for _, m in SCALED_WORKERS.values()),
+        "cluster_name": "adlm-autoscaling-test", "max_workers": SCALED_MAX_WORKERS,
         "upscaling_speed": recipe.get("upscaling_speed", 1.0), "idle_timeout_minutes": idle_timeout_s / 60,
         "docker": {}, "auth": {}, "available_node_types": node_types, "head_node_type": FAKE_HEAD_TYPE,
         # Ray's fake multi-node provider, each node with a runtime-env folder of its own (tests/autoscaler_provider).
@@ -782,7 +878,7 @@ def _cmdline(p: object) -> list[str]:
 
 @contextlib.contextmanager
 def autoscaling_cluster(env: dict[str, str], token: str, log: Path, without: tuple[str, ...] = (),
-                        idle_timeout_s: float = 5.0) -> Iterator[AutoscalingCluster]:
+                        idle_timeout_s: float = 5.0, recipe: dict | None = None) -> Iterator[AutoscalingCluster]:
     """A 0-CPU head (cluster.yaml's, with ``adlm_driver``) whose autoscaler launches cluster.yaml's worker types
     (``autoscaling_config``) as Ray's fake multi-node provider does: Ray node processes on this machine. Started with
     ``ray start --head --autoscaling-config`` in ``env`` (token authentication on: ``RAY_AUTH_MODE=token`` and
@@ -803,7 +899,7 @@ def autoscaling_cluster(env: dict[str, str], token: str, log: Path, without: tup
     temp = Path(tempfile.mkdtemp(prefix="adlm-as-", dir="/tmp"))
     port, dash = free_port(), free_port()
     gcs = f"{get_node_ip_address()}:{port}"
-    settings = autoscaling_config(gcs, without, idle_timeout_s)
+    settings = autoscaling_config(gcs, without, idle_timeout_s, recipe)
     config = temp / "autoscaling.yaml"
     config.write_text(yaml.safe_dump(settings))
     head = settings["available_node_types"][FAKE_HEAD_TYPE]["resources"]

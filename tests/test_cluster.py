@@ -7,8 +7,10 @@ offer the trial-driver resource, submitted with the cluster docs' client setting
 whose code differs from the nodes' (every process of the job runs the submitted copy), and leaves nothing reserved
 or running; on a cluster whose nodes Ray's own autoscaler launches (the fake multi-node provider,
 cluster.yaml's node types), a sweep job makes it launch workers from zero, a node killed under the sweep is
-replaced and the sweep completes from the bucket with the undisturbed results, idle workers are retired and an
-evaluation asking for a GPU gets a GPU node; bad storage inputs fail in one line before any work."""
+replaced (by a CPU node: no GPU node for CPU work) and the sweep completes from the bucket with the undisturbed
+results, idle workers are retired and an evaluation asking for a GPU gets a GPU node; bad storage inputs fail in
+one line before any work. Every S3 request the nodes send is one the shipped IAM policies allow
+(tests/support_iam.py)."""
 
 from __future__ import annotations
 
@@ -28,15 +30,20 @@ from tests.support_cluster import (
     BIN,
     ROOT,
     describe_leftovers,
+    job_folders,
+    job_processes,
     job_submit_command,
     leftovers,
     mlflow_server,
+    new_files,
     node_settings,
     ray_cluster_process,
     s3_server,
-    state_rows,
     submit_job,
+    submitted_copy,
+    tracked_files,
 )
+from tests.support_iam import assert_node_policies_allow
 
 pytestmark = pytest.mark.slow
 
@@ -55,6 +62,9 @@ def _bucket_name(request: pytest.FixtureRequest) -> str:
 
 
 TOKEN = "0123456789abcdef0123456789abcdef"
+NODE_KEY = "AKIACLUSTERNODEROLE1"
+"""The access key the cluster's nodes sign their S3 requests with (an instance role's on AWS): the recorded
+requests of the nodes, told apart from the MLflow server's and this test's own (tests/support_iam.py)."""
 
 
 @pytest.fixture()
@@ -69,7 +79,7 @@ def auth_cloud(_module_s3, tmp_path: Path, request: pytest.FixtureRequest):
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
     env = {**_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file)), **_module_s3.env,
-           **node_settings()}
+           **node_settings(), "AWS_ACCESS_KEY_ID": NODE_KEY}
     with ray_cluster_process(env, tmp_path / "cluster.log", nodes=2) as rc:
         yield _module_s3.new_bucket(_bucket_name(request)), rc
 
@@ -82,15 +92,19 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def readme_client_env() -> dict[str, str]:
-    """The client settings the cluster page's steps export (docs/operations/cluster.md), exactly: each
-    ``export NAME=...`` line of the block that submits the first job. The token's value is what its command prints
-    (the secret: ``TOKEN``)."""
-    section = (ROOT / "docs" / "operations" / "cluster.md").read_text()
-    block = next(b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "ray job submit" in b)
+CLUSTER_DOCS = ROOT / "docs" / "operations" / "cluster.md"
+
+
+def docs_client_env() -> dict[str, str]:
+    """The client settings the cluster docs' steps export, exactly: each ``export NAME=...`` line of the block that
+    submits the first job (the region again, as in a fresh shell, and Ray's two settings). The token's value is
+    what its command prints (the secret: ``TOKEN``); that command names the region itself."""
+    docs = CLUSTER_DOCS.read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", docs, re.S) if "ray job submit" in b)
     exports = dict(re.findall(r"^export (\w+)=(.*)$", block, re.M))
-    assert set(exports) == {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}, exports
+    assert set(exports) == {"AWS_REGION", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}, exports
     assert exports["RAY_AUTH_TOKEN"].startswith("$(aws secretsmanager get-secret-value --secret-id adlm/ray-auth-token")
+    assert '--region "$AWS_REGION"' in exports["RAY_AUTH_TOKEN"]
     return {"RAY_AUTH_MODE": exports["RAY_AUTH_MODE"], "RAY_AUTH_TOKEN": TOKEN}
 
 
@@ -103,100 +117,24 @@ def _job_env(tmp_path: Path, **env_vars: str) -> Path:
     return path
 
 
-def _tracked_files() -> set[str]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return set(out.split())
-
-
-def _job_folders(session: Path, log: str) -> list[Path]:
-    """Every node's unpacked copy of the job's working directory (the driver runs in the head's; the worker
-    nodes unpack it too for the tasks and actors they run); ``session``: the head's session folder."""
-    pkg = re.findall(r"gcs://(_ray_pkg_\w+)\.zip", log)[-1]
-    found = sorted(session.glob(f"runtime_resources*/working_dir_files/{pkg}"))
-    assert found, f"no unpacked job folder {pkg} under {session}"
-    return found
-
-
-def _new_files(folder: Path, tracked: set[str]) -> list[str]:
-    new = []
-    for p in folder.rglob("*"):
-        rel = p.relative_to(folder).as_posix()
-        if p.is_file() and "__pycache__" not in rel and rel not in tracked:
-            new.append(rel)
-    return sorted(new)
-
-
-PROBE = """
-
-# --- Only in the copy tests/test_cluster.py submits: which code each process of the job imports. ---
-import importlib.util as _util  # noqa: E402
-import json as _json  # noqa: E402
-import os as _os  # noqa: E402
-
-if _os.environ.get("ADLM_CODE_PROBE"):
-    from pipelines import _submitted_probe
-
-    (_Path(_os.environ["ADLM_CODE_PROBE"]) / f"{_os.getpid()}.json").write_text(_json.dumps({
-        "file": __file__, "added": _submitted_probe.MARK,
-        "deleted_importable": _util.find_spec("pipelines.import_model") is not None}))
-"""
-
-
-def _submitted_copy(dest: Path) -> set[str]:
-    """The project as a submitter's checkout that differs from the nodes' code (their venv's editable install is
-    this checkout): an edited module (``pipelines/__init__.py``, which then records, in every process of the job
-    that imports it, its own path, the added module's mark and whether the deleted module still imports), an added
-    one (``pipelines/_submitted_probe.py``) and a deleted one (``pipelines/import_model.py``, which the pipeline
-    does not use). Returns the copy's files."""
-    import shutil
-
-    files = {f for f in _tracked_files() if (ROOT / f).is_file()}
-    for f in files:
-        (dest / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / f, dest / f)
-    (dest / "pipelines" / "import_model.py").unlink()
-    (dest / "pipelines" / "_submitted_probe.py").write_text('MARK = "submitted"\n')
-    with (dest / "pipelines" / "__init__.py").open("a") as fh:
-        fh.write(PROBE)
-    return (files - {"pipelines/import_model.py"}) | {"pipelines/_submitted_probe.py"}
-
-
-def _job_processes(dashboard: str, token: str) -> dict[str, set[int]]:
-    """The processes of the cluster's jobs by role, from the job and state APIs: each job's driver, Ray Train's
-    workers, Tune's trials, Ray Data's actors and the evaluation's tasks."""
-    import requests
-
-    jobs = requests.get(f"{dashboard}/api/jobs/", headers={"authorization": f"Bearer {token}"}, timeout=30).json()
-    roles: dict[str, set[int]] = {"driver": {int(j["driver_info"]["pid"]) for j in jobs if j.get("driver_info")}}
-    for a in state_rows(dashboard, "actors", token):
-        for role, cls in (("Ray Train worker", "RayTrainWorker"), ("Tune trial", "ImplicitFunc"),
-                          ("Ray Data actor", "MapWorker")):
-            if cls in str(a.get("class_name")) and a.get("pid"):
-                roles.setdefault(role, set()).add(int(a["pid"]))
-    for t in state_rows(dashboard, "tasks", token):
-        if t.get("name") in ("ppl_job", "sample_job") and t.get("worker_pid"):
-            roles.setdefault("evaluation task", set()).add(int(t["worker_pid"]))
-    return roles
-
-
 def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(tmp_path: Path, auth_cloud) -> None:
     """The client environment is exactly the cluster docs'; less of it is refused: no token, or the token without
     RAY_AUTH_MODE=token (Ray's client then sends no token); a driver without the token fails in one line. With
     it, the smoke pipeline runs as a job, keeps everything in the bucket, and a second run finds it all done.
-    It is submitted from a copy that differs from the nodes' code (``_submitted_copy``): its driver, Ray Train
+    It is submitted from a copy that differs from the nodes' code (``submitted_copy``): its driver, Ray Train
     workers, Tune trials, Ray Data actors and evaluation tasks all run the submitted copy (the edited and the added
     module; the deleted one does not import, although the nodes' editable install still has it)."""
     import mlflow
 
     s3, rc = auth_cloud
-    client_env = readme_client_env()
+    client_env = docs_client_env()
     with mlflow_server(tmp_path / "mlflow.db", f"s3://{s3.bucket}/mlartifacts", tmp_path / "mlflow.log") as ml:
         probe = tmp_path / "probe"
         probe.mkdir()
         env_file = _job_env(tmp_path, ADLM_WORKDIR=f"s3://{s3.bucket}/run", MLFLOW_TRACKING_URI=ml.url,
                             ADLM_CODE_PROBE=str(probe))
         submitted = tmp_path / "submitted"
-        submitted_files = _submitted_copy(submitted)
+        submitted_files = submitted_copy(submitted)
         empty = tmp_path / "empty"
         empty.mkdir()
         entry = ["python", "-m", "pipelines.run_all", "--profile", "smoke"]
@@ -229,7 +167,7 @@ def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(t
         # Every process of the job ran the submitted copy: the edited module (its record), the added one, and not the
         # deleted one, which the nodes' editable install of this checkout still has.
         records = {int(p.stem): json.loads(p.read_text()) for p in probe.glob("*.json")}
-        roles = _job_processes(rc.dashboard, TOKEN)
+        roles = job_processes(rc.dashboard, TOKEN)
         for role in ("driver", "Ray Train worker", "Tune trial", "Ray Data actor", "evaluation task"):
             assert roles.get(role), (role, roles)
             for pid in roles[role]:
@@ -267,8 +205,8 @@ def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(t
         # Nothing of the run landed on the local disk: not in the folder the job was submitted from, not in
         # the job's working directory on the head node (only the uploaded project files are there).
         assert not any(empty.iterdir())
-        for folder in _job_folders(rc.session_dir, log):
-            assert not _new_files(folder, submitted_files), folder
+        for folder in job_folders(rc.session_dir, log):
+            assert not new_files(folder, submitted_files), folder
 
         # A second run of the same command finds everything done: no new version, no alias moves.
         status, log2 = submit_job(rc.dashboard, entry, env_file, empty, tmp_path / "job2.log", env=_env(**client_env),
@@ -280,6 +218,9 @@ def test_the_pipeline_as_a_job_on_a_cluster_keeps_everything_in_object_storage(t
         # Nothing of the finished jobs outlives them: no placement group still reserved, no actor of theirs alive.
         groups, actors = leftovers(rc.dashboard, TOKEN)
         assert not groups and not actors, describe_leftovers(groups, actors)
+    # Every S3 request the nodes sent for both runs (the storage layer, Ray Data, Ray Train and Tune, over pyarrow)
+    # is one the shipped node policies allow for s3://<bucket>/run, HeadBucket among them (tests/support_iam.py).
+    assert_node_policies_allow(s3.calls, NODE_KEY, s3.bucket, "run")
 
 
 @pytest.mark.parametrize("case, message", [
@@ -319,8 +260,9 @@ def test_bad_storage_fails_in_one_line_before_any_work(case: str, message: str, 
 
 
 CONTROL_ENV = "ADLM_AUTOSCALER_CONTROL"
-"""Set to 1: the autoscaling cluster is built without its ``cpu_worker`` type, and the autoscaler test must fail
-(docs/operations/cluster.md: what the control printed)."""
+"""The autoscaler test's controls, each of which must make it fail (docs/operations/cluster.md: what they printed):
+``1``: the cluster is built without its ``cpu_worker`` type; ``gpu-for-cpu``: ``cpu_worker`` capped below the
+cluster's ``max_workers`` (4 of 12, as cluster.yaml had it), where the autoscaler puts CPU work on a GPU node."""
 
 
 def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a_gpu_evaluation(
@@ -331,7 +273,8 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
     launch ``cpu_worker`` nodes; once both trials have a checkpoint in the bucket and one still trains, every
     ``cpu_worker`` node is killed (SIGKILL of its raylet and everything it started: preempted instances; all of them,
     so that no node freed by a trial that ends meanwhile can take the restarted one), the autoscaler launches a new
-    ``cpu_worker``, and the sweep completes in the same job and registers its best:
+    ``cpu_worker`` (and no ``gpu_worker``: CPU work never gets a GPU node), and the sweep completes in the same job
+    and registers its best:
     every trial equal to the same recipe trained undisturbed in this process (steps and validation bounds), each
     optimiser step taken once (its final checkpoint made exactly ``steps`` updates, the EMA counts them, on ``steps``
     batches of data: its data position), each step's loss logged once, the killed one resumed from a checkpoint;
@@ -380,12 +323,16 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
     env = {**_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file)), **_module_s3.env,
-           **node_settings()}
+           **node_settings(), "AWS_ACCESS_KEY_ID": NODE_KEY}
+    sent_before = len(s3.calls)
     without = ("cpu_worker",) if os.environ.get(CONTROL_ENV) == "1" else ()
-    client_env = _env(**readme_client_env())
+    recipe = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    if os.environ.get(CONTROL_ENV) == "gpu-for-cpu":
+        recipe["available_node_types"]["cpu_worker"]["max_workers"] = 4
+    client_env = _env(**docs_client_env())
     empty = tmp_path / "empty"
     empty.mkdir()
-    with autoscaling_cluster(env, TOKEN, tmp_path / "ray-start.log", without=without) as ac:
+    with autoscaling_cluster(env, TOKEN, tmp_path / "ray-start.log", without=without, recipe=recipe) as ac:
         head = ac.head_id()
         assert not ac.workers(), ac.status()  # from zero: no worker node until a job asks for one
         env_file = _job_env(tmp_path, ADLM_WORKDIR=f"{bucket}/run", MLFLOW_TRACKING_URI=uri,
@@ -433,6 +380,8 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
         submitter.join(timeout=max(1.0, 480 - (time.time() - submitted)))
         status, log = job.get("status"), job.get("log", "(the job's submission did not return)")
         assert status == "SUCCEEDED", f"{log[-5000:]}\n{ac.status()}"
+        # CPU work only so far: no GPU node was launched for it, not even while the killed nodes still counted.
+        assert not [n for n in ac.nodes() if node_type(n) == "gpu_worker"], f"a gpu_worker for the CPU sweep\n{ac.status()}"
         cpu = {n["node_id"]: n for n in ac.nodes() if node_type(n) == "cpu_worker"}
         assert all(cpu[n]["state"] == "DEAD" for n in killed) and replacement[0]["node_id"] not in killed, (cpu, killed)
         # The trial drivers (Tune's function-trainable actors) and the Ray Train controllers ran on the head only.
@@ -467,8 +416,8 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
         # Nothing of the run landed on the local disk: not in the folder the jobs were submitted from, not in the
         # jobs' working directory on the nodes (only the uploaded project files are there).
         assert not any(empty.iterdir())
-        for folder in _job_folders((ac.temp_dir / "session_latest").resolve(), log):
-            assert not _new_files(folder, _tracked_files()), folder
+        for folder in job_folders((ac.temp_dir / "session_latest").resolve(), log):
+            assert not new_files(folder, tracked_files()), folder
 
     # Every trial equals the same run undisturbed.
     rows = list(csv.DictReader(io.StringIO(s3.read("run/sweeps/storm/trials.csv").decode())))
@@ -492,5 +441,7 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
         assert logged == list(range(1, steps + 1)), (r["trial_id"], logged)  # no step twice, none skipped
         resumed += [m.value for m in client.get_metric_history(r["mlflow_run_id"], "train/resumed_from")]
     assert resumed and all(v % 10 == 0 and v >= 10 for v in resumed), resumed
+    # Every S3 request of the cluster's nodes is one the shipped node policies allow (tests/support_iam.py).
+    assert_node_policies_allow(s3.calls[sent_before:], NODE_KEY, s3.bucket, "run")
     # The sweep's runs live in the bucket: nothing of them on this disk.
     assert not [q for q in tmp_path.rglob("*") if "storm-" in q.name or q.name == "tracking_spool"]

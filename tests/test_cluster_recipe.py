@@ -3,7 +3,10 @@ provisioning step (deploy/aws/provision.py) on a VPC with two private subnets, t
 `validate_config` and `bootstrap_aws` on the config it wrote, as `ray up` runs them. What AWS would start is
 read back with boto3: no security group of the cluster accepts anything from 0.0.0.0/0, every node type keeps
 the AMI it was provisioned with (not Ray's default "Deep Learning AMI (Ubuntu 18.04) V71.0", CUDA 11.2 drivers),
-and the head and the workers carry their own instance profiles with the policies of deploy/iam/."""
+and the head and the workers carry their own instance profiles with the policies of deploy/iam/. Every EC2 request
+Ray's node provider then sends with the head's credentials (launching each worker type, tagging, listing,
+terminating) is recorded on the server and allowed by deploy/iam/head.json, while a launch of another instance
+type, one with untagged disks and interfaces and the termination of an instance outside the cluster are not."""
 
 from __future__ import annotations
 
@@ -29,39 +32,39 @@ def _provisioner():
 
 @pytest.fixture(scope="module")
 def aws(tmp_path_factory: pytest.TempPathFactory):
-    """A moto EC2/IAM/STS server on loopback, this process's AWS settings pointed at it and HOME at a scratch
-    folder (Ray's bootstrap writes its key pair under ~/.ssh); a VPC with two private subnets and an AMI."""
+    """A moto EC2/IAM/STS server on loopback that records every request (tests/support_iam.py), this process's AWS
+    settings pointed at it and HOME at a scratch folder (Ray's bootstrap writes its key pair under ~/.ssh); a VPC
+    with two private subnets and an AMI."""
     import boto3
-    from moto.server import ThreadedMotoServer
+
+    from tests.support_iam import recording_moto_server
 
     home = tmp_path_factory.mktemp("home")
     os.environ.setdefault("MOTO_EC2_LOAD_DEFAULT_AMIS", "false")  # 1,300 AMIs nobody here uses: seconds saved
-    srv = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    srv.start()
-    host, port = srv.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": REGION, "AWS_EC2_METADATA_DISABLED": "true",
-           "HOME": str(home), "MOTO_EC2_LOAD_DEFAULT_AMIS": "false"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        ec2 = boto3.client("ec2", region_name=REGION)
-        vpc = ec2.create_vpc(CidrBlock="10.20.0.0/16")["Vpc"]["VpcId"]
-        subnets = [ec2.create_subnet(VpcId=vpc, CidrBlock=f"10.20.{i}.0/24", AvailabilityZone=f"{REGION}{z}")
-                   ["Subnet"]["SubnetId"] for i, z in enumerate("ab")]
-        # The Deep Learning Base AMI's SSM parameter is AWS's, which moto does not serve: the cluster docs pass the
-        # AMI it looked up explicitly, as this does.
-        ami = ec2.register_image(Name="Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) test",
-                                 Architecture="x86_64", RootDeviceName="/dev/sda1")["ImageId"]
-        yield {"ec2": ec2, "iam": boto3.client("iam", region_name=REGION), "vpc": vpc, "subnets": subnets,
-               "ami": ami, "home": home}
-    finally:
-        srv.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with recording_moto_server(free_port()) as (srv, calls):
+        host, port = srv.get_host_and_port()
+        env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": REGION, "AWS_EC2_METADATA_DISABLED": "true",
+               "HOME": str(home), "MOTO_EC2_LOAD_DEFAULT_AMIS": "false"}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            ec2 = boto3.client("ec2", region_name=REGION)
+            vpc = ec2.create_vpc(CidrBlock="10.20.0.0/16")["Vpc"]["VpcId"]
+            subnets = [ec2.create_subnet(VpcId=vpc, CidrBlock=f"10.20.{i}.0/24", AvailabilityZone=f"{REGION}{z}")
+                       ["Subnet"]["SubnetId"] for i, z in enumerate("ab")]
+            # The Deep Learning Base AMI's SSM parameter is AWS's, which moto does not serve: the docs pass the AMI
+            # they looked up explicitly, as this does.
+            ami = ec2.register_image(Name="Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) test",
+                                     Architecture="x86_64", RootDeviceName="/dev/sda1")["ImageId"]
+            yield {"ec2": ec2, "iam": boto3.client("iam", region_name=REGION), "vpc": vpc, "subnets": subnets,
+                   "ami": ami, "home": home, "calls": calls}
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _provision(aws: dict, out: Path, **extra: str) -> int:
@@ -181,8 +184,9 @@ def test_provisioning_is_idempotent_and_refuses_an_open_ssh_range(aws: dict, boo
 def test_the_kuberay_pods_get_a_role_of_their_own_that_only_their_service_account_assumes(aws: dict, booted: dict,
                                                                                         tmp_path: Path) -> None:
     """IRSA: ``--eks-oidc-provider`` adds ``adlm-ray-pods``, the role deploy/k8s/serviceaccount.yaml names, with
-    worker.json's permissions and a trust in that OIDC provider for the adlm-ray service account only (the VMs'
-    worker role trusts EC2 alone: a pod could not assume it)."""
+    pods.json's permissions (the bucket prefix: no secret, no registry, which the pods never call) and a trust in
+    that OIDC provider for the adlm-ray service account only (the VMs' worker role trusts EC2 alone: a pod could
+    not assume it)."""
     iam = aws["iam"]
     oidc = "oidc.eks.us-west-2.amazonaws.com/id/EXAMPLED539D4633E53DE1B71EXAMPLE"
     assert _provision(aws, tmp_path / "k8s.yaml", **{"--eks-oidc-provider": f"https://{oidc}",
@@ -196,9 +200,77 @@ def test_the_kuberay_pods_get_a_role_of_their_own_that_only_their_service_accoun
     assert st["Condition"]["StringEquals"][f"{oidc}:sub"] == "system:serviceaccount:ml:adlm-ray"
     got = iam.get_role_policy(RoleName="adlm-ray-pods", PolicyName="adlm-ray-pods")["PolicyDocument"]
     got = json.loads(got) if isinstance(got, str) else got
-    want = json.loads((ROOT / "deploy" / "iam" / "worker.json").read_text())
+    want = json.loads((ROOT / "deploy" / "iam" / "pods.json").read_text())
     assert [s["Sid"] for s in got["Statement"]] == [s["Sid"] for s in want["Statement"]]
+    assert not [a for st in got["Statement"] for a in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])
+                if not a.startswith("s3:")]
     account = yaml.safe_load((ROOT / "deploy" / "k8s" / "serviceaccount.yaml").read_text())
     assert account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"].endswith(":role/adlm-ray-pods")
     worker_trust = iam.get_role(RoleName="adlm-ray-worker")["Role"]["AssumeRolePolicyDocument"]
     assert "Federated" not in json.dumps(worker_trust)
+
+
+def test_every_request_rays_node_provider_sends_is_one_the_head_policy_allows(aws: dict, booted: dict) -> None:
+    """Ray's AWS node provider, as the head's autoscaler runs it with the head's credentials, on the provisioned
+    config: launch each worker type (the spot ``cpu_worker`` and the ``gpu_worker``), update their tags, list and
+    terminate them. Each request it sent, recorded on the server, mapped to what AWS authorises (RunInstances: the
+    instance with its type and tags, the image, subnet, group, each new volume and interface, the spot request,
+    tagging at launch, passing the worker role), is allowed by head.json filled as provisioned. Launching another
+    instance type, a launch without the cluster's tag on its volumes and interfaces, and terminating an instance
+    outside the cluster are recorded too, and denied."""
+    import boto3
+    from ray.autoscaler._private.aws.node_provider import AWSNodeProvider
+    from ray.autoscaler.tags import TAG_RAY_NODE_KIND, TAG_RAY_NODE_STATUS, TAG_RAY_USER_NODE_TYPE
+
+    from tests.support_iam import authorisations, decide, denied, load_policy
+
+    boot, raw = booted["boot"], booted["raw"]
+    head_key = "AKIAHEADNODEROLE0001"
+    provider = AWSNodeProvider({**boot["provider"], "aws_credentials": {
+        "aws_access_key_id": head_key, "aws_secret_access_key": "head"}}, boot["cluster_name"])
+    launched = {}
+    for name in ("cpu_worker", "gpu_worker"):
+        node = boot["available_node_types"][name]["node_config"]
+        tags = {TAG_RAY_NODE_KIND: "worker", TAG_RAY_USER_NODE_TYPE: name, TAG_RAY_NODE_STATUS: "uninitialized"}
+        launched[name] = list(provider.create_node(node, tags, 1))
+    nodes = provider.non_terminated_nodes({TAG_RAY_NODE_KIND: "worker"})
+    assert sorted(nodes) == sorted(i for ids in launched.values() for i in ids)
+    for i in nodes:
+        provider.set_node_tags(i, {TAG_RAY_NODE_STATUS: "up-to-date"})
+    provider.terminate_nodes(nodes)
+    ec2 = boto3.client("ec2", region_name=REGION)
+
+    def tags_of(rid: str) -> dict[str, str]:
+        found = ec2.describe_tags(Filters=[{"Name": "resource-id", "Values": [rid]}])["Tags"]
+        return {t["Key"]: t["Value"] for t in found}
+
+    sent = [c for c in aws["calls"] if c.key_id == head_key]
+    actions = {c.form().get("Action") for c in sent}
+    assert {"RunInstances", "TerminateInstances", "DescribeInstances"} <= actions, actions
+    group = boot["available_node_types"]["cpu_worker"]["node_config"]["SecurityGroupIds"][0]
+    types = sorted({t["node_config"]["InstanceType"] for n, t in raw["available_node_types"].items()
+                    if n != raw["head_node_type"]})
+    values = {"ACCOUNT": "123456789012", "REGION": REGION, "BUCKET": "adlm-bucket", "PREFIX": "adlm",
+              "CLUSTER": raw["cluster_name"], "REPOSITORY": "adlm", "GPU_AMI": aws["ami"], "CPU_AMI": aws["ami"],
+              "SECURITY_GROUP": group, "INSTANCE_TYPES": '", "'.join(types),
+              "SUBNET_ARNS": '", "'.join(f"arn:aws:ec2:{REGION}:123456789012:subnet/{s}" for s in aws["subnets"])}
+    head = load_policy("head.json", values)
+    auths = authorisations(aws["calls"], head_key, tags_of)
+    kinds = {a.resource.rsplit(":", 1)[-1].split("/")[0] for a in auths if a.action == "ec2:RunInstances"}
+    assert {"instance", "volume", "network-interface", "spot-instances-request", "image", "subnet",
+            "security-group"} <= kinds, kinds
+    assert not denied(head, auths), "\n".join(denied(head, auths))
+
+    # The controls, sent the same way: each must be refused by the same policy.
+    before = len(aws["calls"])
+    cpu = boot["available_node_types"]["cpu_worker"]["node_config"]
+    worker_tags = {TAG_RAY_NODE_KIND: "worker", TAG_RAY_USER_NODE_TYPE: "cpu_worker"}
+    provider.create_node({**cpu, "InstanceType": "p5.48xlarge"}, worker_tags, 1)
+    provider.create_node({k: v for k, v in cpu.items() if k != "TagSpecifications"}, worker_tags, 1)
+    foreign = ec2.run_instances(ImageId=aws["ami"], MinCount=1, MaxCount=1, SubnetId=aws["subnets"][0])
+    provider.terminate_node(foreign["Instances"][0]["InstanceId"])
+    controls = authorisations(aws["calls"][before:], head_key, tags_of)
+    refused = {(a.action, a.resource.rsplit(":", 1)[-1].split("/")[0]) for a in controls if decide(head, a) != "Allow"}
+    assert ("ec2:RunInstances", "instance") in refused  # p5.48xlarge is no type of cluster.yaml's
+    assert {("ec2:RunInstances", "volume"), ("ec2:RunInstances", "network-interface")} <= refused  # untagged
+    assert ("ec2:TerminateInstances", "instance") in refused  # not the cluster's

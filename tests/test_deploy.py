@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import fnmatch
 import json
 import re
 from pathlib import Path
@@ -86,8 +85,7 @@ def test_dockerfile_pins_the_projects_torch_and_a_cuda_build_the_docs_name() -> 
     torch_pin = next(d for d in deps if d.replace(" ", "").startswith("torch=="))
     assert torch_pin.replace(" ", "") == f"torch=={args['TORCH_VERSION']}"
     assert args["RAY_IMAGE"] == f"rayproject/ray:{ray.__version__}-py311"  # the launcher's Ray, the venv's Ray
-    section = (ROOT / "docs" / "operations" / "cluster.md").read_text()  # the cluster page names the build
-    named = set(re.findall(r"`(cu\d{3})`", section))
+    named = set(re.findall(r"`(cu\d{3})`", (ROOT / "docs" / "operations" / "cluster.md").read_text()))
     assert args["TORCH_CUDA"] in named, (args["TORCH_CUDA"], named)
     assert "cu124" not in image  # torch has published no cu124 build since 2.6
 
@@ -97,47 +95,30 @@ def test_dockerfile_pins_the_projects_torch_and_a_cuda_build_the_docs_name() -> 
 IAM = ROOT / "deploy" / "iam"
 VALUES = {"ACCOUNT": "123456789012", "REGION": "us-west-2", "BUCKET": "adlm-bucket", "PREFIX": "adlm",
           "CLUSTER": "adlm", "REPOSITORY": "adlm", "GPU_AMI": "ami-0gpu", "CPU_AMI": "ami-0cpu",
-          "SECURITY_GROUP": "sg-0adlm", "SUBNET_ARNS": ('arn:aws:ec2:us-west-2:123456789012:subnet/subnet-a", '
-                                                        '"arn:aws:ec2:us-west-2:123456789012:subnet/subnet-b')}
-"""What deploy/aws/provision.py fills in (SUBNET_ARNS: one string per subnet, spliced into the JSON list)."""
+          "SECURITY_GROUP": "sg-0adlm", "INSTANCE_TYPES": 'c6i.8xlarge", "p4d.24xlarge',
+          "SUBNET_ARNS": ('arn:aws:ec2:us-west-2:123456789012:subnet/subnet-a", '
+                          '"arn:aws:ec2:us-west-2:123456789012:subnet/subnet-b')}
+"""What deploy/aws/provision.py fills in (SUBNET_ARNS, INSTANCE_TYPES: one string each, spliced into a JSON list)."""
 UNSCOPED = {"ec2:DescribeInstances", "ec2:DescribeInstanceTypes", "ecr:GetAuthorizationToken"}
 """Actions AWS cannot limit to a resource: the only ones allowed on Resource "*"."""
 
 
 def _policy(name: str) -> dict:
-    text = (IAM / name).read_text()
-    for k, v in VALUES.items():
-        text = text.replace("${" + k + "}", v)
-    assert "${" not in text, name
-    return json.loads(text)
+    from tests.support_iam import load_policy
+
+    return load_policy(name, VALUES)
 
 
 def _list(x: str | list[str]) -> list[str]:
     return [x] if isinstance(x, str) else list(x)
 
 
-def _allowed(policy: dict, action: str, resource: str, context: dict[str, str] | None = None) -> bool:
-    """Whether an Allow statement grants ``action`` on ``resource`` in a request with ``context`` (condition
-    keys; StringEquals / StringLike only, the operators the policies use; a missing key fails a condition)."""
-    context = context or {}
-    for st in policy["Statement"]:
-        if st["Effect"] != "Allow":
-            continue
-        if not any(fnmatch.fnmatchcase(action, a) for a in _list(st["Action"])):
-            continue
-        if not any(fnmatch.fnmatchcase(resource, r) for r in _list(st["Resource"])):
-            continue
-        ok = True
-        for op, conds in st.get("Condition", {}).items():
-            assert op in ("StringEquals", "StringLike"), op
-            for key, want in conds.items():
-                got = context.get(key)
-                match = (lambda w, g=got: g == w) if op == "StringEquals" else (
-                    lambda w, g=got: g is not None and fnmatch.fnmatchcase(g, w))
-                ok = ok and got is not None and any(match(w) for w in _list(want))
-        if ok:
-            return True
-    return False
+def _allowed(policy: dict, action: str, resource: str, context: dict | None = None) -> bool:
+    """Whether ``policy`` allows ``action`` on ``resource`` in a request with ``context`` (its condition keys):
+    tests/support_iam.py's evaluator, the one the recorded requests are judged by."""
+    from tests.support_iam import Authorisation, decide
+
+    return decide(policy, Authorisation("", action, resource, context or {})) == "Allow"
 
 
 def _ray_ec2_actions() -> set[str]:
@@ -170,17 +151,32 @@ def test_iam_policies_grant_every_action_the_cluster_uses_and_nothing_on_everyth
     from ray.autoscaler.tags import TAG_RAY_CLUSTER_NAME
 
     assert TAG_RAY_CLUSTER_NAME == "ray-cluster-name" and _cluster()["cluster_name"] == cluster
-    launch = {f"aws:RequestTag/{TAG_RAY_CLUSTER_NAME}": cluster, f"ec2:ResourceTag/{TAG_RAY_CLUSTER_NAME}": cluster}
+    launch = {f"aws:RequestTag/{TAG_RAY_CLUSTER_NAME}": cluster, f"ec2:ResourceTag/{TAG_RAY_CLUSTER_NAME}": cluster,
+              "ec2:InstanceType": "c6i.8xlarge"}
     for action in sorted(_ray_ec2_actions()):
         resource = "*" if action in UNSCOPED else instance
         assert _allowed(head, action, resource, launch), action
-    # A launch names the provisioned image, subnet and group, and creates a volume and an interface (and, for
-    # cluster.yaml's spot worker types, a spot request): each is a resource RunInstances must be allowed on.
+    # Only cluster.yaml's worker instance types (the head itself is launched by `ray up`, not by the head).
+    types = sorted({t["node_config"]["InstanceType"] for n, t in _cluster()["available_node_types"].items()
+                    if n != _cluster()["head_node_type"]})
+    assert VALUES["INSTANCE_TYPES"] == '", "'.join(types)
+    for other in ("m6i.2xlarge", "p5.48xlarge"):
+        assert not _allowed(head, "ec2:RunInstances", instance, {**launch, "ec2:InstanceType": other}), other
+    # A launch names the provisioned image, subnet and group (and, for cluster.yaml's spot worker types, creates a
+    # spot request): each is a resource RunInstances must be allowed on.
     for other in (f"arn:aws:ec2:{region}:{acct}:subnet/subnet-b", f"arn:aws:ec2:{region}::image/ami-0gpu",
                   f"arn:aws:ec2:{region}::image/ami-0cpu", f"arn:aws:ec2:{region}:{acct}:security-group/sg-0adlm",
-                  f"arn:aws:ec2:{region}:{acct}:volume/vol-1", f"arn:aws:ec2:{region}:{acct}:network-interface/eni-1",
                   f"arn:aws:ec2:{region}:{acct}:spot-instances-request/sir-1"):
         assert _allowed(head, "ec2:RunInstances", other), other
+    # It creates a volume and an interface: only tagged for the cluster (cluster.yaml's TagSpecifications), never
+    # an existing interface of the account (no request tag on it).
+    tagged = {f"aws:RequestTag/{TAG_RAY_CLUSTER_NAME}": cluster}
+    for new in (f"arn:aws:ec2:{region}:{acct}:volume/*", f"arn:aws:ec2:{region}:{acct}:network-interface/*"):
+        assert _allowed(head, "ec2:RunInstances", new, tagged) and not _allowed(head, "ec2:RunInstances", new), new
+        assert _allowed(head, "ec2:CreateTags", new, {**tagged, "ec2:CreateAction": "RunInstances"}), new
+    node_tags = {s["ResourceType"]: {t["Key"]: t["Value"] for t in s["Tags"]}
+                 for n in _cluster()["available_node_types"].values() for s in n["node_config"]["TagSpecifications"]}
+    assert node_tags == {k: {TAG_RAY_CLUSTER_NAME: "${CLUSTER}"} for k in ("volume", "network-interface")}
     # ... and no other image, subnet or group of the account.
     for foreign in (f"arn:aws:ec2:{region}:{acct}:subnet/subnet-z", f"arn:aws:ec2:{region}::image/ami-1",
                     f"arn:aws:ec2:{region}:{acct}:security-group/sg-1"):
@@ -210,15 +206,23 @@ def test_iam_policies_grant_every_action_the_cluster_uses_and_nothing_on_everyth
         # The work directory through pyarrow's S3 filesystem (pipelines/storage.py): list, read, write, delete.
         bucket, key = f"arn:aws:s3:::{VALUES['BUCKET']}", f"arn:aws:s3:::{VALUES['BUCKET']}/adlm/ray_results/x"
         assert _allowed(policy, "s3:ListBucket", bucket, {"s3:prefix": "adlm/ray_results/"})
+        # HeadBucket (the storage layer's bucket check): ListBucket with no prefix in the request, as AWS
+        # authorises it; GetBucketLocation carries no prefix either. A listing of another prefix, or of the whole
+        # bucket (prefix ""), is refused.
+        assert _allowed(policy, "s3:ListBucket", bucket) and _allowed(policy, "s3:GetBucketLocation", bucket)
+        for prefix in ("elsewhere/", "", "adlmx/"):
+            assert not _allowed(policy, "s3:ListBucket", bucket, {"s3:prefix": prefix}), prefix
         for action in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"):
             assert _allowed(policy, action, key), action
         assert not _allowed(policy, "s3:GetObject", f"arn:aws:s3:::{VALUES['BUCKET']}/elsewhere/x")
-        assert not _allowed(policy, "s3:ListBucket", bucket, {"s3:prefix": "elsewhere/"})
-        # The two secrets the initialization commands read, the registry login and the image pull.
+        assert not _allowed(policy, "s3:ListBucket", "arn:aws:s3:::other-bucket")
+        # The two secrets the initialization commands read (AWS appends "-" and six characters to a secret's
+        # name: another secret whose name merely starts so is not one of them), the registry login and pull.
         assert sorted(_secrets()) == ["adlm/mlflow-credentials", "adlm/ray-auth-token"]
         for secret in _secrets():
             arn = f"arn:aws:secretsmanager:{region}:{acct}:secret:{secret}-AbCdEf"
             assert _allowed(policy, "secretsmanager:GetSecretValue", arn), secret
+            assert not _allowed(policy, "secretsmanager:GetSecretValue", arn.replace("-AbCdEf", "-prod-AbCdEf"))
         assert not _allowed(policy, "secretsmanager:GetSecretValue",
                             f"arn:aws:secretsmanager:{region}:{acct}:secret:prod/db-AbCdEf")
         assert _allowed(policy, "ecr:GetAuthorizationToken", "*")
@@ -232,6 +236,13 @@ def test_iam_policies_grant_every_action_the_cluster_uses_and_nothing_on_everyth
             assert not [a for a in actions if "*" in a], st["Sid"]
             if "*" in _list(st["Resource"]):
                 assert set(actions) <= UNSCOPED, st["Sid"]
+    # The KubeRay pods' role: the bucket prefix alone (their secrets are Kubernetes Secrets, their images pulled
+    # with the nodes' role).
+    pods = _policy("pods.json")
+    assert {a for st in pods["Statement"] for a in _list(st["Action"])} == {
+        a for st in worker["Statement"] for a in _list(st["Action"]) if a.startswith("s3:")}
+    assert not _allowed(pods, "secretsmanager:GetSecretValue", f"arn:aws:secretsmanager:{region}:{acct}:secret:"
+                        "adlm/ray-auth-token-AbCdEf") and not _allowed(pods, "ecr:GetAuthorizationToken", "*")
     trust = json.loads((IAM / "trust-ec2.json").read_text())
     assert trust["Statement"][0]["Principal"] == {"Service": "ec2.amazonaws.com"}
 
@@ -258,6 +269,48 @@ def test_every_recipe_fits_one_node_type_of_the_cluster(recipe: Path) -> None:
     over = copy.deepcopy(cfg)
     over.scaling.num_workers, over.scaling.use_gpu = 65, True
     assert unplaceable(run_demand(over), node_types(cluster))
+
+
+def _gpu_nodes_for_cpu_work(cluster: dict) -> list[tuple[int, dict[str, float]]]:
+    """(cpu_worker nodes up, CPU bundle) for which Ray's v1 autoscaler (``get_nodes_for``, with its own scorer, as
+    its monitor calls it for pending tasks and actors under the cluster's ``max_workers``) would launch a GPU node
+    type: every recipe's CPU-only bundles, 100 of each pending, with each count of ``cpu_worker`` nodes up."""
+    from functools import partial
+
+    from ray.autoscaler._private.node_provider_availability_tracker import NodeAvailabilitySummary
+    from ray.autoscaler._private.resource_demand_scheduler import _default_utilization_scorer, get_nodes_for
+
+    from pipelines.placement import run_demand
+    from pipelines.training.config import load_config
+
+    types = {n: {"resources": {k: float(v) for k, v in t["resources"].items()}, "max_workers": t.get("max_workers", 0)}
+             for n, t in cluster["available_node_types"].items()}
+    head = cluster["head_node_type"]
+    gpu = {n for n, t in types.items() if t["resources"].get("GPU")}
+    scorer = partial(_default_utilization_scorer, node_availability_summary=NodeAvailabilitySummary({}))
+    bundles = {tuple(sorted(b.items())) for r in _recipes() for b in run_demand(load_config(r)) if not b.get("GPU")}
+    found = []
+    for up in range(types["cpu_worker"]["max_workers"] + 1):
+        existing = {head: 1, "cpu_worker": up}
+        for bundle in sorted(bundles):
+            added, _ = get_nodes_for(types, existing, head, cluster["max_workers"] + 1 - sum(existing.values()),
+                                     [dict(bundle)] * 100, scorer)
+            found += [(up, dict(bundle))] if gpu & {n for n, k in added.items() if k} else []
+    return found
+
+
+def test_cpu_only_work_never_makes_the_autoscaler_launch_a_gpu_node() -> None:
+    """Ray's autoscaler ranks a GPU node type last for demand that asks for no GPU, but takes it when no CPU type
+    can grow: cluster.yaml's ``cpu_worker`` may grow to the cluster's own ``max_workers``, so the CPU sweep, Ray
+    Data and CPU training never get a p4d.24xlarge. The control: ``cpu_worker`` capped below the cluster (4 of 12,
+    as it was), and the autoscaler launches GPU nodes for CPU work once the CPU type is (nearly) full."""
+    cluster = _cluster()
+    nodes = cluster["available_node_types"]
+    assert nodes["cpu_worker"]["max_workers"] >= cluster["max_workers"] and not nodes["cpu_worker"]["resources"].get("GPU")
+    assert not _gpu_nodes_for_cpu_work(cluster)
+    control = copy.deepcopy(cluster)
+    control["available_node_types"]["cpu_worker"]["max_workers"] = 4
+    assert _gpu_nodes_for_cpu_work(control)
 
 
 def test_no_credential_travels_in_the_job_runtime_env_or_the_cluster_config() -> None:

@@ -11,22 +11,26 @@ What it does (idempotent: a rerun finds what exists and changes nothing there):
    (a VPN or a bastion; 0.0.0.0/0 is refused). Every node type names it (``SecurityGroupIds``), so Ray's
    bootstrap adds no rule of its own (left to itself it opens SSH to 0.0.0.0/0).
 2. The IAM roles and instance profiles ``adlm-ray-head`` and ``adlm-ray-worker`` with the inline policies of
-   ``deploy/iam/head.json`` and ``deploy/iam/worker.json`` (least privilege: EC2 launch limited to instances
-   tagged ``ray-cluster-name=<cluster>`` from the provisioned AMIs, subnets and group, tagging only at launch or of
-   instances already tagged so, terminating only those; ``iam:PassRole`` on the worker role only, the bucket
-   prefix, the two secrets, read access to the image repository), and the account's Spot service-linked role
-   ``AWSServiceRoleForEC2Spot`` when missing (AWS takes no spot request without it).
+   ``deploy/iam/head.json`` and ``deploy/iam/worker.json`` (least privilege: EC2 launch limited to the worker
+   instance types cluster.yaml names, tagged ``ray-cluster-name=<cluster>`` with new volumes and network
+   interfaces tagged so too, from the provisioned AMIs, subnets and group; tagging only at launch or of instances
+   already tagged so, terminating only those; ``iam:PassRole`` on the worker role only; the bucket, listed only
+   within the prefix, and the objects under the prefix; the two secrets; read access to the image repository), and
+   the account's Spot service-linked role ``AWSServiceRoleForEC2Spot`` when missing (AWS takes no spot request
+   without it).
 3. The AMI of every node type: the current AWS Deep Learning Base AMI with NVIDIA drivers (Ubuntu 22.04), read
    from its public SSM parameter (``--gpu-ami`` / ``--cpu-ami`` pin one yourself) and written into the config,
    so the cluster keeps the AMI it was provisioned with until you provision again.
-4. With ``--eks-oidc-provider``: the KubeRay pods' role ``adlm-ray-pods`` (IRSA, deploy/k8s/serviceaccount.yaml):
-   worker.json's permissions, trusted only by that EKS cluster's OIDC provider for the service account
-   ``<--namespace>:adlm-ray`` (deploy/iam/trust-eks.json; the worker role trusts EC2 only).
+4. With ``--eks-oidc-provider``: the KubeRay pods' role ``adlm-ray-pods`` (IRSA, deploy/k8s/serviceaccount.yaml)
+   with ``deploy/iam/pods.json`` (the bucket prefix only: the pods get their secrets from Kubernetes and their
+   images through the nodes' role), trusted only by that EKS cluster's OIDC provider for the service account
+   ``<--namespace>:adlm-ray`` (deploy/iam/trust-eks.json; the worker role trusts EC2 only). The OIDC provider
+   itself must be registered in IAM first (``eksctl utils associate-iam-oidc-provider``).
 5. ``--out``: cluster.yaml with every ``${NAME}`` filled.
 
 It does not create the VPC, the subnets, the bucket, the repository or the two secrets (``adlm/ray-auth-token``:
 the token; ``adlm/mlflow-credentials``: an INI file ``[mlflow]`` with ``mlflow_tracking_username`` and
-``mlflow_tracking_password``); the cluster docs say how. Needs boto3 and credentials allowed to create the above.
+``mlflow_tracking_password``); docs/operations/cluster.md says how. Needs boto3 and credentials allowed to create the above.
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ IAM_DIR = ROOT / "deploy" / "iam"
 GROUP_NAME = "adlm-ray"
 ROLES = {"adlm-ray-head": "head.json", "adlm-ray-worker": "worker.json"}
 POD_ROLE = "adlm-ray-pods"
-"""KubeRay's pods' role (IRSA, deploy/k8s/serviceaccount.yaml): worker.json's permissions, trusted by one EKS
+"""KubeRay's pods' role (IRSA, deploy/k8s/serviceaccount.yaml): pods.json's permissions, trusted by one EKS
 cluster's OIDC provider for the adlm-ray service account only (deploy/iam/trust-eks.json)."""
+POD_POLICY = "pods.json"
 DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 """The public SSM parameter naming the current Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04):
 NVIDIA driver, Docker and the NVIDIA container toolkit, which the images' CUDA 13.0 torch needs (driver >= 580)."""
@@ -136,8 +141,18 @@ def ensure_pod_role(iam: Any, values: dict[str, str]) -> str:
     except iam.exceptions.NoSuchEntityException:
         arn = iam.create_role(RoleName=POD_ROLE, AssumeRolePolicyDocument=trust,
                               Description="ADLM KubeRay pods (IRSA; deploy/k8s/serviceaccount.yaml)")["Role"]["Arn"]
-    iam.put_role_policy(RoleName=POD_ROLE, PolicyName=POD_ROLE, PolicyDocument=json.dumps(policy("worker.json", values)))
+    iam.put_role_policy(RoleName=POD_ROLE, PolicyName=POD_ROLE, PolicyDocument=json.dumps(policy(POD_POLICY, values)))
     return arn
+
+
+def worker_instance_types(cluster_yaml: str) -> list[str]:
+    """The instance types of cluster.yaml's worker node types: the only ones the head may launch (the head's own
+    is launched by ``ray up``, with the operator's credentials)."""
+    import yaml
+
+    cfg = yaml.safe_load(cluster_yaml)
+    return sorted({t["node_config"]["InstanceType"] for name, t in cfg["available_node_types"].items()
+                   if name != cfg["head_node_type"]})
 
 
 def current_ami(ssm: Any) -> str:
@@ -174,9 +189,11 @@ def provision(args: argparse.Namespace, session: Any | None = None) -> str:
         except Exception as e:  # noqa: BLE001 - botocore's ClientError: say which AMI in one line
             raise ProvisionError(f"AMI {image} is not available in {args.region} ({e}); look up the current one: "
                                  f"aws ssm get-parameter --name {DLAMI_PARAMETER}") from None
-    # The lists go inside the templates' ["${SUBNETS}"] and the head policy's "${SUBNET_ARNS}": the head launches
-    # from the provisioned images, subnets and group only.
+    # The lists go inside the templates' ["${SUBNETS}"] and the head policy's "${SUBNET_ARNS}" and
+    # ["${INSTANCE_TYPES}"]: the head launches cluster.yaml's worker types from the provisioned images, subnets and
+    # group only.
     values.update(GPU_AMI=args.gpu_ami or ami, CPU_AMI=args.cpu_ami or ami, SUBNETS='", "'.join(subnets),
+                  INSTANCE_TYPES='", "'.join(worker_instance_types(cluster_yaml)),
                   SUBNET_ARNS='", "'.join(f"arn:aws:ec2:{args.region}:{account}:subnet/{s}" for s in subnets))
     iam = session.client("iam")
     ensure_spot_role(iam)
