@@ -181,6 +181,74 @@ def test_bare_pickle_with_exec_is_refused(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+class _Allocates:
+    """Pickles as a call of ``fn(*args)``: what a hostile file names (pickling it calls nothing)."""
+
+    def __init__(self, fn, *args) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return (self.fn, self.args)
+
+
+def _allocating() -> dict[str, _Allocates]:
+    import numpy as np
+    from numpy._core.multiarray import _reconstruct
+
+    return {"bytearray(1 GiB)": _Allocates(bytearray, 1 << 30), "bytes(1 GiB)": _Allocates(bytes, 1 << 30),
+            "numpy.ndarray((2**27,), object)": _Allocates(np.ndarray, (1 << 27,), "O"),
+            "numpy _reconstruct(ndarray, (2**30,))": _Allocates(_reconstruct, np.ndarray, (1 << 30,), b"b")}
+
+
+@pytest.mark.parametrize("what", ["bytearray(1 GiB)", "bytes(1 GiB)", "numpy.ndarray((2**27,), object)",
+                                  "numpy _reconstruct(ndarray, (2**30,))"])
+def test_a_pickle_cannot_make_the_loader_allocate_by_a_number_in_it(what: str, tmp_path: Path) -> None:
+    """A file of under 200 bytes naming bytearray(1 GiB) (or bytes, or a numpy array of a stated size) is refused
+    before anything is allocated: the peak of Python's allocations (tracemalloc sees bytes, bytearray and numpy's
+    data) stays far below the size asked; a raw pickle and torch.save's zip format alike. numpy's own pickles
+    (an empty placeholder, then the data) and bytes/bytearray of data still load."""
+    import tracemalloc
+
+    import numpy as np
+
+    payload = _allocating()[what]
+    raw, zipped = tmp_path / "raw.ckpt", tmp_path / "zip.ckpt"
+    raw.write_bytes(pickle.dumps(payload, protocol=2))
+    assert raw.stat().st_size < 200
+    torch.save({"state_dict": {}, "hyper_parameters": {"x": payload}}, zipped)
+    for f in (raw, zipped):
+        tracemalloc.start()
+        try:
+            with pytest.raises(UnsafePickleError, match="allocates by a number in the file") as e:
+                load_pickled(f)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 32 << 20, f"{what} ({f.name}): peak {peak / 2**20:.0f} MiB"
+        assert "\n" not in str(e.value)
+    ok = tmp_path / "np.pt"
+    torch.save({"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": bytearray(b"ok"), "c": b"\x00\xff"}, ok)
+    back = load_pickled(ok)
+    assert back["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and back["b"] == bytearray(b"ok") and back["c"] == b"\x00\xff"
+
+
+def test_python2_names_are_mapped_before_the_checks(tmp_path: Path) -> None:
+    """``commands.Popen`` (Python 2's name of ``subprocess.Popen``) is read as pickle reads it, then refused (it
+    passed as an inert stand-in before); the builtins old pickles name (``__builtin__.long``) still resolve."""
+    from adlm_model.safe_pickle import compat_name
+
+    assert compat_name("commands", "Popen") == ("subprocess", "Popen")
+    f = tmp_path / "py2.ckpt"
+    # protocol 2: GLOBAL 'commands Popen', the argument tuple ('true',), REDUCE
+    f.write_bytes(b"\x80\x02ccommands\nPopen\nX\x04\x00\x00\x00true\x85R.")
+    with pytest.raises(UnsafePickleError, match="subprocess.Popen"):
+        load_pickled(f)
+    for module, name in (("commands", "getoutput"), ("__builtin__", "eval"), ("exceptions", "Exception")):
+        with pytest.raises(UnsafePickleError):
+            resolve_global(module, name)
+    assert resolve_global("__builtin__", "long") is int and resolve_global("copy_reg", "_reconstructor") is not None
+
+
 # ------------------------------------------------------------------------------------------------
 # ADLM: the assumed layout (ReMDM's Lightning module with the anchor under backbone., the denoiser under denoiser.)
 
@@ -274,7 +342,7 @@ def test_import_command_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[s
     tok64 = str(word_tokenizer(tmp_path / "tok" / "tokenizer.json"))
     cases = [
         (["kuleshov-group/mdlm-owt", "--revision", "main"], "cannot download kuleshov-group/mdlm-owt@main"),
-        ([str(tmp_path / "nothing.ckpt")], "neither a file"),
+        ([str(tmp_path / "nothing.ckpt")], "no such file or folder"),
         ([str(FIXTURES / "ar" / "ar.ckpt")], "names no released tokenizer"),
         ([str(FIXTURES / "ar" / "ar.ckpt"), "--tokenizer", "gpt2"], "does not fit the checkpoint's embedding"),
         ([str(FIXTURES / "ar" / "ar.ckpt"), "--family", "mdlm", "--tokenizer", tok64], "does not map completely"),
@@ -285,6 +353,60 @@ def test_import_command_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[s
         # command's.
         err = [ln for ln in capsys.readouterr().err.strip().splitlines() if "(pid=" not in ln[:40]]
         assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (argv, err)
+    assert not (wd / "mlflow.db").exists() and not (wd / "mlartifacts").exists()
+
+
+def _bad_sources(tmp: Path) -> list[tuple[list[str], str]]:
+    """Sources a user can get wrong, each with the words its one-line refusal must hold."""
+    good = (FIXTURES / "mdlm" / "mdlm.ckpt").read_bytes()
+    (tmp / "empty.ckpt").write_bytes(b"")
+    (tmp / "truncated.ckpt").write_bytes(good[:len(good) // 2])
+    corrupt = bytearray(good)
+    start = good.index(b"data.pkl") + 200  # inside the pickle of the zip's first record
+    corrupt[start:start + 64] = bytes(range(64))
+    (tmp / "corrupt.ckpt").write_bytes(bytes(corrupt))
+    torch.save({"state_dict": OrderedDict(w=torch.zeros(2)), "hyper_parameters": [1, 2]}, tmp / "hp-list.ckpt")
+    torch.save({"state_dict": [torch.zeros(2)]}, tmp / "state-list.ckpt")
+    hub = tmp / "bad-json"
+    hub.mkdir()
+    (hub / "config.json").write_text("{not json")
+    (hub / "model.safetensors").write_bytes(b"\x00" * 16)
+    sf = tmp / "bad-safetensors"
+    sf.mkdir()
+    (sf / "config.json").write_text(json.dumps({"model_type": "mdlm"}))
+    (sf / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
+    return [
+        ([str(tmp / "empty.ckpt")], "empty"),
+        ([str(tmp / "truncated.ckpt")], "not a readable torch.save checkpoint (truncated or corrupt"),
+        ([str(tmp / "corrupt.ckpt")], "not a readable torch.save checkpoint (truncated or corrupt"),
+        ([str(tmp / "hp-list.ckpt")], "'hyper_parameters' is a list, not a mapping"),
+        ([str(tmp / "state-list.ckpt")], "'state_dict' is not a state dict of named tensors"),
+        ([str(hub)], "config.json is not readable JSON"),
+        ([str(sf)], "model.safetensors is not a readable safetensors file"),
+        # a BD3-LM Hub folder read as MDLM would attend to every position: refused, naming the family to pass
+        ([str(FIXTURES / "bd3lm-block4"), "--family", "mdlm"], "model_type 'bd3lm', family bd3lm; pass --family bd3lm"),
+        # mistyped relative paths are missing files, never Hub ids
+        (["ckpts/mdlm.ckpt"], "ckpts/mdlm.ckpt: no such file or folder"),
+        (["./ckpts/mdlm"], "no such file or folder"),
+        (["../mdlm"], "no such file or folder"),
+        (["models/sedd/run"], "no such file or folder"),
+    ]
+
+
+def test_unreadable_and_mistaken_sources_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A corrupt, truncated or empty .ckpt, hyper-parameters or weights of the wrong type, a broken Hub folder, a
+    --family its folder's own model_type contradicts, a mistyped relative path: one `error:` line each, exit 2,
+    no traceback, nothing registered (and no Hub download attempted: HF_HUB_OFFLINE would name the Hub)."""
+    from pipelines.import_model import main
+
+    monkeypatch.chdir(tmp_path)
+    wd = tmp_path / "wd"
+    for argv, needle in _bad_sources(tmp_path):
+        assert main([*argv, "--workdir", str(wd)]) == 2, argv
+        err = [ln for ln in capsys.readouterr().err.strip().splitlines() if "(pid=" not in ln[:40]]
+        assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (argv, err)
+        assert "Hub" not in err[0] or "Hub id is owner/name" in err[0], err
     assert not (wd / "mlflow.db").exists() and not (wd / "mlartifacts").exists()
 
 
@@ -371,3 +493,80 @@ def test_sedd_hub_layout_equals_reference(tmp_path: Path, one_torch_thread) -> N
     (tmp_path / "config.json").write_text(json.dumps({**prov["config"], "graph": {"type": "uniform"}}))
     with pytest.raises(rl.ImportRefused, match="uniform"):
         _import(tmp_path)
+
+
+def _sedd_reference_order(key: str) -> tuple:
+    """Where ``key`` stands in the reference SEDD module's state_dict (``model/transformer.py``: the order its
+    ``__init__`` registers parameters and buffers), which a training state's EMA list follows."""
+    block = ["norm1.weight", "attn_qkv.weight", "attn_out.weight", "norm2.weight", "mlp.0.weight", "mlp.0.bias",
+             "mlp.2.weight", "mlp.2.bias", "adaLN_modulation.weight", "adaLN_modulation.bias"]
+    head = ["vocab_embed.embedding", "sigma_map.mlp.0.weight", "sigma_map.mlp.0.bias", "sigma_map.mlp.2.weight",
+            "sigma_map.mlp.2.bias", "rotary_emb.inv_freq"]
+    tail = ["output_layer.norm_final.weight", "output_layer.linear.weight", "output_layer.linear.bias",
+            "output_layer.adaLN_modulation.weight", "output_layer.adaLN_modulation.bias"]
+    if key in head:
+        return (0, head.index(key))
+    if key.startswith("blocks."):
+        _, i, rest = key.split(".", 2)
+        return (1, int(i), block.index(rest))
+    return (2, tail.index(key))
+
+
+def _assert_sedd_equals_reference(model: torch.nn.Module, cfg: ModelConfig) -> None:
+    from adlm_model.schedule import LogLinearSchedule
+
+    exp = load_file(str(FIXTURES / "sedd" / "outputs.safetensors"))
+    with torch.no_grad():
+        log_score = model.log_score(exp["z_t"], LogLinearSchedule(cfg.noise_eps).sigma(exp["t"]))
+    torch.testing.assert_close(log_score, exp["log_score"], **TOL)
+
+
+def test_sedd_local_run_and_hub_bin_import_to_the_reference(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             one_torch_thread) -> None:
+    """SEDD's two other ways of holding the fixture's weights import to the reference's log-scores:
+
+    - a local run as the reference's ``run_train.py`` leaves it: ``.hydra/config.yaml`` and
+      ``checkpoints-meta/checkpoint.pth`` = ``utils.save_checkpoint``'s {optimizer, model, ema, step}, the EMA
+      (here the fixture's weights) different from the raw weights and the one loaded, as ``load_model_local``
+      does; by the run folder or by the file;
+    - a Hub folder with ``pytorch_model.bin`` and no safetensors (what older ``PyTorchModelHubMixin`` wrote),
+      read through the restricted unpickler.
+    A training state whose run config is missing is refused in one line."""
+    import yaml
+
+    prov = json.loads((FIXTURES / "sedd" / "provenance.json").read_text())
+    ref = load_file(str(FIXTURES / "sedd" / "weights.safetensors"))
+    order = sorted(ref, key=_sedd_reference_order)
+    run = tmp_path / "exp_local" / "openwebtext" / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump({**prov["config"], "training": {"ema": 0.9999}}))
+    (run / "checkpoints-meta").mkdir()
+    params = [k for k in order if not k.endswith("inv_freq")]
+    opt = torch.optim.AdamW([torch.nn.Parameter(ref[k].clone()) for k in params])
+    state = {"optimizer": opt.state_dict(), "model": OrderedDict((k, ref[k] + (0 if k.endswith("inv_freq") else 1))
+                                                                 for k in order),
+             "ema": {"decay": 0.9999, "num_updates": 3, "shadow_params": [ref[k].clone() for k in params]}, "step": 3}
+    torch.save(state, run / "checkpoints-meta" / "checkpoint.pth")
+    for source in (run, run / "checkpoints-meta" / "checkpoint.pth"):
+        model, cfg, fam = _import(source)
+        assert (fam.name, cfg.kind, cfg.width) == ("sedd", "sedd", 51)
+        _assert_sedd_equals_reference(model, cfg)
+    from pipelines.import_model import main
+
+    assert main([str(run), "--inspect", "--workdir", str(tmp_path / "wd")]) == 0
+    out = capsys.readouterr().out
+    assert "layout: run" in out and "family: sedd" in out and f"ema: {len(params)} shadow parameters" in out
+    # the training state alone, its run folder's config left behind: one line naming what to pass
+    alone = tmp_path / "alone.pth"
+    alone.write_bytes((run / "checkpoints-meta" / "checkpoint.pth").read_bytes())
+    assert main([str(alone), "--workdir", str(tmp_path / "wd")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "without its run config: pass the run folder" in err[0], err
+    # the Hub layout with pytorch_model.bin only
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    torch.save(OrderedDict((k, ref[k]) for k in order), hub / "pytorch_model.bin")
+    (hub / "config.json").write_text(json.dumps(prov["config"]))
+    model, cfg, fam = _import(hub)
+    assert fam.name == "sedd" and rl.read_source(hub).files[-1].name == "pytorch_model.bin"
+    _assert_sedd_equals_reference(model, cfg)
