@@ -151,6 +151,13 @@ def test_text_starts_with_the_prompt_and_ends_with_the_suffix(art, kind) -> None
     ("mdlm", {"sampler": "confidence", "kv_cache": "all"}, "kv_cache must be one of off, prefix, dual"),
     ("mdlm", {"stop_at_eos": "yes"}, "stop_at_eos must be true or false"),
     ("ar", {"suffix": " the end"}, "cannot infill: drop the suffix"),
+    # a sampler of another kind: the line names the samplers the model takes
+    ("adlm", {"sampler": "bd3lm"}, "sampler 'bd3lm' does not run on a adlm model; it takes remdm-loop, mdlm, "
+                                   "confidence (default 'remdm-loop')"),
+    ("mdlm", {"sampler": "sedd-euler"}, "'sedd-euler' does not run on a mdlm model; it takes remdm-loop, mdlm, "
+                                        "confidence, bd3lm"),
+    ("bd3lm", {"sampler": "sedd-analytic"}, "it takes bd3lm, mdlm, remdm-loop, confidence (default 'bd3lm')"),
+    ("ar", {"sampler": "sedd-analytic"}, "'sedd-analytic' does not run on a ar model; it takes ar (default 'ar')"),
 ])
 def test_bad_requests_fail_in_one_line_before_the_network_runs(art, kind, fields, message) -> None:
     gen = _generator(art, kind)
@@ -432,6 +439,11 @@ def test_generate_cli_help_and_bad_input_exit_codes(registry, capsys, monkeypatc
     assert "has no alias 'nosuch'" in capsys.readouterr().err
     assert generate(["--model", str(registry["ar"]), "--prompt", "x", "--suffix", "y", "--quiet"]) == 2
     assert "cannot infill" in capsys.readouterr().err
+    for model, sampler in ((registry["adlm"], "bd3lm"), (registry["adlm"], "sedd-euler"), ("models:/adlm@candidate",
+                                                                                            "sedd-analytic")):
+        assert generate(["--model", str(model), "--prompt", "x", "--sampler", sampler, "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"error: sampler {sampler!r} does not run on a " in err[0] and "it takes " in err[0]
     # The served model's limits hold here too (a run of 10^8 steps would take most of an hour), unless lifted.
     assert generate(["--model", "models:/adlm@candidate", "--prompt", "x", "--length", "8", "--steps", "100000000",
                      "--quiet"]) == 2
