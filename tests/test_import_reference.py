@@ -570,3 +570,36 @@ def test_sedd_local_run_and_hub_bin_import_to_the_reference(tmp_path: Path, caps
     model, cfg, fam = _import(hub)
     assert fam.name == "sedd" and rl.read_source(hub).files[-1].name == "pytorch_model.bin"
     _assert_sedd_equals_reference(model, cfg)
+
+
+def test_a_hub_id_without_safetensors_is_fetched_with_its_pytorch_model_bin(tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """``import_model owner/name`` against a stand-in of the Hub (``huggingface_hub`` downloading for real over
+    loopback): a repository holding only ``pytorch_model.bin`` (older ``PyTorchModelHubMixin``) is fetched with it
+    and read as SEDD; one holding safetensors too is fetched without the pickle. A repository the Hub does not know
+    is one line."""
+    from pipelines.import_model import main
+    from tests.support_hub import hub_models
+
+    prov = json.loads((FIXTURES / "sedd" / "provenance.json").read_text())
+    ref = load_file(str(FIXTURES / "sedd" / "weights.safetensors"))
+    bin_path = tmp_path / "pytorch_model.bin"
+    torch.save(OrderedDict(sorted(ref.items(), key=lambda kv: _sedd_reference_order(kv[0]))), bin_path)
+    save_file(ref, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.dumps(prov["config"]).encode()
+    repos = {"louaaron/sedd-tiny": {"config.json": config, "README.md": b"SEDD", "pytorch_model.bin": bin_path.read_bytes()},
+             "louaaron/sedd-both": {"config.json": config, "model.safetensors": (tmp_path / "model.safetensors").read_bytes(),
+                                    "pytorch_model.bin": bin_path.read_bytes()}}
+    wd = tmp_path / "wd"
+    with hub_models(repos, tmp_path / "hf-cache") as served:
+        assert main(["louaaron/sedd-tiny", "--inspect", "--workdir", str(wd)]) == 0
+        out = capsys.readouterr().out
+        assert "family: sedd" in out and "pytorch_model.bin" in out.splitlines()[0], out[:400]
+        assert "louaaron/sedd-tiny/pytorch_model.bin" in served
+        assert main(["louaaron/sedd-both", "--inspect", "--workdir", str(wd)]) == 0
+        assert "model.safetensors" in capsys.readouterr().out
+        assert "louaaron/sedd-both/pytorch_model.bin" not in served and "louaaron/sedd-both/model.safetensors" in served
+        assert main(["louaaron/sedd-nothing", "--workdir", str(wd)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: cannot download louaaron/sedd-nothing from the Hugging Face Hub")
+    assert not (wd / "mlflow.db").exists()
