@@ -51,7 +51,11 @@ _BUILTINS: dict[str, Any] = {n: getattr(__import__("builtins"), n) for n in (
 
 
 class UnsafePickleError(ValueError):
-    """A pickle that names something loading would run (code, not data)."""
+    """A pickle that names something loading would run (code, not data) or that would allocate by a number it
+    states (``ALLOCATES``)."""
+
+
+ALLOCATES = "allocates by a number in the file"
 
 
 class UnreadablePickleError(ValueError):
@@ -62,7 +66,7 @@ def _sized(kind: type) -> Any:
     """``bytes`` / ``bytearray`` from data only: ``bytes(n)`` would allocate n bytes for a number in the file."""
     def build(*args: Any) -> Any:
         if args and isinstance(args[0], int):
-            raise UnsafePickleError(f"builtins.{kind.__name__}({args[0]}) (allocates by a number in the file)")
+            raise UnsafePickleError(f"builtins.{kind.__name__}({args[0]}) ({ALLOCATES})")
         return kind(*args)
 
     build.__name__ = kind.__name__
@@ -158,7 +162,7 @@ class _NdarrayName:
     would allocate an array of a size the file names)."""
 
     def __call__(self, *args: Any, **kw: Any) -> Any:
-        raise UnsafePickleError("numpy.ndarray(...) (allocates by a number in the file)")
+        raise UnsafePickleError(f"numpy.ndarray(...) ({ALLOCATES})")
 
 
 _NDARRAY = _NdarrayName()
@@ -169,8 +173,9 @@ def _array(reconstruct: Any) -> Any:
     the state): any other shape would allocate an array of a size the file names."""
     def build(subtype: Any, shape: Any, dtype: Any) -> Any:
         if subtype is not _NDARRAY or not isinstance(shape, tuple) or shape != (0,):
-            raise UnsafePickleError(f"numpy _reconstruct({subtype!r}, {shape!r}) (numpy pickles an empty ndarray "
-                                    "placeholder; anything else allocates by a number in the file)")
+            what = "ndarray" if subtype is _NDARRAY else "another type"
+            raise UnsafePickleError(f"numpy _reconstruct of {what} with shape {str(shape)[:40]} ({ALLOCATES}: numpy "
+                                    "pickles an empty ndarray placeholder, then its data)")
         return reconstruct(np.ndarray, shape, dtype)
 
     return build
@@ -217,14 +222,33 @@ restricted = types.SimpleNamespace(__name__=__name__, Unpickler=RestrictedUnpick
                                    load=lambda f, **kw: RestrictedUnpickler(f, **kw).load())
 
 
+def _check_zip_sizes(path: str | os.PathLike) -> None:
+    """A zip (``torch.save``'s format, records stored uncompressed) whose records declare far more bytes than the
+    file holds is refused before a record is inflated: a compressed record of a stated size is allocated whole."""
+    try:
+        if not zipfile.is_zipfile(path):
+            return
+        with zipfile.ZipFile(path) as z:
+            declared = sum(i.file_size for i in z.infolist())
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return  # torch.load reports what is wrong with it
+    size = os.path.getsize(path)
+    if declared > 4 * size + (1 << 20):
+        raise UnsafePickleError(f"records of {declared:,} bytes in a file of {size:,} ({ALLOCATES}: a compressed "
+                                "record, which torch.save does not write)")
+
+
 def load_pickled(path: str | os.PathLike) -> Any:
     """The contents of a ``torch.save`` file (zip or legacy) on the CPU, through the restricted unpickler.
 
     Raises UnsafePickleError (one line naming the file and the refused callable) when the file names code, and
     UnreadablePickleError (one line) when it is not a readable ``torch.save`` file (empty, truncated, corrupt)."""
     try:
+        _check_zip_sizes(path)
         return torch.load(str(path), map_location="cpu", weights_only=False, pickle_module=restricted)
     except UnsafePickleError as e:
+        if ALLOCATES in str(e):
+            raise UnsafePickleError(f"{path} holds {e}: refused before anything was allocated") from None
         raise UnsafePickleError(
             f"{path} names {e}, which loading would call (code, not data): refused; only tensors and the "
             "references' containers are read from a pickle (use the model's safetensors if it has them)") from None

@@ -232,6 +232,34 @@ def test_a_pickle_cannot_make_the_loader_allocate_by_a_number_in_it(what: str, t
     assert back["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and back["b"] == bytearray(b"ok") and back["c"] == b"\x00\xff"
 
 
+def test_a_compressed_record_is_refused_before_it_is_inflated(tmp_path: Path) -> None:
+    """torch.save stores its records uncompressed; a zip whose deflated record declares 64 MiB in a file of a few
+    kilobytes would be inflated whole: refused from the zip's directory, before torch reads a record."""
+    import tracemalloc
+    import zipfile
+
+    plain_file, bomb = tmp_path / "plain.ckpt", tmp_path / "bomb.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(4)}}, plain_file)
+    with zipfile.ZipFile(plain_file) as src, zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as out:
+        for name in src.namelist():
+            if name.endswith("data/0"):
+                with out.open(name, "w") as f:
+                    for _ in range(64):
+                        f.write(bytes(1 << 20))
+            else:
+                out.writestr(name, src.read(name))
+    assert bomb.stat().st_size < 200_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnsafePickleError, match="allocates by a number in the file: a compressed record"):
+            load_pickled(bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20
+    assert load_pickled(plain_file)["state_dict"]["w"].shape == (4,)
+
+
 def test_python2_names_are_mapped_before_the_checks(tmp_path: Path) -> None:
     """``commands.Popen`` (Python 2's name of ``subprocess.Popen``) is read as pickle reads it, then refused (it
     passed as an inert stand-in before); the builtins old pickles name (``__builtin__.long``) still resolve."""
