@@ -89,8 +89,9 @@ def check_body(body: bytes, content_type: str | None) -> None:
                              '{"dataframe_records": [{"prompt": ...}]} or {"inputs": ...}') from None
 
 
-def short_error(body: bytes) -> bytes:
-    """An error answer cut to its first line: MLflow's JSON ``message`` (other fields kept), or any other body."""
+def short_error(body: bytes, status: int = 400) -> bytes:
+    """An error answer cut to its first line: MLflow's JSON ``message`` (other fields kept, its stack trace
+    dropped), or any other body as such a JSON (the timeout's plain-text 504, ...)."""
     try:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -99,7 +100,8 @@ def short_error(body: bytes) -> bytes:
         obj = {k: v for k, v in obj.items() if k != "stack_trace"}
         obj["message"] = _line(obj["message"])
         return json.dumps(obj).encode()
-    return json.dumps({"error_code": "BAD_REQUEST", "message": _line(body.decode("utf-8", "replace"))}).encode()
+    code = "INTERNAL_ERROR" if status >= 500 else "BAD_REQUEST"
+    return json.dumps({"error_code": code, "message": _line(body.decode("utf-8", "replace"))}).encode()
 
 
 def _line(text: str) -> str:
@@ -181,8 +183,8 @@ def _cut_errors(send: Send) -> Send:
         chunks.append(message.get("body", b""))
         if message.get("more_body", False):
             return
-        body = short_error(b"".join(chunks))
         start = dict(held["start"])
+        body = short_error(b"".join(chunks), int(start["status"]))
         start["headers"] = [(k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-length",
                                                                                               b"content-type")]
         start["headers"] += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
