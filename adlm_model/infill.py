@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from .config import KIND_TABLE, ModelConfig
-from .kinds import check_sampler_options, model_kind, sample
+from .kinds import check_sampler_kind, check_sampler_options, model_kind, sample
 from .samplers import Progress, SamplerError
 
 
@@ -62,10 +62,7 @@ def plan_infill(cfg: ModelConfig, sampler: str, prompt_len: int, new_tokens: int
     sampler or option, a sampler that does not fit the model kind, a suffix for AR, a row beyond the
     training length without a sampler that generates any length."""
     s = check_sampler_options(sampler, dict(options or {}), length=new_tokens)
-    kind = model_kind(cfg.kind)
-    if s.diffusion != kind.diffusion:
-        raise SamplerError(f"sampler {sampler!r} does not run on a {cfg.kind} model; use {kind.default_sampler!r} "
-                           f"(the kind's default)")
+    check_sampler_kind(sampler, cfg.kind)
     if new_tokens < 1:
         raise SamplerError(f"length (new tokens) must be >= 1, got {new_tokens}")
     if suffix_len and not s.diffusion:

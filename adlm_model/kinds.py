@@ -173,6 +173,8 @@ class Sampler:
     steps: bool = True
     """Runs the ``steps`` of a diffusion grid (False: its iterations are its own, one per token for ``ar``, until
     every position is decided for ``confidence``; what it reports as steps is the network calls it made)."""
+    kinds: tuple[str, ...] = ()
+    """The model kinds it runs on (empty: every kind of its ``diffusion``): ``samplers_for`` lists a kind's."""
 
 
 def _remdm(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *,
@@ -212,6 +214,10 @@ def _sedd_analytic(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, kee
     return sedd_sample(model, cfg, tokens, keep, predictor="analytic", **kw)
 
 
+BLOCK_KINDS = ("mdlm", "bd3lm", "sedd")
+"""Kinds whose network (MDLM's DiT; SEDD's read through its implied denoiser) runs under the block sampler's
+block-causal attention and KV cache (ADLM's two networks do not)."""
+
 SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     Sampler("mdlm", _mdlm_sampler),
     Sampler("remdm-loop", _remdm, ("eta", "t_on", "t_off", "alpha_on")),
@@ -219,10 +225,10 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     Sampler("confidence", _confidence_sampler, CONFIDENCE_OPTIONS, steps=False),
     Sampler("ar", _ar_sampler, ("bos_id",), diffusion=False, steps=False),
     Sampler("bd3lm", _bd3lm_sampler, ("block_size", "kv_cache", "context", "eos_id", "entropy_threshold",
-                                      "entropy_window", "pad_id", "bos_id"), any_length=True),
+                                      "entropy_window", "pad_id", "bos_id"), any_length=True, kinds=BLOCK_KINDS),
     # SEDD's predictors with the final denoising step (sedd.py); they read the score, so SEDD models only.
-    Sampler("sedd-euler", _sedd_euler),
-    Sampler("sedd-analytic", _sedd_analytic),
+    Sampler("sedd-euler", _sedd_euler, kinds=("sedd",)),
+    Sampler("sedd-analytic", _sedd_analytic, kinds=("sedd",)),
 )}
 
 
@@ -230,6 +236,23 @@ def get_sampler(name: str) -> Sampler:
     if name not in SAMPLERS:
         raise SamplerError(f"unknown sampler {name!r}: use one of {', '.join(SAMPLERS)}")
     return SAMPLERS[name]
+
+
+def samplers_for(kind: str) -> list[str]:
+    """The samplers that run on a ``kind`` model, its default first."""
+    k = model_kind(kind)
+    fits = [s.name for s in SAMPLERS.values() if s.diffusion == k.diffusion and (not s.kinds or kind in s.kinds)]
+    return sorted(fits, key=lambda n: n != k.default_sampler)
+
+
+def check_sampler_kind(name: str, kind: str) -> Sampler:
+    """The sampler, or SamplerError (one line listing the samplers a ``kind`` model takes) when it does not run
+    on that kind."""
+    s = get_sampler(name)
+    if name not in samplers_for(kind):
+        raise SamplerError(f"sampler {name!r} does not run on a {kind} model; it takes {', '.join(samplers_for(kind))} "
+                           f"(default {model_kind(kind).default_sampler!r})")
+    return s
 
 
 def check_sampler_options(name: str, options: dict, length: int | None = None) -> Sampler:
@@ -284,5 +307,5 @@ def sample(model: nn.Module, cfg: ModelConfig, *, batch_size: int, length: int, 
         model.train(was_training)
 
 
-__all__ = ["KINDS", "SAMPLERS", "ModelKind", "Sampler", "build_model", "check_sampler_options", "compute_loss",
-           "count_parameters", "get_sampler", "model_kind", "sample"]
+__all__ = ["KINDS", "SAMPLERS", "ModelKind", "Sampler", "build_model", "check_sampler_kind", "check_sampler_options",
+           "compute_loss", "count_parameters", "get_sampler", "model_kind", "sample", "samplers_for"]

@@ -10,9 +10,13 @@ and 4.3 GB for minutes after the HTTP layer had given up (504 after 60 s). ``Req
 - ``max_work``: the FLOPs of the whole request, estimated by ``TextGenerator.cost`` as
   ``2 x parameters x rows x row length x network calls`` (default ``1e12``: seconds to tens of seconds of one
   CPU core, well inside the scoring server's 60 s timeout).
+- ``max_chars``: characters of a row's prompt and suffix together (default ``CHARS_PER_TOKEN`` x
+  ``max_length``), checked before the text is tokenized: a megabyte of prompt is refused at once instead of
+  being encoded first and then found too long.
 
 They are settings of the served model, read from the environment of ``mlflow models serve``
-(``ADLM_MAX_STEPS``, ``ADLM_MAX_LENGTH``, ``ADLM_MAX_ROWS``, ``ADLM_MAX_WORK``); a request over one is refused
+(``ADLM_MAX_STEPS``, ``ADLM_MAX_LENGTH``, ``ADLM_MAX_ROWS``, ``ADLM_MAX_WORK``, ``ADLM_MAX_CHARS``); a request
+over one is refused
 with the limit named, the value asked and the setting that raises it. ``python -m pipelines.generate`` runs
 under the same limits (its samples count as rows) unless ``--no-limits`` lifts them.
 """
@@ -28,8 +32,11 @@ DEFAULT_MAX_STEPS = 4096
 """The paper profile's T (METHOD.md section 4): nothing the references run is refused by it."""
 DEFAULT_MAX_ROWS = 16
 DEFAULT_MAX_WORK = 1e12
+CHARS_PER_TOKEN = 32
+"""Characters a token may stand for, on average over a whole prompt, before the prompt is refused untokenized
+(English BPE averages about 4)."""
 ENV = {"max_steps": "ADLM_MAX_STEPS", "max_length": "ADLM_MAX_LENGTH", "max_rows": "ADLM_MAX_ROWS",
-       "max_work": "ADLM_MAX_WORK"}
+       "max_work": "ADLM_MAX_WORK", "max_chars": "ADLM_MAX_CHARS"}
 
 
 class LimitError(ValueError):
@@ -42,14 +49,17 @@ class RequestLimits:
     max_length: int = 1024
     max_rows: int = DEFAULT_MAX_ROWS
     max_work: float = DEFAULT_MAX_WORK
+    max_chars: int = CHARS_PER_TOKEN * 1024
 
     @classmethod
     def for_model(cls, seq_len: int, any_length: bool = False,
                   environ: Mapping[str, str] | None = None) -> RequestLimits:
         """The defaults for a model of context ``seq_len``, overridden by ``ADLM_MAX_*`` (module docstring)."""
         env = os.environ if environ is None else environ
-        values: dict[str, Any] = {"max_steps": DEFAULT_MAX_STEPS, "max_length": seq_len * (4 if any_length else 1),
-                                  "max_rows": DEFAULT_MAX_ROWS, "max_work": DEFAULT_MAX_WORK}
+        length = seq_len * (4 if any_length else 1)
+        values: dict[str, Any] = {"max_steps": DEFAULT_MAX_STEPS, "max_length": length,
+                                  "max_rows": DEFAULT_MAX_ROWS, "max_work": DEFAULT_MAX_WORK,
+                                  "max_chars": CHARS_PER_TOKEN * max(length, seq_len)}
         for field, var in ENV.items():
             if env.get(var):
                 try:
@@ -69,6 +79,14 @@ class RequestLimits:
         if length > self.max_length:
             raise LimitError(f"{where}length {length} exceeds the limit max_length={self.max_length} "
                              f"({ENV['max_length']}): ask for fewer tokens")
+
+    def check_text(self, i: int | None, chars: int) -> None:
+        """The prompt and suffix of row ``i`` (None: ``pipelines.generate``'s), ``chars`` characters together,
+        before they are tokenized."""
+        if chars > self.max_chars:
+            where = "" if i is None else f"request row {i}: "
+            raise LimitError(f"{where}prompt and suffix of {chars:,} characters exceed the limit "
+                             f"max_chars={self.max_chars:,} ({ENV['max_chars']}): send a shorter text")
 
     def check_request(self, rows: int, work: float, what: str = "rows") -> None:
         """``rows`` rows of a served request (``what``: ``samples``, those ``pipelines.generate`` draws)."""

@@ -5,12 +5,11 @@ whose layout it follows, how to recognise it, how to read its hyper-parameters a
 reference state-dict key to ours. Adding a family is one entry plus one mapping function (SEDD's: ``map_sedd``,
 with ``sedd_layout`` reading its run config).
 
-Reading (:func:`read_source`) takes a Lightning ``.ckpt`` (through :mod:`adlm_model.safe_pickle`: never plain
-pickle), a Hub-layout folder (``config.json`` + safetensors, or a ``pytorch_model.bin``; remote code is never
-run) or this project's own export folder (``model_type: adlm``). A Lightning checkpoint's ``ema`` shadow
-parameters replace the raw weights (what the references evaluate and release). :func:`convert` builds our
-network and loads every tensor, or refuses in one line listing the keys that did not map: never a half-loaded
-model.
+Reading (:func:`read_source`, ``reference_sources``) takes a Lightning ``.ckpt``, a Hub-layout folder, a SEDD run
+or this project's own export folder, running none of their code, and refuses anything unreadable in one line. A
+Lightning checkpoint's (and a SEDD run's) ``ema`` shadow parameters replace the raw weights (what the references
+evaluate and release). :func:`convert` builds our network and loads every tensor, or refuses in one line listing
+the keys that did not map: never a half-loaded model.
 
 Conventions that differ between the references and this code (each checked by the fixture tests):
 
@@ -25,129 +24,22 @@ Conventions that differ between the references and this code (each checked by th
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file
 
-from .checkpoint import CheckpointError
 from .config import ConfigError, ModelConfig
 from .kinds import build_model
-from .safe_pickle import load_pickled, plain
+from .reference_sources import PICKLE_SUFFIXES, ImportRefused, Source, normalise_key, read_source
 from .sedd_layout import PREFIXES as SEDD_PREFIXES
 from .sedd_layout import sedd_config
 
 DROP = ""
 """What a mapping function returns for a reference key that is a derived constant, checked and not loaded."""
-
-PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
-
-
-class ImportRefused(CheckpointError):
-    """A checkpoint that cannot be imported exactly (unknown layout, unmatched keys, wrong shapes)."""
-
-
-@dataclass
-class Source:
-    """What was read from a released checkpoint."""
-
-    tensors: dict[str, torch.Tensor]
-    """The state dict as the file stores it (Lightning: the module's ``state_dict``; Hub: the safetensors)."""
-    hparams: dict[str, Any]
-    """Saved hyper-parameters as plain data: a Lightning ``hyper_parameters`` tree or a Hub ``config.json``."""
-    layout: str
-    """``lightning``, ``hub`` or ``export`` (this project's own folder)."""
-    files: list[Path]
-    """The files read (their sha256 go into the version's tags)."""
-    ema: list[torch.Tensor] | None = None
-    """A Lightning checkpoint's EMA shadow parameters, in the order of the module's parameters."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Top-level entries of a Lightning checkpoint besides the weights (epoch, global_step, versions)."""
-
-    def find(self, *names: str) -> Any:
-        """The first hyper-parameter of ``names`` (depth first), looked up in a ``model`` sub-tree first (the
-        references' ``config.model``: ``algo.dropout`` is not the network's), then anywhere; else None."""
-        def walk(o: Any, inside: bool) -> Any:
-            if isinstance(o, dict):
-                if inside:
-                    for n in names:
-                        if n in o and not isinstance(o[n], dict):
-                            return o[n]
-                for k, v in o.items():
-                    r = walk(v, inside or k == "model")
-                    if r is not None:
-                        return r
-            return None
-
-        found = walk(self.hparams, False)
-        return found if found is not None else walk(self.hparams, True)
-
-
-def _read_hub_weights(d: Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [d / s for s in shards]
-    elif (d / "model.safetensors").is_file():
-        files = [d / "model.safetensors"]
-    elif (d / "pytorch_model.bin").is_file():
-        return dict(load_pickled(d / "pytorch_model.bin")), [d / "pytorch_model.bin"]
-    else:
-        raise ImportRefused(f"{d} holds no weights (model.safetensors, its index or pytorch_model.bin)")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    return tensors, files
-
-
-def normalise_key(key: str) -> str:
-    """A state-dict key without the wrappers training adds around a module: DDP's leading ``module.`` and
-    ``torch.compile``'s ``_orig_mod.``."""
-    key = key.replace("_orig_mod.", "")
-    return key[len("module."):] if key.startswith("module.") else key
-
-
-def read_source(path: str | os.PathLike) -> Source:
-    """Read a Lightning checkpoint file, a Hub-layout folder or this project's export folder (no code run)."""
-    p = Path(path)
-    if p.is_dir():
-        cfg_file = p / "config.json"
-        if not cfg_file.is_file():
-            raise ImportRefused(f"{p} has no config.json: pass a Hub-layout folder or a Lightning .ckpt file")
-        hp = json.loads(cfg_file.read_text())
-        tensors, files = _read_hub_weights(p)
-        tensors = {normalise_key(k): v for k, v in tensors.items()}
-        layout = "export" if hp.get("model_type") == "adlm" and "model" in hp else "hub"
-        return Source(tensors, hp, layout, [cfg_file, *files])
-    if not p.is_file():
-        raise ImportRefused(f"{p} does not exist")
-    if p.suffix == ".safetensors":
-        raise ImportRefused(f"{p} is a bare safetensors file: pass the folder that holds it with its config.json")
-    if p.suffix not in PICKLE_SUFFIXES:
-        raise ImportRefused(f"{p}: not a checkpoint this importer reads (a Lightning .ckpt, a .bin/.pt, or a folder)")
-    obj = load_pickled(p)
-    if not isinstance(obj, dict):
-        raise ImportRefused(f"{p} holds a {type(obj).__name__}, not a checkpoint dictionary")
-    if "state_dict" in obj:
-        state = obj["state_dict"]
-        ema = obj.get("ema")
-        shadow = ema.get("shadow_params") if isinstance(ema, dict) else None
-        extra = {k: plain(v) for k, v in obj.items() if k in ("epoch", "global_step", "pytorch-lightning_version")}
-        return Source({normalise_key(k): v for k, v in state.items()}, plain(obj.get("hyper_parameters") or {}),
-                      "lightning", [p],
-                      ema=list(shadow) if shadow else None, extra=extra)
-    if all(isinstance(v, torch.Tensor) for v in obj.values()):  # a bare state dict (torch.save(model.state_dict()))
-        return Source({normalise_key(k): v for k, v in obj.items()}, {}, "hub", [p])
-    raise ImportRefused(f"{p} is a pickle without a 'state_dict': not a Lightning checkpoint of the references "
-                        f"(top-level keys: {', '.join(map(str, list(obj)[:8]))})")
-
 
 # --------------------------------------------------------------------------------------------------
 # The mapping functions: reference key -> our key, DROP, or None (unmatched)
@@ -296,8 +188,9 @@ def config_mdlm_sedd(src: Source) -> dict[str, Any]:
 
 
 def _sedd_hub(src: Source) -> bool:
+    """SEDD's Hub layout, or a SEDD run's training state (layout ``run``) with its hydra config."""
     cfg = src.hparams.get("config") if isinstance(src.hparams.get("config"), dict) else src.hparams
-    return src.layout == "hub" and isinstance(cfg.get("graph"), dict) and "vocab_embed.embedding" in {
+    return src.layout in ("hub", "run") and isinstance(cfg.get("graph"), dict) and "vocab_embed.embedding" in {
         normalise_key(k).removeprefix("score_model.") for k in src.tensors}
 
 
@@ -367,7 +260,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            config_bd3lm, map_backbone, note="its models/hf Hub layout (kuleshov-group/bd3lm-owt-block_size*)"),
     Family("sedd", "sedd", "louaaron/Score-Entropy-Discrete-Diffusion", SEDD_COMMIT, "mit", _sedd_hub,
            config_sedd, map_sedd, note="its Hub layout (louaaron/sedd-small, louaaron/sedd-medium: config.json + "
-                                       "model.safetensors or pytorch_model.bin)"),
+                                       "model.safetensors or pytorch_model.bin) or a local run's folder "
+                                       "(.hydra/config.yaml + checkpoints-meta/checkpoint.pth, EMA applied)"),
     Family("mdlm-sedd", "sedd", "kuleshov-group/mdlm", MDLM_COMMIT, "apache-2.0",
            lambda s: s.layout == "lightning" and _parameterization(s) == "sedd"
            and _has("backbone.vocab_embed.embedding", "backbone.sigma_map.mlp.0.weight")(s),
@@ -395,6 +289,24 @@ def family(name: str) -> Family:
     if name not in FAMILIES:
         raise ImportRefused(f"unknown family {name!r}: use one of {', '.join(FAMILIES)}")
     return FAMILIES[name]
+
+
+MODEL_TYPES = {"mdlm": "mdlm", "bd3lm": "bd3lm", "adlm": "adlm-export"}
+"""A Hub folder's own ``config.json`` ``model_type`` -> the family that reads it."""
+
+
+def chosen_family(name: str | None, src: Source) -> Family:
+    """The family ``--family name`` asks for (None: recognised, ``detect_family``). A folder whose own
+    ``model_type`` names another family is refused: read as ``name`` it would be a different model (a BD3-LM read
+    as MDLM attends to every position instead of block by block)."""
+    if name is None:
+        return detect_family(src)
+    fam = family(name)
+    own = MODEL_TYPES.get(str(src.hparams.get("model_type"))) if src.layout in ("hub", "export") else None
+    if own is not None and own != fam.name:
+        raise ImportRefused(f"--family {name} does not fit: the folder's config.json says model_type "
+                            f"{src.hparams['model_type']!r}, family {own}; pass --family {own} (or leave --family out)")
+    return fam
 
 
 # --------------------------------------------------------------------------------------------------
@@ -494,5 +406,6 @@ def key_tree(tensors: dict[str, torch.Tensor]) -> list[str]:
     return [f"{k:<{width}}  {tuple(v.shape)}  {str(v.dtype).removeprefix('torch.')}" for k, v in tensors.items()]
 
 
-__all__ = ["DROP", "FAMILIES", "Family", "ImportRefused", "Source", "convert", "detect_family", "embedding_width",
-           "family", "key_tree", "model_config", "read_source", "weights"]
+__all__ = ["DROP", "FAMILIES", "PICKLE_SUFFIXES", "Family", "ImportRefused", "Source", "chosen_family", "convert",
+           "detect_family", "embedding_width", "family", "key_tree", "model_config", "normalise_key", "read_source",
+           "weights"]

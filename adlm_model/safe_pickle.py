@@ -14,16 +14,25 @@ checkpoints hold more than tensors: MDLM's Lightning module saves its hyper-para
 - everything else (a function such as ``os.system`` or ``builtins.eval``, or anything from ``os``,
   ``subprocess``, ``builtins``, ...) is refused with :class:`UnsafePickleError`, before it is called.
 
+Names are first translated as pickle itself would (Python 2's ``commands.Popen`` is ``subprocess.Popen``,
+``__builtin__`` is ``builtins``: ``_compat_pickle``), so an old spelling cannot slip past the checks. No allowed
+constructor allocates by a number the file states: ``bytes(n)`` / ``bytearray(n)`` and a numpy array rebuilt
+with a shape other than numpy's own ``(0,)`` placeholder are refused, so a file of a few hundred bytes cannot
+make the loader allocate gigabytes. A file that is not a readable ``torch.save`` pickle at all (empty,
+truncated, corrupt) is :class:`UnreadablePickleError`, one line.
+
 Nothing outside the allowlist is ever imported, so loading cannot run code of the file's choosing.
 """
 
 from __future__ import annotations
 
+import _compat_pickle
 import codecs
 import collections
 import os
 import pickle
 import types
+import zipfile
 from typing import Any
 
 import numpy as np
@@ -39,7 +48,39 @@ DENIED_MODULES = frozenset({
 _BUILTINS: dict[str, Any] = {n: getattr(__import__("builtins"), n) for n in (
     "dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str", "bytes", "bytearray", "complex",
     "slice", "object")}
-_BUILTINS["long"] = int  # protocol-2 pickles written by Python 2 code name it so
+
+
+class UnsafePickleError(ValueError):
+    """A pickle that names something loading would run (code, not data) or that would allocate by a number it
+    states (``ALLOCATES``)."""
+
+
+ALLOCATES = "allocates by a number in the file"
+
+
+class UnreadablePickleError(ValueError):
+    """A file that is not a readable ``torch.save`` pickle (empty, truncated, corrupt)."""
+
+
+def _sized(kind: type) -> Any:
+    """``bytes`` / ``bytearray`` from data only: ``bytes(n)`` would allocate n bytes for a number in the file."""
+    def build(*args: Any) -> Any:
+        if args and isinstance(args[0], int):
+            raise UnsafePickleError(f"builtins.{kind.__name__}({args[0]}) ({ALLOCATES})")
+        return kind(*args)
+
+    build.__name__ = kind.__name__
+    return build
+
+
+_BUILTINS["bytes"], _BUILTINS["bytearray"] = _sized(bytes), _sized(bytearray)
+
+
+def _latin1(obj: Any, encoding: str = "utf-8", errors: str = "strict") -> Any:
+    """``_codecs.encode`` as pickle protocol 2 uses it (bytes written as a latin-1 string), nothing else."""
+    if encoding.lower().replace("_", "-") not in ("latin1", "latin-1") or not isinstance(obj, str):
+        raise UnsafePickleError(f"_codecs.encode(..., {encoding!r}) (only latin-1 strings are bytes in a pickle)")
+    return codecs.encode(obj, "latin1", errors)
 
 
 def _np(mod: str, name: str) -> Any:
@@ -60,17 +101,12 @@ ALLOWED: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,
     ("torch", "Size"): torch.Size,
     ("torch", "device"): torch.device,
-    ("_codecs", "encode"): codecs.encode,
+    ("_codecs", "encode"): _latin1,
     **{("builtins", n): v for n, v in _BUILTINS.items()},
-    **{("__builtin__", n): v for n, v in _BUILTINS.items()},
 }
 _NUMPY = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
           ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
           ("numpy._core.multiarray", "scalar")}
-
-
-class UnsafePickleError(ValueError):
-    """A pickle that names something loading would run (code, not data)."""
 
 
 class Opaque(dict):
@@ -121,16 +157,55 @@ def _reconstructor(cls: Any, base: Any, state: Any = None) -> Any:
     raise UnsafePickleError(f"copyreg._reconstructor of {cls!r}")
 
 
+class _NdarrayName:
+    """What a pickle gets for ``numpy.ndarray``: only an argument of ``_reconstruct`` (called, ``ndarray(shape)``
+    would allocate an array of a size the file names)."""
+
+    def __call__(self, *args: Any, **kw: Any) -> Any:
+        raise UnsafePickleError(f"numpy.ndarray(...) ({ALLOCATES})")
+
+
+_NDARRAY = _NdarrayName()
+
+
+def _array(reconstruct: Any) -> Any:
+    """numpy's ``_reconstruct`` for the placeholder numpy pickles (``ndarray``, shape ``(0,)``; the data come with
+    the state): any other shape would allocate an array of a size the file names."""
+    def build(subtype: Any, shape: Any, dtype: Any) -> Any:
+        if subtype is not _NDARRAY or not isinstance(shape, tuple) or shape != (0,):
+            what = "ndarray" if subtype is _NDARRAY else "another type"
+            raise UnsafePickleError(f"numpy _reconstruct of {what} with shape {str(shape)[:40]} ({ALLOCATES}: numpy "
+                                    "pickles an empty ndarray placeholder, then its data)")
+        return reconstruct(np.ndarray, shape, dtype)
+
+    return build
+
+
+def compat_name(module: str, name: str) -> tuple[str, str]:
+    """``module.name`` as pickle reads a Python 2 name (``_compat_pickle``: ``commands.Popen`` ->
+    ``subprocess.Popen``, ``__builtin__.long`` -> ``builtins.int``)."""
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
 def resolve_global(module: str, name: str) -> Any:
-    """What the restricted unpickler hands the pickle for ``module.name``; raises UnsafePickleError."""
+    """What the restricted unpickler hands the pickle for ``module.name`` (after pickle's Python 2 name mapping);
+    raises UnsafePickleError."""
+    module, name = compat_name(module, name)
     if (module, name) in ALLOWED:
         return ALLOWED[(module, name)]
     if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
         return getattr(torch, name)
     if (module, name) in _NUMPY:
-        return _np(module, name)
+        if name == "ndarray":
+            return _NDARRAY
+        found = _np(module, name)
+        return _array(found) if name == "_reconstruct" else found
     if (module, name) == ("copyreg", "_reconstructor"):
         return _reconstructor
+    if not all(part.isidentifier() for part in f"{module}.{name}".split(".")):  # bytes, not a name: a broken file
+        raise UnreadablePickleError(f"it names {ascii(f'{module}.{name}')[:80]}, which is no Python name")
     root = module.split(".")[0]
     if root not in DENIED_MODULES and name[:1].isupper() and name.isidentifier():
         return _opaque(module, name)
@@ -147,16 +222,44 @@ restricted = types.SimpleNamespace(__name__=__name__, Unpickler=RestrictedUnpick
                                    load=lambda f, **kw: RestrictedUnpickler(f, **kw).load())
 
 
+def _check_zip_sizes(path: str | os.PathLike) -> None:
+    """A zip (``torch.save``'s format, records stored uncompressed) whose records declare far more bytes than the
+    file holds is refused before a record is inflated: a compressed record of a stated size is allocated whole."""
+    try:
+        if not zipfile.is_zipfile(path):
+            return
+        with zipfile.ZipFile(path) as z:
+            declared = sum(i.file_size for i in z.infolist())
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return  # torch.load reports what is wrong with it
+    size = os.path.getsize(path)
+    if declared > 4 * size + (1 << 20):
+        raise UnsafePickleError(f"records of {declared:,} bytes in a file of {size:,} ({ALLOCATES}: a compressed "
+                                "record, which torch.save does not write)")
+
+
 def load_pickled(path: str | os.PathLike) -> Any:
     """The contents of a ``torch.save`` file (zip or legacy) on the CPU, through the restricted unpickler.
 
-    Raises UnsafePickleError (one line naming the file and the refused callable) when the file names code."""
+    Raises UnsafePickleError (one line naming the file and the refused callable) when the file names code, and
+    UnreadablePickleError (one line) when it is not a readable ``torch.save`` file (empty, truncated, corrupt)."""
     try:
+        _check_zip_sizes(path)
         return torch.load(str(path), map_location="cpu", weights_only=False, pickle_module=restricted)
     except UnsafePickleError as e:
+        if ALLOCATES in str(e):
+            raise UnsafePickleError(f"{path} holds {e}: refused before anything was allocated") from None
         raise UnsafePickleError(
             f"{path} names {e}, which loading would call (code, not data): refused; only tensors and the "
             "references' containers are read from a pickle (use the model's safetensors if it has them)") from None
+    except MemoryError:
+        raise UnreadablePickleError(f"{path}: reading it ran out of memory (a corrupt or hostile file)") from None
+    except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, TypeError, AttributeError, KeyError,
+            IndexError, OverflowError, UnicodeDecodeError, zipfile.BadZipFile) as e:
+        what = "empty" if os.path.getsize(path) == 0 else "truncated or corrupt"
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise UnreadablePickleError(f"{path} is not a readable torch.save checkpoint ({what}: {first}); download "
+                                    "it again or pass the model's folder") from None
 
 
 def plain(obj: Any, _seen: frozenset[int] = frozenset()) -> Any:
@@ -195,4 +298,5 @@ def plain(obj: Any, _seen: frozenset[int] = frozenset()) -> Any:
     return f"<{type(obj).__name__}>"
 
 
-__all__ = ["Opaque", "UnsafePickleError", "load_pickled", "plain", "resolve_global"]
+__all__ = ["Opaque", "UnreadablePickleError", "UnsafePickleError", "compat_name", "load_pickled", "plain",
+           "resolve_global"]

@@ -4,8 +4,11 @@ The reference (louaaron/Score-Entropy-Discrete-Diffusion, ``model/transformer.py
 state dict: on the Hub (``louaaron/sedd-small``, ``louaaron/sedd-medium``, written by ``PyTorchModelHubMixin``) as
 ``model.safetensors`` or ``pytorch_model.bin`` beside a ``config.json`` holding the whole run config (``tokens``,
 ``graph.type``, ``noise.type``, ``model.{hidden_size, cond_dim, length, n_blocks, n_heads, scale_by_sigma,
-dropout}``); a local run's ``checkpoints-meta/checkpoint.pth`` holds it under ``model`` (DDP's ``module.`` prefix)
-and its EMA separately. Reading those files is the importer's; this module maps what they hold. The tokenizer is
+dropout}``); a local run's ``checkpoints-meta/checkpoint.pth`` holds it under ``model`` (saved from inside DDP as
+``module.state_dict()``, so without the ``module.`` prefix; a prefixed one is read too) with its EMA's shadow
+parameters under ``ema`` and the run config in the run folder's ``.hydra/config.yaml``. Reading those files is the
+importer's (``reference_layouts``, whose SEDD family maps keys with ``map_sedd``); this module maps a state dict and
+run config given in Python. The tokenizer is
 GPT-2's (the reference's ``GPT2TokenizerFast.from_pretrained('gpt2')``, 50,257 tokens; the mask is id 50,257).
 
 Its network is our DiT one for one (embedding, sigma timestep embedder, rotary with the values unrotated,

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "this code's network (or refused, listing the keys that do not map).",
         epilog="example:\n  python -m pipelines.import_model kuleshov-group/mdlm-owt\n"
                "  python -m pipelines.evaluate --model models:/adlm/N --profile paper --suite ppl")
-    p.add_argument("source", help="Hub id (owner/name), local folder, .ckpt/.bin file, or s3:// / gs:// URI")
+    p.add_argument("source", help="Hub id (owner/name), local folder, .ckpt/.bin/.pt/.pth file, a SEDD run folder, "
+                                  "or s3:// / gs:// URI")
     p.add_argument("--name", default=None, help="registered model name (default: adlm)")
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of a Hub id")
     p.add_argument("--family", choices=sorted(FAMILIES), help="the layout (default: recognised from the file)")

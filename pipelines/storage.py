@@ -44,6 +44,13 @@ class StorageError(ValueError):
     """A location that cannot be used (unknown scheme, unreachable store, missing bucket or credentials)."""
 
 
+class WorkdirError(StorageError):
+    """A work directory that cannot be used (a path under a regular file, no permission, an unreachable store):
+    bad input to every command, one line and exit code 2 (``pipelines.cli``)."""
+
+    exit_code = 2
+
+
 def is_uri(path: str | os.PathLike) -> bool:
     """A remote location (``s3://``, ``gs://``, ...); ``file://`` and plain paths are local."""
     s = str(path)
@@ -423,8 +430,20 @@ def resolve_workdir(workdir: str | os.PathLike | None = None) -> str:
     or a URI whose store answers (``check_location``)."""
     raw = str(workdir or os.environ.get("ADLM_WORKDIR") or "work")
     if is_uri(raw):
-        check_location(raw.rstrip("/"))
+        try:
+            check_location(raw.rstrip("/"))
+        except WorkdirError:
+            raise
+        except StorageError as e:
+            raise WorkdirError(str(e)) from None
         return raw.rstrip("/")
     d = local_path(raw).resolve()
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        # a path under a regular file (NotADirectoryError), a file of that name, no permission, a read-only disk
+        why = e.strerror or type(e).__name__
+        raise WorkdirError(f"the work directory {d} cannot be created ({why}"
+                           f"{': ' + str(e.filename) if e.filename and str(e.filename) != str(d) else ''}); "
+                           "pass --workdir (or $ADLM_WORKDIR) naming a folder that can be created") from None
     return str(d)

@@ -274,7 +274,7 @@ def test_import_command_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[s
     tok64 = str(word_tokenizer(tmp_path / "tok" / "tokenizer.json"))
     cases = [
         (["kuleshov-group/mdlm-owt", "--revision", "main"], "cannot download kuleshov-group/mdlm-owt@main"),
-        ([str(tmp_path / "nothing.ckpt")], "neither a file"),
+        ([str(tmp_path / "nothing.ckpt")], "no such file or folder"),
         ([str(FIXTURES / "ar" / "ar.ckpt")], "names no released tokenizer"),
         ([str(FIXTURES / "ar" / "ar.ckpt"), "--tokenizer", "gpt2"], "does not fit the checkpoint's embedding"),
         ([str(FIXTURES / "ar" / "ar.ckpt"), "--family", "mdlm", "--tokenizer", tok64], "does not map completely"),
@@ -371,3 +371,80 @@ def test_sedd_hub_layout_equals_reference(tmp_path: Path, one_torch_thread) -> N
     (tmp_path / "config.json").write_text(json.dumps({**prov["config"], "graph": {"type": "uniform"}}))
     with pytest.raises(rl.ImportRefused, match="uniform"):
         _import(tmp_path)
+
+
+def _sedd_reference_order(key: str) -> tuple:
+    """Where ``key`` stands in the reference SEDD module's state_dict (``model/transformer.py``: the order its
+    ``__init__`` registers parameters and buffers), which a training state's EMA list follows."""
+    block = ["norm1.weight", "attn_qkv.weight", "attn_out.weight", "norm2.weight", "mlp.0.weight", "mlp.0.bias",
+             "mlp.2.weight", "mlp.2.bias", "adaLN_modulation.weight", "adaLN_modulation.bias"]
+    head = ["vocab_embed.embedding", "sigma_map.mlp.0.weight", "sigma_map.mlp.0.bias", "sigma_map.mlp.2.weight",
+            "sigma_map.mlp.2.bias", "rotary_emb.inv_freq"]
+    tail = ["output_layer.norm_final.weight", "output_layer.linear.weight", "output_layer.linear.bias",
+            "output_layer.adaLN_modulation.weight", "output_layer.adaLN_modulation.bias"]
+    if key in head:
+        return (0, head.index(key))
+    if key.startswith("blocks."):
+        _, i, rest = key.split(".", 2)
+        return (1, int(i), block.index(rest))
+    return (2, tail.index(key))
+
+
+def _assert_sedd_equals_reference(model: torch.nn.Module, cfg: ModelConfig) -> None:
+    from adlm_model.schedule import LogLinearSchedule
+
+    exp = load_file(str(FIXTURES / "sedd" / "outputs.safetensors"))
+    with torch.no_grad():
+        log_score = model.log_score(exp["z_t"], LogLinearSchedule(cfg.noise_eps).sigma(exp["t"]))
+    torch.testing.assert_close(log_score, exp["log_score"], **TOL)
+
+
+def test_sedd_local_run_and_hub_bin_import_to_the_reference(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             one_torch_thread) -> None:
+    """SEDD's two other ways of holding the fixture's weights import to the reference's log-scores:
+
+    - a local run as the reference's ``run_train.py`` leaves it: ``.hydra/config.yaml`` and
+      ``checkpoints-meta/checkpoint.pth`` = ``utils.save_checkpoint``'s {optimizer, model, ema, step}, the EMA
+      (here the fixture's weights) different from the raw weights and the one loaded, as ``load_model_local``
+      does; by the run folder or by the file;
+    - a Hub folder with ``pytorch_model.bin`` and no safetensors (what older ``PyTorchModelHubMixin`` wrote),
+      read through the restricted unpickler.
+    A training state whose run config is missing is refused in one line."""
+    import yaml
+
+    prov = json.loads((FIXTURES / "sedd" / "provenance.json").read_text())
+    ref = load_file(str(FIXTURES / "sedd" / "weights.safetensors"))
+    order = sorted(ref, key=_sedd_reference_order)
+    run = tmp_path / "exp_local" / "openwebtext" / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump({**prov["config"], "training": {"ema": 0.9999}}))
+    (run / "checkpoints-meta").mkdir()
+    params = [k for k in order if not k.endswith("inv_freq")]
+    opt = torch.optim.AdamW([torch.nn.Parameter(ref[k].clone()) for k in params])
+    state = {"optimizer": opt.state_dict(), "model": OrderedDict((k, ref[k] + (0 if k.endswith("inv_freq") else 1))
+                                                                 for k in order),
+             "ema": {"decay": 0.9999, "num_updates": 3, "shadow_params": [ref[k].clone() for k in params]}, "step": 3}
+    torch.save(state, run / "checkpoints-meta" / "checkpoint.pth")
+    for source in (run, run / "checkpoints-meta" / "checkpoint.pth"):
+        model, cfg, fam = _import(source)
+        assert (fam.name, cfg.kind, cfg.width) == ("sedd", "sedd", 51)
+        _assert_sedd_equals_reference(model, cfg)
+    from pipelines.import_model import main
+
+    assert main([str(run), "--inspect", "--workdir", str(tmp_path / "wd")]) == 0
+    out = capsys.readouterr().out
+    assert "layout: run" in out and "family: sedd" in out and f"ema: {len(params)} shadow parameters" in out
+    # the training state alone, its run folder's config left behind: one line naming what to pass
+    alone = tmp_path / "alone.pth"
+    alone.write_bytes((run / "checkpoints-meta" / "checkpoint.pth").read_bytes())
+    assert main([str(alone), "--workdir", str(tmp_path / "wd")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "without its run config: pass the run folder" in err[0], err
+    # the Hub layout with pytorch_model.bin only
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    torch.save(OrderedDict((k, ref[k]) for k in order), hub / "pytorch_model.bin")
+    (hub / "config.json").write_text(json.dumps(prov["config"]))
+    model, cfg, fam = _import(hub)
+    assert fam.name == "sedd" and rl.read_source(hub).files[-1].name == "pytorch_model.bin"
+    _assert_sedd_equals_reference(model, cfg)

@@ -151,6 +151,13 @@ def test_text_starts_with_the_prompt_and_ends_with_the_suffix(art, kind) -> None
     ("mdlm", {"sampler": "confidence", "kv_cache": "all"}, "kv_cache must be one of off, prefix, dual"),
     ("mdlm", {"stop_at_eos": "yes"}, "stop_at_eos must be true or false"),
     ("ar", {"suffix": " the end"}, "cannot infill: drop the suffix"),
+    # a sampler of another kind: the line names the samplers the model takes
+    ("adlm", {"sampler": "bd3lm"}, "sampler 'bd3lm' does not run on a adlm model; it takes remdm-loop, mdlm, "
+                                   "confidence (default 'remdm-loop')"),
+    ("mdlm", {"sampler": "sedd-euler"}, "'sedd-euler' does not run on a mdlm model; it takes remdm-loop, mdlm, "
+                                        "confidence, bd3lm"),
+    ("bd3lm", {"sampler": "sedd-analytic"}, "it takes bd3lm, mdlm, remdm-loop, confidence (default 'bd3lm')"),
+    ("ar", {"sampler": "sedd-analytic"}, "'sedd-analytic' does not run on a ar model; it takes ar (default 'ar')"),
 ])
 def test_bad_requests_fail_in_one_line_before_the_network_runs(art, kind, fields, message) -> None:
     gen = _generator(art, kind)
@@ -432,6 +439,11 @@ def test_generate_cli_help_and_bad_input_exit_codes(registry, capsys, monkeypatc
     assert "has no alias 'nosuch'" in capsys.readouterr().err
     assert generate(["--model", str(registry["ar"]), "--prompt", "x", "--suffix", "y", "--quiet"]) == 2
     assert "cannot infill" in capsys.readouterr().err
+    for model, sampler in ((registry["adlm"], "bd3lm"), (registry["adlm"], "sedd-euler"), ("models:/adlm@candidate",
+                                                                                            "sedd-analytic")):
+        assert generate(["--model", str(model), "--prompt", "x", "--sampler", sampler, "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"error: sampler {sampler!r} does not run on a " in err[0] and "it takes " in err[0]
     # The served model's limits hold here too (a run of 10^8 steps would take most of an hour), unless lifted.
     assert generate(["--model", "models:/adlm@candidate", "--prompt", "x", "--length", "8", "--steps", "100000000",
                      "--quiet"]) == 2
@@ -499,6 +511,89 @@ def test_export_reloads_bit_for_bit_and_its_card_lists_the_registry_figures(regi
 # Serving over HTTP
 
 
+def _post(app, body: bytes, content_type: str = "application/json", chunk: int = 0,
+          declare: bool = True) -> tuple[int, bytes, int]:
+    """POST ``body`` to an ASGI app's /invocations as uvicorn hands it over (in ``chunk``-byte pieces, with or
+    without a Content-Length); (status, answer, how many of the body's bytes the app read)."""
+    import asyncio
+
+    pieces = [body[i:i + chunk] for i in range(0, len(body), chunk)] if chunk else [body]
+    headers = [(b"content-type", content_type.encode())] + ([(b"content-length", str(len(body)).encode())]
+                                                             if declare else [])
+    scope = {"type": "http", "method": "POST", "path": "/invocations", "raw_path": b"/invocations", "headers": headers,
+             "query_string": b"", "http_version": "1.1", "scheme": "http", "root_path": "",
+             "server": ("127.0.0.1", 5001), "client": ("127.0.0.1", 40000)}
+    sent: list[dict] = []
+    read = 0
+
+    async def receive() -> dict:
+        nonlocal read
+        if not pieces:
+            await asyncio.sleep(3600)  # the client waits for the answer: no more body, no disconnect
+        piece = pieces.pop(0)
+        read += len(piece)
+        return {"type": "http.request", "body": piece, "more_body": bool(pieces)}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"), read
+
+
+def test_the_server_refuses_large_and_unparsable_bodies_without_echoing_them(registry, monkeypatch) -> None:
+    """MLflow's scoring app (what ``mlflow models serve`` runs) behind the request guard of
+    ``python -m pipelines.serve``: a body over the limit is refused with 413 before more of it is read; a body
+    that is not JSON, not UTF-8 or not ``application/json`` gets a short 4xx, never the body; NaN, infinities and
+    negative or fractional lengths are 400; a megabyte prompt is refused before it is tokenized. Every answer is
+    one short line; a good request still gets its text."""
+    import mlflow
+    from mlflow.pyfunc import scoring_server
+
+    from pipelines.serving.server import RequestGuard
+
+    app = RequestGuard(scoring_server.init(mlflow.pyfunc.load_model("models:/adlm@candidate")), max_body=1 << 20)
+    encoded: list[str] = []
+    real_encode = TextGenerator._encode
+
+    def counting(self, text: str, what: str) -> list[int]:
+        encoded.append(what)
+        return real_encode(self, text, what)
+
+    monkeypatch.setattr(TextGenerator, "_encode", counting)
+
+    def refused(body: bytes, status: int, line: str, **kw) -> int:
+        got, answer, read = _post(app, body, **kw)
+        assert got == status and len(answer) < 1000, (got, answer[:300])
+        reply = json.loads(answer)
+        assert line in reply["message"] and "\n" not in reply["message"], reply
+        return read
+
+    big = b"x" * (2 << 20)
+    assert refused(big, 413, "larger than the server's limit of 1,048,576 bytes (ADLM_MAX_BODY_BYTES)") == 0
+    # no Content-Length (chunked): read up to the limit, then refused
+    assert refused(big, 413, "larger than the server's limit", chunk=64 << 10, declare=False) <= (1 << 20) + (64 << 10)
+    refused(b"x" * 900_000, 400, "the body is not JSON (Expecting value at line 1 column 1)")
+    refused(b"\xff\xfe" * 400_000, 400, "the body is not UTF-8 (byte 0 cannot be decoded)")
+    refused(b"prompt,length\nx,4\n", 415, "takes Content-Type application/json, got 'text/csv'", content_type="text/csv")
+    for value, line in (("NaN", "holds NaN"), ("Infinity", "holds Infinity"), ("-Infinity", "holds -Infinity"),
+                        ("1e999", "the number 1e999, too large"), ("-3", "length must be >= 1"),
+                        ("2.5", "length must be an integer, got 2.5")):
+        refused(b'{"dataframe_records": [{"prompt": "x", "length": %s}]}' % value.encode(), 400, line)
+    prompt = json.dumps({"dataframe_records": [{"prompt": "And God said " * 77_000, "length": 4}]}).encode()
+    assert 1_000_000 < len(prompt) < 1 << 20
+    encoded.clear()
+    refused(prompt, 400, "request row 0: prompt and suffix of 1,001,000 characters exceed the limit max_chars=1,024 "
+                         "(ADLM_MAX_CHARS)")
+    assert encoded == []  # refused before the tokenizer saw it
+    # whatever MLflow's own parsing refuses comes back cut to one line, not with the request in it
+    refused(json.dumps({"dataframe_split": {"columns": ["prompt"], "data": "y" * 500_000}}).encode(), 400, "")
+    status, answer, _ = _post(app, json.dumps({"dataframe_records": [{"prompt": PROMPT, "length": 4, "steps": 4,
+                                                                      "seed": 3}]}).encode())
+    assert status == 200 and json.loads(answer)["predictions"][0]["text"].startswith(PROMPT)
+
+
 @pytest.mark.slow
 def test_mlflow_models_serve_answers_with_text_and_refuses_bad_input(registry, tmp_path) -> None:
     with models_serve("models:/adlm@candidate", tmp_path / "serve.log", tmp_path) as url:
@@ -522,6 +617,51 @@ def test_mlflow_models_serve_answers_with_text_and_refuses_bad_input(registry, t
         status, body = invocations(url, {"inputs": {"prompt": [PROMPT], "suffix": [SUFFIX], "length": [10], "steps": [16],
                                               "seed": [7]}})
         assert status == 200 and body["predictions"][0]["text"] == first["text"]  # same seed, same text
+
+
+@pytest.mark.slow
+def test_pipelines_serve_starts_without_the_venv_on_path_and_limits_the_body(registry, tmp_path) -> None:
+    """``python -m pipelines.serve`` started by the venv's interpreter from a shell whose PATH lacks the venv
+    (where ``mlflow models serve`` fails with ``uvicorn: not found``): it serves, refuses a body over
+    ``--max-body-bytes`` with 413 in one short line, and answers a good request with text."""
+    import signal
+    import subprocess
+    import time
+    import urllib.error
+    import urllib.request
+    from pathlib import Path
+
+    from tests.conftest import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PATH": "/usr/bin:/bin", "NO_PROXY": "127.0.0.1,localhost"}
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "pipelines.serve", "--model", "models:/adlm@candidate",
+                                 "--port", str(port), "--max-body-bytes", "100000", "-q"],
+                                env=env, cwd=Path(__file__).resolve().parents[1], stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not http_ok(f"{url}/ping"):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.5)
+        req = urllib.request.Request(f"{url}/invocations", data=b"x" * 200_000,
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        answer = e.value.read()
+        assert e.value.code == 413 and len(answer) < 300 and b"100,000 bytes" in answer, answer
+        status, body = invocations(url, {"dataframe_records": [{"prompt": PROMPT, "length": 4, "steps": 4}]})
+        assert status == 200 and body["predictions"][0]["text"].startswith(PROMPT), body
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 # --------------------------------------------------------------------------------------------------------

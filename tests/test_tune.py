@@ -85,6 +85,31 @@ def test_missing_data_fails_before_ray(workdir: Path, capsys: pytest.CaptureFixt
     assert not (workdir / "ray_results").exists()
 
 
+def test_check_refuses_a_run_init_version_that_does_not_exist(tiny_data: Path, workdir: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``--check`` checks ``run.init`` as training would (it said ok for a version that does not exist, and every
+    trial then failed): one line naming what the registry has, exit 2, no sweep folder."""
+    args = ["--space", str(ROOT / "tune_spaces" / "demo.yaml"), "--config", str(ROOT / "configs" / "demo.yaml"),
+            "--workdir", str(workdir), "--check", *set_args([*data_overrides(tiny_data), *TINY_MODEL])]
+    assert tune_main(args) == 0 and capsys.readouterr().out.startswith("ok: sweep")
+    assert tune_main([*args, "--set", "run.init=models:/adlm/99"]) == 2
+    out = capsys.readouterr()
+    err = [ln for ln in out.err.strip().splitlines() if "(pid=" not in ln[:40]]
+    assert out.out == "" and len(err) == 1 and "does not exist yet, so no version is registered there" in err[0], err
+    assert not (workdir / "mlflow.db").exists()  # asking did not create the store
+    # a registry without that version: the line says what it has
+    from mlflow import MlflowClient
+
+    MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}").create_registered_model("adlm")
+    capsys.readouterr()
+    assert tune_main([*args, "--set", "run.init=models:/adlm/99"]) == 2
+    out = capsys.readouterr()
+    err = [ln for ln in out.err.strip().splitlines() if "(pid=" not in ln[:40]]
+    assert out.out == "" and len(err) == 1, err
+    assert err[0].startswith("error: run.init models:/adlm/99: registered model 'adlm' has no version 99"), err
+    assert "(it has no versions)" in err[0] and not (workdir / "ray_results").exists()
+
+
 def test_a_trial_still_pending_at_ctrl_c_is_not_counted_as_ended() -> None:
     """Tune hands back a trial that was still pending when Ctrl-C stopped it as TERMINATED, with a result that holds
     nothing but its id (seen with two trials, one at a time, stopped between them): the sweep counts the trials

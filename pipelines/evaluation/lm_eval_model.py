@@ -66,7 +66,8 @@ class AdapterSettings:
     t_draws: int = 1
     """``loglikelihood_rolling``: draws of t per row of the NELBO bound."""
     sampler: str = "auto"
-    """``generate_until``: ``auto`` (the kind's default), mdlm, remdm-loop, ar, bd3lm."""
+    """``generate_until``: ``auto`` (the kind's default) or a sampler that runs on the kind
+    (``adlm_model.kinds.samplers_for``: mdlm, remdm-loop, confidence, ar, bd3lm, sedd-euler, sedd-analytic)."""
     steps: int = 64
     """``generate_until``: sampling steps T."""
     nucleus_p: float = 1.0
@@ -158,6 +159,14 @@ class ADLMEvalLM(LM):
         self.ref = resolve_model_ref(pretrained, tracking_uri, cache)
         self.model, self.cfg, meta = load_checkpoint(self.ref.local_dir, use_ema=s.use_ema, map_location=self._device)
         self.model.eval()
+        if s.sampler != "auto":  # a sampler that does not run on this kind: one line now, not at the first request
+            from adlm_model.kinds import check_sampler_kind
+            from adlm_model.samplers import SamplerError
+
+            try:
+                check_sampler_kind(s.sampler, self.cfg.kind)
+            except SamplerError as e:
+                raise EvalError(f"lm-eval adapter: {e}") from e
         self.tok = checkpoint_tokenizer(self.ref.local_dir, meta)
         self.stats: list[dict[str, Any]] = []
         """One entry per loglikelihood request: task, loglik, stderr, tokens, samples (what the suite logs)."""
@@ -260,6 +269,8 @@ class ADLMEvalLM(LM):
         cfg, s = self.cfg, self.settings
         sampler = resolve_sampler(s.sampler, cfg.kind)
         options = sampler_options(sampler, s.sampler_kwargs, self.tok)
+        # infill puts BOS first itself (its bos_id); the samplers that list bos_id (ar, bd3lm) get it from there
+        bos_id = options.pop("bos_id", self.tok.bos_id)
         out = []
         for r in tqdm(requests, desc=f"lm-eval generate_until ({sampler}, T={s.steps})", unit="request",
                       disable=disable_tqdm):
@@ -268,14 +279,14 @@ class ADLMEvalLM(LM):
             until = [until] if isinstance(until, str) else list(until)
             new = int(kw.get("max_gen_toks", s.max_gen_toks))
             prompt = self._encode(context)
-            head = 1 if self.tok.bos_id is not None else 0
+            head = 1 if bos_id is not None else 0
             if not get_sampler(sampler).any_length:
                 new = min(new, cfg.seq_len - head - 1)
                 prompt = prompt[-(cfg.seq_len - head - new):]
             g = torch.Generator(device=self._device).manual_seed(request_seed(s.seed, context))
             with self._autocast():
                 ids = infill(self.model, cfg, prompt, new_tokens=new, steps=s.steps, sampler=sampler,
-                             nucleus_p=s.nucleus_p, generator=g, bos_id=self.tok.bos_id, **options)[0].tolist()
+                             nucleus_p=s.nucleus_p, generator=g, bos_id=bos_id, **options)[0].tolist()
             if self.tok.eos_id is not None and self.tok.eos_id in ids:
                 ids = ids[:ids.index(self.tok.eos_id)]
             ids = [i for i in ids if i != cfg.mask_id and i != self.tok.pad_id]

@@ -98,6 +98,8 @@ def run_generation(loaded: LoadedModel, request: GenerationRequest, *, progress:
     """Check ``request`` (one line on bad input, before any network call) and, with ``limits``, its cost against
     the served model's limits (``adlm_model.limits``: ``LimitError``), then generate."""
     gen = loaded.generator
+    if limits:
+        gen.limits().check_text(None, len(request.prompt) + len(request.suffix))  # before the text is tokenized
     checked = gen.check(request)
     if limits:
         bounds = gen.limits()

@@ -18,6 +18,10 @@ log = logging.getLogger("adlm.import")
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "README.md", "LICENSE*"]
+HUB_PICKLE_FILES = ["pytorch_model.bin"]
+"""Downloaded only when a Hub folder has no safetensors (older ``PyTorchModelHubMixin`` releases saved this),
+read through ``adlm_model.safe_pickle``."""
+PATH_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors", ".json", ".yaml")
 # The tokenizer a released model was trained with, by its embedding width (vocabulary + appended mask).
 DEFAULT_TOKENIZERS = {50258: "gpt2", 30522: "bert-base-uncased"}
 EXPERIMENT = "imports"
@@ -29,7 +33,7 @@ class ImportInputError(ValueError):
 
 def fetch_source(source: str, revision: str | None, tmp: Path) -> tuple[Path, str]:
     """A local path for ``source`` and what kind it was (``local``, ``uri``, ``hub``)."""
-    from pipelines.storage import StorageError, download_dir, exists, get_fs, hub_errors, is_file, is_uri, local_path
+    from pipelines.storage import StorageError, download_dir, exists, get_fs, is_file, is_uri, local_path
 
     if is_uri(source):
         try:
@@ -51,19 +55,38 @@ def fetch_source(source: str, revision: str | None, tmp: Path) -> tuple[Path, st
         if revision:
             raise ImportInputError("--revision applies to a Hub id only, not to a local path")
         return local, "local"
-    if source.startswith("file://") or not HUB_ID.match(source):
-        raise ImportInputError(f"{source} is neither a file, a folder, an object-store URI nor a Hub id (owner/name)")
+    if looks_like_path(source):
+        raise ImportInputError(f"{source}: no such file or folder (a Hub id is owner/name, without a file suffix); "
+                               "check the path")
+    return hub_snapshot(source, revision), "hub"
+
+
+def looks_like_path(source: str) -> bool:
+    """A source that cannot be a Hub id (``owner/name``) and so names a missing local file: a ``file://`` URI,
+    an absolute, home or ``./``/``../`` path, a checkpoint file suffix, or anything else the Hub id pattern
+    refuses (``a/b/c``)."""
+    return (source.startswith(("file://", "/", "~", "./", "../")) or source.lower().endswith(PATH_SUFFIXES)
+            or not HUB_ID.match(source) or ".." in source)
+
+
+def hub_snapshot(repo: str, revision: str | None) -> Path:
+    """The Hub folder of ``repo`` (the Hugging Face cache, HF_HOME: a second import of the same revision
+    downloads nothing): config and safetensors; ``pytorch_model.bin`` too when the folder has no safetensors."""
     from huggingface_hub import snapshot_download
 
+    from pipelines.storage import hub_errors
+
     try:
-        # the Hugging Face cache (HF_HOME): a second import of the same revision downloads nothing
-        path = snapshot_download(repo_id=source, revision=revision, allow_patterns=HUB_FILES)
+        path = Path(snapshot_download(repo_id=repo, revision=revision, allow_patterns=HUB_FILES))
+        if not any(path.glob("*.safetensors")):
+            path = Path(snapshot_download(repo_id=repo, revision=revision,
+                                          allow_patterns=HUB_FILES + HUB_PICKLE_FILES))
     except hub_errors() as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ImportInputError(f"cannot download {source}{'@' + revision if revision else ''} from the Hugging Face "
+        raise ImportInputError(f"cannot download {repo}{'@' + revision if revision else ''} from the Hugging Face "
                                f"Hub ({type(e).__name__}: {first[:160]}); with no network, download the folder "
                                "elsewhere and pass its path") from None
-    return Path(path), "hub"
+    return path
 
 
 def _sha256(files: list[Path]) -> dict[str, str]:
@@ -125,12 +148,12 @@ def import_model(source: str, *, name: str | None = None, revision: str | None =
         src = rl.read_source(local)
         if inspect:
             try:
-                fam = rl.family(family) if family else rl.detect_family(src)
+                fam = rl.chosen_family(family, src)
             except rl.ImportRefused:
                 fam = None
             return {"inspected": str(local), "family": fam.name if fam else None, "tensors": len(src.tensors),
                     "lines": inspect_lines(src, fam, src.files)}
-        fam = rl.family(family) if family else rl.detect_family(src)
+        fam = rl.chosen_family(family, src)
         width = rl.embedding_width(src, fam)
         tok = _tokenizer(tokenizer, src, width, local)
         model, cfg = rl.convert(src, fam, tok.vocab_size, tok.mask_id)

@@ -16,7 +16,8 @@ model's ``requirements.txt``.
   ``new_tokens``, ``seconds``, ``seed``, ``sampler``, ``steps``, ``settings`` (JSON: every setting used) and
   ``network_calls``.
 - Every row is validated, and the request's cost bounded (``adlm_model.limits``: ``ADLM_MAX_STEPS``,
-  ``ADLM_MAX_LENGTH``, ``ADLM_MAX_ROWS``, ``ADLM_MAX_WORK``), before any row is generated; a bad row or a
+  ``ADLM_MAX_LENGTH``, ``ADLM_MAX_ROWS``, ``ADLM_MAX_WORK``; ``ADLM_MAX_CHARS`` before the text is tokenized),
+  before any row is generated; a bad row or a
   request over a limit raises ``RequestError`` (an ``MlflowException`` with ``INVALID_PARAMETER_VALUE``), which
   the scoring server answers with HTTP 400 and the one-line reason, without the request echoed.
 - Input formats: ``dataframe_records``/``dataframe_split``, and ``inputs`` as records, columns or a list of
@@ -130,7 +131,9 @@ class ADLMTextModel(mlflow.pyfunc.PythonModel):
             for i, row in enumerate(rows):
                 _check_prompt(i, row)
                 try:
-                    checked.append(gen.check(gen.request(exclude=SERVED_EXCLUDED, **row)))
+                    req = gen.request(exclude=SERVED_EXCLUDED, **row)
+                    limits.check_text(i, len(req.prompt) + len(req.suffix))  # before the text is tokenized
+                    checked.append(gen.check(req))
                     limits.check_row(i, checked[-1].request.steps, checked[-1].request.length)
                 except LimitError:
                     raise

@@ -16,6 +16,7 @@ EMA weights of a registered (or imported) version, as BD3-LM's paper fine-tunes 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -79,6 +80,11 @@ def pin_init(cfg: TrainConfig, prev_meta: dict[str, Any] | None, tracking_uri: s
 
     from pipelines.tracking import redact_uri, tracking_reachable
 
+    store = tracking_uri[len("sqlite:///"):] if tracking_uri.startswith("sqlite:///") else None
+    if asked.startswith("models:/") and store is not None and not Path(store).is_file():  # not created by asking
+        raise ConfigError(f"run.init {asked}: the tracking store {redact_uri(tracking_uri)} does not exist yet, so no "
+                          "version is registered there; train, import or register one first (or point "
+                          "MLFLOW_TRACKING_URI / --workdir at the store that holds it)")
     if asked.startswith("models:/") and not tracking_reachable(tracking_uri):  # not MLflow's minutes of retries
         raise ConfigError(f"run.init {asked}: the tracking server at {redact_uri(tracking_uri)} does not answer; "
                           "start from a version once it is back, or from a checkpoint folder")

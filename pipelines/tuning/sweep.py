@@ -128,10 +128,13 @@ def plan_sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[st
         except ImportError:
             raise ConfigError("search.algorithm optuna needs the optuna extra: pip install -e '.[optuna]'") from None
     wd = resolve_workdir(workdir)
-    if check_data:
-        plan_data(base, wd)  # the data must exist and fit the model
-    return SweepPlan(space=space, base_raw=raw, base=base, workdir=wd,
-                     tracking_uri=tracking_uri or resolve_tracking_uri(wd),
+    data = plan_data(base, wd) if check_data else None  # the data must exist and fit the model
+    uri = tracking_uri or resolve_tracking_uri(wd)
+    if base.run.init:  # the version every trial starts from must exist and fit, as train checks it
+        from pipelines.training.init import pin_init
+
+        pin_init(base, None, uri, data.tokenizer_hash if data else None)
+    return SweepPlan(space=space, base_raw=raw, base=base, workdir=wd, tracking_uri=uri,
                      storage=join(wd, "ray_results", "tune"), max_t=max_t)
 
 
