@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from .config import KIND_TABLE, ModelConfig
-from .kinds import check_sampler_options, model_kind, sample
+from .kinds import check_sampler_options, model_kind, sample, sampler_fits
 from .samplers import Progress, SamplerError
 
 
@@ -63,7 +63,7 @@ def plan_infill(cfg: ModelConfig, sampler: str, prompt_len: int, new_tokens: int
     training length without a sampler that generates any length."""
     s = check_sampler_options(sampler, dict(options or {}), length=new_tokens)
     kind = model_kind(cfg.kind)
-    if s.diffusion != kind.diffusion:
+    if not sampler_fits(s, kind):
         raise SamplerError(f"sampler {sampler!r} does not run on a {cfg.kind} model; use {kind.default_sampler!r} "
                            f"(the kind's default)")
     if new_tokens < 1:

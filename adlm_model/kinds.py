@@ -34,6 +34,8 @@ from .samplers import (
     resolve_prefix,
 )
 from .sedd import SEDD, sedd_objective, sedd_sample
+from .ssdlm import OPTIONS as SSDLM_OPTIONS
+from .ssdlm import SSDLM, ssd_sample
 
 Objective = Callable[..., LossOutput]
 """``(model, x, attention_mask, cfg, *, step, t, generator) -> LossOutput``."""
@@ -71,10 +73,19 @@ class ModelKind:
     continuation likelihood, the block sampler generates any length): BD3-LM."""
     distillable: bool = False
     """SDTT can distil its ancestral sampler (``adlm_model.distill``: masked diffusion over the whole row)."""
+    sample_only: str = ""
+    """Non-empty: the kind is imported and sampled, never trained, and has no likelihood here; the line says so
+    (training, tuning, studies and distillation refuse the kind with it, and so do the likelihood suites)."""
+    samplers: tuple[str, ...] = ()
+    """The only samplers that run on it (empty: every sampler of its ``diffusion`` flag that names no kinds)."""
 
 
 Mask = torch.Tensor | None
 Gen = torch.Generator | None
+
+
+class SampleOnlyError(ValueError):
+    """A likelihood or a training step asked of a sample-only kind (``ModelKind.sample_only`` says why)."""
 
 
 def _mdlm(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
@@ -107,6 +118,11 @@ def _bd3lm_eval(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *
     return bd3lm_objective(model, x, am, cfg, t=t, generator=generator, train=False)
 
 
+def _sample_only(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
+                 t: torch.Tensor | None = None, generator: Gen = None) -> LossOutput:
+    raise SampleOnlyError(f"model kind {cfg.kind}: {KINDS[cfg.kind].sample_only}")
+
+
 KINDS: dict[str, ModelKind] = {k.name: k for k in (
     ModelKind("mdlm", MDLM, _mdlm, _mdlm, "remdm-loop", distillable=True),
     # Evaluation of ADLM runs the denoiser NELBO through the same network (MDLM's objective reads
@@ -118,6 +134,11 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
               block_diffusion=True),
     # SEDD: the same DiT, time-conditioned, read as a score; its loss (the score entropy) is its bound too.
     ModelKind("sedd", SEDD, _sedd, _sedd, "sedd-analytic", time_conditioned=True),
+    # SSD-LM: the released RoBERTa simplex-diffusion network (ssdlm.py), sampled block by block; no training, no
+    # likelihood (Gaussian diffusion on the logit simplex has no bound here), its own sampler only.
+    ModelKind("ssdlm", SSDLM, _sample_only, _sample_only, "ssdlm", adaln=False, samplers=("ssdlm",),
+              sample_only="training SSD-LM is out of scope (sample-only: import the released model with python -m "
+                          "pipelines.import_model xhan77/ssdlm, then generate or evaluate its samples)"),
 )}
 assert tuple(KINDS) == MODEL_KINDS, "config.MODEL_KINDS and the KINDS table must list the same kinds"
 KIND_TABLE.update(KINDS)  # ModelConfig's per-kind defaults read the table through config (no import circle)
@@ -173,6 +194,8 @@ class Sampler:
     steps: bool = True
     """Runs the ``steps`` of a diffusion grid (False: its iterations are its own, one per token for ``ar``, until
     every position is decided for ``confidence``; what it reports as steps is the network calls it made)."""
+    kinds: tuple[str, ...] = ()
+    """The only model kinds it runs on (empty: the kinds of its ``diffusion`` flag that name no samplers)."""
 
 
 def _remdm(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *,
@@ -223,6 +246,9 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     # SEDD's predictors with the final denoising step (sedd.py); they read the score, so SEDD models only.
     Sampler("sedd-euler", _sedd_euler),
     Sampler("sedd-analytic", _sedd_analytic),
+    # SSD-LM's decoding (ssdlm.py): blocks left to right, T steps of simplex diffusion each, so it takes a prompt
+    # and no suffix as AR does (diffusion=False) and runs on SSD-LM's network only.
+    Sampler("ssdlm", ssd_sample, SSDLM_OPTIONS, diffusion=False, any_length=True, kinds=("ssdlm",)),
 )}
 
 
@@ -230,6 +256,23 @@ def get_sampler(name: str) -> Sampler:
     if name not in SAMPLERS:
         raise SamplerError(f"unknown sampler {name!r}: use one of {', '.join(SAMPLERS)}")
     return SAMPLERS[name]
+
+
+def sampler_fits(sampler: Sampler, kind: ModelKind) -> bool:
+    """Whether ``sampler`` runs on a model of ``kind`` (the two tables' ``kinds`` / ``samplers``, else the
+    ``diffusion`` flags)."""
+    if sampler.kinds or kind.samplers:
+        return kind.name in sampler.kinds and sampler.name in kind.samplers
+    return sampler.diffusion == kind.diffusion
+
+
+def check_sampler_fits(name: str, kind_name: str) -> Sampler:
+    """The sampler, or SamplerError (one line) when it does not run on a ``kind_name`` model."""
+    s, k = get_sampler(name), model_kind(kind_name)
+    if not sampler_fits(s, k):
+        raise SamplerError(f"sampler {name!r} does not run on a {kind_name} model; use {k.default_sampler!r} "
+                           f"(the kind's default)")
+    return s
 
 
 def check_sampler_options(name: str, options: dict, length: int | None = None) -> Sampler:
@@ -268,6 +311,8 @@ def sample(model: nn.Module, cfg: ModelConfig, *, batch_size: int, length: int, 
     The model is put in eval mode for the call (and restored) and run under ``torch.no_grad``.
     """
     s = get_sampler(sampler)
+    if not sampler_fits(s, KINDS[cfg.kind]):
+        check_sampler_fits(sampler, cfg.kind)
     check_sample_args(cfg, batch_size, length, steps, nucleus_p, generator)
     kw = dict(sampler_kwargs)
     stats = kw.pop("stats", None)
@@ -284,5 +329,6 @@ def sample(model: nn.Module, cfg: ModelConfig, *, batch_size: int, length: int, 
         model.train(was_training)
 
 
-__all__ = ["KINDS", "SAMPLERS", "ModelKind", "Sampler", "build_model", "check_sampler_options", "compute_loss",
-           "count_parameters", "get_sampler", "model_kind", "sample"]
+__all__ = ["KINDS", "SAMPLERS", "ModelKind", "SampleOnlyError", "Sampler", "build_model", "check_sampler_fits",
+           "check_sampler_options", "compute_loss", "count_parameters", "get_sampler", "model_kind", "sample",
+           "sampler_fits"]

@@ -114,7 +114,8 @@ class GenerationRequest:
     threshold: float | None = None
     """``confidence`` sampler: unmask every position whose top probability exceeds it (default 0.9)."""
     block: int | None = None
-    """``confidence`` sampler: semi-autoregressive block size, dividing ``length`` (default: one block)."""
+    """``confidence`` sampler: semi-autoregressive block size, dividing ``length`` (default: one block); a block-wise
+    sampler with a ``block_size`` option (``ssdlm``, ``bd3lm``): its block size."""
     refresh: int | None = None
     """``confidence`` sampler: steps between full passes of the approximate KV cache (1 = exact; default: the
     cache is off, or refreshed only when the block changes if ``kv_cache`` is set)."""
@@ -343,6 +344,10 @@ def sampler_settings(req: GenerationRequest, sampler: str) -> dict[str, Any]:
     """The sampler options a request sets (the confidence settings, resolved), or GenerationError when it sets
     them for a sampler that does not take them."""
     given = {k: getattr(req, k) for k in CONFIDENCE_OPTIONS if getattr(req, k) is not None}
+    if sampler != "confidence" and set(given) == {"block"} and "block_size" in get_sampler(sampler).options:
+        if req.block < 1:  # a block-wise sampler (ssdlm, bd3lm) takes ``block`` as its block size
+            raise GenerationError(f"block must be >= 1, got {req.block}")
+        return {"block_size": req.block}
     if sampler != "confidence":
         if given:
             raise GenerationError(f"{', '.join(given)} {'is a setting' if len(given) == 1 else 'are settings'} "
