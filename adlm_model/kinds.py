@@ -311,7 +311,8 @@ def sample(model: nn.Module, cfg: ModelConfig, *, batch_size: int, length: int, 
     The model is put in eval mode for the call (and restored) and run under ``torch.no_grad``.
     """
     s = get_sampler(sampler)
-    if not sampler_fits(s, KINDS[cfg.kind]):
+    kind = KINDS[cfg.kind]
+    if (s.kinds or kind.samplers) and not sampler_fits(s, kind):  # a sampler and a kind made for each other only
         check_sampler_fits(sampler, cfg.kind)
     check_sample_args(cfg, batch_size, length, steps, nucleus_p, generator)
     kw = dict(sampler_kwargs)
