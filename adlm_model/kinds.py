@@ -28,6 +28,7 @@ from .samplers import (
     ReMDMLoop,
     SamplerError,
     ar_sample,
+    ar_window_sample,
     check_sample_args,
     diffusion_sample,
     reject_unknown,
@@ -220,6 +221,12 @@ def _ar_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: 
     return ar_sample(model, cfg, tokens, keep, bos_id=bos_id, stats=stats, **kw)
 
 
+def _ar_window_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *,
+                       stats: dict | None = None, steps: int = 0, bos_id: int | None = None,
+                       **kw: Any) -> torch.Tensor:
+    return ar_window_sample(model, cfg, tokens, keep, bos_id=bos_id, stats=stats, **kw)
+
+
 def _bd3lm_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor,
                    **kw: Any) -> torch.Tensor:
     return sample_blocks(model, cfg, tokens, keep, **kw).tokens
@@ -241,6 +248,8 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     # Confidence-threshold parallel decoding with the approximate KV cache (confidence.py, block_cache.py).
     Sampler("confidence", _confidence_sampler, CONFIDENCE_OPTIONS, steps=False),
     Sampler("ar", _ar_sampler, ("bos_id",), diffusion=False, steps=False),
+    # AR past the model's context in a sliding window (the BD3-LM paper's arbitrary-length AR samples).
+    Sampler("ar-window", _ar_window_sampler, ("bos_id", "context"), diffusion=False, steps=False, any_length=True),
     Sampler("bd3lm", _bd3lm_sampler, ("block_size", "kv_cache", "context", "eos_id", "entropy_threshold",
                                       "entropy_window", "pad_id", "bos_id"), any_length=True),
     # SEDD's predictors with the final denoising step (sedd.py); they read the score, so SEDD models only.

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="diffusion steps T (per block for bd3lm; ignored by ar; default: the version's sampler_steps "
                         f"when it is a distilled student, else {DEFAULT_STEPS})")
     p.add_argument("--sampler", default=None,
-                   help="mdlm, remdm-loop, confidence, ar, bd3lm, sedd-euler, sedd-analytic or ssdlm (default: the "
+                   help="mdlm, remdm-loop, confidence, ar, ar-window, bd3lm, sedd-euler, sedd-analytic or ssdlm (default: the "
                         "model kind's own: remdm-loop for MDLM/ADLM, ar, bd3lm, sedd-analytic for SEDD, ssdlm)")
     p.add_argument("--threshold", type=float, default=None,
                    help="confidence sampler: unmask every position whose top probability exceeds it, at least one "
