@@ -303,8 +303,9 @@ def sample(model: nn.Module, cfg: ModelConfig, *, batch_size: int, length: int, 
     """Generate token ids ``(batch_size, length)`` (METHOD.md section 4).
 
     - ``sampler``: ``mdlm`` (ancestral), ``remdm-loop``, ``confidence`` (threshold parallel decoding, blocks
-      and the approximate KV cache: ``confidence.py``), ``ar``, ``bd3lm`` (block by block), ``sedd-euler`` and
-      ``sedd-analytic`` (SEDD's predictors, ``sedd.py``). An
+      and the approximate KV cache: ``confidence.py``), ``ar``, ``ar-window`` (AR past its context), ``bd3lm``
+      (block by block), ``sedd-euler`` and ``sedd-analytic`` (SEDD's predictors, ``sedd.py``), ``ssdlm`` (SSD-LM's
+      simplex diffusion block by block, on its own network only: ``ssdlm.py``). An
       ADLM model runs the diffusion samplers on its composed network (fused projection).
     - ``steps``: ``T`` of the diffusion grid (per block for ``bd3lm``; ignored by ``ar``, which
       takes one step per token).
