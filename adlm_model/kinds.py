@@ -36,7 +36,7 @@ from .samplers import (
 )
 from .sedd import SEDD, sedd_objective, sedd_sample
 from .ssdlm import OPTIONS as SSDLM_OPTIONS
-from .ssdlm import SSDLM, ssd_sample
+from .ssdlm import SSDLM, network_calls, ssd_sample
 
 Objective = Callable[..., LossOutput]
 """``(model, x, attention_mask, cfg, *, step, t, generator) -> LossOutput``."""
@@ -197,6 +197,9 @@ class Sampler:
     every position is decided for ``confidence``; what it reports as steps is the network calls it made)."""
     kinds: tuple[str, ...] = ()
     """The only model kinds it runs on (empty: the kinds of its ``diffusion`` flag that name no samplers)."""
+    calls: Callable[[int, int, dict], int] | None = None
+    """``(new tokens, steps, options) ->`` the forward passes it makes at most, each over at most the model's context
+    (what a served request is bounded by); None: ``textgen``'s default bound."""
 
 
 def _remdm(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *,
@@ -249,7 +252,8 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     Sampler("confidence", _confidence_sampler, CONFIDENCE_OPTIONS, steps=False),
     Sampler("ar", _ar_sampler, ("bos_id",), diffusion=False, steps=False),
     # AR past the model's context in a sliding window (the BD3-LM paper's arbitrary-length AR samples).
-    Sampler("ar-window", _ar_window_sampler, ("bos_id", "context"), diffusion=False, steps=False, any_length=True),
+    Sampler("ar-window", _ar_window_sampler, ("bos_id", "context"), diffusion=False, steps=False, any_length=True,
+            calls=lambda length, steps, options: length),
     Sampler("bd3lm", _bd3lm_sampler, ("block_size", "kv_cache", "context", "eos_id", "entropy_threshold",
                                       "entropy_window", "pad_id", "bos_id"), any_length=True),
     # SEDD's predictors with the final denoising step (sedd.py); they read the score, so SEDD models only.
@@ -257,7 +261,8 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     Sampler("sedd-analytic", _sedd_analytic),
     # SSD-LM's decoding (ssdlm.py): blocks left to right, T steps of simplex diffusion each, so it takes a prompt
     # and no suffix as AR does (diffusion=False) and runs on SSD-LM's network only.
-    Sampler("ssdlm", ssd_sample, SSDLM_OPTIONS, diffusion=False, any_length=True, kinds=("ssdlm",)),
+    Sampler("ssdlm", ssd_sample, SSDLM_OPTIONS, diffusion=False, any_length=True, kinds=("ssdlm",),
+            calls=network_calls),
 )}
 
 

@@ -308,6 +308,11 @@ def check_options(cfg: ModelConfig, *, block_size: int = DEFAULT_BLOCK, one_hot:
     return context or room
 
 
+def network_calls(length: int, steps: int, options: dict) -> int:
+    """The forward passes of ``ssd_sample`` for ``length`` new tokens: ``steps`` per block."""
+    return steps * math.ceil(length / options.get("block_size", DEFAULT_BLOCK))
+
+
 def ssd_sample(model: SSDLM, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *, steps: int,
                nucleus_p: float, generator: torch.Generator, progress: Callable[[int, int], None] | None = None,
                cache: bool = True, stats: dict | None = None, block_size: int = DEFAULT_BLOCK,
@@ -348,4 +353,5 @@ def ssd_sample(model: SSDLM, cfg: ModelConfig, tokens: torch.Tensor, keep: torch
 
 
 __all__ = ["DEFAULT_BLOCK", "DEFAULT_ONE_HOT", "OPTIONS", "PROJECTIONS", "SSDLM", "GeneratorNoise", "Noise",
-           "SSDLMError", "check_options", "cosine_alpha_bar", "decode_block", "project", "ssd_sample", "top_p_mask"]
+           "SSDLMError", "check_options", "cosine_alpha_bar", "decode_block", "network_calls", "project", "ssd_sample",
+           "top_p_mask"]

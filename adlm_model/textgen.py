@@ -256,6 +256,10 @@ class TextGenerator:
         ``2 x parameters x rows x row length x calls`` (a KV cache only makes it cheaper)."""
         r = checked.request
         row = int(self.specials.bos_id is not None) + len(checked.prompt_ids) + r.length + len(checked.suffix_ids)
+        bound = get_sampler(checked.sampler).calls
+        if bound is not None:  # the sampler's own bound (ssdlm: T a block), each pass over at most the context
+            calls = bound(r.length, r.steps, checked.options)
+            return calls, 2.0 * self.parameters * r.num_samples * min(row, self.cfg.seq_len) * calls
         calls = {"confidence": r.length, "ar": 1}.get(checked.sampler, r.steps + 1)
         return (r.length if checked.sampler == "ar" else calls), 2.0 * self.parameters * r.num_samples * row * calls
 

@@ -106,6 +106,15 @@ def test_generate_gives_the_references_tokens_at_its_seed(imported, capsys) -> N
     want = tok.decode(ref["sampling.tokens"][0].tolist(), skip_special_tokens=True)
     assert out["completion"] == want
 
+    from adlm_model.textgen import TextGenerator
+
+    gen = TextGenerator.from_dir(ckpt, device="cpu")  # the served bound: T a block, each pass within the context
+    checked = gen.check(gen.request(prompt=" The city", length=12, steps=3, block=5, seed=0))
+    calls, flops = gen.cost(checked)
+    assert calls == 9 and flops == 2.0 * gen.parameters * 9 * (1 + len(checked.prompt_ids) + 12)
+    calls, flops = gen.cost(gen.check(gen.request(prompt=" The city", length=200, steps=3, seed=0)))
+    assert calls == 3 * 8 and flops == 2.0 * gen.parameters * calls * 64  # 8 blocks of 25, passes of <= 64
+
 
 def test_it_is_evaluated_and_served(imported, tmp_path, monkeypatch) -> None:
     import mlflow
