@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-MODEL_KINDS = ("mdlm", "adlm", "ar", "bd3lm", "sedd")
+MODEL_KINDS = ("mdlm", "adlm", "ar", "bd3lm", "sedd", "ssdlm")
 
 
 class ConfigError(ValueError):
@@ -26,8 +26,8 @@ class ModelConfig:
     """Architecture and objective of one model."""
 
     kind: str = "adlm"
-    """Model kind: ``mdlm``, ``adlm`` (anchor + denoiser), ``ar`` (causal), ``bd3lm`` (blocks) or ``sedd`` (score
-    entropy, METHOD.md section 8's baseline)."""
+    """Model kind: ``mdlm``, ``adlm`` (anchor + denoiser), ``ar`` (causal), ``bd3lm`` (blocks), ``sedd`` (score
+    entropy, METHOD.md section 8's baseline) or ``ssdlm`` (SSD-LM's released network, imported to sample only)."""
     vocab_size: int = 50257
     """Tokenizer vocabulary size (GPT-2: 50257, bert-base-uncased: 30522)."""
     mask_id: int = 50257

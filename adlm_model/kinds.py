@@ -28,12 +28,15 @@ from .samplers import (
     ReMDMLoop,
     SamplerError,
     ar_sample,
+    ar_window_sample,
     check_sample_args,
     diffusion_sample,
     reject_unknown,
     resolve_prefix,
 )
 from .sedd import SEDD, sedd_objective, sedd_sample
+from .ssdlm import OPTIONS as SSDLM_OPTIONS
+from .ssdlm import SSDLM, network_calls, ssd_sample
 
 Objective = Callable[..., LossOutput]
 """``(model, x, attention_mask, cfg, *, step, t, generator) -> LossOutput``."""
@@ -71,10 +74,19 @@ class ModelKind:
     continuation likelihood, the block sampler generates any length): BD3-LM."""
     distillable: bool = False
     """SDTT can distil its ancestral sampler (``adlm_model.distill``: masked diffusion over the whole row)."""
+    sample_only: str = ""
+    """Non-empty: the kind is imported and sampled, never trained, and has no likelihood here; the line says so
+    (training, tuning, studies and distillation refuse the kind with it, and so do the likelihood suites)."""
+    samplers: tuple[str, ...] = ()
+    """The only samplers that run on it (empty: every sampler of its ``diffusion`` flag that names no kinds)."""
 
 
 Mask = torch.Tensor | None
 Gen = torch.Generator | None
+
+
+class SampleOnlyError(ValueError):
+    """A likelihood or a training step asked of a sample-only kind (``ModelKind.sample_only`` says why)."""
 
 
 def _mdlm(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
@@ -107,6 +119,11 @@ def _bd3lm_eval(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *
     return bd3lm_objective(model, x, am, cfg, t=t, generator=generator, train=False)
 
 
+def _sample_only(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
+                 t: torch.Tensor | None = None, generator: Gen = None) -> LossOutput:
+    raise SampleOnlyError(f"model kind {cfg.kind}: {KINDS[cfg.kind].sample_only}")
+
+
 KINDS: dict[str, ModelKind] = {k.name: k for k in (
     ModelKind("mdlm", MDLM, _mdlm, _mdlm, "remdm-loop", distillable=True),
     # Evaluation of ADLM runs the denoiser NELBO through the same network (MDLM's objective reads
@@ -118,6 +135,11 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
               block_diffusion=True),
     # SEDD: the same DiT, time-conditioned, read as a score; its loss (the score entropy) is its bound too.
     ModelKind("sedd", SEDD, _sedd, _sedd, "sedd-analytic", time_conditioned=True),
+    # SSD-LM: the released RoBERTa simplex-diffusion network (ssdlm.py), sampled block by block; no training, no
+    # likelihood (Gaussian diffusion on the logit simplex has no bound here), its own sampler only.
+    ModelKind("ssdlm", SSDLM, _sample_only, _sample_only, "ssdlm", adaln=False, samplers=("ssdlm",),
+              sample_only="training SSD-LM is out of scope (sample-only: import the released model with python -m "
+                          "pipelines.import_model xhan77/ssdlm, then generate or evaluate its samples)"),
 )}
 assert tuple(KINDS) == MODEL_KINDS, "config.MODEL_KINDS and the KINDS table must list the same kinds"
 KIND_TABLE.update(KINDS)  # ModelConfig's per-kind defaults read the table through config (no import circle)
@@ -174,7 +196,11 @@ class Sampler:
     """Runs the ``steps`` of a diffusion grid (False: its iterations are its own, one per token for ``ar``, until
     every position is decided for ``confidence``; what it reports as steps is the network calls it made)."""
     kinds: tuple[str, ...] = ()
-    """The model kinds it runs on (empty: every kind of its ``diffusion``): ``samplers_for`` lists a kind's."""
+    """The model kinds it runs on (empty: every kind of its ``diffusion`` flag that names no samplers of its own);
+    ``samplers_for`` lists a kind's."""
+    calls: Callable[[int, int, dict], int] | None = None
+    """``(new tokens, steps, options) ->`` the forward passes it makes at most, each over at most the model's context
+    (what a served request is bounded by); None: ``textgen``'s default bound."""
 
 
 def _remdm(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *,
@@ -197,6 +223,12 @@ def _confidence_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor
 def _ar_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *,
                 stats: dict | None = None, steps: int = 0, bos_id: int | None = None, **kw: Any) -> torch.Tensor:
     return ar_sample(model, cfg, tokens, keep, bos_id=bos_id, stats=stats, **kw)
+
+
+def _ar_window_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *,
+                       stats: dict | None = None, steps: int = 0, bos_id: int | None = None,
+                       **kw: Any) -> torch.Tensor:
+    return ar_window_sample(model, cfg, tokens, keep, bos_id=bos_id, stats=stats, **kw)
 
 
 def _bd3lm_sampler(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor,
@@ -224,11 +256,18 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     # Confidence-threshold parallel decoding with the approximate KV cache (confidence.py, block_cache.py).
     Sampler("confidence", _confidence_sampler, CONFIDENCE_OPTIONS, steps=False),
     Sampler("ar", _ar_sampler, ("bos_id",), diffusion=False, steps=False),
+    # AR past the model's context in a sliding window (the BD3-LM paper's arbitrary-length AR samples).
+    Sampler("ar-window", _ar_window_sampler, ("bos_id", "context"), diffusion=False, steps=False, any_length=True,
+            calls=lambda length, steps, options: length),
     Sampler("bd3lm", _bd3lm_sampler, ("block_size", "kv_cache", "context", "eos_id", "entropy_threshold",
                                       "entropy_window", "pad_id", "bos_id"), any_length=True, kinds=BLOCK_KINDS),
     # SEDD's predictors with the final denoising step (sedd.py); they read the score, so SEDD models only.
     Sampler("sedd-euler", _sedd_euler, kinds=("sedd",)),
     Sampler("sedd-analytic", _sedd_analytic, kinds=("sedd",)),
+    # SSD-LM's decoding (ssdlm.py): blocks left to right, T steps of simplex diffusion each, so it takes a prompt
+    # and no suffix as AR does (diffusion=False) and runs on SSD-LM's network only.
+    Sampler("ssdlm", ssd_sample, SSDLM_OPTIONS, diffusion=False, any_length=True, kinds=("ssdlm",),
+            calls=network_calls),
 )}
 
 
@@ -238,10 +277,20 @@ def get_sampler(name: str) -> Sampler:
     return SAMPLERS[name]
 
 
+def sampler_fits(sampler: Sampler, kind: ModelKind) -> bool:
+    """Whether ``sampler`` runs on a model of ``kind``: a kind that names its samplers takes those only; else a
+    sampler that names its kinds runs on those only; else the two ``diffusion`` flags agree."""
+    if kind.samplers:
+        return sampler.name in kind.samplers
+    if sampler.kinds:
+        return kind.name in sampler.kinds
+    return sampler.diffusion == kind.diffusion
+
+
 def samplers_for(kind: str) -> list[str]:
     """The samplers that run on a ``kind`` model, its default first."""
     k = model_kind(kind)
-    fits = [s.name for s in SAMPLERS.values() if s.diffusion == k.diffusion and (not s.kinds or kind in s.kinds)]
+    fits = [s.name for s in SAMPLERS.values() if sampler_fits(s, k)]
     return sorted(fits, key=lambda n: n != k.default_sampler)
 
 
@@ -249,7 +298,7 @@ def check_sampler_kind(name: str, kind: str) -> Sampler:
     """The sampler, or SamplerError (one line listing the samplers a ``kind`` model takes) when it does not run
     on that kind."""
     s = get_sampler(name)
-    if name not in samplers_for(kind):
+    if not sampler_fits(s, model_kind(kind)):
         raise SamplerError(f"sampler {name!r} does not run on a {kind} model; it takes {', '.join(samplers_for(kind))} "
                            f"(default {model_kind(kind).default_sampler!r})")
     return s
@@ -274,8 +323,9 @@ def sample(model: nn.Module, cfg: ModelConfig, *, batch_size: int, length: int, 
     """Generate token ids ``(batch_size, length)`` (METHOD.md section 4).
 
     - ``sampler``: ``mdlm`` (ancestral), ``remdm-loop``, ``confidence`` (threshold parallel decoding, blocks
-      and the approximate KV cache: ``confidence.py``), ``ar``, ``bd3lm`` (block by block), ``sedd-euler`` and
-      ``sedd-analytic`` (SEDD's predictors, ``sedd.py``). An
+      and the approximate KV cache: ``confidence.py``), ``ar``, ``ar-window`` (AR past its context), ``bd3lm``
+      (block by block), ``sedd-euler`` and ``sedd-analytic`` (SEDD's predictors, ``sedd.py``), ``ssdlm`` (SSD-LM's
+      simplex diffusion block by block, on its own network only: ``ssdlm.py``). An
       ADLM model runs the diffusion samplers on its composed network (fused projection).
     - ``steps``: ``T`` of the diffusion grid (per block for ``bd3lm``; ignored by ``ar``, which
       takes one step per token).
@@ -291,6 +341,9 @@ def sample(model: nn.Module, cfg: ModelConfig, *, batch_size: int, length: int, 
     The model is put in eval mode for the call (and restored) and run under ``torch.no_grad``.
     """
     s = get_sampler(sampler)
+    kind = KINDS[cfg.kind]
+    if (s.kinds or kind.samplers) and not sampler_fits(s, kind):  # a sampler and a kind made for each other only
+        check_sampler_kind(sampler, cfg.kind)
     check_sample_args(cfg, batch_size, length, steps, nucleus_p, generator)
     kw = dict(sampler_kwargs)
     stats = kw.pop("stats", None)
@@ -307,5 +360,6 @@ def sample(model: nn.Module, cfg: ModelConfig, *, batch_size: int, length: int, 
         model.train(was_training)
 
 
-__all__ = ["KINDS", "SAMPLERS", "ModelKind", "Sampler", "build_model", "check_sampler_kind", "check_sampler_options",
-           "compute_loss", "count_parameters", "get_sampler", "model_kind", "sample", "samplers_for"]
+__all__ = ["KINDS", "SAMPLERS", "ModelKind", "SampleOnlyError", "Sampler", "build_model", "check_sampler_kind",
+           "check_sampler_options", "compute_loss", "count_parameters", "get_sampler", "model_kind", "sample",
+           "sampler_fits", "samplers_for"]

@@ -48,7 +48,10 @@ def save_pretrained(directory: str | os.PathLike, model: nn.Module, cfg: ModelCo
                     special_tokens: dict[str, int | None], meta: dict[str, Any] | None = None) -> Path:
     """Write ``config.json``, ``model.safetensors`` (``model``'s state as it is: pass the EMA-loaded model)
     and ``tokenizer.json`` into ``directory``; returns it. ``special_tokens``: ``bos_id``, ``eos_id``,
-    ``pad_id``, ``mask_id``."""
+    ``pad_id``, ``mask_id``. A sample-only kind (SSD-LM) is refused: its released Hub folder is its export."""
+    if model_kind(cfg.kind).sample_only:
+        raise CheckpointError(f"a {cfg.kind} model is not exported: it is sample-only here and its released Hub folder "
+                              "is already its transformers layout; sample it with python -m pipelines.generate")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     state = model.state_dict()

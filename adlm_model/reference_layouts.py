@@ -3,10 +3,11 @@
 A *family* is one table entry (:data:`FAMILIES`): the model kind it becomes, the reference repository and commit
 whose layout it follows, how to recognise it, how to read its hyper-parameters and one function mapping a
 reference state-dict key to ours. Adding a family is one entry plus one mapping function (SEDD's: ``map_sedd``,
-with ``sedd_layout`` reading its run config).
+with ``sedd_layout`` reading its run config; SSD-LM's: ``map_ssdlm`` and ``config_ssdlm``).
 
 Reading (:func:`read_source`, ``reference_sources``) takes a Lightning ``.ckpt``, a Hub-layout folder, a SEDD run
-or this project's own export folder, running none of their code, and refuses anything unreadable in one line. A
+or this project's own export folder (with SSD-LM's ``embed_sum_layer`` / ``timestep_layer`` files beside a Hub
+folder's weights), running none of their code, and refuses anything unreadable in one line. A
 Lightning checkpoint's (and a SEDD run's) ``ema`` shadow parameters replace the raw weights (what the references
 evaluate and release). :func:`convert` builds our network and loads every tensor, or refuses in one line listing
 the keys that did not map: never a half-loaded model.
@@ -20,6 +21,9 @@ Conventions that differ between the references and this code (each checked by th
 - mask id: appended after the vocabulary (GPT-2: 50257, width 50258) or the tokenizer's own ``[MASK]``
   (BERT: 103); its logit is -inf here, -1e6 (MDLM, BD3-LM) or -1000 (AR) in the references;
 - BD3-LM's learned clipped schedule (buffers ``sampling_eps_min/max``) becomes ``clip_low``/``clip_high``.
+
+Longer than 500 lines because it is the one table: every family's entry, its mapping and its config function sit
+beside the others, so that a new released layout is one place to read and one to add.
 """
 
 from __future__ import annotations
@@ -69,6 +73,23 @@ def map_backbone(key: str) -> str | None:
 def map_sedd(key: str) -> str | None:
     """SEDD's Hub layout (louaaron/sedd-*): its DiT's keys bare, without a prefix (``sedd_layout``)."""
     return _dit_key(re.sub(rf"^({'|'.join(map(re.escape, SEDD_PREFIXES))})+", "", key), "backbone.")
+
+
+SSDLM_DERIVED = ("roberta.embeddings.position_ids", "roberta.embeddings.token_type_ids", "lm_head.decoder.weight",
+                 "lm_head.decoder.bias")
+"""RobertaForMaskedLM's buffers and its decoder tied to the word embeddings and ``lm_head.bias``: checked by
+``config_ssdlm``, not loaded."""
+
+
+def map_ssdlm(key: str) -> str | None:
+    """SSD-LM's Hub layout (xhan77/ssdlm): ``transformers``' RobertaForMaskedLM keys, which ``ssdlm.SSDLM`` keeps,
+    plus ``embed_sum_layer.`` and ``timestep_layer.`` (``HUB_MODULE_FILES``)."""
+    if key in SSDLM_DERIVED:
+        return DROP
+    if key.startswith(("roberta.embeddings.", "roberta.encoder.layer.", "lm_head.", "embed_sum_layer.",
+                       "timestep_layer.")):
+        return key
+    return None
 
 
 def map_identity(key: str) -> str | None:
@@ -194,6 +215,38 @@ def _sedd_hub(src: Source) -> bool:
         normalise_key(k).removeprefix("score_model.") for k in src.tensors}
 
 
+SSDLM_FIXED = {"hidden_act": "gelu", "layer_norm_eps": 1e-5, "type_vocab_size": 1, "pad_token_id": 1,
+               "position_embedding_type": "absolute"}
+"""RoBERTa's settings that ``ssdlm.SSDLM`` builds in (``LAYER_NORM_EPS``, ``POSITION_OFFSET`` = pad id + 1, one
+token type): a config.json with other values is refused."""
+
+
+def config_ssdlm(src: Source) -> dict[str, Any]:
+    """SSD-LM's config.json (RoBERTa's) -> our fields; the tied decoder and bias checked equal to what they tie."""
+    hp, t = src.hparams, src.tensors
+    for k, v in SSDLM_FIXED.items():
+        if k in hp and hp[k] != v:
+            raise ImportRefused(f"config.json has {k}={hp[k]!r}; the SSD-LM network here is RoBERTa with {k}={v!r}")
+    hidden = int(_need(hp.get("hidden_size"), "hidden_size", src))
+    inner = int(_need(hp.get("intermediate_size"), "intermediate_size", src))
+    if inner % hidden:
+        raise ImportRefused(f"intermediate_size {inner} is no multiple of hidden_size {hidden}")
+    words = t.get("roberta.embeddings.word_embeddings.weight")
+    if words is None:
+        raise ImportRefused("no roberta.embeddings.word_embeddings.weight: not SSD-LM's RobertaForMaskedLM layout")
+    dec, bias = t.get("lm_head.decoder.weight"), t.get("lm_head.bias")
+    if dec is not None and not torch.equal(dec, words):
+        raise ImportRefused("lm_head.decoder.weight differs from the word embeddings: the SSD-LM network here ties "
+                            "them (tie_word_embeddings), as the released model does")
+    dec_bias = t.get("lm_head.decoder.bias")
+    if dec_bias is not None and (bias is None or not torch.equal(dec_bias, bias)):
+        raise ImportRefused("lm_head.decoder.bias differs from lm_head.bias, which it ties to")
+    return dict(kind="ssdlm", hidden=hidden, heads=int(_need(hp.get("num_attention_heads"), "num_attention_heads", src)),
+                n_blocks=int(_need(hp.get("num_hidden_layers"), "num_hidden_layers", src)), mlp_ratio=inner // hidden,
+                seq_len=int(_need(hp.get("max_position_embeddings"), "max_position_embeddings", src)) - 2,
+                dropout=float(hp.get("hidden_dropout_prob", 0.1)))
+
+
 def config_export(src: Source) -> dict[str, Any]:
     d = dict(src.hparams["model"])
     d.pop("vocab_size", None)
@@ -235,12 +288,16 @@ class Family:
     buffers: tuple[str, ...] = ("rotary_emb.inv_freq", "sampling_eps_min", "sampling_eps_max")
     """Suffixes of the state-dict keys that are buffers, not parameters (the EMA holds parameters only)."""
     note: str = ""
+    tokenizer_files: tuple[str, ...] = ()
+    """The files of the tokenizer a released folder of this family carries beside the weights (RoBERTa's BPE for
+    SSD-LM): the import builds the tokenizer from them, or from ``--tokenizer DIR`` holding them."""
 
 
 MDLM_COMMIT = "c112c526d193436838c98d81455ee51f90309470"
 BD3LMS_COMMIT = "1c3e8f43d88dfbcee5ff2aa6932a9e74b31ae1d7"
 REMDM_COMMIT = "f830d659fb98d9b2c79ff71bfa12d578312b688a"
 SEDD_COMMIT = "0605786da5ccb5747545e26d66fdf477187598b6"
+SSDLM_COMMIT = "c0b67612c27928350aa073b303bc9df3a0e87f28"
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mdlm", "mdlm", "kuleshov-group/mdlm", MDLM_COMMIT, "apache-2.0",
@@ -269,6 +326,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("adlm", "adlm", "kuleshov-group/remdm (Lightning module; ADLM's layout assumed)", REMDM_COMMIT, "unknown",
            _adlm_like,
            config_adlm, map_adlm, note="assumed layout: anchor under backbone., denoiser under denoiser."),
+    Family("ssdlm", "ssdlm", "xhan77/ssd-lm", SSDLM_COMMIT, "unknown",
+           lambda s: s.layout == "hub" and s.hparams.get("model_type") == "roberta"
+           and _has("embed_sum_layer.weight", "timestep_layer.weight", "timestep_layer.bias")(s),
+           config_ssdlm, map_ssdlm, buffers=SSDLM_DERIVED, tokenizer_files=("vocab.json", "merges.txt"),
+           note="its Hub layout (xhan77/ssdlm): RobertaForMaskedLM (config.json + pytorch_model.bin or "
+                "model.safetensors) with embed_sum_layer.pt and timestep_layer.pt; sample-only"),
     Family("adlm-export", "", "this project (python -m pipelines.export)", "", "see the model card",
            lambda s: s.layout == "export", config_export, map_identity, buffers=(),
            note="this project's exported folder (model_type adlm)"),
@@ -341,7 +404,8 @@ def model_config(src: Source, fam: Family, vocab_size: int, mask_id: int) -> Mod
 def embedding_width(src: Source, fam: Family) -> int:
     """Rows of the checkpoint's token embedding (vocabulary plus an appended mask)."""
     for k, v in src.tensors.items():
-        if k.endswith(("vocab_embed.embedding", "vocab_embed.weight")) and "denoiser" not in k:
+        if k.endswith(("vocab_embed.embedding", "vocab_embed.weight", "embeddings.word_embeddings.weight")) \
+                and "denoiser" not in k:
             return int(v.shape[0])
     raise ImportRefused(f"no token embedding (vocab_embed) in this {fam.name} checkpoint")
 

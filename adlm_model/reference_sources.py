@@ -26,6 +26,9 @@ from .checkpoint import CheckpointError
 from .safe_pickle import UnreadablePickleError, load_pickled, plain
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
+HUB_MODULE_FILES = ("embed_sum_layer", "timestep_layer")
+"""Modules a Hub folder may keep beside its weights, each in its own ``NAME.safetensors`` or ``NAME.pt`` (a pickled
+state dict): SSD-LM's simplex projection and timestep embedding. Read under the prefix ``NAME.``."""
 
 
 class ImportRefused(CheckpointError):
@@ -122,6 +125,23 @@ def _read_hub_weights(d: Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
     return tensors, files
 
 
+def _read_hub_modules(d: Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
+    """The ``HUB_MODULE_FILES`` a Hub folder holds, their keys under ``NAME.`` (a DDP ``module.`` prefix dropped)."""
+    tensors: dict[str, torch.Tensor] = {}
+    files: list[Path] = []
+    for name in HUB_MODULE_FILES:
+        st, pt = d / f"{name}.safetensors", d / f"{name}.pt"
+        if st.is_file():
+            state, f = _load_safetensors(st), st
+        elif pt.is_file():
+            state, f = _tensor_dict(_load_pickle(pt), str(pt)), pt
+        else:
+            continue
+        tensors.update({f"{name}.{normalise_key(str(k))}": v for k, v in state.items()})
+        files.append(f)
+    return tensors, files
+
+
 def normalise_key(key: str) -> str:
     """A state-dict key without the wrappers training adds around a module: DDP's leading ``module.`` and
     ``torch.compile``'s ``_orig_mod.``."""
@@ -187,6 +207,9 @@ def read_source(path: str | os.PathLike) -> Source:
             raise ImportRefused(f"{cfg_file} holds a {type(hp).__name__}, not a model config (a JSON object)")
         tensors, files = _read_hub_weights(p)
         tensors = {normalise_key(k): v for k, v in tensors.items()}
+        extra, extra_files = _read_hub_modules(p)
+        tensors.update(extra)
+        files = [*files, *extra_files]
         layout = "export" if hp.get("model_type") == "adlm" and "model" in hp else "hub"
         return Source(tensors, hp, layout, [cfg_file, *files])
     if not p.is_file():
@@ -220,5 +243,5 @@ def read_source(path: str | os.PathLike) -> Source:
                         f"(top-level keys: {', '.join(map(str, list(obj)[:8]))})")
 
 
-__all__ = ["PICKLE_SUFFIXES", "SEDD_RUN_CHECKPOINT", "SEDD_RUN_CONFIG", "ImportRefused", "Source", "normalise_key",
+__all__ = ["HUB_MODULE_FILES", "PICKLE_SUFFIXES", "SEDD_RUN_CHECKPOINT", "SEDD_RUN_CONFIG", "ImportRefused", "Source", "normalise_key",
            "read_source"]

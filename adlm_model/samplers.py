@@ -432,6 +432,37 @@ def ar_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: to
     return x
 
 
+def ar_window_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *,
+                     nucleus_p: float, generator: torch.Generator, progress: Progress | None, cache: bool,
+                     bos_id: int | None = None, context: int = 0, stats: dict | None = None) -> torch.Tensor:
+    """``ar_sample`` past the model's context: each token after the last ``context`` tokens (0: ``cfg.seq_len``), as
+    the BD3-LM reference samples its AR baseline beyond its training length (positions restart at each window). Within
+    the first window it is ``ar_sample`` itself (the same tokens, its KV cache); past it every step recomputes the
+    window. ``stats['network_calls']``: one per generated token."""
+    window = context or cfg.seq_len
+    if not 1 <= window <= cfg.seq_len:
+        raise SamplerError(f"context must lie in [1, {cfg.seq_len}] (the model's positions; 0: all of them), got {context}")
+    length = tokens.shape[1]
+    head = min(length, window)
+    inner: dict = {}
+    x = ar_sample(model, cfg, tokens[:, :head], keep[:, :head], nucleus_p=nucleus_p, generator=generator,
+                  progress=None if length > head else progress, cache=cache, bos_id=bos_id, stats=inner)
+    calls = int(inner.get("network_calls", 0))
+    if length > head:
+        out = torch.cat([x, tokens[:, head:].clone()], dim=1)
+        for i in range(head, length):
+            logits = model(out[:, i - window:i])[:, -1]
+            probs = nucleus(torch.softmax(suppress_mask(logits, cfg.mask_id), dim=-1), nucleus_p)
+            out[:, i] = torch.where(keep[:, i], tokens[:, i], sample_categorical(probs, generator))
+            calls += 1
+            if progress is not None:
+                progress(i - head + 1, length - head)
+        x = out
+    if stats is not None:
+        stats["network_calls"] = calls
+    return x
+
+
 # --------------------------------------------------------------------------------------------
 # Shared with kinds.sample and bd3lm.py
 
@@ -459,7 +490,7 @@ def unigram_entropy(ids: Sequence[int] | np.ndarray | torch.Tensor) -> float:
 
 
 __all__ = [
-    "T_MIN", "ReMDMLoop", "SamplerError", "ar_sample", "check_sample_args", "diffusion_sample", "diffusion_step",
+    "T_MIN", "ReMDMLoop", "SamplerError", "ar_sample", "ar_window_sample", "check_sample_args", "diffusion_sample", "diffusion_step",
     "mask_probabilities", "nucleus", "reject_unknown", "resolve_prefix", "sample_categorical", "transition_probs",
     "unigram_entropy",
 ]

@@ -114,7 +114,8 @@ class GenerationRequest:
     threshold: float | None = None
     """``confidence`` sampler: unmask every position whose top probability exceeds it (default 0.9)."""
     block: int | None = None
-    """``confidence`` sampler: semi-autoregressive block size, dividing ``length`` (default: one block)."""
+    """``confidence`` sampler: semi-autoregressive block size, dividing ``length`` (default: one block); a block-wise
+    sampler with a ``block_size`` option (``ssdlm``, ``bd3lm``): its block size."""
     refresh: int | None = None
     """``confidence`` sampler: steps between full passes of the approximate KV cache (1 = exact; default: the
     cache is off, or refreshed only when the block changes if ``kv_cache`` is set)."""
@@ -255,6 +256,10 @@ class TextGenerator:
         ``2 x parameters x rows x row length x calls`` (a KV cache only makes it cheaper)."""
         r = checked.request
         row = int(self.specials.bos_id is not None) + len(checked.prompt_ids) + r.length + len(checked.suffix_ids)
+        bound = get_sampler(checked.sampler).calls
+        if bound is not None:  # the sampler's own bound (ssdlm: T a block), each pass over at most the context
+            calls = bound(r.length, r.steps, checked.options)
+            return calls, 2.0 * self.parameters * r.num_samples * min(row, self.cfg.seq_len) * calls
         calls = {"confidence": r.length, "ar": 1}.get(checked.sampler, r.steps + 1)
         return (r.length if checked.sampler == "ar" else calls), 2.0 * self.parameters * r.num_samples * row * calls
 
@@ -343,6 +348,10 @@ def sampler_settings(req: GenerationRequest, sampler: str) -> dict[str, Any]:
     """The sampler options a request sets (the confidence settings, resolved), or GenerationError when it sets
     them for a sampler that does not take them."""
     given = {k: getattr(req, k) for k in CONFIDENCE_OPTIONS if getattr(req, k) is not None}
+    if sampler != "confidence" and set(given) == {"block"} and "block_size" in get_sampler(sampler).options:
+        if req.block < 1:  # a block-wise sampler (ssdlm, bd3lm) takes ``block`` as its block size
+            raise GenerationError(f"block must be >= 1, got {req.block}")
+        return {"block_size": req.block}
     if sampler != "confidence":
         if given:
             raise GenerationError(f"{', '.join(given)} {'is a setting' if len(given) == 1 else 'are settings'} "

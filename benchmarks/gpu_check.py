@@ -129,6 +129,8 @@ from adlm_model.config import ModelConfig  # noqa: E402
 from adlm_model.flops import CPU_ATTENTION  # noqa: E402
 from adlm_model.kinds import KINDS, count_parameters  # noqa: E402
 
+KINDS = {k: v for k, v in KINDS.items() if not v.sample_only}  # the trained kinds (SSD-LM is sample-only)
+
 DATASHEET_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0), ("A100", 312.0))
 """Dense bf16 tensor-core peaks by GPU name (first match wins; the SXM parts where no form factor is named)."""
 

@@ -48,13 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="diffusion steps T (per block for bd3lm; ignored by ar; default: the version's sampler_steps "
                         f"when it is a distilled student, else {DEFAULT_STEPS})")
     p.add_argument("--sampler", default=None,
-                   help="mdlm, remdm-loop, confidence, ar, bd3lm, sedd-euler or sedd-analytic (default: the model "
-                        "kind's own: remdm-loop for MDLM/ADLM, ar, bd3lm, sedd-analytic for SEDD)")
+                   help="mdlm, remdm-loop, confidence, ar, ar-window, bd3lm, sedd-euler, sedd-analytic or ssdlm (default: the "
+                        "model kind's own: remdm-loop for MDLM/ADLM, ar, bd3lm, sedd-analytic for SEDD, ssdlm)")
     p.add_argument("--threshold", type=float, default=None,
                    help="confidence sampler: unmask every position whose top probability exceeds it, at least one "
                         "a step; in [0, 1] (default 0.9; 1 = one token a step, 0 = all at once)")
     p.add_argument("--block", type=int, default=None,
-                   help="confidence sampler: semi-autoregressive block size, dividing --length (default: one block)")
+                   help="confidence sampler: semi-autoregressive block size, dividing --length (default: one block); "
+                        "ssdlm / bd3lm: their block size (default: SSD-LM's 25, BD3-LM's trained one)")
     p.add_argument("--refresh", type=int, default=None,
                    help="confidence sampler: approximate KV cache, a full pass every N steps and at each new block "
                         "(1 = exact; default: no cache)")

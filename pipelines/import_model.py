@@ -80,7 +80,10 @@ def _run(args: argparse.Namespace) -> int:
         what = "imported" if res["new"] else "already imported (nothing new registered):"
         print(f"{what} {args.source} ({res['family']} -> {res['kind']}, {res['parameters']:,} parameters) as "
               f"{res['uri']}")
-        print(f"evaluate: python -m pipelines.evaluate --model {res['uri']} --profile paper --suite ppl")
+        from adlm_model.kinds import model_kind
+
+        suite = "gen_ppl" if model_kind(res["kind"]).sample_only else "ppl"  # a sample-only kind has no likelihood
+        print(f"evaluate: python -m pipelines.evaluate --model {res['uri']} --profile paper --suite {suite}")
     return 0
 
 

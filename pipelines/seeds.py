@@ -12,6 +12,8 @@ import numpy as np
 # Purposes: the second part of every derivation, so that two streams never share a seed.
 TRAIN_NOISE, TRAIN_DROPOUT, TRAIN_DATA_ORDER, TRAIN_VALIDATION = 1, 2, 3, 4
 EVAL_NELBO, EVAL_SAMPLES, EVAL_MAUVE = 10, 11, 12
+EVAL_LONG_SAMPLES = 13
+"""The arbitrary-length suite's samples: a stream of their own, apart from ``generate``'s."""
 
 
 def derive_seed(*parts: int) -> int:

@@ -32,7 +32,7 @@ def test_the_paper_profile_holds_the_references_evaluation_settings() -> None:
     p = eval_profile("paper")
     assert p.profile == "paper" and p.sampler == "auto"
     steps = {k: p.steps_by_kind.get(k, p.steps) for k in MODEL_KINDS}
-    assert steps == {"mdlm": 1024, "adlm": 4096, "ar": 1024, "bd3lm": 1024, "sedd": 1024}
+    assert steps == {"mdlm": 1024, "adlm": 4096, "ar": 1024, "bd3lm": 1024, "sedd": 1024, "ssdlm": 1000}
     assert resolve_sampler(p.sampler, "sedd") == "sedd-analytic"  # the SEDD reference's run_sample predictor
     assert resolve_sampler(p.sampler, "adlm") == resolve_sampler(p.sampler, "mdlm") == "remdm-loop"
     assert (p.nucleus_p, p.num_samples, p.eval_lm, p.mauve_featurizer) == (0.9, 5000, "gpt2-large", "gpt2-large")

@@ -232,3 +232,22 @@ def test_progress_and_mode_restored() -> None:
     sample(model, cfg, batch_size=1, length=8, steps=5, generator=gen(), progress=lambda i, n: seen.append((i, n)))
     assert seen[-1] == (6, 6) and len(seen) == 6
     assert model.training
+
+
+def test_ar_window_is_ar_within_the_context_and_slides_past_it() -> None:
+    """The arbitrary-length AR sampler (BD3-LM's AR samples past 1024): the same tokens as ``ar`` within the model's
+    context, then every token drawn after the last ``context`` tokens only."""
+    cfg = micro("ar")
+    model = randomized(cfg)
+    kw = dict(batch_size=2, steps=1, nucleus_p=0.9, prefix=torch.tensor([1, 2, 3]))
+    assert torch.equal(sample(model, cfg, length=L, sampler="ar", generator=gen(3), **kw),
+                       sample(model, cfg, length=L, sampler="ar-window", generator=gen(3), **kw))
+    seen: list[int] = []
+    real = model.forward
+    model.forward = lambda x, *a, **k: seen.append(x.shape[1]) or real(x, *a, **k)
+    stats: dict = {}
+    out = sample(model, cfg, length=2 * L + 5, sampler="ar-window", generator=gen(3), context=10, stats=stats, **kw)
+    assert out.shape == (2, 2 * L + 5) and torch.equal(out[:, :3], torch.tensor([[1, 2, 3]] * 2))
+    assert max(seen) == 10 and stats["network_calls"] == 2 * L + 5 - 3
+    with pytest.raises(SamplerError, match=r"context must lie in \[1, 24\]"):
+        sample(model, cfg, length=30, sampler="ar-window", generator=gen(3), context=25, **kw)

@@ -346,6 +346,35 @@ def tokenizer_from_json(tokenizer_json: str, name: str, path: str | None = None)
     return info
 
 
+ROBERTA_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
+"""RoBERTa's special tokens, which its ``vocab.json`` holds (``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3, ``<mask>``
+last for roberta-large)."""
+
+
+def bpe_from_files(vocab: str | os.PathLike, merges: str | os.PathLike, name: str | None = None) -> TokenizerInfo:
+    """A byte-level BPE from a ``vocab.json`` + ``merges.txt`` pair in RoBERTa's form (SSD-LM's tokenizer), built on
+    the Rust backend as ``transformers`` converts RoBERTa's: no prefix space, byte-level decoding, the special tokens
+    of ``ROBERTA_SPECIALS`` that the vocabulary holds (``<mask>`` strips the space before it), ``<s> ... </s>``
+    framing when asked for special tokens. Roles by name: BOS ``<s>``, EOS ``</s>``, pad ``<pad>``, mask ``<mask>``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    try:
+        bpe = models.BPE.from_file(str(vocab), str(merges), continuing_subword_prefix="", end_of_word_suffix="")
+        table = json.loads(Path(vocab).read_text(encoding="utf-8"))
+    except Exception as e:  # re-raised: tokenizers raises a bare Exception on a bad file, json a ValueError
+        raise TokenizerError(f"cannot read the BPE files {vocab} and {merges} ({type(e).__name__}: {e}); pass a "
+                             "folder with RoBERTa's vocab.json and merges.txt") from e
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [s for s in ROBERTA_SPECIALS if s in table]
+    tok.add_special_tokens([AddedToken(s, lstrip=s == "<mask>", special=True) for s in specials])
+    if "<s>" in table and "</s>" in table:
+        tok.post_processor = processors.RobertaProcessing(("</s>", table["</s>"]), ("<s>", table["<s>"]),
+                                                          trim_offsets=True, add_prefix_space=False)
+    return tokenizer_from_json(tok.to_str(), name or str(Path(vocab).parent), path=None)
+
+
 TRAINED_SPECIALS = ("<|endoftext|>", "<|pad|>", "<|mask|>")
 """Special tokens of a BPE trained by ``train_bpe``: BOS = EOS, pad, mask (ids 0, 1, 2, inside the vocab)."""
 

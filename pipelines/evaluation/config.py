@@ -126,6 +126,16 @@ class EvalConfig:
     """Suite lm-eval: bootstrap resamples of the harness's stderr for non-mean metrics (perplexity)."""
     lm_eval_include_path: str = ""
     """Suite lm-eval: more task folders (``:``-separated) besides the offline tasks' folder."""
+    long_length: int = 2048
+    """Suite arbitrary_length: tokens per sample, beyond the model's context (BD3-LM's table: 2048 after a training
+    context of 1024, and 1024)."""
+    long_num_samples: int = 300
+    """Suite arbitrary_length: samples drawn (BD3-LM's table: 300)."""
+    long_window: int = 256
+    """Suite arbitrary_length: a sample reaches its length when every window of this many tokens keeps a unigram
+    entropy of at least ``long_min_entropy`` (BD3-LM's stop rule: 256 tokens)."""
+    long_min_entropy: float = 4.0
+    """Suite arbitrary_length: the entropy floor of that rule, in nats (BD3-LM: 4)."""
 
     def validate(self) -> EvalConfig:
         def need(ok: bool, msg: str) -> None:
@@ -147,6 +157,8 @@ class EvalConfig:
         need(self.mauve_min_samples >= 2, f"mauve_min_samples must be >= 2, got {self.mauve_min_samples}")
         need(self.cpus_per_task > 0, f"cpus_per_task must be > 0, got {self.cpus_per_task}")
         need(self.rows_per_task >= 0, f"rows_per_task must be >= 0, got {self.rows_per_task}")
+        need(self.long_length >= 1 and self.long_num_samples >= 1 and self.long_window >= 1,
+             "long_length, long_num_samples and long_window must be >= 1")
         need(self.job_timeout_s > 0, f"job_timeout_s must be > 0 (every Ray task has a deadline), got "
                                      f"{self.job_timeout_s}")
         need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
@@ -171,7 +183,10 @@ EVAL_PROFILES: dict[str, dict[str, Any]] = {
     # texts, gen-PPL under gpt2-large with the first token scored. For a GPU cluster: hours of sampling.
     # The reference samples one sequence at a time; 16 rows a batch draw the same distribution (every sampler
     # here is row-wise: noise, nucleus and the cache's skipped steps are per row), only faster.
-    "paper": dict(sampler="auto", steps=1024, steps_by_kind={"adlm": 4096}, nucleus_p=0.9, num_samples=5000,
+    # SSD-LM: T = 1000 steps per block, the reference's (the BD3-LM paper's table ran it so). The arbitrary-length
+    # suite's settings are the BD3-LM paper's table: 300 samples of 2048 tokens.
+    "paper": dict(sampler="auto", steps=1024, steps_by_kind={"adlm": 4096, "ssdlm": 1000}, nucleus_p=0.9,
+                  num_samples=5000, long_length=2048, long_num_samples=300,
                   sample_batch_size=16, sample_length=0, eval_lm="gpt2-large", mauve_featurizer="gpt2-large",
                   gen_ppl_first_token="keep", t_draws=1, use_ema=True),
     # What `make demo` runs on 2 CPU cores: a wiring check whose figures do not compare with the papers'.

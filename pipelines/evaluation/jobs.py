@@ -20,7 +20,7 @@ import numpy as np
 from pipelines.data.reader import read_subset
 from pipelines.evaluation.config import EvalConfig
 from pipelines.logs import verbosity
-from pipelines.seeds import EVAL_MAUVE, EVAL_NELBO, EVAL_SAMPLES, derive_seed
+from pipelines.seeds import EVAL_LONG_SAMPLES, EVAL_MAUVE, EVAL_NELBO, EVAL_SAMPLES, derive_seed
 
 
 def batch_seed(seed: int, batch_index: int, draw: int = 0) -> int:
@@ -139,6 +139,24 @@ def sample_job(model: str, batch_index: int, n: int, settings: JobSettings,
     return out.detach().cpu().numpy().astype(np.int64)
 
 
+def long_sample_job(model: str, batch_index: int, n: int, settings: JobSettings,
+                    progress: Callable[[int, int], Any] | None = None) -> dict[str, Any]:
+    """``sample_job`` for the arbitrary-length suite: ``n`` samples of ``settings.length`` tokens, seeded per batch on
+    a stream of their own, with the network calls the batch took (``ids``, ``network_calls``)."""
+    import torch
+
+    from adlm_model import sample
+
+    net, cfg, _ = load_eval_model(model, settings)
+    dev = next(net.parameters()).device
+    g = torch.Generator(device=dev).manual_seed(derive_seed(settings.cfg.seed, EVAL_LONG_SAMPLES, batch_index))
+    stats: dict[str, Any] = {}
+    out = sample(net, cfg, batch_size=n, length=settings.length, steps=settings.steps, sampler=settings.sampler,
+                 nucleus_p=settings.cfg.nucleus_p, generator=g, progress=progress, stats=stats,
+                 **settings.sampler_kwargs)
+    return {"ids": out.detach().cpu().numpy().astype(np.int64), "network_calls": int(stats.get("network_calls", 0))}
+
+
 _LOADED: dict[str, tuple[Any, Any]] = {}
 
 
@@ -150,9 +168,11 @@ def _cached(slot: str, key: Any, load: Callable[[], Any]) -> Any:
     return _LOADED[slot][1]
 
 
-def gen_ppl_job(texts: list[list[str]], settings: JobSettings) -> dict[str, Any]:
+def gen_ppl_job(texts: list[list[str]], settings: JobSettings, max_length: int = 0,
+                long: bool = False) -> dict[str, Any]:
     """Load the evaluation LM and compute gen-PPL (METHOD.md section 6) of the samples ``texts`` (each a list
-    of its documents' texts)."""
+    of its documents' texts). ``long``: truncated to ``max_length`` tokens and scored in windows of the LM's
+    context moved by half of it (BD3-LM's arbitrary-length table: 1024 and 512 for gpt2-large)."""
     from tqdm.auto import tqdm
 
     from pipelines.evaluation.eval_lm import load_eval_lm
@@ -167,8 +187,9 @@ def gen_ppl_job(texts: list[list[str]], settings: JobSettings) -> dict[str, Any]
     joined = [sep.join(segs) for segs in texts]
     with tqdm(total=len(joined), desc="gen-PPL scoring", unit="sample", disable=verbosity() < 0) as bar:
         r = generative_perplexity(lm, joined, batch_size=settings.cfg.eval_lm_batch_size,
-                                  max_length=settings.cfg.gen_ppl_max_length,
-                                  first_token=settings.cfg.gen_ppl_first_token, progress=bar.update)
+                                  max_length=max_length or settings.cfg.gen_ppl_max_length,
+                                  first_token=settings.cfg.gen_ppl_first_token, progress=bar.update,
+                                  stride=max(lm.max_length // 2, 1) if long else 0)
     return dataclasses.asdict(r)
 
 

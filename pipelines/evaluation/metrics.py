@@ -141,10 +141,51 @@ def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: tor
     return float(nll[valid].double().sum()), int(valid.sum())
 
 
+def sliding_window_nll(lm: CausalScorer, seqs: Sequence[Sequence[int]], window: int, stride: int) -> tuple[float, int]:
+    """Pooled NLL (float64 sum, targets) of sequences longer than the LM's context, as BD3-LM scores its long
+    samples: the first window of ``window`` tokens scores every target in it; each next window, moved by
+    ``stride``, scores only its last ``stride`` targets, each seen after ``window - stride`` tokens or more of
+    context. EOS targets excluded (METHOD.md section 6)."""
+    if not 1 <= stride < window:
+        raise MetricError(f"the gen-PPL stride must lie in [1, {window}) (the LM's context), got {stride}")
+    total, count, k = 0.0, 0, 0
+    while True:
+        start = k * stride
+        first = 1 if k == 0 else start + window - stride  # first target position this window scores
+        rows = [s[start:start + window] for s in seqs if len(s) > first]
+        if not rows:
+            return total, count
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(list(r), dtype=torch.long)
+            mask[i, :len(r)] = 1
+        lf = lm.logits(ids, mask)[:, :-1].float()
+        target = ids[:, 1:].to(lf.device)
+        valid = mask[:, 1:].to(lf.device).bool()
+        valid &= (start + 1 + torch.arange(width - 1, device=lf.device)) >= first
+        if lm.eos_id is not None:
+            valid &= target != lm.eos_id
+        nll = torch.logsumexp(lf, dim=-1) - lf.gather(-1, target[..., None]).squeeze(-1)
+        total += float(nll[valid].double().sum())
+        count += int(valid.sum())
+        k += 1
+
+
+def reached_length(ids: Sequence[int] | np.ndarray | torch.Tensor, window: int, min_entropy: float) -> bool:
+    """Whether a sample of the arbitrary-length suite reached its length: every whole window of ``window`` tokens
+    (``[0, w)``, ``[w, 2w)``, ...) keeps a unigram entropy of at least ``min_entropy`` nats, BD3-LM's stop rule (its
+    sampler stops, and its table redraws, a sample whose last 256 tokens fall below 4 nats)."""
+    a = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+    a = a.reshape(-1)
+    return all(unigram_entropy(a[i:i + window]) >= min_entropy for i in range(0, a.size - window + 1, window))
+
+
 @torch.no_grad()
 def generative_perplexity(lm: CausalScorer, texts: Sequence[str], *, batch_size: int = 8,
                           max_length: int | None = None, first_token: str = "keep",
-                          progress: Callable[[int], Any] | None = None) -> GenPPLResult:
+                          progress: Callable[[int], Any] | None = None, stride: int = 0) -> GenPPLResult:
     """Gen-PPL of ``texts`` under ``lm`` (METHOD.md section 6).
 
     Each text is re-tokenised with the LM's tokenizer (no special tokens added); with ``first_token='keep'``
@@ -152,10 +193,14 @@ def generative_perplexity(lm: CausalScorer, texts: Sequence[str], *, batch_size:
     first real token is a target; with ``'drop'`` the first token is context only. Each sequence is truncated
     to ``min(1024, lm.max_length)`` tokens (or ``max_length``), scored in right-padded batches, and the NLL of
     every target except EOS targets is pooled over tokens. ``progress(n)`` is called after each batch.
+
+    ``stride`` > 0 (long samples, BD3-LM's arbitrary-length table): truncated to ``max_length`` tokens, not to the
+    LM's context, and a sequence longer than the context is scored in windows moved by ``stride``
+    (``sliding_window_nll``).
     """
     if first_token not in GEN_PPL_FIRST_TOKEN:
         raise MetricError(f"first_token {first_token!r}: use keep (the reference) or drop")
-    limit = min(max_length or GEN_PPL_MAX_TOKENS, lm.max_length)
+    limit = (max_length or GEN_PPL_MAX_TOKENS) if stride else min(max_length or GEN_PPL_MAX_TOKENS, lm.max_length)
     encoded = lm.encode(list(texts))
     if first_token == "keep" and lm.eos_id is not None:
         encoded = [[lm.eos_id, *ids] for ids in encoded]
@@ -167,7 +212,9 @@ def generative_perplexity(lm: CausalScorer, texts: Sequence[str], *, batch_size:
     for start in range(0, len(order), batch_size):
         batch = [encoded[i] for i in order[start:start + batch_size]]
         width = max((len(b) for b in batch), default=0)
-        if width >= 2:
+        if stride and width > lm.max_length:
+            pooled.add(*sliding_window_nll(lm, batch, lm.max_length, stride))
+        elif width >= 2:
             ids = torch.zeros(len(batch), width, dtype=torch.long)
             mask = torch.zeros(len(batch), width, dtype=torch.long)
             for r, b in enumerate(batch):

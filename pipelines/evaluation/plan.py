@@ -67,6 +67,17 @@ class Plan:
                                      manifest_hash=m.content_hash(), source=m.source))
 
 
+def _refuse_likelihood(suite: Sequence[str], kind: str) -> None:
+    """A sample-only kind (``ModelKind.sample_only``: SSD-LM) has no likelihood here: its suites are refused."""
+    from adlm_model.kinds import model_kind
+
+    bad = [n for n in suite if SUITES[n].likelihood]
+    if bad and model_kind(kind).sample_only:
+        sample = ", ".join(n for n, s in SUITES.items() if not s.likelihood and s.auto is None)
+        raise EvalError(f"suite {', '.join(bad)} scores the model's likelihood, which a {kind} model has none of here "
+                        f"(sample-only); use the sample suites ({sample})")
+
+
 def plan_evaluation(model: str, suite: str | Sequence[str], cfg: EvalConfig, *, workdir: str | os.PathLike | None = None,
                     tracking_uri: str | None = None) -> Plan:
     """Every check that can fail on bad input, before any weights are loaded or Ray starts: the settings, each
@@ -82,6 +93,7 @@ def plan_evaluation(model: str, suite: str | Sequence[str], cfg: EvalConfig, *, 
     wd = resolve_workdir(workdir)
     ref = resolve_model_ref(model, tracking_uri, None if is_uri(wd) else cache_dir(wd))
     model_cfg, meta = read_config(ref.local_dir)
+    _refuse_likelihood(suite, model_cfg.kind)
     plan = Plan(ref=ref, model_cfg=model_cfg, meta=meta, suite=suite, cfg=cfg, datasets=[],
                 tracking_uri=tracking_uri, workdir=wd, data=data_dir_for(cfg, meta, workdir))
     for name in suite:

@@ -109,6 +109,8 @@ class Suite:
     """Joins the chosen suites on its own when this says True of the plan (``truth``: on testbed data)."""
     figures: tuple[Figure, ...] = ()
     """The figures it records on a version, described once (the model card and the summary list them)."""
+    likelihood: bool = False
+    """Scores the model's likelihood (its bound or NLL): refused for a sample-only kind (``ModelKind.sample_only``)."""
 
     def __post_init__(self) -> None:
         if not self.headline:
@@ -343,7 +345,7 @@ def _zero_shot_tags(result: Any, cfg: EvalConfig) -> dict[str, str]:
 
 
 def _plan_generate(plan: Any) -> None:
-    from adlm_model.kinds import check_sampler_options
+    from adlm_model.kinds import check_sampler_kind, check_sampler_options
     from adlm_model.samplers import SamplerError
     from pipelines.evaluation.config import resolve_sampler, sampler_options, sampling_steps
     from pipelines.evaluation.eval_lm import checkpoint_tokenizer
@@ -354,6 +356,7 @@ def _plan_generate(plan: Any) -> None:
     plan.length = cfg.sample_length or model_cfg.seq_len
     try:  # the confidence sampler's block must divide the length
         sampler = check_sampler_options(plan.sampler, cfg.sampler_kwargs, length=plan.length)
+        check_sampler_kind(plan.sampler, model_cfg.kind)
     except SamplerError as e:
         raise EvalError(f"{e} (sampler=auto picks the model kind's default)") from e
     plan.sampler_kwargs = sampler_options(plan.sampler, cfg.sampler_kwargs, plan.tokenizer)
@@ -454,13 +457,13 @@ def _run_mauve(state: RunState) -> None:
 register_suite(Suite(
     "ppl", "NELBO perplexity bound on prepared splits (AR: exact)",
     lambda state: state.report_ppl(lambda label: not _is_zero_shot(label)),
-    plan=_plan_ppl, tags=_ppl_tags,
+    plan=_plan_ppl, tags=_ppl_tags, likelihood=True,
     figures=(Figure("val_ppl", "Validation perplexity", "validation PPL (bound)",
                     settings=("val_ppl.settings", "eval.val_key")),
              Figure("test_ppl", "Test perplexity"))))
 register_suite(Suite(
     "zero_shot", "the same bound on every prepared zero-shot set (zero_shot=)",
-    lambda state: state.report_ppl(_is_zero_shot), plan=_plan_zero_shot, tags=_zero_shot_tags,
+    lambda state: state.report_ppl(_is_zero_shot), plan=_plan_zero_shot, tags=_zero_shot_tags, likelihood=True,
     available=lambda cfg: bool(cfg.zero_shot),
     figures=(Figure(r"zero_shot\.(.+)_ppl", "Zero-shot perplexity ({})", settings=("eval.val_key",), family=True),)))
 register_suite(Suite(
@@ -555,7 +558,125 @@ register_suite(Suite(
     "lm-eval", "EleutherAI lm-evaluation-harness tasks through the adlm adapter (--tasks; offline tasks by default)",
     _lm_eval("run_lm_eval"), check=_lm_eval("check_lm_eval"), tags=_lm_eval("lm_eval_tags"),
     gates=(Gate("lm_eval.acc_mean", "min", "lm_eval_acc_min", "lm-eval mean accuracy"),), in_stage2=False,
+    likelihood=True,
     figures=(Figure(r"lm_eval\.([^.]+\.[^.]+)", "lm-eval {}", "lm-eval", "A task of EleutherAI's "
                     "lm-evaluation-harness (its own metric), scored through the adlm adapter: AR log-likelihoods "
                     "exact, the diffusion kinds' through the NELBO bound; the value ± its standard error.",
                     ("lm_eval.settings",), family=True),)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# BD3-LM's arbitrary-length comparison.
+
+BD3LM_TABLE7: dict[int, dict[str, tuple[float, str]]] = {
+    1024: {"AR": (14.1, "1K"), "SEDD": (52.0, "1K"), "MDLM": (46.8, "1K"), "SSD-LM T=1000": (37.2, "40K"),
+           "SSD-LM T=25": (281.3, "1K"), "BD3-LM L'=16": (33.4, "1K"), "BD3-LM L'=8": (30.4, "1K"),
+           "BD3-LM L'=4": (25.7, "1K")},
+    2048: {"AR": (13.2, "2K"), "MDLM": (41.3, "2K"), "SSD-LM T=1000": (35.3, "80K"), "SSD-LM T=25": (281.9, "2K"),
+           "BD3-LM L'=16": (31.5, "2K"), "BD3-LM L'=8": (28.2, "2K"), "BD3-LM L'=4": (23.6, "2K")},
+}
+"""The published figures of the suite, (gen-PPL under gpt2-large, NFEs) per model and sample length: Arriola et al.,
+"Block Diffusion", ICLR 2025 (arXiv 2503.09573), Table 7 (300 samples each; models trained on OpenWebText with a
+context of 1024; SSD-LM is the released 400M model)."""
+
+LONG_DEFINITION = ("samples of long_length tokens drawn with an any-length sampler; gen-PPL: decoded, re-tokenised by "
+                   "the evaluation LM, truncated to long_length tokens and scored in windows of the LM's context moved "
+                   "by half of it (BD3-LM's sliding window), NLL pooled over tokens, EOS targets excluded")
+
+
+def _check_long(cfg: EvalConfig, tracking_uri: str | None) -> None:
+    from pipelines.evaluation.eval_lm import check_eval_lm
+
+    check_eval_lm(cfg.eval_lm, tracking_uri=tracking_uri)
+
+
+def _plan_long(plan: Any) -> None:
+    """The sampler of ``generate`` (resolved here when that suite is not chosen), which must fit the model and, past
+    the model's context, generate any length."""
+    from adlm_model.kinds import KINDS, SAMPLERS, check_sampler_kind, check_sampler_options, sampler_fits
+    from adlm_model.samplers import SamplerError
+    from pipelines.evaluation.config import resolve_sampler, sampler_options, sampling_steps
+    from pipelines.evaluation.eval_lm import checkpoint_tokenizer
+
+    cfg, model_cfg = plan.cfg, plan.model_cfg
+    if plan.tokenizer is None:
+        plan.tokenizer = checkpoint_tokenizer(plan.ref.local_dir, plan.meta)
+        plan.sampler = resolve_sampler(cfg.sampler, model_cfg.kind)
+        plan.steps = sampling_steps(cfg, model_cfg.kind, plan.meta)
+    try:
+        sampler = check_sampler_options(plan.sampler, cfg.sampler_kwargs, length=cfg.long_length)
+        check_sampler_kind(plan.sampler, model_cfg.kind)
+    except SamplerError as e:
+        raise EvalError(f"suite arbitrary_length: {e}") from e
+    plan.sampler_kwargs = plan.sampler_kwargs or sampler_options(plan.sampler, cfg.sampler_kwargs, plan.tokenizer)
+    if cfg.long_length > model_cfg.seq_len and not sampler.any_length:
+        fit = [n for n, s in SAMPLERS.items() if s.any_length and sampler_fits(s, KINDS[model_cfg.kind])]
+        raise EvalError(f"suite arbitrary_length: long_length {cfg.long_length} exceeds the model's context of "
+                        f"{model_cfg.seq_len} and sampler {plan.sampler!r} generates within it; pass "
+                        + (f"--set sampler={fit[0]}" if fit else "a model whose kind has an any-length sampler")
+                        + (f" (samplers that generate any length on a {model_cfg.kind} model: {', '.join(fit)})"
+                           if fit else ""))
+
+
+def _run_long(state: RunState) -> None:
+    import dataclasses
+
+    from pipelines.evaluation.eval_lm import is_hub_model
+    from pipelines.evaluation.jobs import gen_ppl_job, long_sample_job, sample_segments
+    from pipelines.evaluation.metrics import reached_length, unigram_entropy
+
+    cfg, plan = state.cfg, state.plan
+    settings = dataclasses.replace(state.settings, length=cfg.long_length)
+    sizes = [min(cfg.sample_batch_size, cfg.long_num_samples - s)
+             for s in range(0, cfg.long_num_samples, cfg.sample_batch_size)]
+    jobs = [{"model": state.model, "batch_index": i, "n": n, "settings": settings} for i, n in enumerate(sizes)]
+    out = state.executor.run(long_sample_job, jobs, f"arbitrary-length sampling ({plan.sampler}, T={plan.steps}, "
+                             f"{cfg.long_length} tokens)", unit="sample", large=state.large_model,
+                             total_units=cfg.long_num_samples, progress_kw="steps", step_total=plan.steps + 1)
+    ids = np.concatenate([o["ids"] for o in out], axis=0)
+    nfes = float(np.average([o["network_calls"] for o in out], weights=sizes))
+    texts = [sample_segments(row, plan.tokenizer) for row in ids]
+    r = state.executor.run(gen_ppl_job, [{"texts": texts, "settings": state.settings, "max_length": cfg.long_length,
+                                          "long": True}], f"gen-PPL of long samples ({cfg.eval_lm})",
+                           large=is_hub_model(cfg.eval_lm))[0]
+    entropy = float(np.mean([unigram_entropy(row) for row in ids]))
+    reached = float(np.mean([reached_length(row, cfg.long_window, cfg.long_min_entropy) for row in ids]))
+    state.metrics.update({"long_gen_ppl": r["gen_ppl"], "long_entropy": entropy, "long_reached": reached,
+                          "long_nfes": nfes, "long_samples": float(len(ids)), "long_length": float(cfg.long_length),
+                          "long_gen_tokens": float(r["n_tokens"])})
+    published = BD3LM_TABLE7.get(cfg.long_length)
+    beside = ("; published (BD3-LM paper, Table 7, L=" + str(cfg.long_length) + "): "
+              + ", ".join(f"{k} {v[0]:g} ({v[1]} NFEs)" for k, v in published.items())) if published else ""
+    how = (f"{len(ids)} samples of {cfg.long_length} tokens beyond a context of {plan.model_cfg.seq_len}; sampler "
+           f"{plan.sampler}, T={plan.steps}, p={cfg.nucleus_p}")
+    state.row("gen PPL beyond the context", r["gen_ppl"],
+              f"eval LM {cfg.eval_lm}, {r['n_tokens']} tokens pooled in sliding windows, entropy {entropy:.3f}; {how}"
+              f"{beside}")
+    state.row("share of samples reaching the length", reached,
+              f"every {cfg.long_window}-token window with unigram entropy >= {cfg.long_min_entropy:g} nats; {how}")
+    state.row("NFEs per sample", nfes, f"network calls of a sample's batch; {how}")
+
+
+def _long_tags(result: Any, cfg: EvalConfig) -> dict[str, str]:
+    import json
+
+    s = result.settings
+    return {"long.settings": (f"length={cfg.long_length} n={cfg.long_num_samples} sampler={s['sampler']} "
+                              f"T={s['steps']} p={s['nucleus_p']} seed={s['seed']} reach=window {cfg.long_window} >= "
+                              f"{cfg.long_min_entropy:g} nats"
+                              + (f" {json.dumps(s['sampler_kwargs'], sort_keys=True)}" if s["sampler_kwargs"] else "")),
+            "long.eval_lm": cfg.eval_lm}
+
+
+register_suite(Suite(
+    "arbitrary_length", "BD3-LM's arbitrary-length table: long_num_samples samples of long_length tokens beyond the "
+    "context; gen-PPL (sliding window), the share reaching the length, NFEs", _run_long, check=_check_long,
+    plan=_plan_long, tags=_long_tags, in_stage2=False, definitions=lambda cfg: {"long_gen_ppl": LONG_DEFINITION},
+    figures=(Figure("long_gen_ppl", "Generative perplexity of long samples", "", "Gen-PPL of samples longer than "
+                    "the model's context (BD3-LM's arbitrary-length table): " + LONG_DEFINITION + ".",
+                    ("long.settings", "long.eval_lm")),
+             Figure("long_reached", "Share of long samples reaching their length", "", "The share of long samples "
+                    "whose every window of long_window tokens keeps a unigram entropy of at least long_min_entropy "
+                    "nats (BD3-LM's stop rule: 256 tokens, 4 nats).", ("long.settings",)),
+             Figure("long_nfes", "Network calls per long sample", "", "Forward passes of the network per sample "
+                    "(NFEs: SSD-LM T per block, BD3-LM at most one per token).", ("long.settings",)))))

@@ -17,10 +17,13 @@ from typing import Any
 log = logging.getLogger("adlm.import")
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "README.md", "LICENSE*"]
+HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "README.md", "LICENSE*", "*.pt",
+             "vocab.json", "merges.txt"]
+"""What a Hub import downloads: the weights as safetensors, the small modules and tokenizer files some families keep
+beside them (SSD-LM's ``embed_sum_layer.pt``, ``timestep_layer.pt``, RoBERTa's ``vocab.json`` / ``merges.txt``)."""
 HUB_PICKLE_FILES = ["pytorch_model.bin"]
-"""Downloaded only when a Hub folder has no safetensors (older ``PyTorchModelHubMixin`` releases saved this),
-read through ``adlm_model.safe_pickle``."""
+"""Downloaded only when a Hub folder has no safetensors (older ``PyTorchModelHubMixin`` releases and older uploads
+such as xhan77/ssdlm saved this), read through ``adlm_model.safe_pickle``."""
 PATH_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors", ".json", ".yaml")
 # The tokenizer a released model was trained with, by its embedding width (vocabulary + appended mask).
 DEFAULT_TOKENIZERS = {50258: "gpt2", 30522: "bert-base-uncased"}
@@ -95,9 +98,35 @@ def _sha256(files: list[Path]) -> dict[str, str]:
     return {f.name: sha256_file(f) for f in files}
 
 
-def _tokenizer(spec: str | None, src: Any, width: int, local: Path) -> Any:
+def _tokenizer_from_files(spec: str | None, fam: Any, local: Path, source: str) -> Any:
+    """The tokenizer of a family that ships its own files (``Family.tokenizer_files``): from ``--tokenizer`` (a
+    folder holding them, or a tokenizer.json), else from the released folder, else one line naming what to pass."""
+    from pipelines.data.tokenizer import TokenizerError, bpe_from_files, load_tokenizer
+
+    files = " + ".join(fam.tokenizer_files)
+    folder = Path(spec).expanduser() if spec else (local if local.is_dir() else local.parent)
+    try:
+        if folder.is_dir() and all((folder / f).is_file() for f in fam.tokenizer_files):
+            return bpe_from_files(str(folder / fam.tokenizer_files[0]), str(folder / fam.tokenizer_files[1]))
+        if spec:
+            return load_tokenizer(spec)
+    except TokenizerError as e:
+        raise ImportInputError(str(e)) from None
+    raise ImportInputError(f"the {fam.name} model's tokenizer ({files}) is not in {source} and no installed package "
+                           f"ships it: pass --tokenizer DIR holding its {' and '.join(fam.tokenizer_files)} (the "
+                           "released Hub folder holds them)")
+
+
+def _tokenizer(spec: str | None, src: Any, width: int, local: Path, fam: Any = None, source: str = "") -> Any:
     from pipelines.data.tokenizer import TokenizerError, load_tokenizer
 
+    if fam is not None and fam.tokenizer_files:
+        tok = _tokenizer_from_files(spec, fam, local, source)
+        if tok.width != width:
+            raise ImportInputError(f"tokenizer {tok.name!r} (vocabulary {tok.vocab_size}, width {tok.width}) does not "
+                                   f"fit the checkpoint's embedding of {width} rows; pass the tokenizer the model was "
+                                   "trained with (--tokenizer)")
+        return tok
     if spec is None and src.layout == "export":
         spec = str(local / "tokenizer.json")
     if spec is None:
@@ -155,7 +184,7 @@ def import_model(source: str, *, name: str | None = None, revision: str | None =
                     "lines": inspect_lines(src, fam, src.files)}
         fam = rl.chosen_family(family, src)
         width = rl.embedding_width(src, fam)
-        tok = _tokenizer(tokenizer, src, width, local)
+        tok = _tokenizer(tokenizer, src, width, local, fam, source)
         model, cfg = rl.convert(src, fam, tok.vocab_size, tok.mask_id)
         digests = _sha256(src.files)
         # a Hub snapshot's folder is named after the commit it resolved to: the revision recorded

@@ -233,6 +233,9 @@ class TrainConfig:
                 raise ConfigError(msg)
 
         self.model.validate()
+        from adlm_model.kinds import KINDS
+
+        need(not KINDS[self.model.kind].sample_only, f"model.kind {self.model.kind}: {KINDS[self.model.kind].sample_only}")
         o, b, r, s = self.optim, self.batch, self.run, self.scaling
         need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
         need(len(o.betas) == 2 and all(0 <= x < 1 for x in o.betas), f"optim.betas must be two numbers in [0, 1), got {o.betas}")
