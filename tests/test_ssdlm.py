@@ -146,7 +146,7 @@ def test_bad_settings_and_other_kinds_are_refused_in_one_line(net) -> None:
         (dict(sampler="ssdlm", block_size=64), "leaves no room for context"),
         (dict(sampler="ssdlm", block_size=5, context=60), r"context must lie in \[0, 59\]"),
         (dict(sampler="ssdlm"), "needs a first token"),
-        (dict(sampler="mdlm"), "sampler 'mdlm' does not run on a ssdlm model; use 'ssdlm'"),
+        (dict(sampler="mdlm"), "sampler 'mdlm' does not run on a ssdlm model; it takes ssdlm"),
         (dict(sampler="ar", bos_id=0), "sampler 'ar' does not run on a ssdlm model"),
     ]
     for kw, msg in cases:

@@ -159,7 +159,7 @@ def test_train_and_the_likelihood_suites_refuse_it_in_one_line(imported, capsys)
         evaluate_model(imported["res"]["uri"], ("ppl",), EvalConfig(), workdir=str(imported["workdir"]),
                        tracking_uri=imported["tracking"], in_process=True)
     assert "\n" not in str(e.value)
-    with pytest.raises(EvalError, match="sampler 'mdlm' does not run on a ssdlm model; use 'ssdlm'") as e:
+    with pytest.raises(EvalError, match="sampler 'mdlm' does not run on a ssdlm model; it takes ssdlm") as e:
         evaluate_model(imported["res"]["uri"], ("arbitrary_length",), EvalConfig(sampler="mdlm", eval_lm="smollm2"),
                        workdir=str(imported["workdir"]), tracking_uri=imported["tracking"], in_process=True)
     assert "\n" not in str(e.value)

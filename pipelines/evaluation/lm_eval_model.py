@@ -159,6 +159,11 @@ class ADLMEvalLM(LM):
         self.ref = resolve_model_ref(pretrained, tracking_uri, cache)
         self.model, self.cfg, meta = load_checkpoint(self.ref.local_dir, use_ema=s.use_ema, map_location=self._device)
         self.model.eval()
+        from adlm_model.kinds import model_kind
+
+        if model_kind(self.cfg.kind).sample_only:  # the harness's tasks score likelihoods, which it has none of
+            raise EvalError(f"lm-eval adapter: model kind {self.cfg.kind} is sample-only (no likelihood to score); "
+                            "evaluate its samples with --suite gen_ppl or entropy")
         if s.sampler != "auto":  # a sampler that does not run on this kind: one line now, not at the first request
             from adlm_model.kinds import check_sampler_kind
             from adlm_model.samplers import SamplerError
