@@ -276,6 +276,12 @@ class DiT(nn.Module):
             cache.n += x.shape[1] if cache_append is None and cache_mode == "append" else (cache_append or 0)
         return self.output_layer.modulated(x, c)
 
+    def head(self, inp: torch.Tensor, sigma: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The final hidden state and the output projection's weight and bias: the logits are their affine map,
+        which the training losses fuse with the log-softmax (``vocab_loss``) instead of materialising."""
+        lin = self.output_layer.linear
+        return self.trunk(self.embed(inp), sigma, **kw), lin.weight, lin.bias
+
     def forward(self, inp: torch.Tensor, sigma: torch.Tensor, **kw) -> torch.Tensor:
         h = self.trunk(self.embed(inp), sigma, **kw)
         return self.output_layer.linear(h)
