@@ -48,16 +48,21 @@ class Rotary(nn.Module):
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, length: int, offset: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():  # in a graph: computed there (a cache hit or miss would be a guard)
+            return self._table(length, offset, device)
         key = (length, offset, str(device))
         if key not in self._cache:
-            t = torch.arange(offset, offset + length, device=device, dtype=torch.float32)
-            freqs = torch.outer(t, self.inv_freq.to(device))
-            emb = torch.cat([freqs, freqs], dim=-1)
-            # (1, L, 1, D) broadcasts over batch and heads of (B, L, H, D)
             if len(self._cache) > 64:
                 self._cache.clear()
-            self._cache[key] = (emb.cos()[None, :, None, :], emb.sin()[None, :, None, :])
+            self._cache[key] = self._table(length, offset, device)
         return self._cache[key]
+
+    def _table(self, length: int, offset: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.arange(offset, offset + length, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq.to(device))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        # (1, L, 1, D) broadcasts over batch and heads of (B, L, H, D)
+        return emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin at explicit positions (1-D); BD3-LM training gives x_t and x_0 the same positions."""
