@@ -8,12 +8,13 @@ step fed from memory, in one process, on the demo recipe and its embedded data (
 - Memory: the same number of micro-batches taken from that stream beforehand, fed to the same ``optimiser_step``
   from a list.
 
-Both run on one worker built by the loop's ``build`` (no Ray Train: the step is what is timed, each step
-synchronised), window by window alternately, so that a change of load on the cores hits both; the first window of
-each is left out (allocation, Ray Data's first reads). ``RESULT data_path_step_ratio`` = median step time fed by
-Ray Data / median step time fed from memory (goal <= 1.05).
+Both run on one worker built by the loop's ``build`` (no Ray Train: the step is what is timed, its results read
+after each), step by step alternately, so that a change of load on the cores hits both; the first ``--skip`` of
+each are left out (allocation, Ray Data's first reads). ``RESULT data_path_step_ratio`` = median step time fed by
+Ray Data / median step time fed from memory (goal <= 1.05); ``data_path_paired_step_ratio``: the median of the
+ratios of neighbouring steps (what other work on the cores moves least).
 
-    python benchmarks/data_path.py                     # 6 windows of 5 steps each way, a few minutes on 2 cores
+    python benchmarks/data_path.py                     # 30 steps each way, a few minutes on 2 idle cores
     python benchmarks/data_path.py --record            # and a dated record under benchmarks/results/
 """
 
@@ -54,9 +55,9 @@ def build_worker(cfg: TrainConfig, plan: DataPlan, threads: int) -> Worker:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--windows", type=int, default=6, help="windows each way, alternating (default 6; the first "
-                                                           "of each is left out)")
-    ap.add_argument("--window", type=int, default=5, help="optimiser steps a window (default 5)")
+    ap.add_argument("--steps", type=int, default=30, help="timed optimiser steps each way, alternating step by "
+                                                          "step (default 30)")
+    ap.add_argument("--skip", type=int, default=3, help="leading steps each way left out (default 3)")
     ap.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)),
                     help="torch threads of the step (default: 2, or 1 on one core)")
     ap.add_argument("--kind", default="adlm", help="model.kind of the demo recipe (default adlm)")
@@ -65,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="holds the prepared demo data, reused between runs (default work/bench-train)")
     add_argument(ap)
     args = ap.parse_args(argv)
-    if args.windows < 2 or args.window < 1 or args.threads < 1:
-        print("error: --windows must be >= 2, --window and --threads >= 1", file=sys.stderr)
+    if args.steps < 1 or args.skip < 0 or args.threads < 1:
+        print("error: --steps and --threads must be >= 1, --skip >= 0", file=sys.stderr)
         return 2
     for k, v in {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true",
                  "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}.items():
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with recording("data_path", args.record) as rec:
         ratio = run(args, cfg)
-        rec.note(f"{args.windows} windows of {args.window} steps each way, {args.threads} torch threads, "
+        rec.note(f"{args.steps} steps each way after {args.skip} left out, alternating, {args.threads} torch threads, "
                  f"kind {args.kind}, micro-batch {cfg.batch.micro_batch} x accumulation {cfg.accumulation}.")
     return 0 if ratio == ratio else 1
 
@@ -108,29 +109,31 @@ def run(args: argparse.Namespace, cfg: TrainConfig) -> float:
                            num_cpus=cfg.data.read_cpus).randomize_block_order(seed=cfg.run.seed)
         w = build_worker(cfg, plan, args.threads)
         streamed = batch_stream(w, ds)
-        per_window = args.window * w.accumulation
-        held = list(itertools.islice(batch_stream(w, ds), per_window))  # the same kind of batches, read before
+        held = list(itertools.islice(batch_stream(w, ds), 8 * w.accumulation))  # the same batches, read before
         memory = itertools.cycle(held)
         times: dict[str, list[float]] = {"ray": [], "memory": []}
-        for i in range(args.windows):
+        for i in range(args.skip + args.steps):
             for name, stream in (("ray", streamed), ("memory", memory)):
                 t = time.perf_counter()
-                for _ in range(args.window):
-                    optimiser_step(w, stream)
-                    float(w.window.loss)  # the step's results read: the step is done, as a log line would
-                step_s = (time.perf_counter() - t) / args.window
-                if i > 0:
-                    times[name].append(step_s)
-                print(f"window {i + 1}/{args.windows} {name:6s} {step_s * 1e3:7.1f} ms a step", flush=True)
+                optimiser_step(w, stream)
+                float(w.window.loss)  # the step's results read: the step is done, as a log line would
+                if i >= args.skip:
+                    times[name].append(time.perf_counter() - t)
+            if i >= args.skip and (i - args.skip + 1) % 5 == 0:
+                print(f"step {i - args.skip + 1}/{args.steps}: median so far, Ray Data "
+                      f"{statistics.median(times['ray']) * 1e3:.0f} ms, memory "
+                      f"{statistics.median(times['memory']) * 1e3:.0f} ms", flush=True)
     finally:
         ray.shutdown()
     ray_s, mem_s = statistics.median(times["ray"]), statistics.median(times["memory"])
+    paired = statistics.median(r / m for r, m in zip(times["ray"], times["memory"], strict=True))
     ratio = ray_s / mem_s
     print(f"step fed by Ray Data {ray_s * 1e3:.1f} ms, from memory {mem_s * 1e3:.1f} ms: {ratio:.3f} "
-          f"(goal <= {GOAL})", flush=True)
+          f"(median of paired steps {paired:.3f}; goal <= {GOAL})", flush=True)
     result("data_path_step_s_ray", ray_s)
     result("data_path_step_s_memory", mem_s)
     result("data_path_step_ratio", ratio)
+    result("data_path_paired_step_ratio", paired)
     return ratio
 
 
