@@ -12,7 +12,8 @@ and shifts ``s`` that the caller computes from the noise (they carry no gradient
 ``linear_loss`` takes the hidden states and the projection and computes the gradients of the sum with respect to
 them chunk by chunk during the forward pass (the gradient of a row's logits, ``d_i softmax_i - c_i onehot(y_i)``,
 needs only that row), as Liger-Kernel's fused linear cross-entropy does: a chunk's logits are freed before the next
-is computed, the backward pass scales the stored gradients, and no matmul is recomputed. ``logits_loss`` does the
+is computed, the backward pass scales the stored gradients, and no matmul is recomputed (Liger's kernel itself
+takes per-class weights, not SUBS's per-row 1/t, so it is not used). ``logits_loss`` does the
 same from logits that exist anyway (ADLM's anchor logits, which feed its denoiser), without their float32 copy.
 Both are plain torch, so ``torch.compile`` traces them without a graph break; under autocast the matmuls run in
 the autocast dtype as ``nn.Linear``'s would, and the softmax in float32.

@@ -49,7 +49,7 @@ def _results(stdout: str) -> dict[str, str]:
 
 
 def test_the_tiny_cpu_run_passes_and_prints_every_result_name(tmp_path: Path) -> None:
-    """The issue's command, ``python benchmarks/gpu_check.py --device cpu --tiny``, in a fresh interpreter whose
+    """The CPU command, ``python benchmarks/gpu_check.py --device cpu --tiny``, in a fresh interpreter whose
     import hook (HOOK, below) refuses every package the GPU machine lacks for the imports adlm_model and the
     script make, after importing every adlm_model module under it: every item ok (the bf16 steps within tolerance
     of float32, every cached sampler equal to its exact one), every RESULT name of RESULT_NAMES printed once, the
@@ -260,7 +260,7 @@ def test_a_second_try_resumes_the_items_the_first_finished(tmp_path: Path, capsy
 
 def test_the_gpu_page_names_what_exists() -> None:
     """docs/operations/gpu.md's commands: every gpu_check.py command line parses with options and items that exist
-    (a renamed option would leave the page wrong on the day it is used), and the one-line command of a GPU session
+    (a renamed option would leave the page wrong on the day it is used), and the one-line command of a GPU slot
     fits its 8 minutes (an outer timeout of at most 480 s, a budget under it) and records into $OUT."""
     import re
     import shlex
@@ -277,8 +277,8 @@ def test_the_gpu_page_names_what_exists() -> None:
         argv = shlex.split(line.replace("$OUT", "out"))
         args = gpu_check.parse_args(argv[argv.index("benchmarks/gpu_check.py") + 1:])
         assert args.out and all(any(fnmatch.fnmatch(i.name, p) for i in gpu_check.ITEMS) for p in args.only)
-    session = next(c for c in commands if "--record" in c and "$OUT" in c and "timeout" in c)
-    argv = shlex.split(session)
+    slot = next(c for c in commands if "--record" in c and "$OUT" in c and "timeout" in c)
+    argv = shlex.split(slot)
     limit = int(argv[argv.index("timeout") + 1])
     budget = gpu_check.parse_args(argv[argv.index("benchmarks/gpu_check.py") + 1:]).budget_s
     assert limit <= 480 and budget + 45 <= limit
