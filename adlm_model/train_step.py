@@ -92,14 +92,6 @@ class StepOutput:
     """The learning rate this step used."""
 
 
-def resolve_compile(setting: str, device: torch.device) -> bool:
-    """``compile: auto | on | off`` for a device: auto compiles on CUDA only (on a CPU compilation costs more
-    than it saves at the sizes a CPU trains)."""
-    if setting not in ("auto", "on", "off"):
-        raise ValueError(f"compile must be auto, on or off, got {setting!r}")
-    return setting == "on" or (setting == "auto" and device.type == "cuda")
-
-
 class TrainStep:
     """The optimiser step (module docstring). ``objective``: an ``Objective`` (or a module with its ``draw`` and
     ``forward``); ``net``: the same wrapped in DDP or sharded by FSDP (``sync``: ``ddp`` / ``fsdp``); ``model``:
@@ -219,4 +211,4 @@ def fused_adamw(params: Any, *, lr: float, betas: tuple[float, float] = (0.9, 0.
 
 
 __all__ = ["MicroBatch", "Noise", "Objective", "StepOutput", "TrainStep", "draw_noise", "fused_adamw", "lr_factor",
-           "lr_schedule", "resolve_compile"]
+           "lr_schedule"]
