@@ -4,7 +4,8 @@ No Ray or MLflow here; ``pipelines/`` orchestrates. See METHOD.md for the specif
 
 One concept a file: ``config`` (typed configs, presets), ``schedule`` (noise schedule, times),
 ``attention`` (flash-attn / SDPA), ``backbone`` (the DiT), ``models`` (MDLM, ADLM, AR networks),
-``losses`` (SUBS, NELBO, ANELBO, AR NLL), ``samplers`` (MDLM, ReMDM-loop, AR), ``bd3lm`` (block
+``losses`` (SUBS, NELBO, ANELBO, AR NLL), ``vocab_loss`` (those losses fused with the vocabulary projection,
+without the float32 logits), ``train_step`` (the optimiser step training and the GPU check run), ``samplers`` (MDLM, ReMDM-loop, AR), ``bd3lm`` (block
 diffusion), ``sedd`` (SEDD: the score network, its score-entropy loss and predictors), ``sedd_layout`` (the SEDD
 reference's released layout mapped to ours), ``kinds`` (the table of model kinds and samplers: ``build_model``,
 ``compute_loss``, ``sample``), ``block_attention`` (BD3-LM's masks and pass), ``ema``, ``checkpoint`` (safetensors +

@@ -1,7 +1,8 @@
 """Attention kernels: flash-attn when importable on CUDA, PyTorch SDPA everywhere else.
 
-Masks: bidirectional (``mask=None, causal=False``), causal, or an arbitrary boolean mask
-(True = may attend) broadcastable to (B, H, Lq, Lk); the block-diffusion objective needs the last.
+Masks: bidirectional (``mask=None, causal=False``), causal, an arbitrary boolean mask (True = may attend)
+broadcastable to (B, H, Lq, Lk), or a FlexAttention ``BlockMask`` (the block-diffusion objective's, compiled on
+CUDA: ``block_attention``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import flex_attention
 
 
 def _load_flash_attn():
@@ -49,6 +51,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     With ``causal`` and Lq < Lk (a KV cache), query i sits at absolute position Lk - Lq + i
     (bottom-right alignment, as flash-attn does).
     """
+    if mask is not None and not isinstance(mask, torch.Tensor):  # a FlexAttention BlockMask (block_attention)
+        return flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                              block_mask=mask).transpose(1, 2)
     lq, lk = q.shape[1], k.shape[1]
     if causal and lq == 1:
         # One query (a KV-cached decoding step) sits at the last position and sees every key: no mask to build

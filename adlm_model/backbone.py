@@ -48,16 +48,21 @@ class Rotary(nn.Module):
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, length: int, offset: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():  # in a graph: computed there (a cache hit or miss would be a guard)
+            return self._table(length, offset, device)
         key = (length, offset, str(device))
         if key not in self._cache:
-            t = torch.arange(offset, offset + length, device=device, dtype=torch.float32)
-            freqs = torch.outer(t, self.inv_freq.to(device))
-            emb = torch.cat([freqs, freqs], dim=-1)
-            # (1, L, 1, D) broadcasts over batch and heads of (B, L, H, D)
             if len(self._cache) > 64:
                 self._cache.clear()
-            self._cache[key] = (emb.cos()[None, :, None, :], emb.sin()[None, :, None, :])
+            self._cache[key] = self._table(length, offset, device)
         return self._cache[key]
+
+    def _table(self, length: int, offset: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.arange(offset, offset + length, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq.to(device))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        # (1, L, 1, D) broadcasts over batch and heads of (B, L, H, D)
+        return emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin at explicit positions (1-D); BD3-LM training gives x_t and x_0 the same positions."""
@@ -275,6 +280,12 @@ class DiT(nn.Module):
         if cache is not None:
             cache.n += x.shape[1] if cache_append is None and cache_mode == "append" else (cache_append or 0)
         return self.output_layer.modulated(x, c)
+
+    def head(self, inp: torch.Tensor, sigma: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The final hidden state and the output projection's weight and bias: the logits are their affine map,
+        which the training losses fuse with the log-softmax (``vocab_loss``) instead of materialising."""
+        lin = self.output_layer.linear
+        return self.trunk(self.embed(inp), sigma, **kw), lin.weight, lin.bias
 
     def forward(self, inp: torch.Tensor, sigma: torch.Tensor, **kw) -> torch.Tensor:
         h = self.trunk(self.embed(inp), sigma, **kw)

@@ -36,9 +36,9 @@ import torch
 import torch.nn as nn
 
 from .backbone import DiT, KVCache
-from .block_attention import block_causal_mask, block_diff_mask, block_diffusion_pass
+from .block_attention import block_causal_mask, block_diff_mask, block_diffusion_head, block_diffusion_pass
 from .config import ModelConfig
-from .losses import LossOutput, conditioning_sigma, subs_nll, valid_positions
+from .losses import LossOutput, conditioning_sigma, head_loss, subs_nll, valid_positions
 from .samplers import (
     T_MIN,
     Progress,
@@ -93,26 +93,38 @@ def clip_bounds(cfg: ModelConfig, train: bool) -> tuple[float, float]:
     return max(cfg.clip_low, cfg.sampling_eps), cfg.clip_high
 
 
-def block_nelbo(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig, *,
-                t: torch.Tensor | None = None, generator: torch.Generator | None = None,
-                z_t: torch.Tensor | None = None, train: bool = True, block_size: int | None = None,
-                clip: tuple[float, float] | None = None,
+def block_noise(x: torch.Tensor, cfg: ModelConfig, generator: torch.Generator | None, *, train: bool = True,
+                block_size: int | None = None, clip: tuple[float, float] | None = None,
                 schedule: LogLinearSchedule | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token BD3-LM NELBO terms ``w(t_block) 1{z=m} (-log p(x | z, clean earlier blocks))`` (B, L),
-    zero at pads, and the validity mask (B, L): what the objective sums and the schedule search
-    groups per block.
+    """The noise of one BD3-LM pass: times per block (B, n_blocks) from the clipped schedule (``train``; ``clip``
+    overrides it) or ``[sampling_eps, 1]``, then the masked tokens ``z_t`` (B, L). Drawn apart from the network
+    pass so that a compiled objective receives tensors, never a generator."""
+    schedule = schedule or LogLinearSchedule(cfg.noise_eps)
+    b = block_size or cfg.block_size
+    batch, length = x.shape
+    if length % b:
+        raise SamplerError(f"BD3-LM block_size {b} must divide the sequence length {length}")
+    low, high = clip if clip is not None else clip_bounds(cfg, train)
+    t = block_times(batch, length // b, generator, low, high, x.device)
+    z_t, _ = mask_tokens(x, schedule.move_chance(t.repeat_interleave(b, dim=1)), cfg.mask_id, generator)
+    return t, z_t
 
-    ``t``: None (drawn per block from the clipped schedule, or ``[sampling_eps, 1]`` when
-    ``train=False``), shape (B,) (one time for every block of a row) or (B, n_blocks). ``z_t``:
-    optional given noisy tokens. ``clip``: overrides ``(beta, omega)``.
-    """
+
+def _block_terms(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig,
+                 t: torch.Tensor | None, generator: torch.Generator | None, z_t: torch.Tensor | None, train: bool,
+                 block_size: int | None, clip: tuple[float, float] | None, schedule: LogLinearSchedule | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(z_t, sigma, per-token weight w(t_block), validity, b) of one pass: the noise drawn (``block_noise``)
+    unless given."""
     schedule = schedule or LogLinearSchedule(cfg.noise_eps)
     b = block_size or cfg.block_size
     batch, length = x.shape
     if length % b:
         raise SamplerError(f"BD3-LM block_size {b} must divide the sequence length {length}")
     nb = length // b
-    if t is None:
+    if t is None and z_t is None:
+        t, z_t = block_noise(x, cfg, generator, train=train, block_size=b, clip=clip, schedule=schedule)
+    elif t is None:
         low, high = clip if clip is not None else clip_bounds(cfg, train)
         t = block_times(batch, nb, generator, low, high, x.device)
     t = t.reshape(batch, -1).to(x.device)
@@ -126,18 +138,39 @@ def block_nelbo(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor 
     # with time conditioning off (the default) it is the learned constant sigma = 0.
     sigma = conditioning_sigma(cfg, schedule, t).mean(-1) if cfg.conditions_on_time else torch.zeros(
         batch, device=x.device)
+    return z_t, sigma, schedule.loss_weight(t_tok), valid_positions(x, attention_mask, cfg), b
+
+
+def block_nelbo(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig, *,
+                t: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                z_t: torch.Tensor | None = None, train: bool = True, block_size: int | None = None,
+                clip: tuple[float, float] | None = None,
+                schedule: LogLinearSchedule | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token BD3-LM NELBO terms ``w(t_block) 1{z=m} (-log p(x | z, clean earlier blocks))`` (B, L),
+    zero at pads, and the validity mask (B, L): what the schedule search groups per block.
+
+    ``t``: None (drawn per block from the clipped schedule, or ``[sampling_eps, 1]`` when
+    ``train=False``), shape (B,) (one time for every block of a row) or (B, n_blocks). ``z_t``:
+    optional given noisy tokens. ``clip``: overrides ``(beta, omega)``.
+    """
+    z_t, sigma, w, valid, b = _block_terms(model, x, attention_mask, cfg, t, generator, z_t, train, block_size,
+                                              clip, schedule)
     logits = block_diffusion_logits(model, z_t, x, sigma, b)
-    valid = valid_positions(x, attention_mask, cfg)
-    return schedule.loss_weight(t_tok) * subs_nll(logits, x, z_t, cfg.mask_id) * valid, valid
+    return w * subs_nll(logits, x, z_t, cfg.mask_id) * valid, valid
 
 
 def bd3lm_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig,
-                    t: torch.Tensor | None = None, generator: torch.Generator | None = None, **kw) -> LossOutput:
-    """BD3-LM NELBO summed over blocks, divided by the tokens (METHOD.md section 3); ``kw`` as
-    ``block_nelbo``."""
-    per_token, valid = block_nelbo(model, x, attention_mask, cfg, t=t, generator=generator, **kw)
+                    t: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                    z_t: torch.Tensor | None = None, train: bool = True, block_size: int | None = None,
+                    clip: tuple[float, float] | None = None,
+                    schedule: LogLinearSchedule | None = None) -> LossOutput:
+    """BD3-LM NELBO summed over blocks, divided by the tokens (METHOD.md section 3); arguments as
+    ``block_nelbo``. The ``x_t`` half's logits are never materialised (``losses.head_loss``)."""
+    z_t, sigma, w, valid, b = _block_terms(model, x, attention_mask, cfg, t, generator, z_t, train, block_size,
+                                              clip, schedule)
+    head = block_diffusion_head(_backbone(model), z_t, x, sigma, b)
+    total = head_loss(head, x, w * valid * (z_t == cfg.mask_id), exclude=cfg.mask_id)
     n = valid.sum()
-    total = per_token.sum()
     return LossOutput(loss=total / n.clamp(min=1), nll_sum=total.detach().double(), n_tokens=n)
 
 
@@ -437,6 +470,6 @@ def _check_stops(x: torch.Tensor, keep: torch.Tensor, s0: int, end: int, eos_id:
 
 __all__ = [
     "BlockContext", "BlockSample", "ClipSearchResult", "bd3lm_objective", "block_causal_mask", "block_diff_mask",
-    "block_diffusion_logits", "block_loss_moments", "block_nelbo", "block_times", "choose_clip", "clip_bounds", "clip_intervals", "sample_blocks",
+    "block_diffusion_logits", "block_loss_moments", "block_nelbo", "block_noise", "block_times", "choose_clip", "clip_bounds", "clip_intervals", "sample_blocks",
     "search_clipped_schedule",
 ]

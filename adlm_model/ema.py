@@ -44,9 +44,13 @@ class EMA:
     def update(self, model: nn.Module) -> None:
         d = self.current_decay()
         self.num_updates += 1
-        for name, p in model.named_parameters():
-            if name in self.shadow:
-                self.shadow[name].lerp_(p.detach(), 1.0 - d)
+        pairs = [(self.shadow[name], p.detach()) for name, p in model.named_parameters() if name in self.shadow]
+        shadows, params = [s for s, _ in pairs], [p for _, p in pairs]
+        if all(type(s) is torch.Tensor for s in shadows):  # one fused update (plain tensors; not FSDP's DTensors)
+            torch._foreach_lerp_(shadows, params, 1.0 - d)
+            return
+        for s, p in pairs:
+            s.lerp_(p, 1.0 - d)
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:

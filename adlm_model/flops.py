@@ -39,6 +39,16 @@ CPU_ATTENTION = {op: fn for op, fn in (
 """The CPU attention kernels and their FLOP formulas (module docstring)."""
 
 
+def objective_flops(objective: torch.nn.Module, x: torch.Tensor, noise: object) -> int:
+    """FLOPs of one forward and backward pass of a ``train_step.Objective`` (or the same interface) on the rows
+    ``x`` with the given noise, CPU attention kernels included; the gradients are left in the parameters."""
+    k = torch.zeros((), dtype=torch.float64, device=x.device)
+    counter = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION)
+    with counter:
+        objective(x, None, noise, k, True).loss.backward()
+    return int(counter.get_total_flops())
+
+
 def training_flops_per_row(cfg: ModelConfig, rows: int = 2, count_attention: bool = True) -> int:
     """FLOPs of the forward and backward pass of ``cfg``'s training loss, per row of ``cfg.seq_len`` tokens.
 

@@ -39,7 +39,8 @@ from .ssdlm import OPTIONS as SSDLM_OPTIONS
 from .ssdlm import SSDLM, network_calls, ssd_sample
 
 Objective = Callable[..., LossOutput]
-"""``(model, x, attention_mask, cfg, *, step, t, generator) -> LossOutput``."""
+"""``(model, x, attention_mask, cfg, *, step, t, generator, z_t) -> LossOutput``; ``t`` with ``z_t``: the noise drawn
+by the caller (``train_step``), none drawn here."""
 
 
 @dataclass(frozen=True)
@@ -90,33 +91,33 @@ class SampleOnlyError(ValueError):
 
 
 def _mdlm(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
-          t: torch.Tensor | None = None, generator: Gen = None) -> LossOutput:
-    return mdlm_objective(model, x, am, cfg, t=t, generator=generator)
+          t: torch.Tensor | None = None, generator: Gen = None, z_t: torch.Tensor | None = None) -> LossOutput:
+    return mdlm_objective(model, x, am, cfg, t=t, z_t=z_t, generator=generator)
 
 
 def _adlm_train(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
-                t: torch.Tensor | None = None, generator: Gen = None) -> LossOutput:
-    return adlm_objective(model, x, am, cfg, step=step, t=t, generator=generator)
+                t: torch.Tensor | None = None, generator: Gen = None, z_t: torch.Tensor | None = None) -> LossOutput:
+    return adlm_objective(model, x, am, cfg, step=step, t=t, z_t=z_t, generator=generator)
 
 
 def _ar(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
-        t: torch.Tensor | None = None, generator: Gen = None) -> LossOutput:
+        t: torch.Tensor | None = None, generator: Gen = None, z_t: torch.Tensor | None = None) -> LossOutput:
     return ar_objective(model, x, am, cfg)
 
 
 def _sedd(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
-          t: torch.Tensor | None = None, generator: Gen = None) -> LossOutput:
-    return sedd_objective(model, x, am, cfg, t=t, generator=generator)
+          t: torch.Tensor | None = None, generator: Gen = None, z_t: torch.Tensor | None = None) -> LossOutput:
+    return sedd_objective(model, x, am, cfg, t=t, z_t=z_t, generator=generator)
 
 
 def _bd3lm_train(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
-                 t: torch.Tensor | None = None, generator: Gen = None) -> LossOutput:
-    return bd3lm_objective(model, x, am, cfg, t=t, generator=generator, train=True)
+                 t: torch.Tensor | None = None, generator: Gen = None, z_t: torch.Tensor | None = None) -> LossOutput:
+    return bd3lm_objective(model, x, am, cfg, t=t, z_t=z_t, generator=generator, train=True)
 
 
 def _bd3lm_eval(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
-                t: torch.Tensor | None = None, generator: Gen = None) -> LossOutput:
-    return bd3lm_objective(model, x, am, cfg, t=t, generator=generator, train=False)
+                t: torch.Tensor | None = None, generator: Gen = None, z_t: torch.Tensor | None = None) -> LossOutput:
+    return bd3lm_objective(model, x, am, cfg, t=t, z_t=z_t, generator=generator, train=False)
 
 
 def _sample_only(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
@@ -168,12 +169,15 @@ def parameter_count(cfg: ModelConfig) -> int:
 
 
 def compute_loss(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig, *,
-                 step: int = 0, train: bool = True, generator: torch.Generator | None = None,
-                 t: torch.Tensor | None = None) -> LossOutput:
-    """The training loss (``train=True``) or the evaluation bound (``train=False``) for ``cfg.kind``."""
+                 step: int | torch.Tensor = 0, train: bool = True, generator: torch.Generator | None = None,
+                 t: torch.Tensor | None = None, z_t: torch.Tensor | None = None) -> LossOutput:
+    """The training loss (``train=True``) or the evaluation bound (``train=False``) for ``cfg.kind``; ``t`` and
+    ``z_t`` given: that noise (``train_step.draw_noise``), nothing drawn."""
     kind = KINDS[cfg.kind]
     fn = kind.train_objective if train else kind.eval_objective
-    return fn(model, x, attention_mask, cfg, step=step, t=t, generator=generator)
+    if z_t is None:  # the objectives of kinds that draw no noise (AR) take no z_t either
+        return fn(model, x, attention_mask, cfg, step=step, t=t, generator=generator)
+    return fn(model, x, attention_mask, cfg, step=step, t=t, generator=generator, z_t=z_t)
 
 
 # --------------------------------------------------------------------------------------------

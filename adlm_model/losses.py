@@ -7,6 +7,8 @@ backpropagates, so that perplexity pools exactly across batches and workers:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +16,7 @@ import torch.nn as nn
 
 from .config import ModelConfig
 from .schedule import LogLinearSchedule, antithetic_times, mask_tokens
+from .vocab_loss import full_linear_loss, linear_loss, logits_loss
 
 
 @dataclass
@@ -28,8 +31,61 @@ class LossOutput:
     """ADLM: sum over tokens of w(t) a^l (-log softmax(y_phi)^l[x^l]), detached (before gamma_k)."""
     n_anchor: torch.Tensor | None = None
     """ADLM: number of anchor tokens (a^l = 1) in the batch."""
-    gamma_k: float | None = None
+    gamma_k: float | torch.Tensor | None = None
     """ADLM: anchor weight at this step."""
+
+
+FUSED_VOCABULARY = True
+"""Training losses read a network's ``head`` (final hidden state and output projection) through
+``vocab_loss.linear_loss``, never holding the float32 logits; False: through the whole logits and autograd (the
+reference path: ``materialised_logits``)."""
+
+
+@contextlib.contextmanager
+def materialised_logits() -> Iterator[None]:
+    """Compute the losses through the whole float32 logits (the reference the fused path is checked against)."""
+    global FUSED_VOCABULARY
+    saved, FUSED_VOCABULARY = FUSED_VOCABULARY, False
+    try:
+        yield
+    finally:
+        FUSED_VOCABULARY = saved
+
+
+def head_loss(head: tuple[torch.Tensor, torch.Tensor, torch.Tensor], target: torch.Tensor, a: torch.Tensor, *,
+              exclude: int | None, **kw: torch.Tensor | str) -> torch.Tensor:
+    """``vocab_loss.linear_loss`` of a network's ``head``, or its reference through the logits when
+    ``FUSED_VOCABULARY`` is off."""
+    fn = linear_loss if FUSED_VOCABULARY else full_linear_loss
+    return fn(*head, target, a, exclude=exclude, **kw)
+
+
+def subs_nll_sum(model: nn.Module, z_t: torch.Tensor, sigma: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 mask_id: int) -> torch.Tensor:
+    """``sum_l weight^l 1{z_t^l = m} (-log p_theta(x^l | z_t))`` under SUBS, float32: through the network's ``head``
+    and the fused projection and log-softmax (``vocab_loss``) where it has one, else through its logits."""
+    a = weight * (z_t == mask_id)
+    if hasattr(model, "head"):
+        return head_loss(model.head(z_t, sigma), x, a, exclude=mask_id)
+    return (a * subs_nll(model.denoiser_logits(z_t, sigma), x, z_t, mask_id)).sum()
+
+
+def _anelbo_terms(model: nn.Module, z_t: torch.Tensor, sigma: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                  anchors: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the denoiser's SUBS NELBO sum weighted by ``w``, the anchor term's sum weighted by ``w`` on ``anchors``):
+    through ``train_heads`` and the fused losses, or through the (anchor, denoiser) logits of ``model(z_t, sigma)``
+    for a network without it."""
+    a = w * (z_t == mask_id)
+    if hasattr(model, "train_heads"):
+        anchor_logits, head = model.train_heads(z_t, sigma)
+        nelbo = head_loss(head, x, a, exclude=mask_id)
+        if FUSED_VOCABULARY:
+            return nelbo, logits_loss(anchor_logits, x, w * anchors)
+    else:
+        anchor_logits, denoiser_logits = model(z_t, sigma)
+        nelbo = (a * subs_nll(denoiser_logits, x, z_t, mask_id)).sum()
+    lf = anchor_logits.float()
+    return nelbo, (w * anchors * (torch.logsumexp(lf, -1) - lf.gather(-1, x[..., None]).squeeze(-1))).sum()
 
 
 def conditioning_sigma(cfg: ModelConfig, schedule: LogLinearSchedule, t: torch.Tensor) -> torch.Tensor:
@@ -75,11 +131,14 @@ def anchor_mask(x: torch.Tensor, attention_mask: torch.Tensor | None, tau: int, 
     return (counts.gather(1, x) <= tau) & valid.bool()
 
 
-def gamma_at(step: int, gamma: float, beta: float, horizon: int) -> float:
+def gamma_at(step: int | torch.Tensor, gamma: float, beta: float, horizon: int) -> float | torch.Tensor:
     """gamma_k = min(gamma, beta k / K) at optimiser step k, K = ``horizon`` (METHOD.md section 2); a ramp of
-    gamma / beta * K steps. ``horizon`` 0: no ramp (gamma from the start)."""
+    gamma / beta * K steps. ``horizon`` 0: no ramp (gamma from the start). ``step`` a float64 tensor (a compiled
+    step, whose graph must not depend on the step's value): a float32 tensor equal to the float's rounding."""
     if horizon <= 0:
         return gamma
+    if isinstance(step, torch.Tensor):
+        return (beta * step.double() / horizon).clamp(max=gamma).float()
     return min(gamma, beta * step / horizon)
 
 
@@ -117,45 +176,41 @@ def mdlm_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tens
     schedule = schedule or LogLinearSchedule(cfg.noise_eps)
     t, z_t, sigma = _noised(cfg, schedule, x, t, z_t, generator)
     valid = valid_positions(x, attention_mask, cfg)
-    per_token = schedule.loss_weight(t)[:, None] * subs_nll(model.denoiser_logits(z_t, sigma), x, z_t, cfg.mask_id)
-    per_token = per_token * valid
+    total = subs_nll_sum(model, z_t, sigma, x, schedule.loss_weight(t)[:, None] * valid, cfg.mask_id)
     n = valid.sum()
-    total = per_token.sum()
     return LossOutput(loss=total / n.clamp(min=1), nll_sum=total.detach().double(), n_tokens=n)
 
 
 def adlm_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig,
-                   *, step: int = 0, t: torch.Tensor | None = None, z_t: torch.Tensor | None = None,
+                   *, step: int | torch.Tensor = 0, t: torch.Tensor | None = None, z_t: torch.Tensor | None = None,
                    generator: torch.Generator | None = None,
                    schedule: LogLinearSchedule | None = None) -> LossOutput:
     """ANELBO (METHOD.md section 2), per token l:
 
     w(t) [1{z_t^l = m} (-log p_psi(x^l | y_phi(z_t))) - gamma_k a^l log softmax(y_phi(z_t))^l[x^l]]
+
+    The anchor logits feed the denoiser, so they exist; their log-softmax is taken chunk by chunk
+    (``vocab_loss.logits_loss``), the denoiser's through its fused head.
     """
     schedule = schedule or LogLinearSchedule(cfg.noise_eps)
     t, z_t, sigma = _noised(cfg, schedule, x, t, z_t, generator)
     valid = valid_positions(x, attention_mask, cfg)
-    w = schedule.loss_weight(t)[:, None]
-    anchor_logits, denoiser_logits = model(z_t, sigma)
-    nelbo = w * subs_nll(denoiser_logits, x, z_t, cfg.mask_id) * valid
+    w = schedule.loss_weight(t)[:, None] * valid
     # The anchor term: plain log-softmax of the anchor logits, all positions, no SUBS.
     a = anchor_mask(x, attention_mask, cfg.tau, cfg.width) & valid
-    anchor_nll = torch.logsumexp(anchor_logits.float(), -1) - anchor_logits.float().gather(-1, x[..., None]).squeeze(-1)
-    anchor_term = w * anchor_nll * a
+    nelbo, anchor = _anelbo_terms(model, z_t, sigma, x, w, a, cfg.mask_id)
     g = gamma_at(step, cfg.gamma, cfg.gamma_beta, cfg.gamma_horizon)
     n = valid.sum()
-    total = nelbo.sum() + g * anchor_term.sum()
-    return LossOutput(loss=total / n.clamp(min=1), nll_sum=nelbo.sum().detach().double(), n_tokens=n,
-                      anchor_sum=anchor_term.sum().detach().double(), n_anchor=a.sum(), gamma_k=g)
+    total = nelbo + g * anchor
+    return LossOutput(loss=total / n.clamp(min=1), nll_sum=nelbo.detach().double(), n_tokens=n,
+                      anchor_sum=anchor.detach().double(), n_anchor=a.sum(), gamma_k=g)
 
 
 def ar_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None,
                  cfg: ModelConfig, **_: object) -> LossOutput:
-    """Next-token NLL with causal attention; token l+1 is predicted from tokens <= l."""
-    logits = suppress_mask(model(x), cfg.mask_id)[:, :-1]
-    target = x[:, 1:]
+    """Next-token NLL with causal attention; token l+1 is predicted from tokens <= l (the mask column never)."""
+    h, weight, bias = model.head(x)
     valid = valid_positions(x, attention_mask)[:, 1:]  # position 0 is no target: BOS never counts
-    nll = (torch.logsumexp(logits, -1) - logits.gather(-1, target[..., None]).squeeze(-1)) * valid
+    total = head_loss((h[:, :-1], weight, bias), x[:, 1:], valid, exclude=cfg.mask_id)
     n = valid.sum()
-    total = nll.sum()
     return LossOutput(loss=total / n.clamp(min=1), nll_sum=total.detach().double(), n_tokens=n)

@@ -8,7 +8,9 @@
   vocabulary-sized matmuls per token.
 - ``AR``: the same backbone with causal attention and a next-token loss.
 
-Every diffusion model exposes ``denoiser_logits(z_t, sigma)``, the logits before SUBS.
+Every diffusion model exposes ``denoiser_logits(z_t, sigma)``, the logits before SUBS, and ``head(z_t, sigma)``,
+the final hidden state and the output projection those logits are the affine map of (what the training losses
+read: ``vocab_loss`` fuses the projection with the log-softmax).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class MDLM(nn.Module):
 
     forward = denoiser_logits
 
+    def head(self, z_t: torch.Tensor, sigma: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.backbone.head(z_t, sigma, **kw)
+
 
 class ADLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -47,8 +52,8 @@ class ADLM(nn.Module):
 
     def forward(self, z_t: torch.Tensor, sigma: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor]:
         """Training path: (anchor logits y_phi(z_t), denoiser logits x_psi(y_phi(z_t)))."""
-        anchor_logits = self.anchor(z_t, sigma, **kw)
-        return anchor_logits, self.denoiser(anchor_logits, sigma, **kw)
+        anchor_logits, (h, w, b) = self.train_heads(z_t, sigma, **kw)
+        return anchor_logits, torch.nn.functional.linear(h, w, b)
 
     def fused_projection(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_f = W_in W_out (hidden x hidden) and b_f = W_in b_out + b_in, computed once per weights.
@@ -67,15 +72,28 @@ class ADLM(nn.Module):
 
     def denoiser_logits(self, z_t: torch.Tensor, sigma: torch.Tensor, fused: bool | None = None, **kw) -> torch.Tensor:
         """Denoiser logits; ``fused`` (default: when not training) skips the anchor logits."""
+        h, w, b = self.head(z_t, sigma, fused=fused, **kw)
+        return torch.nn.functional.linear(h, w, b)
+
+    def head(self, z_t: torch.Tensor, sigma: torch.Tensor, fused: bool | None = None, **kw
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The denoiser's final hidden state and output projection (``fused`` as ``denoiser_logits``)."""
         if fused is None:
             fused = not (self.training and torch.is_grad_enabled())
         if not fused:
-            return self.forward(z_t, sigma, **kw)[1]
+            return self.train_heads(z_t, sigma, **kw)[1]
         w, b = self.fused_projection()
         h = self.anchor.trunk(self.anchor.embed(z_t), sigma, **kw)
-        x = torch.nn.functional.linear(h, w, b)
-        hd = self.denoiser.trunk(x, sigma, **kw)
-        return self.denoiser.output_layer.linear(hd)
+        x = torch.nn.functional.linear(h, w, b)  # the denoiser's input layer is folded into (w, b)
+        out = self.denoiser.output_layer.linear
+        return self.denoiser.trunk(x, sigma, **kw), out.weight, out.bias
+
+    def train_heads(self, z_t: torch.Tensor, sigma: torch.Tensor, **kw
+                    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Training path: the anchor logits y_phi(z_t) (they feed the denoiser, so they exist) and the denoiser's
+        final hidden state and output projection."""
+        anchor_logits = self.anchor(z_t, sigma, **kw)
+        return anchor_logits, self.denoiser.head(anchor_logits, sigma, **kw)
 
 
 class AR(nn.Module):
@@ -91,3 +109,9 @@ class AR(nn.Module):
         if sigma is None:
             sigma = torch.zeros(x.shape[0], device=x.device)
         return self.backbone(x, sigma, **kw)
+
+    def head(self, x: torch.Tensor, sigma: torch.Tensor | None = None, **kw
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if sigma is None:
+            sigma = torch.zeros(x.shape[0], device=x.device)
+        return self.backbone.head(x, sigma, **kw)

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import losses
 from .config import ModelConfig
 from .losses import LossOutput, valid_positions
 from .models import _dit
@@ -78,11 +79,18 @@ class SEDD(nn.Module):
 
     forward = denoiser_logits
 
+    def head(self, z_t: torch.Tensor, sigma: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The final hidden state and output projection of ``denoiser_logits`` (``sigma``: the conditioning)."""
+        return self.backbone.head(z_t, sigma, **kw)
+
+    def condition(self, sigma: torch.Tensor) -> torch.Tensor:
+        """What the network sees of the total noise: sigma, or 0 with time conditioning off."""
+        return sigma if self.cfg.conditions_on_time else torch.zeros_like(sigma)
+
     def log_score(self, z_t: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         """``log s`` (B, L, width) float32 at the total noise ``sigma`` (B,): the network sees sigma (or 0 with time
         conditioning off), the shift always reads the true sigma."""
-        cond = sigma if self.cfg.conditions_on_time else torch.zeros_like(sigma)
-        return log_score_from_output(self.backbone(z_t, cond), z_t, sigma)
+        return log_score_from_output(self.backbone(z_t, self.condition(sigma)), z_t, sigma)
 
 
 def log_score_from_output(out: torch.Tensor, z_t: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
@@ -118,11 +126,26 @@ def sedd_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tens
     if z_t is None:
         z_t, _ = mask_tokens(x, schedule.move_chance(t)[:, None], cfg.mask_id, generator)
     valid = valid_positions(x, attention_mask, cfg)
-    per_token = rate_sigma(schedule, t)[:, None] * score_entropy(model.log_score(z_t, sigma), sigma, z_t, x,
-                                                                 cfg.mask_id) * valid
+    total = score_entropy_sum(model, z_t, sigma, x, rate_sigma(schedule, t)[:, None] * valid, cfg.mask_id)
     n = valid.sum()
-    total = per_token.sum()
     return LossOutput(loss=total / n.clamp(min=1), nll_sum=total.detach().double(), n_tokens=n)
+
+
+def score_entropy_sum(model: nn.Module, z_t: torch.Tensor, sigma: torch.Tensor, x: torch.Tensor,
+                      weight: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """``sum_l weight^l score_entropy^l``, float32. At a masked position, with ``o`` the raw output, ``shift`` the
+    score's (``log_score_from_output``) and ``r = 1 / (e^sigma - 1)``: ``sum_{y != m} s_y = exp(lse_{y != m}(o) -
+    shift)`` and ``log s_x = o_x - shift``, so the term is ``exp(lse - shift) - r o_x`` plus what the output does
+    not enter, and the fused projection and log-sum-exp (``vocab_loss``, mode ``exp``) compute it without the
+    float32 scores; ``losses.FUSED_VOCABULARY`` off (or a network without ``head``): through the scores."""
+    if not (losses.FUSED_VOCABULARY and hasattr(model, "head")):
+        return (weight * score_entropy(model.log_score(z_t, sigma), sigma, z_t, x, mask_id)).sum()
+    m = weight * (z_t == mask_id)
+    h, w, b = model.head(z_t, model.condition(sigma))
+    shift = (expm1_sigma(sigma.float()).log() + math.log(w.shape[0] - 1))[:, None].expand_as(x)
+    ratio = 1.0 / expm1_sigma(sigma.float())[:, None].expand_as(x)
+    fused = losses.head_loss((h, w, b), x, m, c=m * ratio, s=shift, mode="exp", exclude=mask_id)
+    return fused + (m * (ratio * shift + ratio * (ratio.log() - 1))).sum()
 
 
 def masked_fraction_sigma(z_t: torch.Tensor, mask_id: int, schedule: LogLinearSchedule) -> torch.Tensor:

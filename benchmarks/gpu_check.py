@@ -1,95 +1,22 @@
-"""The GPU path measured in one command (issue 37): correctness on the device, training throughput and MFU at the
-papers' sizes, sampling speed at L = 1024; ``gpu_check.json`` and ``RESULT name=value`` lines.
+"""The GPU check: the training step of every kind measured against a plain transformer in the same run, with the
+correctness of the bf16 step, the samplers' cached paths and the sampling speed; ``RESULT name=value`` lines and
+``DIR/gpu_check.json``. ``--help`` lists the options, ``--list`` the items and their RESULT names.
 
-Imports only the standard library, torch and ``adlm_model`` (which needs numpy and safetensors; tokenizers only
-when text is generated, never here), so it runs on a machine that has nothing but torch: copy ``adlm_model/`` and
-this file (README.md, "On a GPU", gives the tarball command). Written for torch 2.11 (the lent GPU machine:
-Python 3.12, CUDA 13) as well as 2.13 (this repository's pin): no API newer than 2.11 is used.
+The kinds train through the pipeline's own step (``adlm_model.train_step.TrainStep``: the objective compiled with
+the noise drawn outside it, bf16 autocast, fused AdamW, clipping, EMA). The anchor is a GPT-2-small-shaped
+transformer written here (pre-LN, fused qkv, SDPA, tied embeddings, bidirectional, the whole model compiled) at
+each kind's length and batch; ``train_over_anchor_<kind>`` is the kind's achieved FLOP/s over the anchor's, both
+counted by ``torch.utils.flop_counter``. Goals (``GOALS``): at least 1.0 for MDLM and AR, 0.95 for ADLM and SEDD,
+0.85 for BD3-LM, and MDLM at 55% of the measured matmul peak; a kind that misses gets a profiler table of its top
+kernels in the JSON.
 
-    timeout 480 python benchmarks/gpu_check.py --out DIR       # on a GPU: at most ~8 minutes (--budget-s 420)
-    python benchmarks/gpu_check.py --device cpu --tiny --out DIR   # the same code paths at toy sizes, seconds
-    python benchmarks/gpu_check.py --list                      # the items and their RESULT names
-
-Items, in this order (``--list`` prints them; ``--only`` / ``--skip`` pick them by name or fnmatch pattern):
-
-- ``env``: GPU name, capability, memory, torch / CUDA / cuDNN versions, SDPA back-ends enabled, flash-attn's path
-  and version when importable (the project's ``adlm_model.attention`` uses it for unmasked attention when it is).
-- ``correct_bf16_<kind>`` (every kind of ``adlm_model.kinds.KINDS``, so a kind added later is covered): one
-  training step of a network with random weights (std 0.02 for every parameter, the zero-initialised output and
-  adaLN layers included, so that the step computes something; LayerNorm weights 1) at the paper's size
-  (``small``, L = 1024, 2 rows, dropout off; ``--tiny``: the sampler checks' micro model), in float32 and under
-  bf16 autocast, on the same batch and the same noise draw (one seeded generator). Pass: loss and gradients
-  finite, ``|loss_bf16 / loss_fp32 - 1| <= 0.01``, cosine of the two flattened gradients ``>= 0.995`` (a CPU's
-  bf16 on a 4 x 256 model: 1.4e-4 and 0.99998 at worst over the kinds), and after one AdamW step (clipped at 1,
-  as the training loop) the parameters and a second loss finite. Float32 runs with
-  ``torch.set_float32_matmul_precision('highest')`` (no TF32).
-- ``sampler_<kind>_cache``: the kind's default sampler with ``cache=True`` against ``cache=False`` (the AR
-  sampler: its KV cache against recomputing the prefix), ``sampler_<kind>_dual`` (kinds whose default sampler is
-  MDLM's or ReMDM's): the confidence sampler with the dual approximate KV cache refreshed at every step against no
-  cache, thresholds 0.05 and 1; ``sampler_<kind>_kv`` (kinds whose default sampler is BD3-LM's): the block sampler
-  with its KV cache against recomputing the prefix. The equalities the CPU tests check (tests/test_samplers.py,
-  test_fast_sampling.py, test_bd3lm.py), on the same two-block model with random weights (std 0.3, a 48-token
-  vocabulary, rows of 24), in float32 on the device: the same seed must give the same tokens (and, for the
-  confidence sampler, the same number of network calls). On a GPU a cached pass can run another kernel than the
-  full one (a different batch or length) and round differently: a mismatch is reported with the share of tokens
-  that differ, which tells rounding (a few) from a bug (most).
-- ``attention``: which attention kernel runs, read from the profiler's operator names (``flash``, ``efficient``,
-  ``cudnn``, ``math``, ``flash-attn`` for the package, ``cpu`` for the CPU kernel): a bf16 training forward of each
-  kind at the paper's size and one step of the KV-cached AR decoder; float32 forwards use ``efficient`` or
-  ``math`` (flash needs half precision), masked ones (BD3-LM) cannot use flash.
-- ``matmul_peak``: the measured dense matmul peak: bf16 8192^3 products on a GPU (the dtype training runs its
-  matmuls in), float32 on a CPU; and the datasheet's bf16 dense peak when the GPU is known (H100 SXM and H200:
-  989 TFLOP/s, H100 PCIe 756, A100 312).
-- ``train_<kind>``: training throughput of the paper's size (MDLM and AR 12 x 768, ADLM 12 + 6 blocks, BD3-LM
-  b = 4, GPT-2 vocabulary, L = 1024, dropout 0.1) as the training loop runs it: bf16 autocast, fused AdamW,
-  global-norm clipping, EMA update. The largest batch that fits is found by doubling from 8 (two steps each, a
-  first OOM ends the search; then the midpoint below it is tried); then ``--steps`` timed steps (median).
-  Figures: batch, step time, tokens/s, peak memory (``torch.cuda.max_memory_allocated``), FLOPs per step
-  (``torch.utils.flop_counter`` on one row of the real step, forward and backward, attention included as full
-  attention: a causal kernel does about half of that work, so AR's attention is over-counted), MFU against the
-  measured and the datasheet peak.
-- ``train_compiled_<kind>``: the same with every DiT block compiled (``nn.Module.compile``: the blocks carry the
-  FLOPs; the loss and the vocabulary projection stay eager), at the eager item's batch; the first step's time
-  (compilation) is reported apart, and dynamo's graph breaks in the blocks (0 expected: each break splits a
-  block's graph and the fusion across it). MDLM and ADLM come right after the eager items, the other kinds last.
-  ``--compile-scope loss`` compiles the whole objective instead (the vocabulary projection and SUBS's float32
-  log-softmax over 50,258 entries too; dynamo breaks its graph at each draw from the caller's generator).
-- ``adlm_over_mdlm``: ADLM's time per row over MDLM's (eager, and compiled when both ran) against their FLOP
-  ratio per row: the share of ADLM's extra cost that is not arithmetic.
-- ``sample_forward``: one denoising forward of MDLM at batch 16, L = 1024 in float32 and in bf16 autocast (the
-  served model runs float32: ``adlm_model.textgen`` does not autocast).
-- ``sample_exact``, ``sample_cached``, ``sample_confidence``, ``sample_bd3lm_kv``, ``sample_ar_kv`` (and the last two
-  again with SDPA free to pick cuDNN for the cached steps, ``..._with_cudnn``, as the first H100 run did): batch 16,
-  L = 1024, bf16 autocast, networks at their initial weights (zero output layer: p_x0 uniform, which sets the
-  schedule's behaviour, not the cost of a call), nucleus off (on a uniform p_x0 the nucleus would sort the whole
-  vocabulary at every position, a cost a trained network's peaked p_x0 rarely pays), after a short warm-up run: the
-  MDLM ancestral sampler at T = 1024 without cache,
-  the same with the exact cache, the confidence sampler (threshold 0.9, blocks of 32, dual cache), BD3-LM's
-  block sampler (b = 4, T = 4 a block, KV cache), the AR sampler (KV cache). Figures: wall time, tokens/s,
-  network calls, ms a call, peak memory. The confidence sampler on an untrained network never reaches the
-  threshold, so it unmasks one token a step (its worst case: L calls); its ms a call is the figure that transfers.
-- the remaining ``train_compiled_<kind>`` items.
-
-Every item is guarded: an exception or an out-of-memory error is recorded in the JSON (status ``failed`` or
-``oom``, the error and its last frames) and the run goes on; a correctness check that does not hold gives status
-``check_failed`` with its figures. ``--budget-s`` (default 420 s: the run fits 8 minutes on an H100 with
-start-up) skips the items left once it is spent, or once an item's expected H100 time (``Item.need_s``, an
-estimate) no longer fits in what is left (status ``skipped``, and why). ``--resume JSON`` keeps the ok items of an
-earlier run (except those ``--only`` names: a rerun with other settings) and runs the rest (a second try), fed
-with what the kept items measured. ``DIR/gpu_check.json`` is
-rewritten after every item, so a run cut short (``timeout``) leaves what it measured. Every RESULT name is printed
-on every run (``nan`` for an item skipped or failed): the same names on a GPU and with ``--tiny``
-(``RESULT_NAMES``; a test compares them).
-
-``--tiny`` runs every item at toy sizes (hidden 32, 2 blocks, a 64-token vocabulary, rows of 32; sampling batch
-2 at L = 16): it checks that every code path runs and that the correctness checks hold, not the figures. On a CPU
-it autocasts to bf16 where a GPU does (at toy sizes that costs little; at a real size a bf16 step is ~19x slower
-than float32 on a CPU, which is why the training loop never autocasts there), measures a float32 matmul peak,
-compiles with ``aot_eager`` (dynamo and AOTAutograd, no C++ compilation) unless ``--compile-backend`` says
-otherwise, and measures no peak memory (nan) and no datasheet MFU (nan).
+Imports only the standard library, torch, ``adlm_model`` and ``benchmarks/_record.py`` (standard library), so it
+runs on a machine that has nothing but torch. Every item is guarded (a failure or an out-of-memory error is
+recorded and the run goes on), ``--budget-s`` skips what no longer fits, ``--resume`` keeps an earlier run's
+finished items, and every RESULT name is printed on every run (``nan`` where an item did not run).
 
 Longer than 500 lines because it is the one file to copy to a GPU machine beside ``adlm_model/``: the items, the
-guarded runner and the report stay together.
+anchor, the guarded runner and the report stay together.
 """
 
 from __future__ import annotations
@@ -117,19 +44,31 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "benchmarks"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from _record import add_argument, recording  # noqa: E402
 
 from adlm_model import EMA, build_model, compute_loss, preset, sample  # noqa: E402
+from adlm_model import block_attention as flex  # noqa: E402
 from adlm_model.attention import flash_available  # noqa: E402
 from adlm_model.config import ModelConfig  # noqa: E402
-from adlm_model.flops import CPU_ATTENTION  # noqa: E402
+from adlm_model.flops import objective_flops  # noqa: E402
 from adlm_model.kinds import KINDS, count_parameters  # noqa: E402
+from adlm_model.losses import LossOutput  # noqa: E402
+from adlm_model.train_step import Objective, TrainStep, fused_adamw, lr_schedule  # noqa: E402
 
 KINDS = {k: v for k, v in KINDS.items() if not v.sample_only}  # the trained kinds (SSD-LM is sample-only)
+TRAINED = tuple(k for k, v in KINDS.items() if v.train_objective is not None)
+"""The kinds that train (a kind of ``adlm_model.kinds.KINDS`` added later is covered without touching this file)."""
+GOALS = {"mdlm": 1.0, "ar": 1.0, "adlm": 0.95, "sedd": 0.95, "bd3lm": 0.85}
+"""The least ``train_over_anchor_<kind>`` each kind should reach (a kind not named: 1.0)."""
+MFU_GOAL = {"mdlm": 0.55}
+"""The least MFU of the measured matmul peak."""
 
 DATASHEET_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0), ("A100", 312.0))
 """Dense bf16 tensor-core peaks by GPU name (first match wins; the SXM parts where no form factor is named)."""
@@ -163,6 +102,8 @@ class Sizes:
     micro: dict[str, Any]
     """The sampler equalities' two-block model (tests/support_models.py's ``micro``)."""
     correct_rows: int
+    train_batch: int
+    """The compiled items' and the anchor's batch (halved on out-of-memory)."""
     batch_start: int
     batch_cap: int
     warmup_steps: int
@@ -177,12 +118,12 @@ class Sizes:
 
 FULL = Sizes(train={}, micro=dict(hidden=32, heads=2, n_blocks=2, denoiser_blocks=1, cond_dim=16, vocab_size=48,
                                   mask_id=48, seq_len=24, block_size=4, dropout=0.0),
-             correct_rows=2, batch_start=8, batch_cap=512, warmup_steps=2, sample_len=1024, sample_batch=16,
+             correct_rows=2, train_batch=64, batch_start=8, batch_cap=512, warmup_steps=2, sample_len=1024, sample_batch=16,
              sample_steps=1024, confidence_block=32, matmul_n=8192, need_scale=1.0)
 TINY = dataclasses.replace(
     FULL, train=dict(hidden=32, heads=2, n_blocks=2, denoiser_blocks=1, cond_dim=16, vocab_size=64, mask_id=64,
                      seq_len=32),
-    correct_rows=2, batch_start=1, batch_cap=2, warmup_steps=1, sample_len=16, sample_batch=2, sample_steps=16,
+    correct_rows=2, train_batch=2, batch_start=1, batch_cap=2, warmup_steps=1, sample_len=16, sample_batch=2, sample_steps=16,
     confidence_block=8, matmul_n=128, need_scale=0.0)
 
 
@@ -201,7 +142,7 @@ class Ctx:
     sizes: Sizes
     t0: float
     shared: dict[str, Any] = field(default_factory=dict)
-    """Figures items hand on (the eager batch to the compiled item, step times to the ratio)."""
+    """Figures items hand on (the anchor's figures to the kinds, step times to the ratios, the peaks to MFU)."""
 
     @property
     def cuda(self) -> bool:
@@ -214,12 +155,16 @@ class Ctx:
     def gen(self, seed: int) -> torch.Generator:
         return torch.Generator(self.device).manual_seed(seed)
 
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """bf16: the training loop's on CUDA; on a CPU only at ``--tiny``'s toy sizes, where it costs little and
+        runs the bf16 code paths (at a real size a bf16 step is ~19x slower than float32 there)."""
+        return torch.bfloat16 if self.cuda or self.args.tiny else None
+
     def autocast(self) -> contextlib.AbstractContextManager:
-        """bf16 autocast: the training loop's on CUDA; on a CPU only at ``--tiny``'s toy sizes, where it costs
-        little and runs the bf16 code paths (at a real size a bf16 step is ~19x slower than float32 there)."""
-        if self.cuda or self.args.tiny:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def train_config(self, kind: str, **kw: Any) -> ModelConfig:
         return preset("small", kind=kind, **{**self.sizes.train, **kw})
@@ -278,7 +223,10 @@ def free_memory(ctx: Ctx) -> None:
 
 
 def correct_bf16(ctx: Ctx, kind: str) -> dict[str, Any]:
-    """bf16 training step against float32 on one fixed batch and noise draw (module docstring)."""
+    """The training step (``TrainStep``, eager) under bf16 autocast against float32 on one fixed batch and noise
+    draw, on a network with random weights (std 0.02, the zero-initialised layers included; LayerNorm weights 1):
+    loss and gradients finite, ``|loss_bf16 / loss_fp32 - 1| <= LOSS_REL_TOL``, their cosine
+    ``>= GRAD_COSINE_MIN``, the parameters and a second loss finite after the step. Float32 without TF32."""
     cfg = ctx.train_config(kind, dropout=0.0)
     if ctx.args.tiny:
         cfg = cfg.replace(**{k: v for k, v in ctx.sizes.micro.items() if k != "dropout"})
@@ -290,41 +238,38 @@ def correct_bf16(ctx: Ctx, kind: str) -> dict[str, Any]:
             if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("norm_final.weight"):
                 p.fill_(1.0)
     x = random_rows(cfg, ctx.sizes.correct_rows, ctx.device)
-    out: dict[str, Any] = {}
     grads: dict[str, torch.Tensor] = {}
     losses: dict[str, float] = {}
     for dtype in ("fp32", "bf16"):
         model = copy.deepcopy(base).to(ctx.device).train()
         # On a CPU the bf16 step is autocast too: at these micro sizes it costs milliseconds.
-        cast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16) if dtype == "bf16"
-                else contextlib.nullcontext())
-        with matmul_precision("highest"), cast:
-            loss = compute_loss(model, x, None, cfg, step=1, generator=ctx.gen(1)).loss
-        loss.backward()
-        losses[dtype] = float(loss.detach())
+        opt = fused_adamw(model.parameters(), lr=3e-4, fused=False)
+        step = TrainStep(Objective(model, cfg), model, opt, clip=1.0,
+                         autocast=torch.bfloat16 if dtype == "bf16" else None)
+        with matmul_precision("highest"):
+            out = step([(x, None)], step=1, generator=ctx.gen(1))
+        losses[dtype] = float(out.loss)
+        # The gradients as clipped (one factor for every parameter: their cosine is that of the raw ones).
         grads[dtype] = torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None])
         if dtype == "bf16":
-            opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
             params_finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-            with cast:
-                second = float(compute_loss(model, x, None, cfg, step=2, generator=ctx.gen(1)).loss.detach())
-        del model
+            with torch.no_grad(), step.autocast(ctx.device):
+                second = float(compute_loss(model, x, None, cfg, step=2, generator=ctx.gen(1)).loss)
+        del model, step, opt
     rel = abs(losses["bf16"] / losses["fp32"] - 1.0)
     cos = float(torch.nn.functional.cosine_similarity(grads["bf16"], grads["fp32"], dim=0))  # float64: no 1.001
     finite = all(math.isfinite(v) for v in losses.values()) and all(bool(torch.isfinite(g).all())
                                                                        for g in grads.values())
     ok = finite and params_finite and math.isfinite(second) and rel <= LOSS_REL_TOL and cos >= GRAD_COSINE_MIN
-    out = {f"correct_bf16_ok_{kind}": int(ok), f"correct_bf16_loss_rel_diff_{kind}": rel,
+    res = {f"correct_bf16_ok_{kind}": int(ok), f"correct_bf16_loss_rel_diff_{kind}": rel,
            f"correct_bf16_grad_cosine_{kind}": cos}
     detail = {"loss_fp32": losses["fp32"], "loss_bf16": losses["bf16"], "loss_after_step_bf16": second,
               "finite": finite, "params_finite_after_step": params_finite, "rows": ctx.sizes.correct_rows,
               "seq_len": cfg.seq_len, "parameters": count_parameters(base),
               "tolerances": {"loss_rel": LOSS_REL_TOL, "grad_cosine_min": GRAD_COSINE_MIN}}
     if not ok:
-        raise CheckFailed(json.dumps({"results": out, "detail": detail}))
-    return {"results": out, "detail": detail}
+        raise CheckFailed(json.dumps({"results": res, "detail": detail}))
+    return {"results": res, "detail": detail}
 
 
 def _equal_runs(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
@@ -423,7 +368,7 @@ def attention_ops(fn: Callable[[], object]) -> list[str]:
 def attention_item(ctx: Ctx) -> dict[str, Any]:
     res: dict[str, Any] = {}
     detail: dict[str, Any] = {}
-    for kind in KINDS:
+    for kind in TRAINED:
         cfg = ctx.train_config(kind)
         model = build_model(cfg).to(ctx.device).train()
         x = random_rows(cfg, 1, ctx.device)
@@ -528,50 +473,48 @@ def largest_batch(fits: Callable[[int], bool], start: int, cap: int) -> tuple[in
 
 @dataclass
 class Trainer:
-    """One training configuration on the device: the loop's step (autocast, fused AdamW, clip, EMA)."""
+    """One training configuration on the device, stepped by the pipeline's ``TrainStep`` (a constant learning
+    rate: the schedule's value does not change the cost). ``objective``: the anchor's (default: ``cfg``'s kind)."""
 
     ctx: Ctx
-    cfg: ModelConfig
+    cfg: ModelConfig | None
     compiled: bool = False
-    model: nn.Module = field(init=False)
-    opt: torch.optim.Optimizer = field(init=False)
-    ema: EMA = field(init=False)
+    objective: nn.Module | None = None
+    step_fn: TrainStep = field(init=False)
 
     def __post_init__(self) -> None:
         torch.manual_seed(0)
-        self.model = build_model(self.cfg).to(self.ctx.device).train()
-        self.loss_fn = self._loss
-        if self.compiled and self.ctx.args.compile_scope == "blocks":
-            for m in self.model.modules():
-                if type(m).__name__ == "DiTBlock":
-                    m.compile(backend=self.ctx.args.compile_backend)
-        elif self.compiled:  # "loss": the whole objective, vocabulary projection and SUBS included
-            self.loss_fn = torch.compile(self._loss, backend=self.ctx.args.compile_backend)
-        kw = {"fused": True} if self.ctx.cuda else {"foreach": True}
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-8,
-                                     weight_decay=0.0, **kw)
-        self.ema = EMA(self.model)
+        if self.objective is None:
+            self.objective = Objective(build_model(self.cfg), self.cfg)
+        self.objective = self.objective.to(self.ctx.device).train()
+        model = self.objective.model
+        opt = fused_adamw(model.parameters(), lr=3e-4, fused=self.ctx.cuda)
+        self.step_fn = TrainStep(self.objective, model, opt, sched=lr_schedule(opt), ema=EMA(model), clip=1.0,
+                                 autocast=self.ctx.autocast_dtype, compile=self.compiled,
+                                 backend=self.ctx.args.compile_backend)
         self.gen = self.ctx.gen(0)
         self.n = 0
 
-    def _loss(self, x: torch.Tensor, step: int) -> torch.Tensor:
-        return compute_loss(self.model, x, None, self.cfg, step=step, generator=self.gen).loss
+    @property
+    def model(self) -> nn.Module:
+        return self.objective.model
+
+    @property
+    def seq_len(self) -> int:
+        return self.cfg.seq_len if self.cfg is not None else self.objective.seq_len
+
+    def rows(self, batch: int) -> torch.Tensor:
+        return random_rows(self.cfg or self.objective.cfg, batch, self.ctx.device)
 
     def step(self, x: torch.Tensor) -> None:
+        self.step_fn([(x, None)], step=self.n, generator=self.gen)
         self.n += 1
-        with self.ctx.autocast():
-            loss = self.loss_fn(x, self.n)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        self.ema.update(self.model)
 
     def fits(self, batch: int) -> bool:
         """Two steps at ``batch`` (the first allocates the optimiser's state); False on out-of-memory."""
         oom = False
         try:
-            x = random_rows(self.cfg, batch, self.ctx.device)
+            x = self.rows(batch)
             for _ in range(2):
                 self.step(x)
             self.ctx.sync()
@@ -580,22 +523,98 @@ class Trainer:
                 raise
             oom = True
         if oom:  # out of the except block: the traceback's frames (and their tensors) are gone
-            self.opt.zero_grad(set_to_none=True)
+            self.step_fn.opt.zero_grad(set_to_none=True)
             free_memory(self.ctx)
         return not oom
 
     def flops_per_row(self) -> int:
-        """FLOPs of one row's forward and backward pass of this step (eager; attention counted as full)."""
-        from torch.utils.flop_counter import FlopCounterMode
+        """FLOPs of one row's forward and backward pass of the objective (eager, attention counted as full), by
+        ``torch.utils.flop_counter``: the same count for the kinds and the anchor."""
+        x = self.rows(1)
+        with self.ctx.autocast():
+            flops = objective_flops(self.objective, x, self.objective.draw(x, None, self.ctx.gen(0), True))
+        self.step_fn.opt.zero_grad(set_to_none=True)
+        return flops
 
-        x = random_rows(self.cfg, 1, self.ctx.device)
-        counter = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION)
-        with counter:
-            with self.ctx.autocast():
-                loss = compute_loss(self.model, x, None, self.cfg, step=1, generator=self.ctx.gen(0)).loss
-            loss.backward()
-        self.opt.zero_grad(set_to_none=True)
-        return int(counter.get_total_flops())
+
+# --------------------------------------------------------------------------------------------
+# The anchor: a plain transformer
+
+
+@dataclass(frozen=True)
+class AnchorConfig:
+    vocab_size: int
+    seq_len: int
+    hidden: int
+    heads: int
+    n_blocks: int
+    mask_id: int = -1
+    """No mask token (``random_rows`` replaces none)."""
+
+
+class AnchorBlock(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.fc, self.out = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=False)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, n, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class AnchorTransformer(nn.Module):
+    """GPT-2-small-shaped (at the kinds' hidden size, heads and blocks), bidirectional, tied embeddings."""
+
+    def __init__(self, cfg: AnchorConfig) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(cfg.vocab_size, cfg.hidden), nn.Embedding(cfg.seq_len, cfg.hidden)
+        self.blocks = nn.ModuleList(AnchorBlock(cfg.hidden, cfg.heads) for _ in range(cfg.n_blocks))
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
+        for blk in self.blocks:
+            h = blk(h)
+        return F.linear(self.ln_f(h), self.wte.weight)
+
+
+class AnchorObjective(nn.Module):
+    """The anchor's loss as ``TrainStep`` runs it: full-vocabulary cross-entropy of the next token, float32."""
+
+    def __init__(self, cfg: AnchorConfig) -> None:
+        super().__init__()
+        self.cfg, self.seq_len = cfg, cfg.seq_len
+        self.model = AnchorTransformer(cfg)
+
+    def draw(self, x: torch.Tensor, attention_mask: torch.Tensor | None, generator: torch.Generator | None,
+             train: bool) -> None:
+        return None
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, noise: None, step: torch.Tensor,
+                train: bool) -> LossOutput:
+        logits = self.model(x).float()
+        nll = F.cross_entropy(logits.view(-1, logits.shape[-1]), x.roll(-1, 1).reshape(-1), reduction="sum")
+        n = torch.tensor(x.numel(), device=x.device)
+        return LossOutput(loss=nll / n, nll_sum=nll.detach().double(), n_tokens=n)
+
+
+def anchor_config(ctx: Ctx, cfg: ModelConfig) -> AnchorConfig:
+    """The anchor at a kind's length, width, heads and depth (the paper's ``small``: 12 x 768), GPT-2's vocabulary."""
+    return AnchorConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, hidden=cfg.hidden, heads=cfg.heads,
+                        n_blocks=cfg.n_blocks)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing the steps
 
 
 def graph_breaks() -> tuple[int, dict[str, int]]:
@@ -611,9 +630,9 @@ def graph_breaks() -> tuple[int, dict[str, int]]:
 
 def timed_steps(ctx: Ctx, tr: Trainer, x: torch.Tensor, tried: list[int]) -> tuple[int, list[float], list[int]]:
     """The timed steps on the rows ``x``; where they run out of memory, the same at the next smaller batch the
-    search found to fit (else half the batch) until one runs. The search's two steps fitting does not make the
-    longer timed run fit: the allocator's cache fragments, and on an H200 (2026-11-28) ADLM and BD3-LM ran out at
-    batch 64 with 12.7 GiB reserved but unallocated. Returns (batch, step times, the batches that ran out)."""
+    search found to fit (else half the batch) until one runs: two steps fitting in the search does not make the
+    longer timed run fit (the allocator's cache fragments). Returns (batch, step times, the batches that ran
+    out)."""
     ooms: list[int] = []
     while True:
         batch = x.shape[0]
@@ -628,59 +647,202 @@ def timed_steps(ctx: Ctx, tr: Trainer, x: torch.Tensor, tried: list[int]) -> tup
         ooms.append(batch)
         below = [b for b in tried if b < batch]
         x = x[: max(below) if below else batch // 2].clone()
-        tr.opt.zero_grad(set_to_none=True)
+        tr.step_fn.opt.zero_grad(set_to_none=True)
         free_memory(ctx)
 
 
-def train_item(ctx: Ctx, kind: str, compiled: bool) -> dict[str, Any]:
-    cfg = ctx.train_config(kind)
-    tr = Trainer(ctx, cfg, compiled=compiled)
-    tag = f"compiled_{kind}" if compiled else kind
-    detail: dict[str, Any] = {"seq_len": cfg.seq_len, "parameters": count_parameters(tr.model),
-                              "dtype": "bf16 autocast"}
-    if compiled:
-        detail["compile_backend"] = ctx.args.compile_backend
-        detail["compile_scope"] = ctx.args.compile_scope
-        batch = ctx.shared.get(f"batch_{kind}") or ctx.sizes.batch_start
-        x = random_rows(cfg, batch, ctx.device)
-        before = graph_breaks()
-        t = time.perf_counter()
-        tr.step(x)  # compiles the blocks (forward and backward)
-        ctx.sync()
-        detail["first_step_s"] = time.perf_counter() - t
-    else:
-        batch, tried = largest_batch(tr.fits, ctx.sizes.batch_start, ctx.sizes.batch_cap)
-        detail["batches_tried"] = tried
-        if batch == 0:
-            raise torch.cuda.OutOfMemoryError(f"batch {ctx.sizes.batch_start} does not fit")
-        ctx.shared[f"batch_{kind}"] = batch
-        flops_row = tr.flops_per_row()
-        ctx.shared[f"flops_row_{kind}"] = flops_row
-        x = random_rows(cfg, batch, ctx.device)
-    flops_row = ctx.shared.get(f"flops_row_{kind}")
-    batch, times, ooms = timed_steps(ctx, tr, x, detail.get("batches_tried", []))
-    if ooms:
-        detail["timed_oom_at"] = ooms
-        if not compiled:
-            ctx.shared[f"batch_{kind}"] = batch
+def figures(ctx: Ctx, tag: str, batch: int, seq_len: int, times: list[float], flops_row: int | None
+            ) -> dict[str, Any]:
+    """Step time, tokens/s, peak memory and MFU of one timed configuration (RESULT names ``train_*_<tag>``)."""
     step_s = statistics.median(times)
-    ctx.shared[f"step_s_{tag}"] = step_s
-    tokens_s = batch * cfg.seq_len / step_s
     res: dict[str, Any] = {f"train_batch_{tag}": batch, f"train_step_s_{tag}": step_s,
-                           f"train_tokens_per_s_{tag}": tokens_s, f"train_peak_mem_gib_{tag}": ctx.peak_gib()}
+                           f"train_tokens_per_s_{tag}": batch * seq_len / step_s,
+                           f"train_peak_mem_gib_{tag}": ctx.peak_gib()}
     flops_step = flops_row * batch if flops_row else None
     for which in ("measured", "datasheet"):
         peak = ctx.shared.get(f"peak_{which}")
         res[f"train_mfu_{which}_{tag}"] = flops_step / step_s / (peak * 1e12) if flops_step and peak else math.nan
-    if not compiled:
-        res[f"train_tflop_per_step_{kind}"] = flops_step / 1e12 if flops_step else math.nan
-    else:
-        after = graph_breaks()
-        new = {k: n - before[1].get(k, 0) for k, n in after[1].items() if n > before[1].get(k, 0)}
-        res[f"train_graph_breaks_{tag}"] = after[0] - before[0] if after[0] >= 0 else math.nan
-        detail["graph_break_reasons"] = {k[:300]: n for k, n in new.items()}
+    return res
+
+
+def train_item(ctx: Ctx, kind: str) -> dict[str, Any]:
+    """The eager step (``scaling.compile: off``) at the largest batch that fits (doubling search)."""
+    cfg = ctx.train_config(kind)
+    tr = Trainer(ctx, cfg)
+    detail: dict[str, Any] = {"seq_len": cfg.seq_len, "parameters": count_parameters(tr.model),
+                              "dtype": "bf16 autocast" if ctx.autocast_dtype else "float32"}
+    batch, tried = largest_batch(tr.fits, ctx.sizes.batch_start, ctx.sizes.batch_cap)
+    detail["batches_tried"] = tried
+    if batch == 0:
+        raise torch.cuda.OutOfMemoryError(f"batch {ctx.sizes.batch_start} does not fit")
+    flops_row = tr.flops_per_row()
+    ctx.shared[f"flops_row_{kind}"] = flops_row
+    batch, times, ooms = timed_steps(ctx, tr, tr.rows(batch), tried)
+    if ooms:
+        detail["timed_oom_at"] = ooms
+    ctx.shared[f"batch_{kind}"] = batch
+    res = figures(ctx, kind, batch, cfg.seq_len, times, flops_row)
+    ctx.shared[f"step_s_{kind}"] = res[f"train_step_s_{kind}"]
+    res[f"train_tflop_per_step_{kind}"] = flops_row * batch / 1e12
     detail.update(step_times_s=times, flops_per_row=flops_row)
     return {"results": res, "detail": detail}
+
+
+def compiled_run(ctx: Ctx, make: Callable[[], Trainer], tag: str) -> tuple[Trainer, dict[str, Any], dict[str, Any]]:
+    """A compiled configuration at ``Sizes.train_batch`` (halved, with a fresh compilation, while it runs out of
+    memory): its first step's time (compilation), graph breaks, timed steps and figures."""
+    batch = ctx.sizes.train_batch
+    ooms: list[int] = []
+    while True:
+        tr = make()
+        x = tr.rows(batch)
+        before = graph_breaks()
+        try:
+            tr.step(x)  # traces and compiles the objective, forward and backward
+            ctx.sync()
+            ctx.reset_peak()  # the steady steps' peak, not the compilation's
+            times = timed(ctx, lambda tr=tr, x=x: tr.step(x), repeats=ctx.args.steps, warmup=ctx.sizes.warmup_steps)
+            break
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+            if not is_oom(e) or batch <= 1:
+                raise
+        ooms.append(batch)
+        del tr, x
+        free_memory(ctx)
+        batch //= 2
+    after = graph_breaks()
+    new = {k: n - before[1].get(k, 0) for k, n in after[1].items() if n > before[1].get(k, 0)}
+    flops_row = tr.flops_per_row()
+    res = figures(ctx, tag, batch, tr.seq_len, times, flops_row)
+    res[f"train_graph_breaks_{tag}"] = after[0] - before[0] if after[0] >= 0 else math.nan
+    res[f"train_compile_s_{tag}"] = tr.step_fn.compile_s
+    detail = {"seq_len": tr.seq_len, "parameters": count_parameters(tr.model), "compile_backend":
+              ctx.args.compile_backend, "graph_break_reasons": {k[:300]: n for k, n in new.items()},
+              "step_times_s": times, "flops_per_row": flops_row, "eager_micro_batches":
+              tr.step_fn.eager_micro_batches, **({"oom_at": ooms} if ooms else {})}
+    return tr, res, detail
+
+
+def anchor_at(ctx: Ctx, cfg: ModelConfig, batch: int) -> dict[str, Any]:
+    """The anchor's figures at ``cfg``'s length and ``batch`` (measured once per (length, batch), kept in
+    ``ctx.shared`` so that a resumed run reuses them)."""
+    key = f"anchor_{cfg.seq_len}x{batch}"
+    if key not in ctx.shared:
+        acfg = anchor_config(ctx, cfg)
+        sizes = ctx.sizes
+        ctx.sizes = dataclasses.replace(sizes, train_batch=batch)
+        try:
+            tr, res, detail = compiled_run(ctx, lambda: Trainer(ctx, None, True, AnchorObjective(acfg)), "anchor")
+        finally:
+            ctx.sizes = sizes
+        ctx.shared[key] = {"batch": res["train_batch_anchor"], "step_s": res["train_step_s_anchor"],
+                           "flops_row": detail["flops_per_row"], "compile_s": res["train_compile_s_anchor"],
+                           "graph_breaks": res["train_graph_breaks_anchor"], "mfu": res["train_mfu_measured_anchor"],
+                           "peak_mem_gib": res["train_peak_mem_gib_anchor"],
+                           "tokens_per_s": res["train_tokens_per_s_anchor"], "parameters": detail["parameters"]}
+        del tr
+        free_memory(ctx)
+    return ctx.shared[key]
+
+
+def anchor_item(ctx: Ctx) -> dict[str, Any]:
+    """The anchor at the kinds' length and ``Sizes.train_batch``."""
+    a = anchor_at(ctx, ctx.train_config("mdlm" if "mdlm" in KINDS else next(iter(KINDS))), ctx.sizes.train_batch)
+    return {"results": {"anchor_batch": a["batch"], "anchor_step_s": a["step_s"],
+                        "anchor_tokens_per_s": a["tokens_per_s"], "anchor_mfu_measured": a["mfu"],
+                        "anchor_compile_s": a["compile_s"], "anchor_graph_breaks": a["graph_breaks"]},
+            "detail": {**a, "model": "pre-LN, fused qkv, SDPA (bidirectional), tied embeddings, whole-model "
+                                     "torch.compile, next-token cross-entropy in float32"}}
+
+
+def top_kernels(ctx: Ctx, fn: Callable[[], object], steps: int = 2, n: int = 15) -> list[dict[str, Any]]:
+    """The ``n`` kernels (operators on a CPU) of most device time over ``steps`` calls of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    fn()
+    ctx.sync()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        ctx.sync()
+
+    def device_us(e: Any) -> float:
+        if ctx.cuda:
+            return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+        return float(e.self_cpu_time_total)
+
+    events = [e for e in prof.key_averages() if device_us(e) > 0]
+    total = sum(device_us(e) for e in events) or 1.0
+    events.sort(key=device_us, reverse=True)
+    return [{"name": e.key[:160], "ms_per_step": device_us(e) / 1e3 / steps, "share": device_us(e) / total,
+             "calls_per_step": e.count / steps} for e in events[:n]]
+
+
+def compiled_item(ctx: Ctx, kind: str) -> dict[str, Any]:
+    """The pipeline's step compiled (``scaling.compile: auto`` on CUDA) and its ratio to the anchor's at the
+    same length and batch: ``train_over_anchor_<kind>``, the goal met or not; a miss keeps a profile."""
+    cfg = ctx.train_config(kind)
+    tag = f"compiled_{kind}"
+    tr, res, detail = compiled_run(ctx, lambda: Trainer(ctx, cfg, True), tag)
+    batch = res[f"train_batch_{tag}"]
+    ctx.shared[f"batch_{tag}"] = batch
+    ctx.shared[f"step_s_{tag}"] = res[f"train_step_s_{tag}"]
+    ctx.shared.setdefault(f"flops_row_{kind}", detail["flops_per_row"])
+    kind_rate = detail["flops_per_row"] * batch / res[f"train_step_s_{tag}"]
+    x = tr.rows(batch)
+    if f"anchor_{cfg.seq_len}x{batch}" not in ctx.shared:  # the anchor compiles next: the kind's memory goes first
+        del tr
+        free_memory(ctx)
+        tr = None
+    a = anchor_at(ctx, cfg, batch)
+    ratio = kind_rate / (a["flops_row"] * a["batch"] / a["step_s"])
+    goal = GOALS.get(kind, 1.0)
+    mfu_goal = MFU_GOAL.get(kind)
+    mfu = res[f"train_mfu_measured_{tag}"]
+    met = ratio >= goal and (mfu_goal is None or (math.isfinite(mfu) and mfu >= mfu_goal))
+    res[f"train_over_anchor_{kind}"] = ratio
+    res[f"train_goal_met_{kind}"] = int(met)
+    detail["anchor"] = a
+    detail["goal"] = {"train_over_anchor": goal, **({"mfu_measured": mfu_goal} if mfu_goal else {})}
+    if ctx.args.profile == "always" or (not met and ctx.args.profile == "miss"):
+        if tr is None:
+            tr = Trainer(ctx, cfg, True)
+        detail["top_kernels"] = top_kernels(ctx, lambda: tr.step(x))
+    return {"results": res, "detail": detail}
+
+
+def flex_item(ctx: Ctx) -> dict[str, Any]:
+    """BD3-LM's attention over ``[x_t ; x_0]`` (2L positions) at the compiled items' batch: FlexAttention with its
+    block mask against SDPA with the dense mask, compiled forward and backward on CUDA (forward only on a CPU,
+    where FlexAttention has no backward); the two outputs compared."""
+    cfg = ctx.train_config("bd3lm")
+    n, b, heads, dim = 2 * cfg.seq_len, ctx.sizes.train_batch, cfg.heads, cfg.hidden // cfg.heads
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    g = torch.Generator(ctx.device).manual_seed(0)
+    q, k, v = (torch.randn(b, heads, n, dim, generator=g, device=ctx.device, dtype=dtype).requires_grad_(ctx.cuda)
+               for _ in range(3))
+    block = flex.flex_block_mask(cfg.seq_len, cfg.block_size, ctx.device)
+    dense = flex.block_diff_mask(cfg.seq_len, cfg.block_size, ctx.device)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fns = {"flex": torch.compile(lambda: flex_attention(q, k, v, block_mask=block), backend=ctx.args.compile_backend),
+           "dense": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)}
+    outs, ms = {}, {}
+    for name, fn in fns.items():
+        def run(fn: Callable[[], torch.Tensor] = fn) -> torch.Tensor:
+            o = fn()
+            if ctx.cuda:
+                o.sum().backward()
+            return o.detach()
+
+        outs[name] = run()
+        ms[name] = statistics.median(timed(ctx, run, repeats=5, warmup=1)) * 1e3
+    diff = float((outs["flex"].float() - outs["dense"].float()).abs().max())
+    return {"results": {"flex_ms_bd3lm": ms["flex"], "dense_ms_bd3lm": ms["dense"],
+                        "flex_speedup_bd3lm": ms["dense"] / ms["flex"], "flex_max_abs_diff_bd3lm": diff},
+            "detail": {"batch": b, "positions": n, "heads": heads, "head_dim": dim, "dtype": str(dtype),
+                       "backward": ctx.cuda, "block_size": cfg.block_size}}
 
 
 def adlm_over_mdlm(ctx: Ctx) -> dict[str, Any]:
@@ -690,11 +852,11 @@ def adlm_over_mdlm(ctx: Ctx) -> dict[str, Any]:
         raise RuntimeError("needs train_mdlm and train_adlm to have run: " + ", ".join(k for k in need if k not in s))
 
     def per_row(tag: str, kind: str) -> float | None:
-        return s[f"step_s_{tag}"] / s[f"batch_{kind}"] if f"step_s_{tag}" in s else None
+        return s[f"step_s_{tag}"] / s[f"batch_{kind}"] if f"step_s_{tag}" in s and f"batch_{kind}" in s else None
 
     flop_ratio = s["flops_row_adlm"] / s["flops_row_mdlm"]
     eager = per_row("adlm", "adlm") / per_row("mdlm", "mdlm")
-    comp_a, comp_m = per_row("compiled_adlm", "adlm"), per_row("compiled_mdlm", "mdlm")
+    comp_a, comp_m = per_row("compiled_adlm", "compiled_adlm"), per_row("compiled_mdlm", "compiled_mdlm")
     comp = comp_a / comp_m if comp_a and comp_m else math.nan
     return {"results": {"adlm_over_mdlm_time_ratio": eager, "adlm_over_mdlm_time_ratio_compiled": comp,
                         "adlm_over_mdlm_flop_ratio": flop_ratio},
@@ -725,7 +887,7 @@ def sample_forward(ctx: Ctx) -> dict[str, Any]:
 
 SAMPLE_NEED_S = {"exact": 30, "cached": 30, "confidence": 15, "bd3lm_kv": 15, "ar_kv": 10, "ar_kv_with_cudnn": 15,
                  "bd3lm_kv_with_cudnn": 15}
-"""Estimated seconds of each sampling item on an H100 (``Item.need_s``)."""
+"""Estimated seconds of each sampling item on an H200 (``Item.need_s``)."""
 SAMPLE_RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # item: (kind, sampler, options; "T" stands for --tiny's or the full T)
     "exact": ("mdlm", "mdlm", {"cache": False}),
@@ -734,7 +896,7 @@ SAMPLE_RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "bd3lm_kv": ("bd3lm", "bd3lm", {"kv_cache": True}),
     "ar_kv": ("ar", "ar", {"cache": True}),
     # The KV-cached steps again with SDPA free to choose cuDNN (adlm_model.attention.CACHED_STEP_BACKENDS = None),
-    # as on the first H100 run, where they cost 65-74 ms a call: more than a whole uncached MDLM forward (36 ms).
+    # which builds a graph for every new key length.
     "ar_kv_with_cudnn": ("ar", "ar", {"cache": True}),
     "bd3lm_kv_with_cudnn": ("bd3lm", "bd3lm", {"kv_cache": True}),
 }
@@ -836,21 +998,44 @@ class Item:
     run: Callable[[Ctx], dict[str, Any]]
     results: tuple[str, ...]
     need_s: float = 5.0
-    """Seconds the item is expected to take on an H100 (an estimate, none measured yet): it starts only while
-    that much of the budget is left, so that the run ends near the budget instead of a long item past it."""
+    """Seconds the item is expected to take on an H200 (an estimate): it starts only while that much of the budget
+    is left, so that the run ends near the budget instead of a long item past it."""
 
 
-def _train_results(tag: str, compiled: bool) -> tuple[str, ...]:
-    names = [f"train_batch_{tag}", f"train_step_s_{tag}", f"train_tokens_per_s_{tag}", f"train_peak_mem_gib_{tag}",
-             f"train_mfu_measured_{tag}", f"train_mfu_datasheet_{tag}"]
-    return tuple([*names, f"train_graph_breaks_{tag}"] if compiled else [*names, f"train_tflop_per_step_{tag}"])
+def _train_results(tag: str) -> tuple[str, ...]:
+    return (f"train_batch_{tag}", f"train_step_s_{tag}", f"train_tokens_per_s_{tag}", f"train_peak_mem_gib_{tag}",
+            f"train_mfu_measured_{tag}", f"train_mfu_datasheet_{tag}")
 
 
 def _items() -> list[Item]:
-    items = [Item("env", env_item, ("env_gpu", "env_torch", "env_cuda", "env_flash_attn"))]
-    for k in KINDS:
+    """In the order they run: what the goals need first (the peak, the anchor, the compiled kinds), then the eager
+    batch search, the correctness of the samplers and the sampling speed."""
+    items = [Item("env", env_item, ("env_gpu", "env_torch", "env_cuda", "env_flash_attn")),
+             Item("matmul_peak", matmul_peak, ("matmul_peak_tflops", "datasheet_peak_tflops"), need_s=3)]
+    for k in TRAINED:
         items.append(Item(f"correct_bf16_{k}", lambda c, k=k: correct_bf16(c, k),
                           (f"correct_bf16_ok_{k}", f"correct_bf16_loss_rel_diff_{k}", f"correct_bf16_grad_cosine_{k}")))
+    items.append(Item("anchor", anchor_item, ("anchor_batch", "anchor_step_s", "anchor_tokens_per_s",
+                                              "anchor_mfu_measured", "anchor_compile_s", "anchor_graph_breaks"),
+                      need_s=45))
+    for k in TRAINED:
+        items.append(Item(f"train_compiled_{k}", lambda c, k=k: compiled_item(c, k),
+                          (*_train_results(f"compiled_{k}"), f"train_graph_breaks_compiled_{k}",
+                           f"train_compile_s_compiled_{k}", f"train_over_anchor_{k}", f"train_goal_met_{k}"),
+                          need_s=60))
+    if "bd3lm" in TRAINED:
+        items.append(Item("flex_bd3lm", flex_item, ("flex_ms_bd3lm", "dense_ms_bd3lm", "flex_speedup_bd3lm",
+                                                    "flex_max_abs_diff_bd3lm"), need_s=15))
+    for k in TRAINED:
+        items.append(Item(f"train_{k}", lambda c, k=k: train_item(c, k),
+                          (*_train_results(k), f"train_tflop_per_step_{k}"), need_s=25))
+    if {"mdlm", "adlm"} <= set(TRAINED):
+        items.append(Item("adlm_over_mdlm", adlm_over_mdlm, ("adlm_over_mdlm_time_ratio",
+                                                             "adlm_over_mdlm_time_ratio_compiled",
+                                                             "adlm_over_mdlm_flop_ratio"), need_s=0))
+    attention_names = tuple(f"attention_train_{k}" for k in TRAINED) + (("attention_kv_step_ar",) if "ar" in KINDS
+                                                                      else ())
+    items.append(Item("attention", attention_item, attention_names, need_s=10))
     for k, kind in KINDS.items():
         items.append(Item(f"sampler_{k}_cache", lambda c, k=k: sampler_cache(c, k), (f"sampler_equal_{k}_cache",),
                           need_s=3))
@@ -860,30 +1045,12 @@ def _items() -> list[Item]:
         if kind.default_sampler == "bd3lm":
             items.append(Item(f"sampler_{k}_kv", lambda c, k=k: sampler_kv(c, k), (f"sampler_equal_{k}_kv",),
                               need_s=3))
-    attention_names = tuple(f"attention_train_{k}" for k in KINDS) + (("attention_kv_step_ar",) if "ar" in KINDS
-                                                                      else ())
-    items.append(Item("attention", attention_item, attention_names, need_s=10))
-    items.append(Item("matmul_peak", matmul_peak, ("matmul_peak_tflops", "datasheet_peak_tflops"), need_s=3))
-    for k in KINDS:
-        items.append(Item(f"train_{k}", lambda c, k=k: train_item(c, k, False), _train_results(k, False), need_s=25))
-    first = [k for k in ("mdlm", "adlm") if k in KINDS]
-    for k in first:
-        items.append(Item(f"train_compiled_{k}", lambda c, k=k: train_item(c, k, True),
-                          _train_results(f"compiled_{k}", True), need_s=60))
-    if {"mdlm", "adlm"} <= set(KINDS):
-        items.append(Item("adlm_over_mdlm", adlm_over_mdlm, ("adlm_over_mdlm_time_ratio",
-                                                             "adlm_over_mdlm_time_ratio_compiled",
-                                                             "adlm_over_mdlm_flop_ratio"), need_s=0))
     items.append(Item("sample_forward", sample_forward, ("sample_forward_ms_fp32", "sample_forward_ms_bf16")))
     for which, (kind, _, _) in SAMPLE_RUNS.items():
         if kind in KINDS:
             items.append(Item(f"sample_{which}", lambda c, w=which: sample_item(c, w),
                               (f"sample_tokens_per_s_{which}", f"sample_network_calls_{which}",
                                f"sample_ms_per_call_{which}"), need_s=SAMPLE_NEED_S[which]))
-    for k in KINDS:
-        if k not in first:
-            items.append(Item(f"train_compiled_{k}", lambda c, k=k: train_item(c, k, True),
-                              _train_results(f"compiled_{k}", True), need_s=60))
     return items
 
 
@@ -958,15 +1125,18 @@ def run_item(ctx: Ctx, item: Item) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="On a GPU: timeout 480 python benchmarks/gpu_check.py --out DIR --record DIR "
+                                        "(the goals' items first; --resume DIR/gpu_check.json runs the rest). On a "
+                                        "CPU: --device cpu --tiny (every code path at toy sizes, seconds).")
     ap.add_argument("--out", default="gpu_check_out",
                     help="folder for gpu_check.json (created; the file is rewritten after every item)")
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu (only with --tiny)")
     ap.add_argument("--tiny", action="store_true",
                     help="toy sizes: every code path in seconds (module docstring says what it checks)")
     ap.add_argument("--budget-s", type=float, default=420.0,
-                    help="seconds after which the items left are skipped (default 420: fits 8 minutes on an H100 "
-                         "with start-up; give the outer `timeout` a minute more). 0: only env runs")
+                    help="seconds after which the items left are skipped (default 420: fits 8 minutes with "
+                         "start-up; give the outer `timeout` a minute more). 0: only env runs")
     ap.add_argument("--steps", type=int, default=None,
                     help="timed training steps a configuration (median reported; default 8, tiny 2)")
     ap.add_argument("--only", default="", help="comma-separated item names or fnmatch patterns to run (env always)")
@@ -977,11 +1147,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "printed) instead of run again, except those --only names; the rest run (a second try), "
                          "fed with what the kept items measured (the eager batches and FLOPs, the matmul peak)")
     ap.add_argument("--compile-backend", default=None,
-                    help="torch.compile backend of the compiled items (default inductor; aot_eager on a CPU)")
-    ap.add_argument("--compile-scope", choices=("blocks", "loss"), default="blocks",
-                    help="what the compiled items compile: every DiT block (default), or the whole training "
-                         "objective, vocabulary projection and SUBS included (dynamo breaks its graph at the "
-                         "noise draws from the caller's generator; a lever for MFU to try with --resume)")
+                    help="torch.compile backend of the compiled items (default inductor; on a CPU eager: dynamo "
+                         "alone, which decides the graph breaks and recompiles, in seconds)")
+    add_argument(ap)
+    ap.add_argument("--profile", choices=("miss", "always", "never"), default="miss",
+                    help="a profiler table of the top kernels of a compiled kind: when it misses its goal (default), "
+                         "always, or never")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's; the suite's test uses 1 on its shared cores)")
     ap.add_argument("--list", action="store_true", help="print the items and their RESULT names, and exit")
@@ -998,6 +1169,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    code = check_args(args)
+    if code is not None:
+        return code
+    with recording("gpu_check", args.record, command=["python", "benchmarks/gpu_check.py", *args.argv]) as rec:
+        code = run(args)
+        rec.add_raw(Path(args.out) / "gpu_check.json")
+        if args.resume:
+            rec.note(f"Items kept from {args.resume} are marked resumed_from in the JSON.")
+    return code
+
+
+def check_args(args: argparse.Namespace) -> int | None:
+    """Exit code 2 with one line on stderr for arguments that cannot run, before anything is written."""
     if args.list:
         for item in ITEMS:
             print(f"{item.name}: {', '.join(item.results)}")
@@ -1036,15 +1221,28 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         torch.set_num_threads(args.threads)
     if args.compile_backend is None:
-        args.compile_backend = "aot_eager" if device.type == "cpu" else "inductor"
-    previous: dict[str, Any] = {}
+        args.compile_backend = "eager" if device.type == "cpu" else "inductor"
+    args.device_obj = device
     if args.resume:
         try:
             old = json.loads(Path(args.resume).read_text())
-            previous = {n: r for n, r in old["items"].items() if r.get("status") == "ok" and n != "env"}
+            args.previous = {n: r for n, r in old["items"].items() if r.get("status") == "ok" and n != "env"}
         except (OSError, ValueError, KeyError, AttributeError) as e:
             print(f"error: --resume {args.resume}: not a gpu_check.json ({type(e).__name__}: {e})", file=sys.stderr)
             return 2
+    else:
+        args.previous = {}
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """The items, in order, within the budget; the JSON rewritten after each."""
+    device: torch.device = args.device_obj
+    # Every kind's objective is one more compiled entry of the same forward: room for all of them and the retries.
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    previous: dict[str, Any] = args.previous
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "gpu_check.json"
@@ -1053,9 +1251,10 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Ctx(args=args, device=device, sizes=TINY if args.tiny else FULL, t0=t0)
     report: dict[str, Any] = {
         "schema": 1, "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "argv": sys.argv[1:] if argv is None else argv, "budget_s": args.budget_s, "finished": False,
-        "sizes": dataclasses.asdict(ctx.sizes), "items": {},
-        # The three facts every row of the README's table needs, outside any item (the env item adds the rest).
+        "argv": args.argv, "budget_s": args.budget_s, "finished": False,
+        "sizes": dataclasses.asdict(ctx.sizes), "goals": {"train_over_anchor": GOALS, "mfu_measured": MFU_GOAL},
+        "items": {},
+        # The three facts every figure needs, outside any item (the env item adds the rest).
         "torch": torch.__version__, "cuda": torch.version.cuda, "gpu": None,
     }
     if ctx.cuda:

@@ -14,10 +14,10 @@ with ``--threads`` torch threads:
   holds every CPU starves Ray Data: ENVIRONMENT.md); those tasks then share the physical cores with
   the worker, a cost of the Ray loop that is counted here. Validation and the checkpoint happen only
   at the last step, after the last window.
-- Plain PyTorch: the same loop in this one process, no Ray, no MLflow: same model config and seed,
-  same micro-batch and accumulation, ``compute_loss`` + AdamW + warm-up schedule + global-norm
-  clipping + EMA update, batches read from the same Parquet shards with pyarrow (``iter_batches``,
-  in shard order), ``torch.set_num_threads(--threads)``.
+- Plain PyTorch: the same step (``adlm_model.train_step.TrainStep``: the objective, AdamW, the warm-up
+  schedule, global-norm clipping, the EMA) in this one process, no Ray, no MLflow: same model config and
+  seed, same micro-batch and accumulation, batches read from the same Parquet shards with pyarrow
+  (``iter_batches``, in shard order), ``torch.set_num_threads(--threads)``.
 
 Order: plain ADLM and plain MDLM (``model.kind=mdlm``, the recipe otherwise unchanged) alternating
 window by window, then the Ray Train run, then plain ADLM once more, so that a change of load on
@@ -58,9 +58,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _util import result  # noqa: E402
 
-from adlm_model import EMA, build_model, compute_loss  # noqa: E402
+from adlm_model import EMA, build_model  # noqa: E402
+from adlm_model.train_step import Objective, TrainStep  # noqa: E402
 from pipelines.training.config import TrainConfig, load_config  # noqa: E402
-from pipelines.training.optim import build_optimizer, lr_factor  # noqa: E402
+from pipelines.training.optim import build_optimizer, build_schedule  # noqa: E402
 
 EXPERIMENT = "bench-train-throughput"
 
@@ -151,28 +152,18 @@ def plain_windows(cfg: TrainConfig, data_dir: Path, threads: int, label: str) ->
 
     torch.manual_seed(r.seed)
     model = build_model(mc)
-    ema = EMA(model, cfg.ema)
     opt = build_optimizer(model.parameters(), o)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, o.warmup_steps, o.schedule, r.max_steps, o.min_lr_ratio))
+    step_fn = TrainStep(Objective(model, mc), model, opt, sched=build_schedule(opt, o, r.max_steps),
+                        ema=EMA(model, cfg.ema), clip=o.clip)
     noise = torch.Generator().manual_seed(r.seed)
     accum, window = cfg.accumulation, r.log_every
     model.train()
     t, ntok, loss = time.perf_counter(), 0.0, 0.0
     for step in range(r.max_steps):
-        opt.zero_grad(set_to_none=True)
-        for _ in range(accum):
-            b = next(batches)
-            x = b["input_ids"].long()
-            out = compute_loss(model, x, b.get("attention_mask"), mc, step=step, train=True, generator=noise)
-            (out.loss / accum).backward()
-            loss += float(out.loss.detach()) / accum
-            ntok += float(out.n_tokens)
-        if o.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip)
-        opt.step()
-        sched.step()
-        ema.update(model)
+        micro = [next(batches) for _ in range(accum)]
+        out = step_fn([(b["input_ids"].long(), b.get("attention_mask")) for b in micro], step=step, generator=noise)
+        loss += float(out.loss)
+        ntok += float(out.n_tokens)
         if (step + 1) % window == 0:
             rate = ntok / (time.perf_counter() - t)
             print(f"[plain {label}] step {step + 1}/{r.max_steps} loss {loss / window:.4f} tok/s {rate:,.0f}",

@@ -1,6 +1,7 @@
-"""benchmarks/gpu_check.py, the GPU path's one command, kept from rotting between GPU runs: its tiny CPU
-run passes every item and prints every RESULT name the GPU run prints; the runner's guard, budget and batch search
-behave; and ``adlm_model`` imports nothing the GPU machine lacks (it has torch, numpy, safetensors and tokenizers).
+"""benchmarks/gpu_check.py, the GPU path's one command, kept from rotting between GPU runs: its tiny CPU run passes
+every item (the compiled kinds and the anchor included), prints every RESULT name the GPU run prints and writes its
+record; the runner's guard, budget and batch search behave; and ``adlm_model`` imports nothing the GPU machine
+lacks (it has torch, numpy, safetensors and tokenizers).
 
 The CUDA-only tests of the same ground are tests/test_gpu.py (marker ``gpu``, skipped without a GPU);
 gpu_check.py is what runs on a lent GPU machine, where pytest and the rest of the project are not installed.
@@ -25,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 ALLOWED = {"torch", "numpy", "safetensors", "tokenizers", "flash_attn"}
 """What the GPU machine's image has (flash_attn: optional, imported in a try by adlm_model.attention)."""
+BENCHMARK_MODULES = {"_record"}
+"""The benchmarks' own standard-library modules the script imports (they travel with the repository)."""
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the in-process runs (the subprocess: --threads 1)
 
@@ -46,14 +49,15 @@ def _results(stdout: str) -> dict[str, str]:
 
 
 def test_the_tiny_cpu_run_passes_and_prints_every_result_name(tmp_path: Path) -> None:
-    """The issue's command, ``python benchmarks/gpu_check.py --device cpu --tiny``, in a fresh interpreter whose
+    """The CPU command, ``python benchmarks/gpu_check.py --device cpu --tiny``, in a fresh interpreter whose
     import hook (HOOK, below) refuses every package the GPU machine lacks for the imports adlm_model and the
     script make, after importing every adlm_model module under it: every item ok (the bf16 steps within tolerance
     of float32, every cached sampler equal to its exact one), every RESULT name of RESULT_NAMES printed once, the
     figures a CPU can measure finite, and the JSON holding every item."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", HOOK, ",".join(sorted(ALLOWED)), str(SCRIPT), "--device", "cpu",
-                           "--tiny", "--out", str(tmp_path), "--strict", "--threads", "1"],
+    proc = subprocess.run([sys.executable, "-c", HOOK, ",".join(sorted(ALLOWED | BENCHMARK_MODULES)), str(SCRIPT),
+                           "--device", "cpu", "--tiny", "--out", str(tmp_path), "--strict", "--threads", "1",
+                           "--record", str(tmp_path / "record"), "--profile", "always"],
                           capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # Under the import hook (below): every adlm_model module imported, nothing refused, in the run either.
@@ -70,15 +74,25 @@ def test_the_tiny_cpu_run_passes_and_prints_every_result_name(tmp_path: Path) ->
     for name in results:
         if name.startswith(("correct_bf16_ok_", "sampler_equal_")):
             assert results[name] == "1", name
-        if name.startswith("train_graph_breaks_"):  # a compiled block is one graph
+        if name.startswith("train_graph_breaks_") or name == "anchor_graph_breaks":  # one graph a compiled step
             assert results[name] == "0", name
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["finished"] and list(report["items"]) == [i.name for i in gpu_check.ITEMS]
     assert all(r["status"] == "ok" for r in report["items"].values())
     assert report["env"]["torch"] and report["env"]["device"] == "cpu"
-    for kind in gpu_check.KINDS:  # a kind added to the table is covered without touching the script
+    for kind in gpu_check.TRAINED:  # a kind added to the table is covered without touching the script
         assert f"correct_bf16_{kind}" in report["items"] and f"train_{kind}" in report["items"]
         assert report["items"][f"train_{kind}"]["detail"]["flops_per_row"] > 0
+        compiled = report["items"][f"train_compiled_{kind}"]
+        assert compiled["detail"]["anchor"]["batch"] == compiled["results"][f"train_batch_compiled_{kind}"]
+        assert float(results[f"train_over_anchor_{kind}"]) > 0 and results[f"train_goal_met_{kind}"] in ("0", "1")
+        kernels = compiled["detail"]["top_kernels"]  # --profile always: the table a missed goal keeps
+        assert kernels and all(k["ms_per_step"] > 0 and 0 < k["share"] <= 1 for k in kernels)
+    assert float(results["flex_max_abs_diff_bd3lm"]) < 1e-4  # FlexAttention's output is the dense mask's
+    # --record: a dated record with every RESULT line and a link to the JSON
+    (record,) = (tmp_path / "record").glob("*_gpu_check.md")
+    text = record.read_text()
+    assert all(f"RESULT {n}=" in text for n in results) and "gpu_check.json" in text
 
 
 def test_a_spent_budget_skips_the_rest_and_still_prints_every_name(tmp_path: Path, capsys) -> None:
@@ -155,6 +169,8 @@ def test_adlm_model_and_gpu_check_import_only_what_the_gpu_machine_has() -> None
     files = [*sorted((ROOT / "adlm_model").rglob("*.py")), SCRIPT]
     for path in files:
         extra = _top_level_imports(path) - ALLOWED - set(sys.stdlib_module_names) - {"adlm_model", "__future__"}
+        if path == SCRIPT:
+            extra -= BENCHMARK_MODULES
         if path.stem in EXPORT_WRAPPERS:  # transformers imports them from an export folder (the GPU machine has it)
             extra -= {"transformers"}
         if extra:
@@ -242,31 +258,36 @@ def test_a_second_try_resumes_the_items_the_first_finished(tmp_path: Path, capsy
     assert after["train_batch_ar"] == "nan"  # in neither run
 
 
-def test_the_gpu_runbook_names_what_exists() -> None:
-    """The GPU page's commands (docs/operations/gpu.md): the tarball holds what the script imports from the
-    repository, and every gpu_check.py command line parses (a renamed option would leave the runbook wrong on the
-    day it is used)."""
+def test_the_gpu_page_names_what_exists() -> None:
+    """docs/operations/gpu.md's commands: every gpu_check.py command line parses with options and items that exist
+    (a renamed option would leave the page wrong on the day it is used), and the one-line command of a GPU slot
+    fits its 8 minutes (an outer timeout of at most 480 s, a budget under it) and records into $OUT."""
     import re
     import shlex
 
-    section = (ROOT / "docs" / "operations" / "gpu.md").read_text()
-    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
-    archive = next(line for b in blocks for line in b.splitlines() if line.startswith("git archive"))
-    assert {"adlm_model", "benchmarks/gpu_check.py"} <= set(shlex.split(archive))
-    assert _top_level_imports(SCRIPT) - set(sys.stdlib_module_names) - ALLOWED == {"adlm_model"}
+    page = (ROOT / "docs" / "operations" / "gpu.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", page, re.S)
+    assert _top_level_imports(SCRIPT) - set(sys.stdlib_module_names) - ALLOWED == {"adlm_model"} | BENCHMARK_MODULES
     commands = [line.split("#")[0] for b in blocks for line in b.replace("\\\n", " ").splitlines()
-                if "gpu_check.py " in line]
-    assert len(commands) >= 3 and any("--only" in c for c in commands)
+                if "gpu_check.py " in line and "python" in line]
+    assert len(commands) >= 3 and any("--only" in c for c in commands) and any("--resume" in c for c in commands)
+    archive = next(line for b in blocks for line in b.splitlines() if line.startswith("git archive"))
+    assert {"adlm_model", "benchmarks/gpu_check.py", "benchmarks/_record.py"} <= set(shlex.split(archive))
     for line in commands:
         argv = shlex.split(line.replace("$OUT", "out"))
         args = gpu_check.parse_args(argv[argv.index("benchmarks/gpu_check.py") + 1:])
         assert args.out and all(any(fnmatch.fnmatch(i.name, p) for i in gpu_check.ITEMS) for p in args.only)
+    slot = next(c for c in commands if "--record" in c and "$OUT" in c and "timeout" in c)
+    argv = shlex.split(slot)
+    limit = int(argv[argv.index("timeout") + 1])
+    budget = gpu_check.parse_args(argv[argv.index("benchmarks/gpu_check.py") + 1:]).budget_s
+    assert limit <= 480 and budget + 45 <= limit
 
 
 def test_a_timed_run_out_of_memory_steps_down_to_a_batch_that_fitted(tmp_path: Path, capsys, monkeypatch) -> None:
-    """The search's two steps fitted at the largest batch, the longer timed run did not (ADLM and BD3-LM on an H200,
-    2026-11-28, lost their whole item): the item times the next batch the search found to fit instead. A CPU
-    cannot run out of device memory on cue, so the step raises CUDA's error itself past the search's two steps."""
+    """The search's two steps fitted at the largest batch, the longer timed run did not: the item times the next
+    batch the search found to fit instead. A CPU cannot run out of device memory on cue, so the step raises CUDA's
+    error itself past the search's two steps."""
     import torch
 
     real_step, calls = gpu_check.Trainer.step, {"n": 0}

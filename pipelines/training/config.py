@@ -12,7 +12,7 @@ that lists the known ones.
               schedule: constant, clip: 1.0}
     batch:   {global_batch: 512, micro_batch: 16}              # accumulation is derived
     run:     {name: ..., max_steps: ..., val_every: ..., val_batches: ..., ckpt_every: ..., init: ..., ...}
-    scaling: {num_workers: 2, use_gpu: false, cpus_per_worker: 0.5, strategy: ddp, bf16: true}
+    scaling: {num_workers: 2, use_gpu: false, cpus_per_worker: 0.5, strategy: ddp, bf16: true, compile: auto}
     failure: {max_failures: 0}
     ema: 0.9999
     mlflow:  {experiment: adlm, registered_model: adlm, register: true}
@@ -142,6 +142,10 @@ class ScalingSection:
     """``ddp`` or ``fsdp`` (shards parameters, gradients and optimiser state; for larger models)."""
     bf16: bool = True
     """bf16 autocast on GPU workers; ignored on CPU (19x slower there)."""
+    compile: str = "auto"
+    """``torch.compile`` the training objective (network, vocabulary projection, SUBS, loss; the noise is drawn
+    outside it): ``auto`` on CUDA workers, not on CPU ones; ``on``; ``off``. A distillation or an FSDP run never
+    compiles under ``auto``; ``on`` with either is refused."""
 
 
 @dataclass
@@ -225,6 +229,13 @@ class TrainConfig:
     def accumulation(self) -> int:
         return self.batch.global_batch // (self.batch.micro_batch * self.world)
 
+    def compiles(self, device_type: str) -> bool:
+        """Whether the training objective is compiled on a worker of ``device_type`` (``scaling.compile``)."""
+        c = self.scaling.compile
+        if c == "auto":
+            return device_type == "cuda" and not self.distill.teacher and self.scaling.strategy != "fsdp"
+        return c == "on"
+
     def validate(self) -> TrainConfig:
         """Every check that needs no data or Ray; raises ConfigError with one line."""
 
@@ -257,6 +268,12 @@ class TrainConfig:
         need(s.cpus_per_worker > 0, f"scaling.cpus_per_worker must be > 0, got {s.cpus_per_worker}")
         need(s.threads >= 0, f"scaling.threads must be >= 0 (0: automatic), got {s.threads}")
         need(s.strategy in ("ddp", "fsdp"), f"scaling.strategy must be ddp or fsdp, got {s.strategy!r}")
+        # YAML reads a bare on / off as a boolean, which arrives here as "True" / "False"
+        s.compile = {"true": "on", "false": "off"}.get(str(s.compile).lower(), str(s.compile).lower())
+        need(s.compile in ("auto", "on", "off"), f"scaling.compile must be auto, on or off, got {s.compile!r}")
+        need(not (s.compile == "on" and (self.distill.teacher or s.strategy == "fsdp")),
+             "scaling.compile on: a distillation (its noise is drawn inside its objective) and an FSDP run are "
+             "not compiled; use scaling.compile=auto or off")
         need(self.failure.max_failures >= -1, "failure.max_failures must be >= 0 (or -1 for unlimited)")
         need(0 <= self.ema < 1, f"ema decay must be in [0, 1), got {self.ema}")
         need(self.data.shuffle_buffer >= 0, "data.shuffle_buffer must be >= 0")

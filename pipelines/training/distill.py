@@ -43,8 +43,8 @@ class Teacher:
 
 
 class DistillLoss(torch.nn.Module):
-    """``LossModule``'s counterpart for a distillation run: SDTT's loss in training, the student's NELBO bound in
-    validation (the same figure every run reports)."""
+    """``adlm_model.train_step.Objective``'s counterpart for a distillation run: SDTT's loss in training, the
+    student's NELBO bound in validation (the same figure every run reports)."""
 
     def __init__(self, model: torch.nn.Module, cfg: Any, teacher: Teacher, section: Any) -> None:
         super().__init__()
@@ -55,8 +55,14 @@ class DistillLoss(torch.nn.Module):
     def teacher(self) -> Teacher:
         return self._teacher[0]
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, step: int, train: bool,
-                generator: torch.Generator) -> LossOutput:
+    def draw(self, x: torch.Tensor, attention_mask: torch.Tensor | None, generator: torch.Generator,
+             train: bool) -> torch.Generator:
+        """SDTT draws its noise (times, masks, the teacher's steps) inside its objective: the generator itself is
+        what ``forward`` gets (a distillation is never compiled)."""
+        return generator
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, generator: torch.Generator,
+                step: int | torch.Tensor, train: bool) -> LossOutput:
         if not train:
             return compute_loss(self.model, x, attention_mask, self.cfg, step=step, train=False, generator=generator)
         d = self.section

@@ -69,14 +69,17 @@ log = get_logger(__name__)
 
 
 def batch_stream(w: Worker, shard: Any) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
-    """(epoch, index in epoch, batch) of this worker's shard from the resumed position on, forever."""
+    """(epoch, index in epoch, batch) of this worker's shard from the resumed position on, forever. Only full
+    micro-batches (a compiled step has one shape); on a GPU worker Ray's prefetch threads pin them, so that
+    ``to_device``'s copies run asynchronously."""
     cfg = w.cfg
     micro, buf = cfg.batch.micro_batch, cfg.data.shuffle_buffer
     epoch, skip = w.epoch, w.position
     while True:
         it = shard.iter_torch_batches(
             batch_size=micro, drop_last=True, device="cpu", prefetch_batches=2, local_shuffle_buffer_size=buf or None,
-            local_shuffle_seed=derive_seed(cfg.run.seed, TRAIN_DATA_ORDER, epoch, w.rank) if buf else None)
+            local_shuffle_seed=derive_seed(cfg.run.seed, TRAIN_DATA_ORDER, epoch, w.rank) if buf else None,
+            pin_memory=w.use_gpu)
         n = 0
         for i, b in enumerate(it):
             n += 1
@@ -87,42 +90,40 @@ def batch_stream(w: Worker, shard: Any) -> Iterator[tuple[int, int, dict[str, to
         epoch, skip = epoch + 1, 0
 
 
+def to_device(b: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(input_ids as int64, attention mask or None) of a batch on ``device``: a non-blocking copy (from pinned
+    memory on a GPU worker, so the host queues it and goes on), the cast on the device."""
+    x = b["input_ids"].to(device, non_blocking=True).long()
+    am = b["attention_mask"].to(device, non_blocking=True) if "attention_mask" in b else None
+    return x, am
+
+
 def optimiser_step(w: Worker, stream: Iterator[tuple[int, int, dict[str, torch.Tensor]]]) -> None:
-    """One optimiser step: ``accumulation`` micro-batches (gradient sync on the last only), clipping,
-    AdamW, the schedule, the EMA. gamma_k uses this step's index k (METHOD.md section 2)."""
-    cfg, accum, k = w.cfg, w.accumulation, w.step
-    w.opt.zero_grad(set_to_none=True)
-    win = w.window
-    for m in range(accum):
+    """One optimiser step (``adlm_model.train_step.TrainStep``: ``accumulation`` micro-batches, gradient sync on
+    the last only, clipping, AdamW, the schedule, the EMA) on the next micro-batches of ``stream``, all copied to
+    the device before the first runs; its figures go into the log window. gamma_k uses this step's index k
+    (METHOD.md section 2)."""
+    batches = []
+    for _ in range(w.accumulation):
         ep, i, b = next(stream)
-        x = b["input_ids"].to(w.device).long()
-        am = b["attention_mask"].to(w.device) if "attention_mask" in b else None
-        last = m == accum - 1
-        sync = w.net.no_sync() if (w.distributed and not w.fsdp and not last) else contextlib.nullcontext()
-        if w.fsdp:
-            w.net.set_requires_gradient_sync(last)
-        with sync:
-            with w.autocast():
-                out: LossOutput = w.net(x, am, k, True, w.noise)
-            (out.loss / accum).backward()
-        win.loss += out.loss.detach().double() / accum
-        win.nll += out.nll_sum
-        win.ntok += out.n_tokens
-        if out.anchor_sum is not None:
-            win.anc += out.anchor_sum
-            win.nanc += out.n_anchor
+        batches.append(to_device(b, w.device))
         w.epoch, w.position = ep, i + 1
-    params = [p for p in w.raw.parameters() if p.grad is not None]
-    if cfg.optim.clip > 0:
-        gn = torch.nn.utils.clip_grad_norm_(w.raw.parameters(), cfg.optim.clip)
-    else:
-        gn = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
-    gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-    win.gnorm += gn.detach().double()
-    win.lr = w.sched.get_last_lr()[0]
-    w.opt.step()
-    w.sched.step()
-    w.ema.update(w.raw)
+    out = w.train_step(batches, step=w.step, generator=w.noise)
+    win = w.window
+    win.loss += out.loss
+    win.nll += out.nll_sum
+    win.ntok += out.n_tokens
+    if out.anchor_sum is not None:
+        win.anc += out.anchor_sum
+        win.nanc += out.n_anchor
+    win.gnorm += out.grad_norm
+    win.lr = out.lr
+    if w.train_step.compile_s is not None and not w.compile_logged:  # the first compiled step: its compilation
+        w.compile_logged = True
+        win.compile_s = w.train_step.compile_s
+        if w.rank == 0:
+            log.info(f"[{w.cfg.run.name}] step {w.step + 1}: the compiled objective's first step took "
+                     f"{win.compile_s:.1f} s (compilation included)")
     w.step += 1
     win.steps += 1
 
@@ -136,6 +137,8 @@ def log_window(w: Worker) -> dict[str, float]:
     metrics = {"train/loss": tot[0] / (n * world), "train/nll": tot[1] / max(tot[2], 1.0),
                "train/grad_norm": tot[5] / (n * world), "train/lr": win.lr,
                "train/tokens_per_s": tot[2] / max(dt, 1e-9), "train/epoch": w.epoch}
+    if win.compile_s is not None:  # the window of the first compiled step
+        metrics["train/compile_s"] = win.compile_s
     mc = w.cfg.model
     if model_kind(mc.kind).anchored:
         metrics["train/anchor_loss"] = tot[3] / max(tot[2], 1.0)
@@ -183,8 +186,9 @@ def validate(w: Worker, rows: dict[str, torch.Tensor]) -> float:
         for i in range(0, rows["input_ids"].shape[0], micro):
             x = rows["input_ids"][i:i + micro].to(w.device).long()
             am = rows["attention_mask"][i:i + micro].to(w.device) if "attention_mask" in rows else None
-            with w.autocast():
-                out: LossOutput = w.net(x, am, w.step, False, g)
+            noise = w.objective.draw(x, am, g, False)
+            with w.autocast():  # the eager objective: validation's few batches are not worth a second graph
+                out: LossOutput = w.net(x, am, noise, w.step, False)
             sums += torch.stack([out.nll_sum, out.n_tokens.double()])
     w.net.train()
     nll, ntok = w.all_sum(sums).tolist()

@@ -1,27 +1,22 @@
-"""The optimiser and the learning-rate schedule of the reference recipe (METHOD.md section 7)."""
+"""The optimiser and the learning-rate schedule of the reference recipe (METHOD.md section 7), from the recipe's
+``optim`` section; the step that uses them is ``adlm_model.train_step``."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+from adlm_model.train_step import fused_adamw, lr_factor, lr_schedule
 from pipelines.training.config import OptimSection
 
 
 def build_optimizer(params: Any, o: OptimSection) -> Any:
     """AdamW from the ``optim`` section (fused kernel unless ``optim.fused`` is off)."""
-    import torch
-
-    kw = {"fused": True} if o.fused else {"foreach": True}
-    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, **kw)
+    return fused_adamw(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, fused=o.fused)
 
 
-def lr_factor(step: int, warmup: int, schedule: str, max_steps: int, min_ratio: float) -> float:
-    """Linear warm-up to 1, then constant (reference) or cosine down to ``min_ratio``."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    span = max(1, max_steps - warmup)
-    prog = min(1.0, (step - warmup) / span)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
+def build_schedule(opt: Any, o: OptimSection, max_steps: int) -> Any:
+    """Linear warm-up, then constant (reference) or cosine (``lr_factor``)."""
+    return lr_schedule(opt, warmup=o.warmup_steps, schedule=o.schedule, max_steps=max_steps, min_ratio=o.min_lr_ratio)
+
+
+__all__ = ["build_optimizer", "build_schedule", "lr_factor"]

@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from adlm_model import EMA, build_model, compute_loss
+from adlm_model import EMA, build_model
 from adlm_model.backbone import DiTBlock
 from adlm_model.checkpoint import load_state
 from adlm_model.losses import LossOutput
+from adlm_model.train_step import Objective, TrainStep
 from pipelines.logs import get_logger
 from pipelines.seeds import TRAIN_DROPOUT, TRAIN_NOISE, derive_seed
 from pipelines.storage import (
@@ -33,7 +34,7 @@ from pipelines.training.checkpoints import (
     step_of,
 )
 from pipelines.training.config import TrainConfig
-from pipelines.training.optim import build_optimizer, lr_factor
+from pipelines.training.optim import build_optimizer, build_schedule
 
 log = get_logger(__name__)
 
@@ -95,6 +96,8 @@ class Window:
     steps: int = 0
     lr: float = 0.0
     """The learning rate of the window's last step."""
+    compile_s: float | None = None
+    """Seconds of the first compiled step, in the window that holds it (``train/compile_s``)."""
 
     @classmethod
     def fresh(cls, device: torch.device) -> Window:
@@ -108,18 +111,6 @@ class Window:
         return torch.stack([self.loss, self.nll, self.ntok, self.anc, self.nanc, self.gnorm])
 
 
-class LossModule(torch.nn.Module):
-    """Runs the objective inside ``forward`` so that DDP/FSDP see the forward pass (gradient sync)."""
-
-    def __init__(self, model: torch.nn.Module, cfg: Any) -> None:
-        super().__init__()
-        self.model, self.cfg = model, cfg
-
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, step: int, train: bool,
-                generator: torch.Generator) -> LossOutput:
-        return compute_loss(self.model, x, attention_mask, self.cfg, step=step, train=train, generator=generator)
-
-
 @dataclass
 class Worker:
     """The live objects of one worker and its position in the run."""
@@ -131,7 +122,11 @@ class Worker:
     raw: torch.nn.Module
     """The model itself (checkpoints, EMA)."""
     net: torch.nn.Module
-    """What the loop calls: the LossModule, wrapped in DDP or sharded by FSDP when distributed."""
+    """The objective (``objective``), wrapped in DDP or sharded by FSDP when distributed: what validation calls."""
+    objective: torch.nn.Module
+    """``adlm_model.train_step.Objective`` (a distillation's ``DistillLoss``): draws the noise, computes the loss."""
+    train_step: TrainStep
+    """The optimiser step (compiled objective, accumulation, clipping, AdamW, schedule, EMA)."""
     ema: EMA
     opt: torch.optim.Optimizer
     sched: Any
@@ -149,6 +144,8 @@ class Worker:
     """BD3-LM: the masking-rate interval training draws block times from (the last search's choice)."""
     teacher: Any = None
     """A distillation run's ``training.distill.Teacher`` (None: an ordinary run)."""
+    compile_logged: bool = False
+    """The first compiled step's time has been logged."""
     window: Window = field(init=False)
     """Running sums since the last log line (a fresh one after each, ``reset_window``)."""
 
@@ -164,11 +161,8 @@ class Worker:
         return self.cfg.batch.global_batch // (self.cfg.batch.micro_batch * self.world)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        # bf16 autocast on GPU only: on CPU it is ~19x slower (ENVIRONMENT.md); the loss does its
-        # log-softmax/SUBS in float32 regardless (METHOD.md section 1).
-        if self.use_gpu and self.cfg.scaling.bf16:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        """The training step's autocast (bf16 on GPU workers; the loss's log-softmax is float32 regardless)."""
+        return self.train_step.autocast(self.device)
 
     def all_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.distributed:
@@ -204,7 +198,7 @@ def build(lc: LoopConfig, rank: int, world: int, device: torch.device) -> Worker
         teacher = make_teacher(raw)
         module: torch.nn.Module = DistillLoss(raw, cfg.model, teacher, cfg.distill)
     else:
-        module = LossModule(raw, cfg.model)
+        module = Objective(raw, cfg.model)
     fsdp = distributed and cfg.scaling.strategy == "fsdp"
     if fsdp:
         from torch.distributed.fsdp import fully_shard
@@ -222,13 +216,16 @@ def build(lc: LoopConfig, rank: int, world: int, device: torch.device) -> Worker
         net = module
     ema = EMA(raw, cfg.ema, warmup=cfg.ema_warmup)
     opt = build_optimizer(raw.parameters(), o)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, o.warmup_steps, o.schedule, r.max_steps, o.min_lr_ratio))
+    sched = build_schedule(opt, o, r.max_steps)
+    bf16 = use_gpu and cfg.scaling.bf16  # bf16 autocast on GPU only: ~19x slower on a CPU (ENVIRONMENT.md)
+    step = TrainStep(module, raw, opt, sched=sched, ema=ema, clip=o.clip, net=net,
+                     sync="fsdp" if fsdp else ("ddp" if distributed else None),
+                     autocast=torch.bfloat16 if bf16 else None, compile=cfg.compiles(device.type))
     noise = torch.Generator(device=device)
     noise.manual_seed(derive_seed(r.seed, TRAIN_NOISE, rank))
     torch.manual_seed(derive_seed(r.seed, TRAIN_DROPOUT, rank))  # dropout differs per rank, reproducibly
-    w = Worker(lc=lc, rank=rank, world=world, device=device, raw=raw, net=net, ema=ema, opt=opt, sched=sched,
-               noise=noise, distributed=distributed, fsdp=fsdp, use_gpu=use_gpu, teacher=teacher)
+    w = Worker(lc=lc, rank=rank, world=world, device=device, raw=raw, net=net, objective=module, train_step=step,
+               ema=ema, opt=opt, sched=sched, noise=noise, distributed=distributed, fsdp=fsdp, use_gpu=use_gpu, teacher=teacher)
     return w
 
 
@@ -273,5 +270,4 @@ def resume(w: Worker, ray_checkpoint_dir: str | None, ray_checkpoint_step: int =
 def set_training_clip(w: Worker, clip: tuple[float, float]) -> None:
     """Train BD3-LM on block times drawn from ``clip`` = (beta, omega) from the next step on."""
     w.clip = (float(clip[0]), float(clip[1]))
-    module = w.net.module if hasattr(w.net, "module") and isinstance(w.net.module, LossModule) else w.net
-    module.cfg = module.cfg.replace(clip_low=w.clip[0], clip_high=w.clip[1])
+    w.objective.cfg = w.objective.cfg.replace(clip_low=w.clip[0], clip_high=w.clip[1])
