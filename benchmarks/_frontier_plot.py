@@ -16,6 +16,7 @@ def plot(doc: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     panels = {name: m for name, m in doc["models"].items() if "selection" in m}
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(6 * max(1, len(panels)), 4.5), squeeze=False)
@@ -47,6 +48,7 @@ def plot(doc: dict, path: Path) -> None:
         ax.axhline(100 * TOLERANCE, ls="--", c="grey", lw=0.8)
         ax.axvline(1, ls=":", c="grey", lw=0.8)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # the minor ticks' labels overlap on a short log axis
         ax.set_xlabel("wall-time speedup over ancestral sampling at T=L (row cache)")
         ax.set_ylabel("NLL/token excess, every row counted (%)")
         ax.set_title(f"{name} on the testbed (L={m['length']})" + ("; refused" if m.get("refused") else ""))
