@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _fast_sampling_figures import choose, definitions, figures, row_nll, summarize
 from _frontier_plot import plot
-from _record import add_argument, machine_slug, recording
+from _record import Recording, add_argument, machine_slug, recording
 from _testbed_rows import step_rows
 from _util import result
 
@@ -446,7 +446,7 @@ def _gate(args: argparse.Namespace, name: str, b: dict, base_nll: float, all_imp
             "on it is not a speedup of a sampler anyone uses; train it longer (--train-steps)")
 
 
-def _run(args: argparse.Namespace, plot_path: Path, rec) -> int:
+def _run(args: argparse.Namespace, plot_path: Path, rec: Recording) -> int:
     models: dict[str, dict] = {}
     sel_seeds = [SELECTION_SEED + r for r in range(args.repeats)]
     meas_seeds = [MEASUREMENT_SEED + r for r in range(args.measure_repeats)]

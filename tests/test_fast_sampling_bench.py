@@ -274,7 +274,8 @@ def test_the_whole_benchmark_runs_tiny_and_its_results_are_recomputed_from_its_j
                                            (["--train-device", "tpu"], "use cpu or cuda"),
                                            (["--hidden", "12"], "the width must be a multiple of 8"),
                                            (["--batch", "0"], "train on at least one row a step"),
-                                           (["--max-samples-excess", "0"], "a positive number of nats/token")])
+                                           (["--max-samples-excess", "0"], "a positive number of nats/token"),
+                                           (["--repeats", "1"], "two batches a setting")])
 def test_a_device_or_network_the_benchmark_cannot_use_is_refused_in_one_line(bench, tmp_path, capsys, args, message):
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
