@@ -11,7 +11,11 @@ Everything follows METHOD.md section 4:
   the ``torch.Generator`` the caller passes, never the global RNG;
 - nucleus filtering (top-``p``, the reference rule: keep tokens while the sorted cumulative mass
   is ``<= p``, always the first) applies to ``p_x0`` at every position it is drawn from;
-- one final greedy step fills any mask left (no nucleus there).
+- one final greedy step fills any mask left (no nucleus there), as in MDLM's reference (``noise_removal``);
+  ``diffusion_sample(..., final="draw")`` instead draws those positions from ``p_x0`` (nucleus applied), the
+  ancestral chain's own transition from ``T_MIN`` to 0 (``p_stay = 0``). A position is still masked after the
+  grid with probability ``T_MIN`` (1e-5), so the two differ on about one position in 100,000; ``stats
+  ['final_filled']`` counts the positions the final step filled.
 
 ADLM (the paper's Algorithm 1) is the same sampler run on the composed network ``psi(phi(z_t))``
 through ``model.denoiser_logits(..., fused=True)``: the anchor logits are never materialised.
@@ -56,6 +60,8 @@ from .schedule import LogLinearSchedule
 
 T_MIN = 1e-5
 """Last time of the sampling grid: ``linspace(1, T_MIN, T + 1)`` (METHOD.md section 4)."""
+FINAL_STEPS = ("greedy", "draw")
+"""How ``diffusion_sample`` fills the masks left after the grid (module docstring)."""
 
 Progress = Callable[[int, int], None]
 
@@ -346,9 +352,13 @@ def check_sample_args(cfg: ModelConfig, batch_size: int, length: int, steps: int
 
 def diffusion_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep: torch.Tensor, *, steps: int,
                      sampler: str, nucleus_p: float, generator: torch.Generator, progress: Progress | None,
-                     cache: bool, remdm: ReMDMLoop | None = None, stats: dict | None = None) -> torch.Tensor:
+                     cache: bool, remdm: ReMDMLoop | None = None, stats: dict | None = None,
+                     final: str = "greedy") -> torch.Tensor:
     """MDLM ancestral or ReMDM-loop sampling of ``(B, L)`` from the all-mask sequence (given
-    positions kept); see the module docstring."""
+    positions kept); see the module docstring. ``final``: how the masks left after the grid are
+    filled, ``greedy`` (argmax of ``p_x0``, the default) or ``draw`` (a draw from ``p_x0``)."""
+    if final not in FINAL_STEPS:
+        raise SamplerError(f"final must be one of {', '.join(FINAL_STEPS)}, got {final!r}")
     m = cfg.mask_id
     fn = denoiser_fn(model)
     x = torch.where(keep, tokens, torch.full_like(tokens, m))
@@ -375,15 +385,21 @@ def diffusion_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, k
         x = x_new
         if progress is not None:
             progress(i + 1, steps + 1)
-    rows = (x == m).any(-1)
-    if bool(rows.any()):  # final greedy step: fill every mask left with the argmax of p_x0
+    left = x == m
+    rows = left.any(-1)
+    if bool(rows.any()):  # the final step: fill every mask left (argmax of p_x0, or a draw from it)
         probs = rc.get(x, ts[-1], rows=rows)
-        greedy = probs.argmax(-1)
-        x = torch.where(x == m, greedy, x)
+        if final == "greedy":
+            x = torch.where(left, probs.argmax(-1), x)
+        else:
+            idx = left.nonzero(as_tuple=True)
+            x = x.clone()
+            x[idx] = sample_categorical(probs[idx], generator)
     if progress is not None:
         progress(steps + 1, steps + 1)
     if stats is not None:
         stats["network_calls"] = rc.calls
+        stats["final_filled"] = int(left.sum())
     return x
 
 
@@ -490,7 +506,8 @@ def unigram_entropy(ids: Sequence[int] | np.ndarray | torch.Tensor) -> float:
 
 
 __all__ = [
-    "T_MIN", "ReMDMLoop", "SamplerError", "ar_sample", "ar_window_sample", "check_sample_args", "diffusion_sample", "diffusion_step",
+    "FINAL_STEPS", "T_MIN", "ReMDMLoop", "SamplerError", "ar_sample", "ar_window_sample", "check_sample_args",
+    "diffusion_sample", "diffusion_step",
     "mask_probabilities", "nucleus", "reject_unknown", "resolve_prefix", "sample_categorical", "transition_probs",
     "unigram_entropy",
 ]

@@ -1,40 +1,44 @@
-"""Fast sampling measured against the truth (issues 29, 36): speed vs true NLL on the ground-truth testbed.
+"""Fast sampling measured against the truth: speed against exact NLL on the ground-truth testbed.
 
 Trains (or reuses, from ``--workdir``) a small MDLM and a small ADLM on each testbed preset (``adlm_model.testbed``:
 synthetic languages whose ``log p(row)`` is exact; ``natural``, calibrated to natural text's confidence, and
-``anchored``), then samples ``--samples`` rows of the testbed's length (BOS
-and EOS given, the ``L - 2`` positions between generated; nucleus off, so the samplers' own error is measured)
-with, in one run, at the same length and batch:
+``anchored``), then draws rows of the testbed's length (BOS and EOS given, the ``L - 2`` positions between
+generated; nucleus off, so the samplers' own error is measured) with:
 
-- the **baseline**: the kind's MDLM-style ancestral sampler (``mdlm``) with its exact cache, ``T = L`` steps;
-  also the same at the paper profile's ``T`` (1024 for MDLM, 4096 for ADLM);
-- **threshold**: confidence-threshold parallel decoding, one block, no cache, swept over the threshold;
-- **dual** / **prefix**: the same with semi-autoregressive blocks and the approximate KV cache, swept over
-  threshold, block and refresh.
+- the **baseline**: MDLM ancestral sampling at ``T = L`` with its exact row cache, the final step a draw from
+  ``p_x0`` (``samplers.diffusion_sample(final="draw")``), not the reference's argmax; the language's own rows
+  (``Testbed.sample``) are scored beside it;
+- **threshold**: confidence-threshold parallel decoding, one block, no cache, over the threshold;
+- **dual** / **prefix**: the same with semi-autoregressive blocks and the approximate KV cache, over threshold,
+  block and refresh;
+- the **distilled** SDTT students (``--distill-presets``) and, as their control, the **teacher** at the same steps;
+- the paper profile's ``T`` (1024 for MDLM, 4096 for ADLM; ``--skip-paper-t``: not timed).
 
-For each: wall time (median of ``--repeats``), network calls, speedup over the baseline, the **true NLL per token**
-of the samples (exact, from the testbed; rows the language cannot emit are counted apart as ``impossible``) and
-their mean unigram entropy. Writes a speed-vs-quality frontier plot per kind (``--plot``, default
-``benchmarks/fast_sampling_frontier.png``) and a JSON of every point, logs both to MLflow when a tracking store
-is reachable, and prints ``RESULT fast_sampling_speedup_at_5pct_<kind>=<x>`` (natural preset; ``..._<kind>_anchored``
-for the other): the largest speedup whose true-NLL increase over the baseline is at most 5% (and whose
-impossible-row share is at most 5 points above it).
+The figures (``_fast_sampling_figures``: every row counted, impossible rows at the unigram floor; rows paired
+across methods; bootstrap intervals; a setting passes at 5% when its NLL excess's interval ends at or below 5% and
+its impossible-row share is within 5 points of the baseline's) are read in two stages: every setting is drawn and
+timed on the **selection** set (``--repeats`` batches at seeds ``7, 8, ...``), each method's best passing setting
+is chosen there, and the chosen settings are drawn and timed again on the **measurement** set (``--measure-repeats``
+batches at fresh seeds, interleaved with the baseline). The RESULT lines come from the measurement set only, each
+printed only when its setting passes there: ``fast_sampling_speedup_at_5pct_<kind>`` (natural preset;
+``..._<kind>_anchored`` for the other), ``..._vs_paper_T_at_5pct_<kind>``, ``distilled_steps_at_5pct_<kind>`` and
+``distilled_speedup_at_5pct_<kind>``, with ``fast_sampling_sample_excess_<kind>``. Everything is written to the
+frontier JSON (every row's ``log p``, every time), from which the figures are recomputed; a plot beside it.
 
 **Models close to the truth, reproducibly.** Training is seeded end to end: the initial weights
-(``torch.manual_seed`` before the model is built; before issue 36 MDLM's came from the unseeded global RNG), every
-batch (``Testbed.sample(seed=1000 + step)``), the loss's noise (its own generator) and the thread count (one
-intra-op thread while training: reductions split over threads may round differently). A model is cached under
-``--workdir`` by the hash of everything that determines it (kind, model config, testbed config, steps, batch,
-learning-rate schedule, seed) as safetensors + JSON, with a checkpoint (weights, AdamW state, the loss generator's
-state, the step) every ``--checkpoint-every`` steps: a killed run resumes where it stopped and ends with the same
-weights. Before any speed is read, the model's **distance from the truth** is measured: its bound's excess over the
-exact entropy (nats/token on all L positions, 512 held-out rows: issue 36's figure, the testbed study's measure)
-and the true NLL excess of its exact sampler's samples at ``T = L``; a model whose bound is farther than
-``--max-excess`` (0.3 nats/token, the testbed study's MDLM) gets no speedup printed, only the reason (train it
-longer: ``--train-steps``). The samples' excess is printed beside each result; ``--max-samples-excess`` gates on it
-too (off by default: README, issue 36). A model whose samples are all impossible is always refused.
+(``torch.manual_seed`` before the model is built), every batch (``Testbed.sample(seed=1000 + step)``), the loss's
+noise (its own generator) and the thread count (one intra-op thread while training: reductions split over threads
+may round differently). A model is cached under ``--workdir`` by the hash of everything that determines it (kind,
+model config, testbed config, steps, batch, learning-rate schedule, seed) as safetensors + JSON, with a checkpoint
+(weights, AdamW state, the loss generator's state, the step) every ``--checkpoint-every`` steps: a killed run
+resumes where it stopped and ends with the same weights. Before any speed is read, the model's **distance from the
+truth** is measured: its bound's excess over the exact entropy (nats/token on all L positions, 512 held-out rows)
+and the true NLL excess of its baseline samples; a model whose bound is farther than ``--max-excess`` (0.3
+nats/token, the testbed study's MDLM) gets no speedup printed and nothing else timed, only the reason (train it
+longer: ``--train-steps``). ``--max-samples-excess`` gates on the samples' excess too (off by default). A model
+whose samples are all impossible is always refused.
 
-    python benchmarks/fast_sampling.py [--train-steps 18000] [--batch 256] [--workdir work/fast_sampling]
+    python benchmarks/fast_sampling.py [--train-steps 18000] [--batch 256] [--workdir work/fast_sampling] [--record]
 
 Not measured here: the demo corpus's gen-PPL (it needs the evaluation LM; run ``pipelines.evaluate --suite
 gen_ppl --set sampler=confidence --set sampler.threshold=...`` on a demo model for that).
@@ -51,6 +55,7 @@ import re
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,19 +64,25 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _frontier_plot import STEP_METHODS, plot
+from _fast_sampling_figures import choose, definitions, figures, row_nll, summarize
+from _frontier_plot import plot
+from _record import Recording, add_argument, machine_slug, recording
 from _testbed_rows import step_rows
 from _util import result
 
 from adlm_model import build_model, compute_loss, preset, sample, unigram_entropy
+from adlm_model.samplers import check_sample_args, diffusion_sample, resolve_prefix
 from adlm_model.testbed import BOS_ID, EOS_ID, MASK_ID, Testbed, TestbedConfig
 
 PAPER_T = {"mdlm": 1024, "adlm": 4096}
+SELECTION_SEED, MEASUREMENT_SEED, TRUTH_SEED = 7, 100_007, 30_000_000
+"""Generator seeds of the selection set's batches (7, 8, ...), the measurement set's (fresh: 100,007, ...) and the
+language's own rows scored beside the baseline."""
 MAX_EXCESS = 0.3
 """Nats/token: the testbed study's MDLM (0.284 at 1,200 steps); a model farther from the truth gets no speedup."""
 TRAIN_FORMAT = 3
 """Bumped when the training recipe below changes (part of the cache key). 3: peak ``LR``, a cosine to a tenth of it."""
-LR, COSINE_FLOOR = 5e-4, 0.1  # 3e-3 (formats 1-2) held the natural preset's MDLM at the unigram level (README)
+LR, COSINE_FLOOR = 5e-4, 0.1  # 3e-3 (formats 1-2) held the natural preset's MDLM at the unigram level
 
 
 def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -257,79 +268,94 @@ def bound_excess(model, cfg, tb: Testbed, rows: int = 512, draws: int = 4, seed:
     return {"bound": total / n, "entropy": h, "excess": total / n - h}
 
 
-def measure(model, cfg, tb: Testbed, n: int, repeats: int, sampler: str, steps: int, **opts) -> dict:
+@dataclass(frozen=True)
+class Spec:
+    """One setting of one method: ``model`` sampled with ``sampler`` at ``steps`` and ``opts``."""
+
+    label: str
+    method: str
+    model: torch.nn.Module
+    sampler: str
+    steps: int
+    opts: tuple[tuple[str, object], ...] = ()
+
+
+def _spec(method: str, model, sampler: str, steps: int, **opts) -> Spec:
+    shown = json.dumps(opts, sort_keys=True) if opts else ""
+    return Spec(f"{method} T={steps} {shown}".strip(), method, model, sampler, steps, tuple(sorted(opts.items())))
+
+
+def draw(spec: Spec, cfg, tb: Testbed, n: int, seed: int) -> tuple[torch.Tensor, float, dict]:
+    """``n`` rows of the testbed's length (BOS and EOS given, nucleus off) at generator ``seed``: (rows, wall
+    seconds, the sampler's stats). The ancestral sampler (baseline, paper-T, students, teacher) draws its final
+    step (``final="draw"``: the chain's own last transition, not an argmax)."""
     L = tb.length
     tokens = torch.full((1, L), MASK_ID, dtype=torch.long)
     tokens[0, 0], tokens[0, -1] = BOS_ID, EOS_ID
     keep = tokens != MASK_ID
-    times, out, stats = [], None, {}
-    for _ in range(repeats):
-        stats = {}
-        t0 = time.perf_counter()
-        out = sample(model, cfg, batch_size=n, length=L, steps=steps, sampler=sampler, nucleus_p=1.0,
-                     generator=torch.Generator().manual_seed(7), prefix=(tokens, keep), stats=stats, **opts)
-        times.append(time.perf_counter() - t0)
-    lp = tb.log_prob(out)
-    ok = torch.isfinite(lp)
-    nll = float((-lp[ok]).mean() / L) if bool(ok.any()) else float("inf")
-    ent = statistics.fmean(unigram_entropy(r[1:-1]) for r in out)
-    return {"sampler": sampler, "steps": steps, **opts, "seconds": statistics.median(times),
-            "calls": int(stats.get("network_calls", 0)), "nll": nll, "impossible": float((~ok).float().mean()),
-            "entropy": ent}
+    g, stats = torch.Generator().manual_seed(seed), {}
+    t0 = time.perf_counter()
+    if spec.sampler == "mdlm":
+        check_sample_args(cfg, n, L, spec.steps, 1.0, g)
+        z, k = resolve_prefix((tokens, keep), n, L, cfg, torch.device("cpu"))
+        with torch.no_grad():
+            out = diffusion_sample(spec.model.eval(), cfg, z, k, steps=spec.steps, sampler="mdlm", nucleus_p=1.0,
+                                   generator=g, progress=None, cache=True, stats=stats, final="draw")
+    else:
+        out = sample(spec.model, cfg, batch_size=n, length=L, steps=spec.steps, sampler=spec.sampler, nucleus_p=1.0,
+                     generator=g, prefix=(tokens, keep), stats=stats, **dict(spec.opts))
+    return out, time.perf_counter() - t0, stats
 
 
-def sweep(kind: str, model, cfg, tb: Testbed, n: int, repeats: int, paper_t: bool = True,
-          gate=None) -> list[dict]:
-    """Every method's point; ``gate(baseline point)`` returning a reason stops after the baseline."""
-    L = tb.length
-    span = L - 2
+def run_set(specs: list[Spec], cfg, tb: Testbed, n: int, seeds: list[int], tag: str) -> list[dict]:
+    """Every spec drawn at every seed, interleaved (seed ``r`` of every spec before seed ``r + 1`` of any): one
+    point a spec with its wall times, calls, rows' exact ``log p`` (``None``: impossible) and unigram entropy."""
+    points = [{"label": s.label, "method": s.method, "sampler": s.sampler, "steps": s.steps, "opts": dict(s.opts),
+               "times": [], "calls": [], "row_logp": [], "entropy": [], "final_filled": 0} for s in specs]
+    t_set = time.perf_counter()
+    for r, seed in enumerate(seeds):
+        for s, p in zip(specs, points, strict=True):
+            rows, seconds, stats = draw(s, cfg, tb, n, seed)
+            lp = tb.log_prob(rows)
+            p["times"].append(seconds)
+            p["calls"].append(int(stats.get("network_calls", 0)))
+            p["row_logp"] += [float(v) if math.isfinite(v) else None for v in lp.tolist()]
+            p["entropy"].append(statistics.fmean(unigram_entropy(row[1:-1]) for row in rows))
+            p["final_filled"] += int(stats.get("final_filled", 0))
+        print(f"  {tag}: seed {seed} ({r + 1}/{len(seeds)}) drawn by {len(specs)} setting(s), "
+              f"{time.perf_counter() - t_set:.0f} s", flush=True)
+    for p in points:
+        p["entropy"] = statistics.fmean(p["entropy"])
+        ok = [v for v in p["row_logp"] if v is not None]
+        print(f"  {tag} {p['label']:72s} {statistics.median(p['times']):7.3f} s {max(p['calls']):5d} calls NLL "
+              f"(possible rows) {-statistics.fmean(ok) / tb.length if ok else math.inf:.4f} impossible "
+              f"{1 - len(ok) / len(p['row_logp']):.3f} entropy {p['entropy']:.3f}", flush=True)
+    return points
+
+
+def fast_specs(model, tb: Testbed) -> list[Spec]:
+    """The threshold family's settings: threshold alone (one block, no cache), and with blocks and the dual or
+    prefix approximate KV cache."""
+    span = tb.length - 2
     blocks = [b for b in (span // 5, span // 3, span // 2) if b >= 2 and span % b == 0] or [span]
-    points = []
-
-    def run(method: str, sampler: str, steps: int, **opts) -> None:
-        p = {"method": method, **measure(model, cfg, tb, n, repeats, sampler, steps, **opts)}
-        points.append(p)
-        print(f"  {kind} {method:9s} {json.dumps(opts, sort_keys=True):58s} {p['seconds']:7.3f} s {p['calls']:5d} calls "
-              f"NLL {p['nll']:.4f} impossible {p['impossible']:.3f} entropy {p['entropy']:.3f}", flush=True)
-
-    run("baseline", "mdlm", L)
-    reason = gate(points[0]) if gate is not None else None
-    if reason:
-        points[0].update(speedup=1.0, speedup_vs_paper_T=float("nan"), nll_increase=0.0, refused=reason)
-        return points
-    run("paper-T", "mdlm", PAPER_T[kind] if paper_t else L)
-    for th in (1.0, 0.95, 0.9, 0.8, 0.7, 0.5, 0.3):
-        run("threshold", "confidence", 1, threshold=th)
+    out = [_spec("threshold", model, "confidence", 1, threshold=th) for th in (1.0, 0.95, 0.9, 0.8, 0.7, 0.5, 0.3)]
     for kv in ("dual", "prefix"):
         for th in (0.9, 0.7, 0.5):
             for b in blocks:
                 for r in (2, 4) if kv == "dual" else (4,):
-                    run(kv, "confidence", 1, threshold=th, block=b, refresh=r, kv_cache=kv)
-    base = points[0]
-    for p in points:
-        p["speedup"] = base["seconds"] / p["seconds"]
-        p["speedup_vs_paper_T"] = points[1]["seconds"] / p["seconds"]
-        p["nll_increase"] = p["nll"] / base["nll"] - 1.0
-    return points
+                    out.append(_spec(kv, model, "confidence", 1, threshold=th, block=b, refresh=r, kv_cache=kv))
+    return out
 
 
-def best_within(points: list[dict], tol: float = 0.05) -> float:
-    base = points[0]
-    ok = [p["speedup"] for p in points if p["method"] not in ("baseline", "paper-T", *STEP_METHODS)
-          and p["nll_increase"] <= tol and p["impossible"] <= base["impossible"] + 0.05]
-    return max(ok, default=float("nan"))
-
-
-def distilled_within(points: list[dict], tol: float = 0.05) -> tuple[float, float]:
-    """The fewest steps a distilled student needs to stay within ``tol`` of the teacher's true NLL at ``T = L``
-    (and within 5 points of its impossible-row share), and that student's wall-time speedup; NaN if none does."""
-    base = points[0]
-    ok = [p for p in points if p["method"] == "distilled" and p["nll_increase"] <= tol
-          and p["impossible"] <= base["impossible"] + 0.05]
-    if not ok:
-        return float("nan"), float("nan")
-    best = min(ok, key=lambda p: p["steps"])
-    return float(best["steps"]), best["speedup"]
+def _default_plot(args: argparse.Namespace) -> Path:
+    """``--plot``'s default: beside the record (``--record``), else in the work directory (never a tracked file)."""
+    if args.record is None:
+        return Path(args.workdir) / "fast_sampling_frontier.png"
+    stem = f"{time.strftime('%Y-%m-%d', time.gmtime())}_{machine_slug()}_fast_sampling_frontier"
+    path, k = Path(args.record) / f"{stem}.png", 2
+    while path.exists() or path.with_suffix(".json").exists():
+        path, k = Path(args.record) / f"{stem}-{k}.png", k + 1
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,18 +378,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-excess", type=float, default=MAX_EXCESS,
                    help="nats/token: farther from the truth, a model gets no speedup (default 0.3)")
     p.add_argument("--max-samples-excess", type=float, default=None, help="nats/token: also refuse a model whose "
-                   "exact sampler's samples at T = L are farther from the entropy (default: printed, not gated)")
+                   "baseline samples at T = L are farther from the entropy (default: printed, not gated)")
     p.add_argument("--sweep-far-models", action="store_true",
                    help="time every method even on a model too far from the truth (still no speedup printed)")
     p.add_argument("--samples", type=int, default=128, help="rows per sampling batch (default 128)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="batches per setting on the selection set, each at its own seed (default 3)")
+    p.add_argument("--measure-repeats", type=int, default=5,
+                   help="batches per chosen setting on the measurement set, fresh seeds (default 5)")
     p.add_argument("--kinds", default="mdlm,adlm")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on a shared, loaded CPU two threads spin-wait for each other)")
-    p.add_argument("--skip-paper-t", action="store_true", help="do not time the paper profile's T (slow on a CPU)")
+    p.add_argument("--skip-paper-t", action="store_true",
+                   help="do not time the paper profile's T (slow on a CPU; no ..._vs_paper_T line then)")
     p.add_argument("--workdir", default="work/fast_sampling", help="where the trained models are kept (reused)")
-    p.add_argument("--plot", default=str(Path(__file__).with_name("fast_sampling_frontier.png")))
+    p.add_argument("--plot", default=None, help="the frontier plot (its points: the same name, .json); default: "
+                   "beside the record with --record, else in --workdir")
     p.add_argument("--tracking-uri", default=None, help="MLflow store (default: the workdir's; skipped if none)")
+    p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow (the JSON and plot are written)")
     p.add_argument("--distill-rounds", type=int, default=4,
                    help="SDTT rounds from T0 = L (each halves the steps: 16, 8, 4, 2 at L = 32; 0: none)")
     p.add_argument("--distill-steps", type=int, default=300, help="training steps per SDTT round")
@@ -374,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-only", action="store_true",
                    help="train each model, print its distance from the truth, distil the ones whose bound is within "
                         "--max-excess, and stop: no timing (a GPU machine's part of the run)")
+    add_argument(p)
     args = p.parse_args(argv)
     if args.train_device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", args.train_device):
         p.error(f"--train-device {args.train_device!r}: use cpu or cuda[:N]")
@@ -386,16 +419,48 @@ def main(argv: list[str] | None = None) -> int:
     if args.hidden < 8 or args.hidden % 8 or args.blocks < 1:
         p.error(f"--hidden {args.hidden} --blocks {args.blocks}: the width must be a multiple of 8 (4 heads, and half "
                 "of it the time conditioning) and the depth at least 1")
+    if args.samples < 1 or args.repeats < 2 or args.measure_repeats < 2:
+        p.error(f"--samples {args.samples} --repeats {args.repeats} --measure-repeats {args.measure_repeats}: draw at "
+                "least one row a batch and two batches a setting (a speedup's interval resamples the batches)")
     torch.set_num_threads(args.threads)
-    all_points: dict[str, list[dict]] = {}
-    distance: dict[str, dict] = {}
+    plot_path = Path(args.plot) if args.plot else _default_plot(args)
+    with recording("fast_sampling", args.record) as rec:
+        code = _run(args, plot_path, rec)
+    return code
+
+
+def _gate(args: argparse.Namespace, name: str, b: dict, base_nll: float, all_impossible: bool,
+          h: float) -> str | None:
+    """Why ``name`` is too far from the truth for a speedup read on it to mean anything, or None."""
+    far = []
+    if b["excess"] > args.max_excess:
+        far.append(f"its bound is {b['excess']:.3f} nats/token above the exact entropy")
+    if all_impossible:
+        far.append("its baseline samples at T = L are all impossible under the language")
+    elif args.max_samples_excess is not None and abs(base_nll - h) > args.max_samples_excess:
+        far.append(f"its baseline samples at T = L score {base_nll - h:+.3f} nats/token from the exact entropy "
+                   f"(--max-samples-excess {args.max_samples_excess})")
+    if not far:
+        return None
+    return (f"{name} is farther from the truth than {args.max_excess} nats/token ({'; '.join(far)}): a speedup read "
+            "on it is not a speedup of a sampler anyone uses; train it longer (--train-steps)")
+
+
+def _run(args: argparse.Namespace, plot_path: Path, rec: Recording) -> int:
+    models: dict[str, dict] = {}
+    sel_seeds = [SELECTION_SEED + r for r in range(args.repeats)]
+    meas_seeds = [MEASUREMENT_SEED + r for r in range(args.measure_repeats)]
     for preset_name in args.presets.split(","):
         overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.natural)}
         tcfg = TestbedConfig.natural(**{**overrides, "length": args.length}) if preset_name == "natural" else \
             TestbedConfig(length=args.length, preset=preset_name).validate()
         tb = Testbed(tcfg)
-        h = tb.entropy_per_token().mean
-        print(f"testbed {preset_name} L={tb.length}, vocabulary {tb.vocab_size}, exact entropy {h:.4f} nats/token; "
+        h, L = tb.entropy_per_token().mean, tb.length
+        penalty = tb.floors()["unigram"]
+        truth = tb.log_prob(tb.sample(args.samples * args.measure_repeats, seed=TRUTH_SEED))
+        truth_nll = float(-truth.mean() / L)
+        print(f"testbed {preset_name} L={L}, vocabulary {tb.vocab_size}, exact entropy {h:.4f} nats/token (the "
+              f"language's own rows: {truth_nll:.4f}), impossible rows scored at the unigram floor {penalty:.4f}; "
               f"{args.samples} samples a batch, nucleus off, {torch.get_num_threads()} threads", flush=True)
         for kind in args.kinds.split(","):
             name = kind if preset_name == "natural" else f"{kind}_{preset_name}"
@@ -404,59 +469,82 @@ def main(argv: list[str] | None = None) -> int:
                                      hidden=args.hidden, blocks=args.blocks, batch=args.batch,
                                      loader_workers=args.loader_workers)
             b = bound_excess(model, cfg, tb)
-            distance[name] = {"bound": b["bound"], "bound_excess": b["excess"], "entropy": h}
             print(f"  {name}: bound {b['bound']:.4f} nats/token, excess over the exact entropy {b['excess']:.4f}",
                   flush=True)
+            distill_here = args.distill_rounds and preset_name in args.distill_presets.split(",")
             if args.train_only:
-                if args.distill_rounds and preset_name in args.distill_presets.split(",") \
-                        and b["excess"] <= args.max_excess:
+                if distill_here and b["excess"] <= args.max_excess:
                     distill(kind, model, cfg, tb, Path(args.workdir), meta["key"], rounds=args.distill_rounds,
                             steps_per_round=args.distill_steps, seed=args.seed, device=args.train_device)
+                models[name] = {"distance": {"bound": b["bound"], "bound_excess": b["excess"], "entropy": h}}
                 continue
-
-            def gate(base: dict, name: str = name, b: dict = b, h: float = h) -> str | None:
-                distance[name]["sample_excess"] = base["nll"] - h
-                distance[name]["impossible"] = base["impossible"]
-                far = []
-                if b["excess"] > args.max_excess:
-                    far.append(f"its bound is {b['excess']:.3f} nats/token above the exact entropy")
-                if not math.isfinite(base["nll"]):
-                    far.append("its exact sampler's samples at T = L are all impossible under the language")
-                elif args.max_samples_excess is not None and abs(base["nll"] - h) > args.max_samples_excess:
-                    far.append(f"its exact sampler's samples at T = L score {base['nll'] - h:+.3f} nats/token "
-                               f"from the exact entropy (--max-samples-excess {args.max_samples_excess})")
-                if not far:
-                    return None
-                return (f"{name} is farther from the truth than {args.max_excess} nats/token ({'; '.join(far)}): "
-                        "a speedup read on it is not a speedup of a sampler anyone uses; train it longer "
-                        "(--train-steps)")
-
-            all_points[name] = sweep(kind, model, cfg, tb, args.samples, args.repeats, paper_t=not args.skip_paper_t,
-                                     gate=None if args.sweep_far_models else gate)
-            if args.sweep_far_models and (reason := gate(all_points[name][0])):
-                all_points[name][0]["refused"] = reason  # timed, but neither distilled nor given a speedup
-            if args.distill_rounds and preset_name in args.distill_presets.split(",") \
-                    and "refused" not in all_points[name][0]:
+            base_spec = _spec("baseline", model, "mdlm", L)
+            gate_pts = run_set([base_spec], cfg, tb, args.samples, sel_seeds, f"{name} gate")
+            nll = row_nll(gate_pts[0]["row_logp"], L, penalty)
+            all_impossible = all(v is None for v in gate_pts[0]["row_logp"])
+            reason = _gate(args, name, b, float(nll.mean()), all_impossible, h)
+            entry = {"preset": preset_name, "kind": kind, "length": L, "penalty": penalty, "entropy": h,
+                     "truth_nll": truth_nll, "refused": reason,
+                     "distance": {"bound": b["bound"], "bound_excess": b["excess"], "entropy": h,
+                                  "sample_excess": float(nll.mean()) - h},
+                     "gate": {"seeds": sel_seeds, "points": gate_pts}}
+            models[name] = entry
+            if reason and not args.sweep_far_models:
+                print(f"  {name}: refused by the distance gate; nothing else is timed", flush=True)
+                continue
+            specs = [base_spec, *fast_specs(model, tb)]
+            if distill_here and not reason:
                 students = distill(kind, model, cfg, tb, Path(args.workdir), meta["key"], rounds=args.distill_rounds,
                                    steps_per_round=args.distill_steps, seed=args.seed, device=args.train_device)
-                base = all_points[name][0]
                 for steps, student in students:  # the student at its steps, and the teacher at the same steps
-                    for method, m in (("distilled", student), ("teacher", model)):
-                        q = {"method": method, **measure(m, cfg, tb, args.samples, args.repeats, "mdlm", steps)}
-                        q.update(speedup=base["seconds"] / q["seconds"], speedup_vs_paper_T=float("nan"),
-                                 nll_increase=q["nll"] / base["nll"] - 1.0)
-                        all_points[name].append(q)
-                        print(f"  {kind} {method:9s} T={steps:<4d} {q['seconds']:7.3f} s {q['calls']:5d} calls NLL "
-                              f"{q['nll']:.4f} ({100 * q['nll_increase']:+.1f}%) impossible {q['impossible']:.3f} "
-                              f"entropy {q['entropy']:.3f}", flush=True)
-            for q in all_points[name]:
-                q["L"], q["preset"] = tb.length, preset_name
+                    specs += [_spec("distilled", student, "mdlm", steps), _spec("teacher", model, "mdlm", steps)]
+            sel_pts = run_set(specs, cfg, tb, args.samples, sel_seeds, f"{name} selection")
+            choice = choose(sel_pts, summarize(sel_pts, L, penalty))
+            entry.update(selection={"seeds": sel_seeds, "points": sel_pts}, choice=choice)
+            if reason:
+                continue
+            by_label = {s.label: s for s in specs}
+            chosen = [by_label[lab] for lab in dict.fromkeys([*choice["per_method"].values(), choice["distilled"]])
+                      if lab is not None]
+            if choice["distilled"] is not None:  # the control: the teacher itself at the student's steps
+                chosen.append(_spec("teacher", model, "mdlm", by_label[choice["distilled"]].steps))
+            if not args.skip_paper_t:
+                chosen.append(_spec("paper-T", model, "mdlm", PAPER_T[kind]))
+            meas_pts = run_set([base_spec, *chosen], cfg, tb, args.samples, meas_seeds, f"{name} measurement")
+            entry["measurement"] = {"seeds": meas_seeds, "points": meas_pts}
     if args.train_only:
-        print(json.dumps({"distance": distance}, indent=1))
+        print(json.dumps({"distance": {k: v["distance"] for k, v in models.items()}}, indent=1))
         return 0
-    out_json = Path(args.plot).with_suffix(".json")
-    out_json.write_text(json.dumps({"points": all_points, "distance": distance}, indent=1))
-    plot(all_points, Path(args.plot))
+    doc = {"format": 2, "definitions": definitions(), "args": {k: v for k, v in vars(args).items()},
+           "models": models}
+    out_json = plot_path.with_suffix(".json")
+    plot_path.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(doc, indent=None, separators=(",", ":")))
+    rec.add_raw(out_json)
+    plotted = any("selection" in m for m in models.values())  # a model refused at the gate has no points
+    if plotted:
+        plot(doc, plot_path)
+        rec.add_raw(plot_path)
+    said: list[tuple[str, list]] = [(name, figures(name, m)) for name, m in models.items()]
+    if not args.no_tracking:
+        _log_mlflow(args, doc, said, [out_json, *([plot_path] if plotted else [])])
+    for name, items in said:
+        dist = models[name]["distance"]
+        line = (f"{name}: bound excess {dist['bound_excess']:.4f}, baseline samples' excess "
+                f"{dist['sample_excess']:+.4f} nats/token (gate set)")
+        print(line, flush=True)
+        rec.note(f"- {line}")
+        for item in items:
+            if item[0] == "RESULT":
+                result(item[1], item[2])
+            else:
+                print(item[1], flush=True)
+                rec.note(f"- {item[1]}")
+    print(f"frontier: {out_json}" + (f" and {plot_path}" if plotted else ""), flush=True)
+    return 0
+
+
+def _log_mlflow(args: argparse.Namespace, doc: dict, said: list, files: list[Path]) -> None:
     try:
         import mlflow
 
@@ -466,34 +554,14 @@ def main(argv: list[str] | None = None) -> int:
         mlflow.set_experiment("adlm-fast-sampling")
         with mlflow.start_run(run_name="fast-sampling-frontier"):
             mlflow.log_params(vars(args))  # every flag: batch, network and gates included, not a hand-kept subset
-            for name, pts in all_points.items():
-                mlflow.log_metrics({f"{k}_{name}": distance[name][k] for k in ("bound_excess", "sample_excess")})
-                if "refused" not in pts[0]:
-                    mlflow.log_metric(f"speedup_at_5pct_{name}", best_within(pts))
-            mlflow.log_artifact(args.plot)
-            mlflow.log_artifact(str(out_json))
+            for name, m in doc["models"].items():
+                mlflow.log_metrics({f"{k}_{name}": m["distance"][k] for k in ("bound_excess", "sample_excess")})
+            mlflow.log_metrics({item[1]: item[2] for _, items in said for item in items if item[0] == "RESULT"})
+            for f in files:
+                mlflow.log_artifact(str(f))
     except Exception as e:  # noqa: BLE001 - the figures are printed and written anyway
         print(f"(MLflow logging skipped: {e})")
-    for name, pts in all_points.items():
-        base, dist = pts[0], distance[name]
-        print(f"{name}: bound excess {dist['bound_excess']:.4f}, baseline NLL {base['nll']:.4f} nats/token "
-              f"(excess {dist.get('sample_excess', float('nan')):+.4f}, impossible {base['impossible']:.3f}), "
-              f"{base['calls']} calls, {base['seconds']:.3f} s")
-        if "refused" in base:
-            print(f"NO SPEEDUP for {name}: {base['refused']}", flush=True)
-            continue
-        result(f"fast_sampling_sample_excess_{name}", dist["sample_excess"])  # the gate's unenforced half, shown
-        result(f"fast_sampling_speedup_at_5pct_{name}", best_within(pts))
-        if any(q["method"] == "distilled" for q in pts):
-            steps, speedup = distilled_within(pts)
-            if steps != steps:
-                print(f"MISS for {name}: no distilled student stays within 5% of the teacher's true NLL at T = L")
-            result(f"distilled_steps_at_5pct_{name}", steps)
-            result(f"distilled_speedup_at_5pct_{name}", speedup)
-        ok = [q for q in pts if q["nll_increase"] <= 0.05 and q["method"] not in ("baseline", "paper-T")]
-        result(f"fast_sampling_speedup_vs_paper_T_at_5pct_{name}",
-               max((q["speedup_vs_paper_T"] for q in ok), default=float("nan")))
-    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# The GPU half of benchmarks/fast_sampling.py as one command for a lent GPU machine: the four testbed
-# models (the natural and anchored presets, MDLM and ADLM) train side by side on the card with --train-only, each
-# stopped at LIMIT_S if unfinished (it checkpoints every 2,000 steps, and a rerun on the same machine resumes it),
-# then the whole work directory is packed into one archive under $OUT, split in parts under the tool's 16 MiB a
-# file. The device tool returns at most 8 files and silently leaves the rest out: on 2026-11-27 the finished model
-# folders did not come back.
+# The GPU half of benchmarks/fast_sampling.py as one command for a lent GPU machine: the testbed models (the
+# natural and anchored presets, MDLM and ADLM) train side by side on the card with --train-only, each stopped at
+# LIMIT_S if unfinished (it checkpoints every 2,000 steps, and a rerun on the same machine resumes it), and are
+# distilled there (SDTT, the preset's own models); then the whole work directory is packed under $OUT in parts
+# under the device tool's 16 MiB a file (a larger file, or a ninth one, does not come back).
 #
 #   bash benchmarks/gpu_fast_sampling.sh [STEPS [LIMIT_S [KINDS [NETWORK [BATCH [PRESETS]]]]]]
 #                                        # defaults: 18000 540 mdlm,adlm 128x2 256 natural,anchored
@@ -16,12 +15,11 @@
 # sampler, not the card, is what a large BATCH waits on.
 #
 # The work directory stays on the machine (work/gpu_fast_sampling, git-ignored) while it is held: a second call
-# resumes the unfinished models, if it comes within the tool's 30 idle seconds (ADLM needed more than 470 s for
-# 24,000 steps of 32 rows with four processes on an H100; on 2026-11-28, natural preset only, two processes, 18,000
-# steps of 256 rows took 292 s for MDLM and 437 s for ADLM, the SDTT rounds 534 s in all: run one preset a call).
+# resumes the unfinished models. Two processes of 18,000 steps of 256 rows take about 5-7 minutes on an H100 or
+# H200, the SDTT rounds a few more: run one preset a call.
 # Then, here (the CPU half, which times the samplers; the recipe's cache key leaves the device out):
 #   cat fs.tgz.part.* | tar -xzf - -C /tmp && python benchmarks/fast_sampling.py --train-steps STEPS --hidden W --blocks B \
-#       --batch BATCH --workdir /tmp/fs
+#       --batch BATCH --presets PRESET --distill-presets PRESET --workdir /tmp/fs --record
 set -uo pipefail
 STEPS=${1:-18000}
 LIMIT_S=${2:-540}
@@ -54,8 +52,8 @@ status=0
 for pid in "${pids[@]}"; do
   wait "$pid" || status=$?   # 124: stopped at LIMIT_S (resumable); other codes: see the process's log
 done
-# in parts of 15 MiB: the device tool drops any file over 16 MiB (on 2026-11-28 the two natural models and their
-# eight SDTT students made one 28 MB archive, which did not come back)
+# in parts of 15 MiB: the device tool drops any file over 16 MiB (two natural models and their eight SDTT students
+# make about 28 MB)
 tar -C "$WORK" -czf - fs | split -b 15M - "$OUT/fs.tgz.part."
 echo "packed $(cat "$OUT"/fs.tgz.part.* | wc -c) bytes into $(ls "$OUT"/fs.tgz.part.* | wc -l) part(s) under $OUT; last exit status $status"
 tail -n 3 "$OUT"/fs_*.log

@@ -10,7 +10,11 @@ the conditionals' entropies (nats), over
 - each testbed preset (``anchored``, ``natural``), exactly, on ``--rows`` generated rows: the same next-token
   conditionals (the like-for-like comparison; the forward algorithm's one-step predictions, or the exact
   conditional with the future masked), and the **bidirectional** ones ``p(x^l | every other token)`` that a
-  diffusion sampler meets at its last steps.
+  diffusion sampler meets at its last steps;
+- each preset's conditionals at the **masked positions of partly masked rows** (each content position masked with
+  probability ``--mask-rates``, exact conditionals given the visible tokens on both sides): what a diffusion
+  sampler meets along the way. Natural text has no counterpart to compare them with (a causal model gives none),
+  so these rows are reported, not calibrated.
 
 Why next-token is the fair proxy: conditioning on more never raises the expected entropy
 (``H(X_l | X_-l) <= H(X_l | X_<l)``), so natural text's bidirectional conditionals are at least as confident
@@ -22,7 +26,9 @@ of a less confident testbed.)
 
     python benchmarks/testbed_calibration.py [--length 64] [--rows 256] [--window 128] [--windows 16]
 
-Ends with ``RESULT calibration_share_ge_0.9_<source>`` and ``RESULT calibration_mean_entropy_<source>``.
+Ends with ``RESULT calibration_share_ge_0.9_<source>``, ``RESULT calibration_mean_entropy_<source>`` and
+``RESULT calibration_tv_<preset>_next`` (the total variation between the preset's next-token entropy histogram and
+SmolLM2's: the shapes, where the share and the mean compare single numbers). ``--record`` writes a dated record.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _record import add_argument, recording
 from _util import result
 
 from adlm_model.testbed import MASK_ID, Testbed, TestbedConfig
@@ -109,6 +116,17 @@ def testbed_profiles(tb: Testbed, rows: int) -> tuple[dict, dict]:
     return profile(nxt.reshape(-1, nxt.shape[-1])), profile(both.reshape(-1, both.shape[-1]))
 
 
+def masked_profile(tb: Testbed, rows: int, rate: float) -> dict:
+    """The profile of the exact conditionals at the masked content positions of ``rows`` rows, each content
+    position masked with probability ``rate`` (seeded)."""
+    x = tb.sample(rows, seed=4243)
+    g = torch.Generator().manual_seed(4244)
+    masked = torch.rand(x.shape, generator=g) < rate
+    masked[:, 0] = masked[:, -1] = False
+    z = torch.where(masked, torch.full_like(x, MASK_ID), x)
+    return profile(tb.conditionals(z)[masked])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--length", type=int, default=64, help="testbed row length (default 64)")
@@ -116,14 +134,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=128, help="tokens per window of real text (default 128)")
     p.add_argument("--windows", type=int, default=16, help="windows from each part of the corpus (default 16)")
     p.add_argument("--skip-real", action="store_true", help="the testbeds only (no SmolLM2)")
+    p.add_argument("--mask-rates", default="0.25,0.5,0.75",
+                   help="masking rates of the partly masked rows (comma-separated; default 0.25,0.5,0.75)")
     p.add_argument("--threads", type=int, default=1)
+    add_argument(p)
     args = p.parse_args(argv)
+    try:
+        rates = [float(r) for r in args.mask_rates.split(",")]
+    except ValueError:
+        p.error(f"--mask-rates {args.mask_rates!r}: write rates in (0, 1) separated by commas, e.g. 0.25,0.5")
+    if not all(0 < r < 1 for r in rates):
+        p.error(f"--mask-rates {args.mask_rates!r}: every rate must be in (0, 1)")
     torch.set_num_threads(args.threads)
+    with recording("testbed_calibration", args.record):
+        return _run(args, rates)
+
+
+def _run(args: argparse.Namespace, rates: list[float]) -> int:
     figures: dict[str, dict] = {}
     for preset in ("anchored", "natural"):
         t0 = time.perf_counter()
         cfg = TestbedConfig.natural(length=args.length) if preset == "natural" else TestbedConfig(length=args.length)
-        figures[f"{preset}_next"], figures[f"{preset}_bidirectional"] = testbed_profiles(Testbed(cfg), args.rows)
+        tb = Testbed(cfg)
+        figures[f"{preset}_next"], figures[f"{preset}_bidirectional"] = testbed_profiles(tb, args.rows)
+        for rate in rates:
+            figures[f"{preset}_masked_{rate:g}"] = masked_profile(tb, args.rows, rate)
         print(f"{preset}: {time.perf_counter() - t0:.1f} s", flush=True)
     if not args.skip_real:
         t0 = time.perf_counter()
@@ -137,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, f in figures.items():
         result(f"calibration_share_ge_0.9_{name}", f["share"])
         result(f"calibration_mean_entropy_{name}", f["entropy"])
+    if "smollm2_next" in figures:
+        for preset in ("anchored", "natural"):
+            tv = 0.5 * sum(abs(a - b) for a, b in zip(figures[f"{preset}_next"]["hist"],
+                                                       figures["smollm2_next"]["hist"], strict=True))
+            result(f"calibration_tv_{preset}_next", tv)
     return 0
 
 

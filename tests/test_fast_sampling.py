@@ -140,3 +140,35 @@ def test_a_pass_runs_on_the_rows_still_live_in_the_block(kind: str, one_torch_th
         assert torch.equal(x, cached) and cached_calls == calls
         partial, _ = _run(model, cfg, refresh=3, kv_cache=kv_cache, **opts)
         assert not (partial == cfg.mask_id).any() and torch.equal(partial[keep], tokens[keep])
+
+
+@pytest.mark.parametrize("kind", ["mdlm", "adlm"])
+def test_the_ancestral_final_step_draws_or_takes_the_argmax(kind: str, monkeypatch) -> None:
+    """``final="draw"`` fills the masks left after the grid with a draw from ``p_x0`` where the default takes its
+    argmax, and the two differ at no more positions than it filled (the grid's draws are the same). The grid is
+    cut at t = 0.5 here so that half the positions are still masked at its end (at the real 1e-5, about one in
+    100,000 is)."""
+    from adlm_model import samplers
+
+    cfg = micro(kind)
+    model = randomized(cfg)
+    monkeypatch.setattr(samplers, "T_MIN", 0.5)
+    tokens, keep = samplers.resolve_prefix(None, 8, L, cfg, torch.device("cpu"))
+    out, filled = {}, {}
+    for final in ("greedy", "draw"):
+        stats: dict = {}
+        with torch.no_grad():
+            out[final] = samplers.diffusion_sample(model.eval(), cfg, tokens, keep, steps=4, sampler="mdlm",
+                                                   nucleus_p=1.0, generator=gen(4), progress=None, cache=True,
+                                                   stats=stats, final=final)
+        filled[final] = stats["final_filled"]
+        assert stats["final_filled"] > L and not (out[final] == cfg.mask_id).any()
+    differ = int((out["greedy"] != out["draw"]).sum())
+    assert filled["greedy"] == filled["draw"] and 0 < differ <= filled["draw"]
+    with torch.no_grad():
+        z = samplers.diffusion_sample(model.eval(), cfg, tokens, keep, steps=4, sampler="mdlm", nucleus_p=1.0,
+                                      generator=gen(4), progress=None, cache=True, final="greedy")
+    assert torch.equal(z, out["greedy"])
+    with pytest.raises(SamplerError, match="final must be one of greedy, draw"):
+        samplers.diffusion_sample(model, cfg, tokens, keep, steps=4, sampler="mdlm", nucleus_p=1.0,
+                                  generator=gen(4), progress=None, cache=True, final="mode")
