@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .ar_sampling import ar_sample, ar_window_sample
 from .bd3lm import bd3lm_objective, sample_blocks
 from .confidence import OPTIONS as CONFIDENCE_OPTIONS
 from .confidence import check_options as check_confidence_options
@@ -27,8 +28,6 @@ from .samplers import (
     Progress,
     ReMDMLoop,
     SamplerError,
-    ar_sample,
-    ar_window_sample,
     check_sample_args,
     diffusion_sample,
     reject_unknown,

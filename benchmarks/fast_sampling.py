@@ -40,6 +40,10 @@ whose samples are all impossible is always refused.
 
     python benchmarks/fast_sampling.py [--train-steps 18000] [--batch 256] [--workdir work/fast_sampling] [--record]
 
+Longer than 500 lines because it is one benchmark's whole run in the order it runs (training, the gate, the
+selection set, distillation, the measurement set, the RESULT lines); the figures' definitions live in
+``_fast_sampling_figures.py``.
+
 Not measured here: the demo corpus's gen-PPL (it needs the evaluation LM; run ``pipelines.evaluate --suite
 gen_ppl --set sampler=confidence --set sampler.threshold=...`` on a demo model for that).
 """
