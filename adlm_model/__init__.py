@@ -1,6 +1,6 @@
 """adlm_model: the Anchored Diffusion Language Model and its baselines in pure PyTorch.
 
-No Ray or MLflow here; ``pipelines/`` orchestrates. See METHOD.md for the specification.
+No Ray or MLflow here; ``pipelines/`` orchestrates. See docs/design/method.md for the specification.
 
 One concept a file: ``config`` (typed configs, presets), ``schedule`` (noise schedule, times),
 ``attention`` (flash-attn / SDPA), ``backbone`` (the DiT), ``models`` (MDLM, ADLM, AR networks),

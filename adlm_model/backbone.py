@@ -1,4 +1,4 @@
-"""The DiT backbone (METHOD.md sections 1-2; the SEDD/MDLM "DDiT").
+"""The DiT backbone (docs/design/method.md, sections 1-2; the SEDD/MDLM "DDiT").
 
 Rotary embeddings (half rotation, base 10000), adaLN modulation with zero-initialised
 projections, float32 LayerNorm, GELU-tanh MLP, dropout, and a zero-initialised output layer.

@@ -1,4 +1,4 @@
-"""BD3-LM, block diffusion (METHOD.md section 3; the BAM-DLM seed).
+"""BD3-LM, block diffusion (docs/design/method.md, section 3; the BAM-DLM seed).
 
 The sequence is split into blocks of size ``b`` (``b = 1`` is AR-like, ``b = L`` is MDLM). Each
 block is a masked diffusion conditioned on the clean earlier blocks.
@@ -17,7 +17,7 @@ block is a masked diffusion conditioned on the clean earlier blocks.
   widths 0.5..0.9 slid in steps of ``delta``, plus the unclipped ``[eps, 1]``). Evaluation always
   uses the unclipped ``[sampling_eps, 1]``: only that is a bound on the NLL.
 - **Sampling** (``sample_blocks``): block by block; inside a block the MDLM ancestral sampler of
-  METHOD.md section 4 (with ``p_x0`` caching) runs on the block alone, attending to a KV cache of
+  docs/design/method.md, section 4 (with ``p_x0`` caching) runs on the block alone, attending to a KV cache of
   the clean prefix (``kv_cache=True``) or to the recomputed prefix under a block-causal mask
   (``kv_cache=False``); the two agree within the training length. Beyond it, the prefix is a
   sliding window of ``context`` tokens (the cache keeps the last ``context - b`` positions;
@@ -164,7 +164,7 @@ def bd3lm_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Ten
                     z_t: torch.Tensor | None = None, train: bool = True, block_size: int | None = None,
                     clip: tuple[float, float] | None = None,
                     schedule: LogLinearSchedule | None = None) -> LossOutput:
-    """BD3-LM NELBO summed over blocks, divided by the tokens (METHOD.md section 3); arguments as
+    """BD3-LM NELBO summed over blocks, divided by the tokens (docs/design/method.md, section 3); arguments as
     ``block_nelbo``. The ``x_t`` half's logits are never materialised (``losses.head_loss``)."""
     z_t, sigma, w, valid, b = _block_terms(model, x, attention_mask, cfg, t, generator, z_t, train, block_size,
                                               clip, schedule)

@@ -1,4 +1,4 @@
-"""BD3-LM's attention masks and its one network pass over ``[x_t ; x_0]`` (METHOD.md section 3).
+"""BD3-LM's attention masks and its one network pass over ``[x_t ; x_0]`` (docs/design/method.md, section 3).
 
 Torch only (beside ``backbone``): this module travels, with ``config``, ``attention``, ``backbone`` and
 ``models``, into an exported folder as the network code ``transformers`` loads (``pretrained``), so the

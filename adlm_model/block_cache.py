@@ -17,7 +17,7 @@ attends to), so refreshing at every step is the exact sampler.
 ``BlockKV`` fits ``DiT.trunk``'s ``cache=`` hook (``ensure``, ``extend``, ``length``, ``n``) with a different
 meaning: ``length`` is the first position the pass computes (its rotary offset) and nothing is appended.
 ADLM keeps one cache for the anchor network and one for the denoiser: both are bidirectional DiTs, and the
-anchor's cost dominates (METHOD.md section 2: the denoiser reads the anchor's output at every position).
+anchor's cost dominates (docs/design/method.md, section 2: the denoiser reads the anchor's output at every position).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Confidence-threshold parallel decoding (Fast-dLLM) for MDLM and ADLM, with the approximate KV cache.
 
-Instead of the ancestral schedule of METHOD.md section 4 (``T`` steps, each position unmasking with
+Instead of the ancestral schedule of docs/design/method.md, section 4 (``T`` steps, each position unmasking with
 probability ``(t - s) / t``), every step unmasks each masked position whose **top probability** under the
 network's ``p_x0`` (SUBS, before nucleus) exceeds ``threshold``, and at least the most confident one per row,
 so the number of network calls follows the model's confidence: ``threshold = 1`` unmasks exactly one token a

@@ -1,4 +1,4 @@
-"""Typed, validated configuration of the models (METHOD.md sections 1-3, 7).
+"""Typed, validated configuration of the models (docs/design/method.md, sections 1-3, 7).
 
 One dataclass describes every model kind (``mdlm``, ``adlm``, ``ar``, ``bd3lm``); the fields that
 only one kind uses say so in their docstring. Presets: ``tiny`` (CPU tests and the demo),
@@ -27,7 +27,7 @@ class ModelConfig:
 
     kind: str = "adlm"
     """Model kind: ``mdlm``, ``adlm`` (anchor + denoiser), ``ar`` (causal), ``bd3lm`` (blocks), ``sedd`` (score
-    entropy, METHOD.md section 8's baseline) or ``ssdlm`` (SSD-LM's released network, imported to sample only)."""
+    entropy, docs/design/method.md, section 8's baseline) or ``ssdlm`` (SSD-LM's released network, imported to sample only)."""
     vocab_size: int = 50257
     """Tokenizer vocabulary size (GPT-2: 50257, bert-base-uncased: 30522)."""
     mask_id: int = 50257
@@ -52,12 +52,12 @@ class ModelConfig:
     """Feed sigma(t) to adaLN. Off (the ADLM reference) feeds sigma = 0: a learned constant. None: the kind's
     reference (SEDD: on, its DiT is time-conditioned; the others: off)."""
     gamma: float = 3e-3
-    """ADLM only: the anchor loss weight gamma (METHOD.md section 2)."""
+    """ADLM only: the anchor loss weight gamma (docs/design/method.md, section 2)."""
     tau: int = 5
     """ADLM only: a token is an anchor when it occurs at most tau times in its own sequence."""
     gamma_beta: float = 1.0
     """ADLM only: beta of the ramp gamma_k = min(gamma, beta k / K) (reference 1): the anchor weight reaches gamma
-    after gamma / beta * K steps, so a larger gamma ramps longer (METHOD.md section 2)."""
+    after gamma / beta * K steps, so a larger gamma ramps longer (docs/design/method.md, section 2)."""
     gamma_horizon: int = 0
     """ADLM only: K of the ramp. 0: the training run's max_steps (the reference); training fills it in. Set
     explicitly it keeps a ramp fixed across runs of different lengths."""
@@ -176,7 +176,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # CPU-sized: a few million parameters with an 8,192-entry vocabulary (ENVIRONMENT.md).
     "tiny": dict(hidden=256, heads=4, n_blocks=4, denoiser_blocks=2, cond_dim=64,
                  vocab_size=8192, mask_id=8192, seq_len=128),
-    # The paper's (METHOD.md section 2): 12 + 6 blocks of 768 with 12 heads, GPT-2 vocabulary.
+    # The paper's (docs/design/method.md, section 2): 12 + 6 blocks of 768 with 12 heads, GPT-2 vocabulary.
     "small": dict(hidden=768, heads=12, n_blocks=12, denoiser_blocks=6, cond_dim=128,
                   vocab_size=50257, mask_id=50257, seq_len=1024),
     "medium": dict(hidden=1024, heads=16, n_blocks=24, denoiser_blocks=12, cond_dim=128,

@@ -1,5 +1,5 @@
 """Self-distillation through time (SDTT): the objective that teaches a masked-diffusion student to take in one
-step what its teacher takes in ``substeps`` steps of the MDLM ancestral sampler (METHOD.md sections 1, 4).
+step what its teacher takes in ``substeps`` steps of the MDLM ancestral sampler (docs/design/method.md, sections 1, 4).
 
 Facts from the reference (jdeschena/sdtt, "multi-round SDTT"), as implemented here:
 

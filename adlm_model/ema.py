@@ -1,4 +1,4 @@
-"""Exponential moving average of the weights (METHOD.md section 7: decay 0.9999, used for evaluation and
+"""Exponential moving average of the weights (docs/design/method.md, section 7: decay 0.9999, used for evaluation and
 sampling), with the references' warm-up.
 
 The MDLM / BD3-LM / ADLM references count optimiser updates ``n`` and use ``decay_n = min(decay, (1 + n) /

@@ -1,5 +1,5 @@
 """Infilling at the token level: a prompt, an optional suffix and a number of new tokens in between, sampled
-with any sampler of ``kinds.SAMPLERS`` (METHOD.md sections 1, 2 and 4). Pure PyTorch.
+with any sampler of ``kinds.SAMPLERS`` (docs/design/method.md, sections 1, 2 and 4). Pure PyTorch.
 
 One row is laid out as::
 
@@ -15,7 +15,7 @@ those tokens are given and never changed (``samplers`` module docstring). What e
   may be longer than the training length (a sliding window of ``seq_len`` tokens);
 - the AR sampler cannot look ahead: it continues a prompt, and a suffix is an error.
 
-BOS (when the tokenizer has one) opens the row as every training row does (METHOD.md section 5). The row
+BOS (when the tokenizer has one) opens the row as every training row does (docs/design/method.md, section 5). The row
 must fit the training length ``seq_len`` unless the sampler generates any length (``Sampler.any_length``).
 """
 

@@ -1,5 +1,5 @@
 """The model kinds and the samplers, each in one table: what ``build_model``, ``compute_loss`` and
-``sample`` read (METHOD.md sections 1-4).
+``sample`` read (docs/design/method.md, sections 1-4).
 
 Adding a model kind is one ``ModelKind`` entry here (its network, its training objective, its
 evaluation bound and its default sampler) plus its name in ``config.MODEL_KINDS``; adding a sampler is
@@ -52,7 +52,7 @@ class ModelKind:
     train_objective: Objective
     """The loss training backpropagates (ADLM: the ANELBO with its anchor term)."""
     eval_objective: Objective
-    """The bound evaluation reports (ADLM: the pure denoiser NELBO, METHOD.md section 2)."""
+    """The bound evaluation reports (ADLM: the pure denoiser NELBO, docs/design/method.md, section 2)."""
     default_sampler: str
     """The sampler evaluation and generation use unless told otherwise."""
     anchored: bool = False
@@ -60,7 +60,7 @@ class ModelKind:
     diffusion: bool = True
     """A masked-diffusion model: its perplexity is an upper bound, it can infill."""
     clipped_schedule: bool = False
-    """Trains on a data-driven clipped masking schedule, searched at each validation (BD3-LM, METHOD.md
+    """Trains on a data-driven clipped masking schedule, searched at each validation (BD3-LM, docs/design/method.md
     section 3); evaluation stays on the full schedule."""
     adaln: bool = True
     """The reference's blocks are adaLN-conditioned (``ModelConfig.adaln`` None reads it); the AR baseline's are
@@ -323,7 +323,7 @@ def sample(model: nn.Module, cfg: ModelConfig, *, batch_size: int, length: int, 
            nucleus_p: float = 1.0, generator: torch.Generator,
            prefix: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
            progress: Progress | None = None, cache: bool = True, **sampler_kwargs) -> torch.Tensor:
-    """Generate token ids ``(batch_size, length)`` (METHOD.md section 4).
+    """Generate token ids ``(batch_size, length)`` (docs/design/method.md, section 4).
 
     - ``sampler``: ``mdlm`` (ancestral), ``remdm-loop``, ``confidence`` (threshold parallel decoding, blocks
       and the approximate KV cache: ``confidence.py``), ``ar``, ``ar-window`` (AR past its context), ``bd3lm``

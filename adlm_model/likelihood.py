@@ -1,14 +1,14 @@
-"""Log-likelihoods of a continuation given a clean context, for every model kind (METHOD.md sections 1-3).
+"""Log-likelihoods of a continuation given a clean context, for every model kind (docs/design/method.md, sections 1-3).
 
 - **AR**: exact, ``sum_i log p(y_i | c, y_<i)`` from one causal pass.
 - **MDLM / ADLM / BD3-LM**: a Monte Carlo estimate of the ELBO of the continuation ``y`` (``n`` tokens) given
   the clean context ``c`` (only the continuation is ever masked). One draw masks ``l`` of the ``n`` tokens,
   ``l`` uniform on ``1..n``, the positions uniform given ``l``, and scores
   ``(n / l) sum_{masked i} -log p(y_i | c, visible y)``: the discrete-time form of the NELBO (the any-order
-  autoregressive bound of METHOD.md section 1 -- its expectation is the average over orderings of the
+  autoregressive bound of docs/design/method.md, section 1 -- its expectation is the average over orderings of the
   any-order NLL, so with the exact conditionals of a known distribution every draw's expectation is exactly
   ``-log p(y | c)``). For BD3-LM the draw is made per block of the continuation, each block conditioned on
-  the clean blocks before it (METHOD.md section 3), and the blocks' terms add up.
+  the clean blocks before it (docs/design/method.md, section 3), and the blocks' terms add up.
 - **SEDD**: the same draws with its score entropy in place of ``-log p`` (``sedd.continuation_fns``: an upper bound
   on the NLL of its normalised score, equal to it with the exact score), the time-conditioned network at the sigma
   whose masking rate is the row's masked fraction.

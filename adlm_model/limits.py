@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_MAX_STEPS = 4096
-"""The paper profile's T (METHOD.md section 4): nothing the references run is refused by it."""
+"""The paper profile's T (docs/design/method.md, section 4): nothing the references run is refused by it."""
 DEFAULT_MAX_ROWS = 16
 DEFAULT_MAX_WORK = 1e12
 CHARS_PER_TOKEN = 32

@@ -1,4 +1,4 @@
-"""Objectives: SUBS, the MDLM NELBO, ADLM's ANELBO, and the AR NLL (METHOD.md sections 1-3).
+"""Objectives: SUBS, the MDLM NELBO, ADLM's ANELBO, and the AR NLL (docs/design/method.md, sections 1-3).
 
 Every objective returns per-batch *sums* and token counts (``LossOutput``) besides the mean it
 backpropagates, so that perplexity pools exactly across batches and workers:
@@ -100,7 +100,7 @@ def suppress_mask(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
 
 
 def subs_log_probs(logits: torch.Tensor, z_t: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """The full SUBS distribution log p_theta(. | z_t), float32 (METHOD.md section 1).
+    """The full SUBS distribution log p_theta(. | z_t), float32 (docs/design/method.md, section 1).
 
     Mask column -inf, log-softmax, and at every unmasked position a one-hot on z_t
     ("carry-over unmasking").
@@ -121,7 +121,7 @@ def subs_nll(logits: torch.Tensor, x: torch.Tensor, z_t: torch.Tensor, mask_id: 
 
 
 def anchor_mask(x: torch.Tensor, attention_mask: torch.Tensor | None, tau: int, width: int) -> torch.Tensor:
-    """a^l = 1 when token x^l occurs at most tau times in its own clean sequence (METHOD.md sec. 2).
+    """a^l = 1 when token x^l occurs at most tau times in its own clean sequence (docs/design/method.md, section 2).
 
     Counts run over the non-pad positions (BOS/EOS included); pads are never anchors. Vectorised
     with a per-row scatter-add, no Python loop.
@@ -132,7 +132,7 @@ def anchor_mask(x: torch.Tensor, attention_mask: torch.Tensor | None, tau: int, 
 
 
 def gamma_at(step: int | torch.Tensor, gamma: float, beta: float, horizon: int) -> float | torch.Tensor:
-    """gamma_k = min(gamma, beta k / K) at optimiser step k, K = ``horizon`` (METHOD.md section 2); a ramp of
+    """gamma_k = min(gamma, beta k / K) at optimiser step k, K = ``horizon`` (docs/design/method.md, section 2); a ramp of
     gamma / beta * K steps. ``horizon`` 0: no ramp (gamma from the start). ``step`` a float64 tensor (a compiled
     step, whose graph must not depend on the step's value): a float32 tensor equal to the float's rounding."""
     if horizon <= 0:
@@ -185,7 +185,7 @@ def adlm_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tens
                    *, step: int | torch.Tensor = 0, t: torch.Tensor | None = None, z_t: torch.Tensor | None = None,
                    generator: torch.Generator | None = None,
                    schedule: LogLinearSchedule | None = None) -> LossOutput:
-    """ANELBO (METHOD.md section 2), per token l:
+    """ANELBO (docs/design/method.md, section 2), per token l:
 
     w(t) [1{z_t^l = m} (-log p_psi(x^l | y_phi(z_t))) - gamma_k a^l log softmax(y_phi(z_t))^l[x^l]]
 

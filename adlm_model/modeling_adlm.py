@@ -9,7 +9,7 @@ the relative imports and copies them into its module cache; they import only ``t
 ``model.safetensors`` is the file ``adlm_model.load_pretrained`` reads, loaded with no key missing or unexpected.
 
 ``forward(input_ids, timesteps=None)`` returns ``MaskedLMOutput(logits=...)``, the logits before SUBS
-(METHOD.md section 1; the reference Hub models return the same):
+(docs/design/method.md, section 1; the reference Hub models return the same):
 
 - MDLM, ADLM: ``(B, L, width)`` denoiser logits of ``z_t = input_ids`` (ADLM: the composed network
   ``psi(phi(z_t))``, fused in eval mode as ``adlm_model.models.ADLM.denoiser_logits``);

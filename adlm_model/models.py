@@ -1,4 +1,4 @@
-"""The model kinds on the DiT backbone (METHOD.md sections 1-3).
+"""The model kinds on the DiT backbone (docs/design/method.md, sections 1-3).
 
 - ``MDLM``: one bidirectional DiT on token ids; its logits go through SUBS.
 - ``ADLM``: an anchor DiT (``n_blocks``) on token ids whose raw logits feed, through a dense

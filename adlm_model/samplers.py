@@ -3,7 +3,7 @@
 The entry point ``sample`` and the table of samplers live in ``kinds.py``; BD3-LM's block sampler in
 ``bd3lm.py``; the AR samplers in ``ar_sampling.py``.
 
-Everything follows METHOD.md section 4:
+Everything follows docs/design/method.md, section 4:
 
 - start from the all-mask sequence (prefix positions excepted), run ``T`` steps on
   ``t = linspace(1, 1e-5, T + 1)``, ``dt = (1 - 1e-5) / T``, ``move_chance = t``;
@@ -58,7 +58,7 @@ from .losses import conditioning_sigma, suppress_mask
 from .schedule import LogLinearSchedule
 
 T_MIN = 1e-5
-"""Last time of the sampling grid: ``linspace(1, T_MIN, T + 1)`` (METHOD.md section 4)."""
+"""Last time of the sampling grid: ``linspace(1, T_MIN, T + 1)`` (docs/design/method.md, section 4)."""
 FINAL_STEPS = ("greedy", "draw")
 """How ``diffusion_sample`` fills the masks left after the grid (module docstring)."""
 
@@ -71,7 +71,7 @@ class SamplerError(ValueError):
 
 @dataclass(frozen=True)
 class ReMDMLoop:
-    """ReMDM-loop schedule (METHOD.md section 4); reference values eta 0.02, t_on 0.55, t_off 0.05,
+    """ReMDM-loop schedule (docs/design/method.md, section 4); reference values eta 0.02, t_on 0.55, t_off 0.05,
     alpha_on 0.9."""
 
     eta: float = 0.02
@@ -169,7 +169,7 @@ def _kept_prefix(top: torch.Tensor, idx: torch.Tensor, csum: torch.Tensor, p: fl
 
 
 # --------------------------------------------------------------------------------------------
-# Transitions of METHOD.md section 4
+# Transitions of docs/design/method.md, section 4
 
 
 def mask_probabilities(sampler: str, t: float, s: float, remdm: ReMDMLoop | None = None) -> tuple[float, float]:
@@ -414,7 +414,7 @@ def reject_unknown(kw: dict, known: set[str], sampler: str) -> None:
 
 
 def unigram_entropy(ids: Sequence[int] | np.ndarray | torch.Tensor) -> float:
-    """Entropy in nats of the token-id histogram of one sample (METHOD.md section 6; BD3-LM's stop rule).
+    """Entropy in nats of the token-id histogram of one sample (docs/design/method.md, section 6; BD3-LM's stop rule).
 
     ``H = -sum_v c_v/n log(c_v/n)`` over the ids ``v`` that occur ``c_v`` times among the ``n`` tokens.
     A sample of one repeated token has entropy 0; ``n`` distinct tokens give ``log n``.

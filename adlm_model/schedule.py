@@ -1,4 +1,4 @@
-"""Noise schedules and the sampling of diffusion times (METHOD.md section 1).
+"""Noise schedules and the sampling of diffusion times (docs/design/method.md, section 1).
 
 The log-linear schedule alpha_t = 1 - (1 - eps) t is the reference; the masking ("move")
 probability of the forward process is 1 - alpha_t and the NELBO weight
@@ -11,7 +11,7 @@ import torch
 
 
 class LogLinearSchedule:
-    """alpha_t = 1 - (1 - eps) t, sigma(t) = -log1p(-(1 - eps) t) (METHOD.md section 1)."""
+    """alpha_t = 1 - (1 - eps) t, sigma(t) = -log1p(-(1 - eps) t) (docs/design/method.md, section 1)."""
 
     def __init__(self, eps: float = 1e-3) -> None:
         self.eps = eps

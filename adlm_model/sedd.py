@@ -1,6 +1,6 @@
-"""SEDD: score entropy discrete diffusion with the absorbing graph (Lou et al. 2024; METHOD.md section 8's baseline).
+"""SEDD: score entropy discrete diffusion with the absorbing graph (Lou et al. 2024; docs/design/method.md, section 8's baseline).
 
-The forward process is MDLM's (METHOD.md section 1): each token independently jumps to the mask with probability
+The forward process is MDLM's (docs/design/method.md, section 1): each token independently jumps to the mask with probability
 ``1 - exp(-sigma(t))`` under the log-linear noise ``sigma(t) = -log(1 - (1 - eps) t)``, whose rate is
 ``dsigma(t) = (1 - eps) / (1 - (1 - eps) t)``. What differs is the parameterisation and the objective:
 

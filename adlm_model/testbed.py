@@ -10,13 +10,13 @@ Generative process of one row of ``length`` tokens (``BOS x_1 .. x_n EOS``, ``n 
    classes). The chain advances at every position, anchors included.
 
 So every row has at most ``max_anchors <= tau`` anchor tokens: each occurs at most ``tau`` times and is an
-anchor under ADLM's rule (METHOD.md section 2), and one visible anchor reveals ``c`` exactly, on which the
+anchor under ADLM's rule (docs/design/method.md, section 2), and one visible anchor reveals ``c`` exactly, on which the
 dynamics of every other token depend. Context matters everywhere (sparse transitions and emissions), so the
 unigram floors sit far above the entropy.
 
 Every quantity is exact: the forward algorithm over ``(class, anchors so far, hidden state)`` gives
 ``log p(row)`` and the marginal of any visible subset (masked positions summed out); forward-backward gives
-``p(x^l | visible tokens)`` at every position, an exact oracle denoiser (MDLM's any-order identity, METHOD.md
+``p(x^l | visible tokens)`` at every position, an exact oracle denoiser (MDLM's any-order identity, docs/design/method.md
 section 1). Only the entropy is a Monte-Carlo mean, of exact log-probabilities of generated rows, with its
 standard error. All token ids are the MODEL's ids (what the shards hold): ``<pad> <bos> <eos> <mask>`` are 0-3,
 content symbols follow, then the anchor symbols (``vocab_size`` ids in all; the mask id lies inside).
@@ -79,7 +79,7 @@ class TestbedConfig:
     anchor_rate: float = 0.05
     """Probability that a content position holds an anchor, while fewer than max_anchors were emitted."""
     tau: int = 5
-    """ADLM's anchor threshold the language is built for (METHOD.md section 2)."""
+    """ADLM's anchor threshold the language is built for (docs/design/method.md, section 2)."""
     transition_concentration: float = 0.05
     """Dirichlet concentration of each row of P_c: small = few likely successors (strong local structure)."""
     emission_concentration: float = 0.1
@@ -482,7 +482,7 @@ class Testbed:
 
 class OracleDenoiser(nn.Module):
     """The testbed's exact conditionals with a diffusion model's forward signature (``denoiser_logits(z_t, sigma)``
-    -> logits (B, L, width)): MDLM's objective run on it gives the exact NLL in expectation (METHOD.md section 1).
+    -> logits (B, L, width)): MDLM's objective run on it gives the exact NLL in expectation (docs/design/method.md, section 1).
     Logits are the exact log-probabilities (float32; -inf where impossible, mask column included)."""
 
     def __init__(self, testbed: Testbed, width: int | None = None, mask_id: int = MASK_ID) -> None:

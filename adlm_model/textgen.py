@@ -55,7 +55,7 @@ SPECIAL_TOKENS_FILE = "special_tokens.json"
 DEFAULT_LENGTH = 64
 DEFAULT_STEPS = 128
 DEFAULT_NUCLEUS_P = 0.9
-"""Defaults of a request: METHOD.md section 4's reference nucleus; T kept small enough for a CPU."""
+"""Defaults of a request: docs/design/method.md, section 4's reference nucleus; T kept small enough for a CPU."""
 
 
 MAX_SEED = 2 ** 53

@@ -205,7 +205,7 @@ DISTILL_FORMAT = 1
 def distill(kind: str, teacher: torch.nn.Module, cfg, tb: Testbed, workdir: Path, teacher_key: str, *, rounds: int,
             steps_per_round: int, lr: float = 1e-4, batch: int = 32, seed: int = 0,
             substeps: int = 2, device: str = "cpu") -> list[tuple[int, torch.nn.Module]]:
-    """Self-distillation through time (``adlm_model.distill``, METHOD.md section 4) from ``teacher`` at ``T0 = L``
+    """Self-distillation through time (``adlm_model.distill``, docs/design/method.md, section 4) from ``teacher`` at ``T0 = L``
     sampling steps: round ``r``'s student starts from the weights of round ``r - 1``'s (the teacher's first) and
     learns to take in one step what that model takes in ``substeps`` steps of size ``dt_r``; it then becomes the
     teacher. For ADLM the composed network is the student (anchor network and denoiser both learn). Seeded end to

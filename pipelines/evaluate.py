@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m pipelines.evaluate", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Evaluate a checkpoint or registry version (perplexity bound, zero-shot perplexity, samples, "
-                    "gen-PPL with unigram entropy, MAUVE; METHOD.md section 6), or stage and promote every waiting "
+                    "gen-PPL with unigram entropy, MAUVE; docs/design/method.md, section 6), or stage and promote every waiting "
                     "registry version (--stage-all).",
         epilog="settings (--set KEY=VALUE; sampler options as --set sampler.eta=0.02):\n" + _config_help() +
                "\n\nexamples:\n  python -m pipelines.evaluate --model models:/adlm@candidate --suite ppl,gen_ppl,mauve "

@@ -1,4 +1,4 @@
-"""Tokenize and pack a corpus into Parquet shards with Ray Data (METHOD.md section 5).
+"""Tokenize and pack a corpus into Parquet shards with Ray Data (docs/design/method.md, section 5).
 
     python -m pipelines.prepare_data --source embedded --out work/data/embedded
     python -m pipelines.prepare_data --source openwebtext --out s3://bucket/owt       # online

@@ -62,7 +62,7 @@ def make_tokenizer(root: Path, texts: list[str]) -> tuple[Any, Path]:
 
 
 def pack_rows(tok: Any, texts: list[str], length: int = SEQ_LEN) -> np.ndarray:
-    """Reference ``wrap`` packing (METHOD.md section 5): EOS after each document, rows BOS ... EOS."""
+    """Reference ``wrap`` packing (docs/design/method.md, section 5): EOS after each document, rows BOS ... EOS."""
     stream: list[int] = []
     for ids in tok.encode(texts):
         stream.extend(ids + [tok.eos_id])

@@ -1,5 +1,5 @@
 """The anchor path is alive: on the testbed, where anchors exist by construction, training ADLM with gamma > 0
-teaches its anchor network to predict the anchor tokens (METHOD.md section 2), and gamma = 0 does not. A bug that
+teaches its anchor network to predict the anchor tokens (docs/design/method.md, section 2), and gamma = 0 does not. A bug that
 made the anchor term inert (a detached term, a zero mask, gamma lost on the way) fails here; a study's null result
 cannot tell it apart from "anchoring does not help"."""
 

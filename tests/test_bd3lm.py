@@ -1,4 +1,4 @@
-"""BD3-LM (METHOD.md section 3): masks, b = L equals MDLM, KV cache equals recomputation, any length."""
+"""BD3-LM (docs/design/method.md, section 3): masks, b = L equals MDLM, KV cache equals recomputation, any length."""
 
 from __future__ import annotations
 

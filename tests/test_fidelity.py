@@ -1,4 +1,4 @@
-"""Conventions around the formulas that change published numbers (METHOD.md, the references): which tags a
+"""Conventions around the formulas that change published numbers (docs/design/method.md, the references): which tags a
 registered version carries per model kind, the ``paper`` evaluation profile, and BD3-LM's clipped-schedule
 choice on a case whose answer is known."""
 
@@ -25,7 +25,7 @@ def test_only_anchored_versions_carry_gamma_and_tau(kind: str) -> None:
 
 
 def test_the_paper_profile_holds_the_references_evaluation_settings() -> None:
-    """METHOD.md sections 4 and 6: ReMDM-loop (each diffusion kind's default sampler), T = 4096 for ADLM and
+    """docs/design/method.md, sections 4 and 6: ReMDM-loop (each diffusion kind's default sampler), T = 4096 for ADLM and
     1024 for the baselines, nucleus p = 0.9, 5,000 samples for MAUVE, gpt2-large, the first token scored."""
     from pipelines.evaluation.config import eval_profile, resolve_sampler
 

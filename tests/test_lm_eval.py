@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 class ToyLanguage:
     """p(x) over all V^L sequences (a Dirichlet draw); conditionals of any token given any visible tokens by
-    enumeration: the exact denoiser of METHOD.md section 1's any-order property."""
+    enumeration: the exact denoiser of docs/design/method.md, section 1's any-order property."""
 
     def __init__(self, vocab: int = 3, length: int = 6, seed: int = 0) -> None:
         g = np.random.default_rng(seed)
@@ -302,7 +302,7 @@ def test_bad_tasks_and_settings_fail_in_one_line_before_a_model_loads(art, capsy
 
 @pytest.mark.parametrize("scheme", ["plain", "stratified"])
 def test_on_the_testbed_the_adapter_converges_to_the_exact_conditional_within_its_stderr(scheme):
-    """The adapter's scorer with the testbed's exact conditionals as the denoiser (an oracle: METHOD.md
+    """The adapter's scorer with the testbed's exact conditionals as the denoiser (an oracle: docs/design/method.md
     section 1's any-order property makes every ordering exact) gives log p(continuation | context) of the
     generator within its reported standard error, and the error shrinks as 1/sqrt(samples)."""
     from adlm_model.testbed import BOS_ID, MASK_ID, Testbed, TestbedConfig

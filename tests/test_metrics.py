@@ -1,4 +1,4 @@
-"""Metrics with the definitions of METHOD.md section 6: unigram entropy, gen-PPL, MAUVE; evaluation LMs."""
+"""Metrics with the definitions of docs/design/method.md, section 6: unigram entropy, gen-PPL, MAUVE; evaluation LMs."""
 
 from __future__ import annotations
 

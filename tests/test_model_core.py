@@ -1,4 +1,4 @@
-"""The model core against METHOD.md sections 1-3: exact likelihoods, SUBS, the anchor mask and
+"""The model core against docs/design/method.md, sections 1-3: exact likelihoods, SUBS, the anchor mask and
 ramp, gradient flow, parameter counts, causality, learning, and checkpoints."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 class ToyExactDenoiser(nn.Module):
     """p(x^l | visible tokens of z) of a known distribution over all V^L sequences.
 
-    It does not depend on t, like the exact conditional of an absorbing diffusion (METHOD.md sec. 1).
+    It does not depend on t, like the exact conditional of an absorbing diffusion (docs/design/method.md, section 1).
     """
 
     def __init__(self, probs: torch.Tensor, vocab: int, length: int, mask_id: int, mix_uniform: float = 0.0):

@@ -1,4 +1,4 @@
-"""Samplers (METHOD.md section 4): caching is exact, transitions equal the formulas, prefixes hold."""
+"""Samplers (docs/design/method.md, section 4): caching is exact, transitions equal the formulas, prefixes hold."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The ground-truth testbed (adlm_model/testbed.py): its exact quantities against brute-force enumeration of the
 generative process on tiny languages, the sampler against those probabilities, the recorded entropy against
-fresh rows, determinism, and the oracle denoiser under MDLM's NELBO (METHOD.md section 1)."""
+fresh rows, determinism, and the oracle denoiser under MDLM's NELBO (docs/design/method.md, section 1)."""
 
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ def test_two_worker_run_trains_validates_checkpoints_and_registers(env) -> None:
                 "train/tokens_per_s"):
         assert _history(uri, res.run_id, key), key
     gk = dict(_history(uri, res.run_id, "train/gamma_k"))
-    assert gk[1] == 0.0 and gk[40] == pytest.approx(3e-3)  # ramp over 5 steps (METHOD.md section 2)
+    assert gk[1] == 0.0 and gk[40] == pytest.approx(3e-3)  # ramp over 5 steps (docs/design/method.md, section 2)
     # Checkpoints through Ray Train: num_to_keep=2 of every 5 steps, rank files of both workers.
     run_dir = env["wd"] / "ray_results" / "full"
     assert [s for s, _ in list_checkpoints(run_dir)] == [35, 40]

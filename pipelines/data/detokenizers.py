@@ -1,4 +1,4 @@
-"""Detokenizers of the named evaluation sets (METHOD.md section 5), as the MDLM/ADLM reference applies them.
+"""Detokenizers of the named evaluation sets (docs/design/method.md, section 5), as the MDLM/ADLM reference applies them.
 
 Wikitext, PTB and LM1B ship pre-tokenised text (``don 't`` , ``@-@`` , ``<unk>``); the reference undoes
 that before GPT-2 / BERT tokenisation so the models see natural text. The rules below are the

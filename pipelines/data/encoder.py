@@ -1,6 +1,6 @@
 """Documents to one flat token stream, on the fastest engine that gives the tokenizer's own ids.
 
-Data preparation spends nearly all its time here (METHOD.md section 5: every document tokenized, EOS after
+Data preparation spends nearly all its time here (docs/design/method.md, section 5: every document tokenized, EOS after
 each in ``wrap`` mode). Two engines:
 
 - ``tokenizers``: the tokenizer itself (``encode_batch_fast``), for any tokenizer.

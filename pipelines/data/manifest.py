@@ -1,4 +1,4 @@
-"""The manifest of one prepared split: what the shards hold and how they were made (METHOD.md section 5).
+"""The manifest of one prepared split: what the shards hold and how they were made (docs/design/method.md, section 5).
 
 ``python -m pipelines.prepare_data ... --out DIR`` writes ``DIR/<split>/part-00000.parquet ...`` (column
 ``input_ids``: fixed_size_list<int32>[L]; in ``pad`` mode also ``attention_mask``: fixed_size_list<int8>[L])

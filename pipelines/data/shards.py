@@ -1,7 +1,7 @@
 """Shards: packing token streams into rows, writing deterministic Parquet, and resuming.
 
 - ``Packer``: ``wrap`` (documents back to back, rows of ``L - 2`` framed ``BOS ... EOS``, tail dropped)
-  or ``pad`` (one document a row, ``BOS ... EOS PAD ...`` with an attention mask); METHOD.md section 5.
+  or ``pad`` (one document a row, ``BOS ... EOS PAD ...`` with an attention mask); docs/design/method.md, section 5.
   ``pack_unit``: one unit of work's stream on its own (what a tokenizer actor does; its ``wrap`` remainder
   goes to the split's tail rows, ``data.prepare``).
 - ``shard_bytes``: the Parquet bytes of one shard, identical for identical rows (no timestamps).

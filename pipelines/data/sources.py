@@ -1,6 +1,6 @@
 """Where documents come from: named Hugging Face sets, local files, and the embedded offline corpus.
 
-Named sources (METHOD.md section 5) load through Hugging Face ``datasets`` exactly as an online user
+Named sources (docs/design/method.md, section 5) load through Hugging Face ``datasets`` exactly as an online user
 loads them; each carries its reference split, text field, detokenizer and default tokenizer/mode/length.
 
 The ``embedded`` source is a real English corpus that pip packages ship (``data/embedded.py``), so the demo

@@ -1,4 +1,4 @@
-"""Tokenizers for data preparation, training and evaluation, online and offline (METHOD.md section 5).
+"""Tokenizers for data preparation, training and evaluation, online and offline (docs/design/method.md, section 5).
 
 ``load_tokenizer(spec)`` accepts
 

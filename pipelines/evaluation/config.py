@@ -2,7 +2,7 @@
 
 The suites themselves are one table, ``evaluation/suites.py``.
 
-Every metric has exactly one definition (METHOD.md section 6; ``evaluation/metrics.py``).
+Every metric has exactly one definition (docs/design/method.md, section 6; ``evaluation/metrics.py``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class EvalConfig:
     max_rows: int = 0
     """Score N rows of each split, spread evenly over it (0: all). Staged evaluation uses it for the fast stage."""
     use_ema: bool = True
-    """Evaluate and sample with the EMA weights (METHOD.md section 7) when the checkpoint has them."""
+    """Evaluate and sample with the EMA weights (docs/design/method.md, section 7) when the checkpoint has them."""
     num_samples: int = 64
     """Samples drawn by ``generate`` (the paper: 5,000 for MAUVE)."""
     sample_batch_size: int = 8
@@ -76,7 +76,7 @@ class EvalConfig:
     eval_lm_batch_size: int = 8
     """Samples per scoring batch."""
     gen_ppl_max_length: int = 1024
-    """Truncation of re-tokenised samples (METHOD.md section 6: 1024, or the LM's maximum)."""
+    """Truncation of re-tokenised samples (docs/design/method.md, section 6: 1024, or the LM's maximum)."""
     gen_ppl_first_token: str = "keep"
     """``keep`` (the reference: each sample is scored after the evaluation LM's EOS, its first token a target)
     or ``drop`` (the first token is context only). Named next to every gen-PPL figure."""
@@ -178,7 +178,7 @@ def apply_overrides(configs: Sequence[Any], assignments: Sequence[str]) -> None:
 
 
 EVAL_PROFILES: dict[str, dict[str, Any]] = {
-    # The references' settings (METHOD.md sections 4 and 6): ReMDM-loop with T = 4096 for ADLM and 1024 for
+    # The references' settings (docs/design/method.md, sections 4 and 6): ReMDM-loop with T = 4096 for ADLM and 1024 for
     # the baselines, nucleus 0.9, 5,000 samples of the model's length for MAUVE against as many validation
     # texts, gen-PPL under gpt2-large with the first token scored. For a GPU cluster: hours of sampling.
     # The reference samples one sequence at a time; 16 rows a batch draw the same distribution (every sampler

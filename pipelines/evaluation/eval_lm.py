@@ -1,4 +1,4 @@
-"""Evaluation language models (gen-PPL) and featurizers (MAUVE), online and offline (METHOD.md section 6).
+"""Evaluation language models (gen-PPL) and featurizers (MAUVE), online and offline (docs/design/method.md, section 6).
 
 Evaluation LM specs (``eval_lm=``):
 

@@ -84,12 +84,12 @@ def load_eval_model(model: str, settings: JobSettings) -> tuple[Any, Any, dict[s
 
 def score_rows(model: Any, cfg: Any, ids: np.ndarray, mask: np.ndarray | None, *, batch_size: int, seed: int,
                t_draws: int = 1, first_batch: int = 0, progress: Callable[[int], Any] | None = None) -> Any:
-    """Pooled NELBO (METHOD.md section 1) of ``ids`` with the evaluation objective.
+    """Pooled NELBO (docs/design/method.md, section 1) of ``ids`` with the evaluation objective.
 
     Batch ``k`` of these rows is global batch ``first_batch + k`` of its split and draws its stratified
     times and masks from ``batch_seed(seed, first_batch + k, draw)``: so a split cut into tasks at batch
     boundaries gives exactly the figure of one pass. ``compute_loss(train=False)`` is the training code's
-    objective with the anchor term left out (METHOD.md section 2: evaluation reports the pure NELBO).
+    objective with the anchor term left out (docs/design/method.md, section 2: evaluation reports the pure NELBO).
     """
     import torch
 
@@ -170,7 +170,7 @@ def _cached(slot: str, key: Any, load: Callable[[], Any]) -> Any:
 
 def gen_ppl_job(texts: list[list[str]], settings: JobSettings, max_length: int = 0,
                 long: bool = False) -> dict[str, Any]:
-    """Load the evaluation LM and compute gen-PPL (METHOD.md section 6) of the samples ``texts`` (each a list
+    """Load the evaluation LM and compute gen-PPL (docs/design/method.md, section 6) of the samples ``texts`` (each a list
     of its documents' texts). ``long``: truncated to ``max_length`` tokens and scored in windows of the LM's
     context moved by half of it (BD3-LM's arbitrary-length table: 1024 and 512 for gpt2-large)."""
     from tqdm.auto import tqdm
@@ -182,7 +182,7 @@ def gen_ppl_job(texts: list[list[str]], settings: JobSettings, max_length: int =
         settings.cfg.eval_lm, device=settings.cfg.device, tracking_uri=settings.tracking_uri,
         shared_cache=settings.shared_cache))
     # Documents inside one sample are joined with the LM's EOS text: they re-tokenise to EOS, and EOS
-    # targets are excluded (METHOD.md section 6), as in the reference where <|endoftext|> stays in the text.
+    # targets are excluded (docs/design/method.md, section 6), as in the reference where <|endoftext|> stays in the text.
     sep = lm.eos_text if lm.eos_text else "\n\n"
     joined = [sep.join(segs) for segs in texts]
     with tqdm(total=len(joined), desc="gen-PPL scoring", unit="sample", disable=verbosity() < 0) as bar:
@@ -194,7 +194,7 @@ def gen_ppl_job(texts: list[list[str]], settings: JobSettings, max_length: int =
 
 
 def mauve_job(sample_texts: list[str], reference_texts: list[str], settings: JobSettings) -> dict[str, Any]:
-    """Featurise both sets with the configured featurizer, then MAUVE (METHOD.md section 6)."""
+    """Featurise both sets with the configured featurizer, then MAUVE (docs/design/method.md, section 6)."""
     from pipelines.evaluation.eval_lm import load_featurizer
     from pipelines.evaluation.metrics import mauve_score
 

@@ -1,7 +1,7 @@
 """The project's models on EleutherAI's lm-evaluation-harness: an ``lm_eval.api.model.LM`` registered as ``adlm``.
 
 Any model reference the pipeline takes (``models:/adlm@champion``, ``models:/adlm/3``, a checkpoint folder or
-object-store location, an export) and every kind (METHOD.md sections 1-3; ``adlm_model.likelihood``):
+object-store location, an export) and every kind (docs/design/method.md, sections 1-3; ``adlm_model.likelihood``):
 
 - ``loglikelihood``: exact for AR; for MDLM, ADLM and BD3-LM the Monte Carlo ELBO of the continuation given
   the clean context (only the continuation is masked; ``mc_samples`` draws a request, ``mask_draws`` plain,
@@ -60,7 +60,7 @@ class AdapterSettings:
     """float32, or bfloat16/float16 autocast on CUDA (on CPU bf16 is about 19x slower: refused)."""
     seed: int = 0
     use_ema: bool = True
-    """The EMA weights (METHOD.md section 7) when the checkpoint has them."""
+    """The EMA weights (docs/design/method.md, section 7) when the checkpoint has them."""
     greedy_max_tokens: int = 8
     """Diffusion kinds: continuations up to this long get a greedy-decoding ``is_greedy``; longer ones False."""
     t_draws: int = 1

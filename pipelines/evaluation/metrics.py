@@ -1,6 +1,6 @@
-"""Evaluation metrics, each with exactly one definition (METHOD.md section 6).
+"""Evaluation metrics, each with exactly one definition (docs/design/method.md, section 6).
 
-- **Perplexity bound** (METHOD.md sections 1 and 6): ``PPL = exp(sum of per-token NELBO / number of
+- **Perplexity bound** (docs/design/method.md, sections 1 and 6): ``PPL = exp(sum of per-token NELBO / number of
   tokens)`` over the whole split. The per-batch sums come from ``adlm_model.kinds.compute_loss`` (its
   ``nll_sum`` and ``n_tokens``); ``PooledNLL`` adds them up exactly (float64 sums, integer counts), so the
   result does not depend on how batches were split across workers.
@@ -28,7 +28,7 @@ import torch
 from adlm_model.samplers import unigram_entropy
 
 GEN_PPL_MAX_TOKENS = 1024
-"""METHOD.md section 6: samples are truncated to 1024 evaluation-LM tokens (or the LM's maximum)."""
+"""docs/design/method.md, section 6: samples are truncated to 1024 evaluation-LM tokens (or the LM's maximum)."""
 
 MAUVE_MIN_SAMPLES = 50
 """Fewer samples than this make MAUVE's k-means histogram (n/10 buckets) meaningless; the paper uses 5,000."""
@@ -64,7 +64,7 @@ class PooledNLL:
 
     @property
     def ppl(self) -> float:
-        """``exp(sum NLL / tokens)``: the pooled perplexity (METHOD.md sections 1 and 6)."""
+        """``exp(sum NLL / tokens)``: the pooled perplexity (docs/design/method.md, sections 1 and 6)."""
         return (math.exp(self.nll) if self.nll < 709.0 else math.inf) if self.n_tokens else float("nan")
 
 
@@ -128,7 +128,7 @@ def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: tor
     """Pooled next-token NLL of a right-padded batch: (float64 sum, number of targets).
 
     Targets are ``input_ids[:, 1:]``; a target counts when it is a real (non-pad) position and not the
-    EOS token (METHOD.md section 6: EOS targets are excluded).
+    EOS token (docs/design/method.md, section 6: EOS targets are excluded).
     """
     lf = logits[:, :-1].float()
     target = input_ids[:, 1:].to(lf.device)
@@ -145,7 +145,7 @@ def sliding_window_nll(lm: CausalScorer, seqs: Sequence[Sequence[int]], window: 
     """Pooled NLL (float64 sum, targets) of sequences longer than the LM's context, as BD3-LM scores its long
     samples: the first window of ``window`` tokens scores every target in it; each next window, moved by
     ``stride``, scores only its last ``stride`` targets, each seen after ``window - stride`` tokens or more of
-    context. EOS targets excluded (METHOD.md section 6)."""
+    context. EOS targets excluded (docs/design/method.md, section 6)."""
     if not 1 <= stride < window:
         raise MetricError(f"the gen-PPL stride must lie in [1, {window}) (the LM's context), got {stride}")
     total, count, k = 0.0, 0, 0
@@ -186,7 +186,7 @@ def reached_length(ids: Sequence[int] | np.ndarray | torch.Tensor, window: int, 
 def generative_perplexity(lm: CausalScorer, texts: Sequence[str], *, batch_size: int = 8,
                           max_length: int | None = None, first_token: str = "keep",
                           progress: Callable[[int], Any] | None = None, stride: int = 0) -> GenPPLResult:
-    """Gen-PPL of ``texts`` under ``lm`` (METHOD.md section 6).
+    """Gen-PPL of ``texts`` under ``lm`` (docs/design/method.md, section 6).
 
     Each text is re-tokenised with the LM's tokenizer (no special tokens added); with ``first_token='keep'``
     (the reference, whose samples keep their leading EOS) the LM's EOS id goes first, so that the sample's
@@ -254,7 +254,7 @@ def check_mauve_inputs(n_generated: int, n_reference: int, min_samples: int = MA
 def mauve_score(p_features: np.ndarray, q_features: np.ndarray, *, featurizer: str,
                 min_samples: int = MAUVE_MIN_SAMPLES, num_buckets: int | str = "auto", seed: int = 25,
                 scaling_factor: float = 5.0, kmeans_num_redo: int = 5, kmeans_max_iter: int = 500) -> MauveResult:
-    """MAUVE of generated features ``p`` against as many reference features ``q`` (METHOD.md section 6).
+    """MAUVE of generated features ``p`` against as many reference features ``q`` (docs/design/method.md, section 6).
 
     Features (``(n, d)`` arrays) come from ``pipelines.evaluation.eval_lm.Featurizer``; the featurizer's name is
     recorded with the score. Runs on CPU (``device_id=-1``): featurisation already happened.

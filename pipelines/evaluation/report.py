@@ -38,8 +38,8 @@ def summary_markdown(result: EvalResult) -> str:
         if row.get("stderr") is not None and shown != "n/a":
             shown += f" ± {row['stderr']:.4f}"
         lines.append(f"| {row['quantity']} | {'<= ' if row.get('bound') else ''}{shown} | {row['details']} |")
-    lines += ["", "PPL of diffusion models is the NELBO upper bound (METHOD.md section 1); gen-PPL, entropy and "
-              "MAUVE follow METHOD.md section 6; ± is a standard error.", ""]
+    lines += ["", "PPL of diffusion models is the NELBO upper bound (docs/design/method.md, section 1); gen-PPL, entropy and "
+              "MAUVE follow docs/design/method.md, section 6; ± is a standard error.", ""]
     return "\n".join(lines)
 
 

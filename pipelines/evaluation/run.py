@@ -1,8 +1,8 @@
 """Evaluate a checkpoint or a registered model version; stage and promote registry versions.
 
-Suites (one table: ``evaluation/suites.py``; every metric has exactly the definition of METHOD.md section 6; ``evaluation/metrics.py``):
+Suites (one table: ``evaluation/suites.py``; every metric has exactly the definition of docs/design/method.md, section 6; ``evaluation/metrics.py``):
 
-- ``ppl``: the NELBO bound ``PPL <= exp(sum NELBO / tokens)`` on prepared splits (METHOD.md section 1):
+- ``ppl``: the NELBO bound ``PPL <= exp(sum NELBO / tokens)`` on prepared splits (docs/design/method.md, section 1):
   EMA weights, ``t`` stratified inside each batch, a fixed seed per batch (so the figure does not depend
   on how batches are spread over workers), optionally ``t_draws`` draws per sequence, tokens pooled
   exactly (float64 sums). AR models report their exact NLL perplexity.

@@ -6,7 +6,7 @@ planned datasets, the samples), how it is reported and tagged (its headline figu
 definitions printed next to its figures) and whether, and in which direction, it may gate promotion
 (``Gate``). The planner (``plan.py``), the runner (``run.py``), the report (``report.py``) and promotion
 (``promotion.py``) read this table and nothing else: adding a metric is one ``register_suite`` call plus its
-function. Every figure keeps its single definition in ``metrics.py`` (METHOD.md section 6), and its one description
+function. Every figure keeps its single definition in ``metrics.py`` (docs/design/method.md, section 6), and its one description
 (``Figure``: label, summary column, definition, settings tags) here, which the model card and the summary read.
 
 Longer than 500 lines because it is the one table: every suite's entry (its checks, run, tags and figures) sits
@@ -64,7 +64,7 @@ class Figure:
     column: str = ""
     """Its column in the pipeline's summary ('': none)."""
     definition: str = PPL
-    """What it measures (METHOD.md sections 1 and 6), in one paragraph; ``PPL``: the perplexity of the kind."""
+    """What it measures (docs/design/method.md, sections 1 and 6), in one paragraph; ``PPL``: the perplexity of the kind."""
     settings: tuple[str, ...] = ()
     """The version tags that say how it was measured."""
     family: bool = False
@@ -252,7 +252,7 @@ class RunState:
         from pipelines.evaluation.datasets import ppl_key
 
         cfg = self.cfg
-        bound = model_kind(self.plan.model_cfg.kind).diffusion  # diffusion figures are upper bounds (METHOD.md 1)
+        bound = model_kind(self.plan.model_cfg.kind).diffusion  # diffusion figures are upper bounds (docs/design/method.md, section 1)
         scored = self.nelbo()
         for ds in self.plan.datasets:
             if not select(ds.label):
@@ -289,7 +289,7 @@ class RunState:
 
 
 def gen_ppl_definition(cfg: EvalConfig) -> str:
-    """The definition printed next to every gen-PPL figure (METHOD.md section 6): the evaluation LM, the
+    """The definition printed next to every gen-PPL figure (docs/design/method.md, section 6): the evaluation LM, the
     pooling, the truncation and the first-token convention."""
     from pipelines.evaluation.metrics import GEN_PPL_DEFINITIONS
 

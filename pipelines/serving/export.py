@@ -7,7 +7,7 @@
 - ``model.safetensors``: the weights the version serves (EMA parameters with the model's buffers);
 - ``tokenizer.json``;
 - ``README.md``: the model card, with the evaluation figures the registry's version tags hold, each with its
-  definition (quoted from METHOD.md sections 1 and 6) and the settings it was measured with.
+  definition (quoted from docs/design/method.md, sections 1 and 6) and the settings it was measured with.
 - the network code ``transformers`` loads (``auto_map``): ``configuration_adlm.py``, ``modeling_adlm.py`` and
   copies of the network's modules, so ``AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True)``
   gives the same logits from the same ``model.safetensors``.
@@ -39,7 +39,7 @@ class ExportError(ValueError):
     """An export that cannot be written (the output folder is in use, the model lacks a file)."""
 
 
-# The perplexity's definition for the card, by the kind's (METHOD.md sections 1 and 6); every other figure's is
+# The perplexity's definition for the card, by the kind's (docs/design/method.md, sections 1 and 6); every other figure's is
 # the one its suite gives (``pipelines.evaluation.suites``: ``Figure``).
 _PPL_BOUND = ("`exp(sum of per-token NELBO / number of tokens)` over the whole evaluation split, one `t` per "
               "sequence (stratified inside the batch), EMA weights, BOS/EOS included. It is an upper bound: "
@@ -148,7 +148,7 @@ def model_card(src: _Source, cfg: Any, meta: dict[str, Any], parameters: int) ->
                 "training's own validation (not yet evaluated)" if k == "val_ppl" else "not recorded")
             bound = "<= " if fig.definition == PPL and kind.diffusion else ""
             lines.append(f"| {fig.label.format(member)} (`{k}`) | {bound}{src.tags[k]} | {shown} |")
-        lines += ["", "Definitions (METHOD.md sections 1 and 6):", ""]
+        lines += ["", "Definitions (docs/design/method.md, sections 1 and 6):", ""]
         used = list(dict.fromkeys(fig for fig, _ in figures.values()))
         if any(fig.definition == PPL for fig in used):
             lines.append(f"- **Perplexity** (validation, test, zero-shot): {ppl_def}")

@@ -1,7 +1,7 @@
-"""Typed training configuration (METHOD.md section 7): YAML recipes plus ``--set key.sub=value``.
+"""Typed training configuration (docs/design/method.md, section 7): YAML recipes plus ``--set key.sub=value``.
 
 A recipe is a YAML mapping with the sections below; every section and key is optional and falls
-back to the reference recipe of METHOD.md section 7. Unknown sections or keys fail with one line
+back to the reference recipe of docs/design/method.md, section 7. Unknown sections or keys fail with one line
 that lists the known ones.
 
 ::

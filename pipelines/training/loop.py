@@ -102,7 +102,7 @@ def optimiser_step(w: Worker, stream: Iterator[tuple[int, int, dict[str, torch.T
     """One optimiser step (``adlm_model.train_step.TrainStep``: ``accumulation`` micro-batches, gradient sync on
     the last only, clipping, AdamW, the schedule, the EMA) on the next micro-batches of ``stream``, all copied to
     the device before the first runs; its figures go into the log window. gamma_k uses this step's index k
-    (METHOD.md section 2)."""
+    (docs/design/method.md, section 2)."""
     batches = []
     for _ in range(w.accumulation):
         ep, i, b = next(stream)
@@ -198,7 +198,7 @@ def validate(w: Worker, rows: dict[str, torch.Tensor]) -> float:
 
 
 def search_clip(w: Worker, rows: dict[str, torch.Tensor]) -> tuple[float, float]:
-    """BD3-LM's data-driven schedule (METHOD.md section 3): score every interval of the reference grid on the
+    """BD3-LM's data-driven schedule (docs/design/method.md, section 3): score every interval of the reference grid on the
     first ``run.clip_search_batches`` validation micro-batches of every worker (EMA weights, common random
     numbers), pool the moments of the per-block mean loss over workers, take the interval of lowest variance,
     and train on it until the next search."""
@@ -241,7 +241,7 @@ def _write_weights(w: Worker, directory: Path, model_sd: dict | None, ema_sd: di
 
 
 def keep_if_best(w: Worker, ppl: float) -> bool:
-    """After a validation: when ``ppl`` beats the run's best, its weights become ``<run_dir>/best`` (METHOD.md
+    """After a validation: when ``ppl`` beats the run's best, its weights become ``<run_dir>/best`` (docs/design/method.md
     section 7: the reference keeps the best checkpoint by validation NLL besides the latest). Every rank takes
     part (FSDP gathers the weights); rank 0 writes. Returns whether it was the best."""
     if not ppl < w.best_val:

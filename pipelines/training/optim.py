@@ -1,4 +1,4 @@
-"""The optimiser and the learning-rate schedule of the reference recipe (METHOD.md section 7), from the recipe's
+"""The optimiser and the learning-rate schedule of the reference recipe (docs/design/method.md, section 7), from the recipe's
 ``optim`` section; the step that uses them is ``adlm_model.train_step``."""
 
 from __future__ import annotations

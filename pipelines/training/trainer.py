@@ -1,4 +1,4 @@
-"""The training driver: plan, track, fit with Ray Train, export and register (METHOD.md sections 2, 7).
+"""The training driver: plan, track, fit with Ray Train, export and register (docs/design/method.md, sections 2, 7).
 
 What ``train`` does, in order:
 
@@ -340,7 +340,7 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     final = latest_checkpoint(run_dir)
     if final is None:
         raise TrainError(f"training run {cfg.run.name!r} finished without a checkpoint in {run_dir}")
-    # What the run exports and registers: its best checkpoint by validation bound (METHOD.md section 7); the
+    # What the run exports and registers: its best checkpoint by validation bound (docs/design/method.md, section 7); the
     # latest one stays in the run folder for resuming.
     # A best cut short mid-upload is never named (complete or None). A distillation registers its last round's
     # student: the NELBO bound is not what it was trained for.

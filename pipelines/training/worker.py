@@ -84,11 +84,11 @@ class Window:
     loss: torch.Tensor
     """Sum over steps of the mean training loss of each step."""
     nll: torch.Tensor
-    """Sum of the per-token NELBO terms (METHOD.md section 1)."""
+    """Sum of the per-token NELBO terms (docs/design/method.md, section 1)."""
     ntok: torch.Tensor
     """Tokens those terms count."""
     anc: torch.Tensor
-    """ADLM: sum of the anchor loss's per-token terms (METHOD.md section 2)."""
+    """ADLM: sum of the anchor loss's per-token terms (docs/design/method.md, section 2)."""
     nanc: torch.Tensor
     """ADLM: tokens the anchor loss counts."""
     gnorm: torch.Tensor

@@ -20,7 +20,7 @@ class TrialRow:
     mlflow_run_id: str | None
     best_step: int | None = None
     """A finished trial: the step of the checkpoint its training run exported (its best by validation bound,
-    METHOD.md section 7), which is what the sweep registers."""
+    docs/design/method.md, section 7), which is what the sweep registers."""
     best_val_ppl: float | None = None
     checkpoint: str | None = None
     """``best`` or ``latest``: which checkpoint the trial's run exported."""

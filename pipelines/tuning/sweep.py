@@ -1,4 +1,4 @@
-"""Ray Tune searches ADLM's anchor-loss knobs, gamma and tau (METHOD.md section 2).
+"""Ray Tune searches ADLM's anchor-loss knobs, gamma and tau (docs/design/method.md, section 2).
 
 What happens, in order:
 
