@@ -1,4 +1,4 @@
-"""What one network call of the confidence sampler costs next to the exact sampler's (issue 36, item 3).
+"""What one network call of the confidence sampler costs next to the exact sampler's .
 
 At the same batch and length, with the fast-sampling benchmark's small architecture (untrained: the cost does
 not depend on the weights, and threshold 1 makes every row take one token a call, so no row finishes early),
@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _record import add_argument, recording
 from _util import result
 
 from adlm_model import build_model, preset, sample
@@ -57,7 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default="mdlm,adlm")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the median is reported")
+    add_argument(p)
     args = p.parse_args(argv)
+    with recording("confidence_cost", args.record):
+        return measure(args)
+
+
+def measure(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     print(f"batch {args.batch}, {torch.get_num_threads()} torch threads, {args.repeats} interleaved rounds",
           flush=True)

@@ -1,4 +1,4 @@
-"""Benchmark of pipelines.prepare_data as the corpus grows (issue 28): the driver's peak memory and the wall time
+"""Benchmark of pipelines.prepare_data as the corpus grows: the driver's peak memory and the wall time
 for a corpus and for four times that corpus, from local files and from a local stand-in for a hub dataset in
 Parquet files (read through the hub path: ``data.hub`` with a mirror), and the throughput with 1 and 2
 tokenizer actors.
@@ -33,6 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _record import add_argument, recording  # noqa: E402
 
 DRIVER = r'''
 import json, resource, sys, threading, time
@@ -130,8 +133,13 @@ def main() -> None:
     ap.add_argument("--file-mb", type=float, default=2.0, help="MB of text a Parquet file of the stand-in")
     ap.add_argument("--length", type=int, default=1024, help="row length L")
     ap.add_argument("--workdir", default=None, help="where corpora and outputs go (default: a temp folder)")
+    add_argument(ap)
     args = ap.parse_args()
+    with recording("prepare_scale", args.record):
+        scale(args)
 
+
+def scale(args: argparse.Namespace) -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_prep_scale_"))
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

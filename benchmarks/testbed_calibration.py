@@ -1,4 +1,4 @@
-"""The testbed presets' confidence profile next to a real language model's on natural text (issue 36, item 1).
+"""The testbed presets' confidence profile next to a real language model's on natural text.
 
 Two figures per source: the share of positions whose conditional puts >= 0.9 on one token, and the histogram of
 the conditionals' entropies (nats), over
@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _record import add_argument, recording
 from _util import result
 
 from adlm_model.testbed import MASK_ID, Testbed, TestbedConfig
@@ -117,7 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=int, default=16, help="windows from each part of the corpus (default 16)")
     p.add_argument("--skip-real", action="store_true", help="the testbeds only (no SmolLM2)")
     p.add_argument("--threads", type=int, default=1)
+    add_argument(p)
     args = p.parse_args(argv)
+    with recording("testbed_calibration", args.record):
+        return measure(args)
+
+
+def measure(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     figures: dict[str, dict] = {}
     for preset in ("anchored", "natural"):
