@@ -195,7 +195,8 @@ class WorkerOutput:
         if tqdm is not None:
             tqdm.tqdm.write(line, file=self.stream)
         else:
-            print(line, file=self.stream, flush=True)
+            self.stream.write(line + "\n")
+            self.stream.flush()
 
     def _progress(self, msg: str) -> None:
         if (m := STEP_LINE.match(msg)) and (bar := self.bars.get(m["run"])) is not None:

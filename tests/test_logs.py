@@ -6,6 +6,8 @@ import argparse
 import io
 import logging
 
+import pytest
+
 from pipelines.logs import add_logging_flags, get_logger, setup_logging
 
 
@@ -183,3 +185,22 @@ def test_the_sweeps_trial_bar_pickles_without_its_bar() -> None:
     finally:
         cb.bar.close()
     assert again.bar is None and (again.name, again.total) == ("demo-gamma-tau", 4)
+
+
+def test_prepares_progress_gives_rates_only_over_a_meaningful_interval() -> None:
+    """One unit a millisecond after the start is no rate (it read 7,882,149 rows/s); from RATE_AFTER_S on, the rate
+    is over the whole time since the pipeline started."""
+    import re
+    import time
+    from types import SimpleNamespace
+
+    from pipelines.data.prepare import RATE_AFTER_S, SplitRun
+
+    run = SplitRun.__new__(SplitRun)  # the counters alone: what the progress line reads
+    run.sp = SimpleNamespace(split="train")
+    run.units_done, run.units_total, run.new_rows, run.new_tokens = 1, 18, 3_813, 480_450
+    run.t0 = time.time() - 0.001
+    assert run.progress_line() == "train: units 1/18, rows 3,813, tokens 480,450"
+    run.t0 = time.time() - 2 * RATE_AFTER_S
+    rows_per_s = float(re.search(r"\(([\d,]+) rows/s", run.progress_line()).group(1).replace(",", ""))
+    assert rows_per_s == pytest.approx(3_813 / (2 * RATE_AFTER_S), rel=0.05)

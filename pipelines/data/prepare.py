@@ -274,11 +274,10 @@ class SplitRun:
         )
         m.write(self.split_dir)
         write_progress(self.split_dir, self.fingerprint, complete=True)
-        dt = time.time() - (self.t0 or time.time())
         log(cfg, f"{sp.split}: {m.rows:,} rows x {m.length} in {len(m.shards)} shards, {m.tokens:,} tokens, "
                   f"{m.documents_used:,}/{m.documents:,} documents used, skipped {m.skipped or 'none'}, invalid "
                   f"UTF-8 {m.invalid_utf8_replaced}, truncated {m.truncated}, tail dropped {m.dropped_tail_tokens}; "
-                  f"{self.new_tokens:,} tokens in {dt:.1f}s ({self.new_tokens / max(dt, 1e-9):,.0f} tokens/s) "
+                  f"{self.new_tokens:,} stream tokens tokenised by this run "
                   f"-> {self.split_dir}", force=True)
         return m
 

@@ -1,4 +1,4 @@
-"""pipelines/orchestration/readme_summary.py: the README's demo summary is the demo's own, rewritten from a run."""
+"""pipelines/orchestration/summary.py's main: the README's demo summary is the demo's own, rewritten from a run."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.orchestration.readme_summary import BEGIN, END, main
-from pipelines.orchestration.summary import summary_markdown
+from pipelines.orchestration.summary import BEGIN, END, main, summary_markdown
 from pipelines.runtime import PROJECT_ROOT
 
 SUMMARY = {
