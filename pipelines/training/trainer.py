@@ -227,7 +227,7 @@ def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, 
     quiet_ray_data()
     # Ray Data's read_parquet samples the files in tasks of a whole CPU that no argument lowers (either datasource
     # of Ray 2.60): on nodes whose CPUs placement groups hold in part (a trial's driver, fractional workers) they
-    # never start and the run waits for good (issue 38). The split is read from its manifest instead: read tasks of
+    # never start and the run waits for good. The split is read from its manifest instead: read tasks of
     # data.read_cpus and nothing else (pipelines.data.ray_source).
     from pipelines.data.ray_source import split_dataset
 
