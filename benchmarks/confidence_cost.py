@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _record import add_argument, recording
 from _util import result
 
 from adlm_model import build_model, preset, sample
@@ -57,7 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default="mdlm,adlm")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the median is reported")
+    add_argument(p)
     args = p.parse_args(argv)
+    with recording("confidence_cost", args.record):
+        return measure(args)
+
+
+def measure(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     print(f"batch {args.batch}, {torch.get_num_threads()} torch threads, {args.repeats} interleaved rounds",
           flush=True)

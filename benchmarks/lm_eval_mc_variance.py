@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
 from adlm_model.likelihood import MASK_DRAWS, ContinuationScorer
 from adlm_model.testbed import BOS_ID, MASK_ID, Testbed, TestbedConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _record import add_argument, recording
 
 
 def main() -> None:
@@ -28,7 +34,13 @@ def main() -> None:
     p.add_argument("--length", type=int, default=32)
     p.add_argument("--context", type=int, default=12)
     p.add_argument("--continuation", type=int, default=12)
+    add_argument(p)
     a = p.parse_args()
+    with recording("lm_eval_mc_variance", a.record):
+        measure(a)
+
+
+def measure(a: argparse.Namespace) -> None:
     tb = Testbed(TestbedConfig(length=a.length))
 
     def oracle(z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _record import add_argument, recording  # noqa: E402
 
 DRIVER = r'''
 import json, resource, sys, threading, time
@@ -130,8 +133,13 @@ def main() -> None:
     ap.add_argument("--file-mb", type=float, default=2.0, help="MB of text a Parquet file of the stand-in")
     ap.add_argument("--length", type=int, default=1024, help="row length L")
     ap.add_argument("--workdir", default=None, help="where corpora and outputs go (default: a temp folder)")
+    add_argument(ap)
     args = ap.parse_args()
+    with recording("prepare_scale", args.record):
+        scale(args)
 
+
+def scale(args: argparse.Namespace) -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_prep_scale_"))
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

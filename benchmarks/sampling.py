@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _record import add_argument, recording
 from _util import result
 
 from adlm_model import build_model, preset, sample
@@ -171,16 +172,22 @@ def main() -> None:
     ap.add_argument("--bd3-length", type=int, default=1024, help="BD3-LM sample length (default 1024)")
     ap.add_argument("--bd3-block", type=int, default=16, help="BD3-LM block size (default 16; >= 16 blocks)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="device (default cpu)")
+    add_argument(ap)
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device visible; use --device cpu")
+    if not args.skip_bd3 and args.bd3_length % args.bd3_block:
+        ap.error("--bd3-length must be a multiple of --bd3-block")
+    with recording("sampling", args.record):
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
     if not args.skip_tiny:
         tiny_samplers(args.repeats, args.device)
     if not args.skip_bd3:
-        if args.bd3_length % args.bd3_block:
-            ap.error("--bd3-length must be a multiple of --bd3-block")
         bd3_blocks(args.repeats, args.device, args.bd3_length, args.bd3_block)
     if not args.skip_small:
         small_forward(max(args.repeats, 5), args.device, 128)

@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _record import add_argument, recording
 from _util import result
 
 
@@ -231,7 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bad-share", type=float, default=0.3, help="share of bad requests (default 0.3)")
     p.add_argument("--memory-slack", type=float, default=64.0, help="MiB the server may keep after the load")
     p.add_argument("--max-work", default="1e9", help="ADLM_MAX_WORK of the served model (FLOPs a request)")
+    add_argument(p)
     args = p.parse_args(argv)
+    with recording("serve_load", args.record):
+        return measure(args)
+
+
+def measure(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(tiny_model(Path(tmp)))
         try:

@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _record import add_argument, recording
 from _util import matmul_flops, median_time, result
 
 from adlm_model import build_model, compute_loss, preset
@@ -75,7 +76,13 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=None, help="sequence length (default 128 on CPU, 1024 on CUDA)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="GPU bf16 dense peak for MFU (H100 SXM: 989)")
+    add_argument(ap)
     args = ap.parse_args()
+    with recording("step_cost", args.record):
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
     cuda = args.device == "cuda"
     seq_len = args.seq_len or (1024 if cuda else 128)
     print(f"device={args.device} batch={args.batch} L={seq_len} threads={torch.get_num_threads()}")

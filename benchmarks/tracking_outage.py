@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _record import add_argument, recording  # noqa: E402
 from _util import result  # noqa: E402
 
 
@@ -39,8 +40,13 @@ def main() -> None:
     p.add_argument("--warmup-windows", type=int, default=60,
                    help="metric windows (20 steps each) logged with the server up before it is stopped")
     p.add_argument("--steps", type=int, default=10000, help="optimiser steps (enough to outlast the outage)")
+    add_argument(p)
     args = p.parse_args()
+    with recording("tracking_outage", args.record):
+        measure(args)
 
+
+def measure(args: argparse.Namespace) -> None:
     for k in [k for k in os.environ if k.startswith("MLFLOW_HTTP_REQUEST")]:
         del os.environ[k]  # MLflow's own retry defaults
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")

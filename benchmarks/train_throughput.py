@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _record import add_argument, recording  # noqa: E402
 from _util import result  # noqa: E402
 
 from adlm_model import EMA, build_model  # noqa: E402
@@ -184,12 +185,18 @@ def main() -> None:
     ap.add_argument("--workdir", default=str(ROOT / "work" / "bench-train"),
                     help="holds the prepared demo data (reused between runs), Ray results and the MLflow store "
                          "(default work/bench-train)")
+    add_argument(ap)
     args = ap.parse_args()
     if args.steps < 1 or args.window < 1 or args.threads < 1 or args.skip_windows < 0:
         raise SystemExit("error: --steps, --window and --threads must be >= 1, --skip-windows >= 0")
     if args.steps % args.window or args.steps // args.window <= args.skip_windows:
         raise SystemExit(f"error: --steps {args.steps} must be a multiple of --window {args.window} giving more than "
                          f"--skip-windows {args.skip_windows} windows, e.g. --steps {args.window * (args.skip_windows + 2)}")
+    with recording("train_throughput", args.record):
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
     for k, v in {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true",
                  "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}.items():
         os.environ.setdefault(k, v)

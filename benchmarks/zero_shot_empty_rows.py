@@ -19,8 +19,10 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks._util import result
+from _record import add_argument, recording
+from _util import result
 
 
 def wikitext_rows() -> list[str]:
@@ -42,8 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="models:/adlm@champion",
                    help="models:/NAME@ALIAS or a checkpoint folder (default: the demo's champion)")
     p.add_argument("--workdir", default=None, help="work directory of the model's registry (default ./work)")
+    add_argument(p)
     args = p.parse_args(argv)
+    with recording("zero_shot_empty_rows", args.record):
+        return measure(args)
 
+
+def measure(args: argparse.Namespace) -> int:
     from adlm_model.checkpoint import read_config
     from pipelines.data.prepare import PrepareConfig, prepare
     from pipelines.evaluation.config import EvalConfig

@@ -352,7 +352,8 @@ def own_ray() -> bool:
     ``$RAY_ADDRESS``, for which ``init_ray`` starts a local Ray."""
     import ray
 
-    return not os.environ.get("RAY_ADDRESS") and ray.get_runtime_context().get_task_id() is None
+    # The worker mode, not get_task_id(): asked in a driver, that logs a warning of Ray's on the console.
+    return not os.environ.get("RAY_ADDRESS") and ray.get_runtime_context().worker.mode != ray.WORKER_MODE
 
 
 def fixed_nodes() -> list[dict[str, float]] | None:

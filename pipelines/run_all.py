@@ -51,7 +51,8 @@ class Unregistered(RuntimeError):
 
 
 def _banner(msg: str) -> None:
-    print(f"\n{'=' * 100}\n== {msg}\n{'=' * 100}", flush=True)
+    """A stage's title: a blank line, then the title in a rule (what a reader scans the console for)."""
+    print(f"\n== {msg} {'=' * max(3, 96 - len(msg))}", flush=True)
 
 
 def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None, skip_sweep: bool = False) -> dict:
@@ -61,6 +62,9 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
         # A local Ray of short runs: Ray Train's controller polls its workers every 2 s by default, and every
         # worker-group start, report and finish waits for a poll (about 10 s of each run here).
         os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+        # No node of a local Ray is ever drained: Ray Train's preemption watcher (an actor a fit) has nothing to
+        # watch.
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     prof = profile(profile_name)
     wd = resolve_workdir(workdir)
     # Resolved once, here: every stage below (and every Ray task or Tune trial they start) gets ``wd`` as an

@@ -3,13 +3,16 @@
 - ``quiet_environment``: no telemetry, no usage statistics.
 - ``init_ray``: connect to ``$RAY_ADDRESS`` (a cluster, ``ray job submit``) or start a local Ray. A cluster
   that refuses this driver (no token, a wrong one, token mode off on this side) fails in one line naming what
-  to set (``RayAuthError``), before any work.
+  to set (``RayAuthError``), before any work. The workers' output reaches this console through
+  ``pipelines.logs.WorkerOutput`` (every line of it with ``-v``).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from pipelines.logs import route_worker_output
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,6 +120,7 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, dashboa
         in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
         env = None if in_job else {"env_vars": forwarded_env()}
         _connect(address, env)
+        route_worker_output()
         return True
     # A Ray of this process alone, on loopback: no auth token written under $HOME (unless asked for one).
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -124,6 +128,7 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, dashboa
     if not dashboard:
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
                  configure_logging=False, runtime_env=runtime_env, _system_config=LOCAL_SYSTEM_CONFIG)
+        route_worker_output()
         return True
     import socket
 
@@ -134,4 +139,5 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, dashboa
     # /tmp/ray/ray_current_cluster may still name.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
              log_to_driver=True, configure_logging=False, runtime_env=runtime_env, _system_config=LOCAL_SYSTEM_CONFIG)
+    route_worker_output()
     return True

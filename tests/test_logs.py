@@ -6,6 +6,8 @@ import argparse
 import io
 import logging
 
+import pytest
+
 from pipelines.logs import add_logging_flags, get_logger, setup_logging
 
 
@@ -80,3 +82,125 @@ def test_a_process_that_never_set_up_logging_still_shows_the_projects_lines() ->
         env = {**os.environ, "PYTHONPATH": root, "ADLM_VERBOSITY": verbosity}
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
         assert r.returncode == 0 and r.stderr.splitlines() == shown, r.stderr
+
+
+# ---- What the driver's console shows of Ray's workers (pipelines.logs.WorkerOutput) ----
+
+RAY_NOISE = [
+    "[2026-11-28 15:46:32,402 E 23055 23252] core_worker.cc:2465: Actor with class name: 'PreemptionWatcher' and "
+    "ID: '695b' has constructor arguments in the object store and max_restarts > 0.",
+    "Started training worker group of size 2: ",
+    "This method is only available when the process is a worker. Current mode: 0",
+    "Checkpoint successfully created at: Checkpoint(filesystem=local, path=/tmp/x/checkpoint_00000020)",
+    "│ run_trial_a7725_00000   RUNNING    0.00872709       5 │",
+    "Traceback (most recent call last):",
+    "INFO adlm.training.trainer: an info line of a worker",
+]
+
+
+def test_the_console_keeps_of_ray_workers_only_the_projects_warnings_and_a_tracked_runs_bar() -> None:
+    from pipelines.logs import WorkerOutput
+
+    out = io.StringIO()
+    printer = WorkerOutput(out)
+    with printer.track("demo-adlm", total=40):
+        bar = printer.bars["demo-adlm"]
+        printer({"pid": 23458, "actor_name": "RayTrainWorker", "is_err": True, "lines": [
+            *RAY_NOISE, "INFO adlm.training.loop: [demo-adlm] step 20 validation PPL <= 1963.572 (EMA)",
+            "INFO adlm.training.loop: [demo-adlm] step 30/40 loss 6.1122 nll 5.9988 tok/s 1,176 ETA 00:00:20",
+            "INFO adlm.training.loop: [other-run] step 3/8 loss 9.0 nll 9.0 tok/s 1 ETA 00:00:01",  # not tracked
+            "WARNING adlm.tracking: MLflow at http://x is unreachable: the metrics wait in the spool"]})
+        assert bar.n == 30 and "loss 6.1122, validation <= 1963.6" in str(bar)
+    printer({"pid": "raylet", "is_err": False, "lines": [
+        "WARNING: 8 PYTHON worker processes have been started on node: 45f8 with address: 192.0.2.2",
+        "A worker died or was killed while running a task: the node ran out of memory"]})
+    shown = [line.split("\r")[-1] for line in out.getvalue().splitlines() if "it/s" not in line and "step" not in line]
+    assert [s for s in shown if s.strip()] == [
+        "WARNING adlm.tracking: MLflow at http://x is unreachable: the metrics wait in the spool",
+        "WARNING ray (raylet): A worker died or was killed while running a task: the node ran out of memory"], shown
+    assert "other-run" not in out.getvalue() and "core_worker" not in out.getvalue()
+
+
+def test_a_ray_workers_noise_stays_off_the_drivers_console_but_its_warning_arrives_once(ray_session, capsys) -> None:
+    """Through a real worker of the session's Ray: the driver prints the project's warning (in the project's format,
+    once, although the worker's root logger prints through Ray's plain handler, as a Ray Train worker's does) and
+    none of the Ray-like lines the worker wrote. With -v Ray's own printer is back."""
+    import time
+
+    import ray
+
+    from pipelines.logs import route_worker_output
+
+    assert route_worker_output(1) is None  # -v: Ray's printer is kept
+    assert route_worker_output(0) is not None
+
+    @ray.remote(num_cpus=0.1)
+    def noisy(lines: list[str]) -> None:
+        import logging
+        import sys
+
+        from ray._private.log import PlainRayHandler
+
+        from pipelines.logs import get_logger, worker_console
+
+        root = logging.getLogger()
+        plain = PlainRayHandler()
+        root.addHandler(plain)  # as Ray Train sets up its workers
+        try:
+            worker_console()
+            for line in lines:
+                print(line, file=sys.stderr, flush=True)
+            get_logger("tests.console").warning("a warning that needs action")
+            get_logger("tests.console").info("an info line")
+            sys.stderr.flush()
+        finally:
+            root.removeHandler(plain)
+            ours = logging.getLogger("adlm")
+            for h in [h for h in ours.handlers if getattr(h, "_adlm", False)]:
+                ours.removeHandler(h)
+
+    capsys.readouterr()
+    ray.get(noisy.remote(RAY_NOISE))
+    err = ""
+    deadline = time.monotonic() + 30
+    while "a warning that needs action" not in err and time.monotonic() < deadline:
+        time.sleep(0.2)
+        err += capsys.readouterr().err
+    time.sleep(1.0)  # Ray's log monitor forwards a process's lines in batches: let the rest of them arrive
+    err += capsys.readouterr().err
+    assert err.count("WARNING adlm.tests.console: a warning that needs action") == 1, err
+    assert "an info line" not in err and not any(n[:40] in err for n in RAY_NOISE), err
+
+
+def test_the_sweeps_trial_bar_pickles_without_its_bar() -> None:
+    """Tune keeps a sweep's callbacks with its state (a resumed sweep restores them): the bar is made again."""
+    import pickle
+
+    from pipelines.tuning.progress import TrialBar
+
+    cb = TrialBar("demo-gamma-tau", 4)
+    cb.setup()
+    try:
+        again = pickle.loads(pickle.dumps(cb))
+    finally:
+        cb.bar.close()
+    assert again.bar is None and (again.name, again.total) == ("demo-gamma-tau", 4)
+
+
+def test_prepares_progress_gives_rates_only_over_a_meaningful_interval() -> None:
+    """One unit a millisecond after the start is no rate (it read 7,882,149 rows/s); from RATE_AFTER_S on, the rate
+    is over the whole time since the pipeline started."""
+    import re
+    import time
+    from types import SimpleNamespace
+
+    from pipelines.data.prepare import RATE_AFTER_S, SplitRun
+
+    run = SplitRun.__new__(SplitRun)  # the counters alone: what the progress line reads
+    run.sp = SimpleNamespace(split="train")
+    run.units_done, run.units_total, run.new_rows, run.new_tokens = 1, 18, 3_813, 480_450
+    run.t0 = time.time() - 0.001
+    assert run.progress_line() == "train: units 1/18, rows 3,813, tokens 480,450"
+    run.t0 = time.time() - 2 * RATE_AFTER_S
+    rows_per_s = float(re.search(r"\(([\d,]+) rows/s", run.progress_line()).group(1).replace(",", ""))
+    assert rows_per_s == pytest.approx(3_813 / (2 * RATE_AFTER_S), rel=0.05)

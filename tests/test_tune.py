@@ -174,8 +174,9 @@ def test_sweep_stops_early_nests_runs_registers_best_and_resumes(tiny_data: Path
                       "batch.global_batch": 8, "batch.micro_batch": 8, "optim.warmup_steps": 2},
     }))
     sets = set_args([*data_overrides(tiny_data), *TINY_MODEL])
+    # -v: Tune's own lines, among them the one that says a trial is complete (by default one bar over the trials)
     cmd = [sys.executable, "-m", "pipelines.tune", "--space", str(space_file), "--config",
-           str(ROOT / "configs" / "demo.yaml"), *sets]
+           str(ROOT / "configs" / "demo.yaml"), *sets, "-v"]
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address,
            "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     # 1. Start the sweep and interrupt it (Ctrl-C) once a first trial has finished, in MLflow and in Tune.

@@ -55,6 +55,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -87,8 +88,12 @@ from pipelines.data.sources import Unit
 from pipelines.data.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
 from pipelines.data.worker import PrepareUnits
 from pipelines.faults import fault
+from pipelines.logs import get_logger, quiet_ray_data, verbosity
+from pipelines.placement import own_ray
 from pipelines.runtime import init_ray
 from pipelines.storage import delete_dir, exists, get_fs, join, read_bytes, warn_if_node_local, write_bytes_atomic
+
+_log = get_logger(__name__)
 
 # ----------------------------------------------------------------------------------------------------------
 # The tokenizer (trained or loaded) and the pad-mode length check
@@ -179,6 +184,10 @@ def _project_version() -> str:
 STAT_KEYS = ("docs", "used", "empty", "invalid_utf8", "missing_field", "truncated", "tokens")
 
 
+RATE_AFTER_S = 5.0
+"""A rate is printed once the pipeline has run this long: over one unit's arrival it would be noise."""
+
+
 class SplitRun:
     """One split on the driver: the units' records (small: counters and a remainder each; token counts are summed
     as they arrive), then the tail rows and the manifest. Holds no text and no row."""
@@ -201,8 +210,6 @@ class SplitRun:
 
     def add(self, rec: dict[str, Any]) -> None:
         """A unit's record, as its actor returned it."""
-        if self.t0 is None:
-            self.t0 = time.time()
         add_counts(self.counts, rec.pop("freq"))
         rec["remainder"] = text_array(rec["remainder"], "int32")
         self.records[int(rec["unit"])] = rec
@@ -211,9 +218,13 @@ class SplitRun:
         self.new_tokens += rec["stats"]["tokens"]
 
     def progress_line(self) -> str:
-        dt = max(time.time() - (self.t0 or time.time()), 1e-9)
-        return (f"{self.sp.split}: units {self.units_done}/{self.units_total}, rows {self.new_rows:,} "
-                f"({self.new_rows / dt:,.0f} rows/s), tokens {self.new_tokens:,} ({self.new_tokens / dt:,.0f} tokens/s)")
+        """Units, rows and tokens so far; their rates over the time since the pipeline started (its actors' start-up
+        included), once that is long enough to mean something (``RATE_AFTER_S``)."""
+        dt = time.time() - (self.t0 or time.time())
+        rates = (f" ({self.new_rows / dt:,.0f} rows/s, {self.new_tokens / dt:,.0f} tokens/s over {dt:.0f} s)"
+                 if dt >= RATE_AFTER_S else "")
+        return (f"{self.sp.split}: units {self.units_done}/{self.units_total}, rows {self.new_rows:,}, tokens "
+                f"{self.new_tokens:,}{rates}")
 
     def finish(self) -> Manifest:
         """The tail rows (``wrap``: the units' remainders in unit order, packed), the manifest."""
@@ -263,11 +274,10 @@ class SplitRun:
         )
         m.write(self.split_dir)
         write_progress(self.split_dir, self.fingerprint, complete=True)
-        dt = time.time() - (self.t0 or time.time())
         log(cfg, f"{sp.split}: {m.rows:,} rows x {m.length} in {len(m.shards)} shards, {m.tokens:,} tokens, "
                   f"{m.documents_used:,}/{m.documents:,} documents used, skipped {m.skipped or 'none'}, invalid "
                   f"UTF-8 {m.invalid_utf8_replaced}, truncated {m.truncated}, tail dropped {m.dropped_tail_tokens}; "
-                  f"{self.new_tokens:,} tokens in {dt:.1f}s ({self.new_tokens / max(dt, 1e-9):,.0f} tokens/s) "
+                  f"{self.new_tokens:,} stream tokens tokenised by this run "
                   f"-> {self.split_dir}", force=True)
         return m
 
@@ -285,8 +295,9 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
         ctx = rdata.DataContext.get_current()
         saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start)
         ctx.execution_options.preserve_order = False  # the records are ordered by unit index at the end
-        ctx.enable_progress_bars = False
+        ctx.enable_progress_bars = False  # the driver's own bar below: one for the whole stage
         ctx.print_on_execution_start = False
+        quiet_ray_data()
         sized = all(u["kind"] in ("text", "jsonl") for u in items)  # byte ranges; rows elsewhere
         low, high = actor_pool_bounds(cfg, len(items), sum(u["stop"] - u["start"] for u in items) if sized else None)
         per_split = {s: {"text_field": r.sp.text_field, "detokenizer": r.sp.detokenizer, "hf_dataset": r.sp.hf_dataset,
@@ -294,6 +305,12 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
                      for s, r in runs.items()}
         frame = {"mode": plan.mode, "length": plan.length, "bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id,
                  "width": tok.width}
+        started = time.time()
+        for r in runs.values():
+            r.t0 = started
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(items), desc="prepare", unit="unit", disable=verbosity() < 0, dynamic_ncols=True)
         try:
             ds = rdata.from_items(items, override_num_blocks=len(items))
             # Spot nodes go away: Ray Data's actor pool defaults are kept on purpose, max_restarts=-1 (an
@@ -303,23 +320,33 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
             # the same bytes. The restarted actor's constructor arguments (the tokenizer) are owned by this driver,
             # on the head node, which outlives worker nodes. Transient I/O errors are retried inside the actor
             # (data.worker), a bounded number of times, so a permanent one cannot loop forever.
-            ds = ds.map_batches(
-                PrepareUnits, batch_size=1, batch_format="pyarrow",
-                fn_constructor_kwargs=dict(tokenizer_json=tok.tokenizer_json, splits=per_split,
-                                           text_unit=cfg.text_unit, frame=frame, engine=engine),
-                compute=rdata.ActorPoolStrategy(min_size=low, max_size=high), num_cpus=cfg.actor_cpus)
+            with warnings.catch_warnings():
+                # A Ray of this process alone has no node to lose: its actors are not restarted. (Ray's default
+                # restarts them, and for an actor whose constructor arguments are in the object store, as the
+                # tokenizer is, prints an error line on the console.) Ray 2.60 takes max_restarts only among the
+                # extra remote arguments, which it marks deprecated.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                ds = ds.map_batches(
+                    PrepareUnits, batch_size=1, batch_format="pyarrow",
+                    fn_constructor_kwargs=dict(tokenizer_json=tok.tokenizer_json, splits=per_split,
+                                               text_unit=cfg.text_unit, frame=frame, engine=engine),
+                    compute=rdata.ActorPoolStrategy(min_size=low, max_size=high), num_cpus=cfg.actor_cpus,
+                    **({"max_restarts": 0} if own_ray() else {}))
             last_print = time.time()
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
                 for s, rec in zip(batch.column("split").to_pylist(), batch.column("record").to_pylist(), strict=True):
                     runs[s].add(json.loads(rec))
                     received += 1
+                    bar.update(1)
                     if fail_after and received >= fail_after:
                         raise RuntimeError(f"fault prepare.fail_after_shards={fail_after}: simulated crash after "
                                            f"{received} units")
                 if time.time() - last_print >= cfg.progress_interval:
-                    log(cfg, "; ".join(r.progress_line() for r in runs.values()))
+                    bar.set_postfix_str(f"rows {sum(r.new_rows for r in runs.values()):,}")
+                    _log.debug("; ".join(r.progress_line() for r in runs.values()))  # -v
                     last_print = time.time()
         finally:
+            bar.close()
             ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start = saved
     return {s: run.finish() for s, run in runs.items()}
 

@@ -30,8 +30,11 @@ class LocalExecutor:
             large: bool = False) -> list[Any]:
         from tqdm.auto import tqdm
 
+        from pipelines.logs import verbosity
+
         out = []
-        with tqdm(total=total_units or len(jobs), desc=desc, unit=unit) as bar:
+        # Kept on the console with -v only: by default a job's bar shows while it runs (the results say the rest).
+        with tqdm(total=total_units or len(jobs), desc=desc, unit=unit, leave=verbosity() > 0) as bar:
             for job in jobs:
                 kw = dict(job)
                 if progress_kw == "rows":
@@ -83,13 +86,15 @@ class RayExecutor:
             large: bool = False) -> list[Any]:
         from tqdm.auto import tqdm
 
+        from pipelines.logs import verbosity
+
         remote = self.ray.remote(fn).options(num_cpus=self.cpus, num_gpus=self.gpus_for(large), max_retries=1)
         refs = [remote.remote(**job) for job in jobs]
         index = {r: i for i, r in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
         started = last = time.monotonic()
-        with tqdm(total=len(refs), desc=desc, unit="task") as bar:
+        with tqdm(total=len(refs), desc=desc, unit="task", leave=verbosity() > 0) as bar:  # kept with -v only
             while pending:
                 # The deadline runs from the submission or the last task to finish, whichever is later: a task
                 # queued behind others for a slot is not charged for their time.

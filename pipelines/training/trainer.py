@@ -26,7 +26,7 @@ from typing import Any
 
 from adlm_model.config import ConfigError
 from pipelines.faults import fault
-from pipelines.logs import first_line, get_logger, verbosity
+from pipelines.logs import first_line, get_logger, quiet_ray_data, run_progress, verbosity, worker_console
 from pipelines.placement import check_run
 from pipelines.runtime import init_ray, quiet_environment
 from pipelines.storage import (
@@ -224,6 +224,7 @@ def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, 
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # deterministic order (the driver's context: local mode)
     ctx.enable_progress_bars = verbosity() > 0  # Ray Data's bars only with -v: the loop prints its own progress
+    quiet_ray_data()
     # Ray Data's read_parquet samples the files in tasks of a whole CPU that no argument lowers (either datasource
     # of Ray 2.60): on nodes whose CPUs placement groups hold in part (a trial's driver, fractional workers) they
     # never start and the run waits for good. The split is read from its manifest instead: read tasks of
@@ -250,7 +251,7 @@ def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, 
     trainer = None  # inside a Tune trial in local mode, the loop runs right here (TrialSession)
     if trial_cpus is None:
         trainer = TorchTrainer(
-            train_loop_per_worker,
+            _worker_loop,
             train_loop_config={"loop": loop},
             torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
             scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
@@ -268,12 +269,24 @@ def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, 
             train_loop_per_worker({"loop": loop, "session": session})
             metrics = dict(session.last)
         else:
-            metrics = dict(trainer.fit().metrics or {})
+            with run_progress(cfg.run.name, cfg.run.max_steps, prev[0] if prev else 0):
+                metrics = dict(trainer.fit().metrics or {})
     except Exception as e:  # re-raised as TrainError naming the run and its logs: any worker failure
         msg = str(e).strip().splitlines()
         raise TrainError(f"training run {cfg.run.name!r} failed: {type(e).__name__}: "
                          f"{msg[-1] if msg else ''} (worker logs: {run_dir} and the Ray session logs)") from e
     return metrics
+
+
+def _ppl(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def _worker_loop(config: dict[str, Any]) -> None:
+    """What each Ray Train worker runs: the training loop, its log lines in the project's format on the console (the
+    driver tells a warning from a progress line by it: ``pipelines.logs.WorkerOutput``)."""
+    worker_console()
+    train_loop_per_worker(config)
 
 
 def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
@@ -383,8 +396,8 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
         unregistered = None
     export = publish_dir(local_export, join(wd, "checkpoints", cfg.run.name))
     shutil.rmtree(local_export.parent, ignore_errors=True)
-    say(f"[{cfg.run.name}] done: step {final[0]}, validation PPL <= {val_ppl}; best step {best_step} (PPL <= "
-        f"{best_val}) exported to {export}"
+    say(f"[{cfg.run.name}] done: step {final[0]}, validation PPL <= {_ppl(val_ppl)}; best step {best_step} (PPL <= "
+        f"{_ppl(best_val)}) exported to {export}"
         + (f", registered {cfg.mlflow.registered_model} v{version} @candidate" if version else ""))
     return TrainResult(run_id=run_id or "", run_name=cfg.run.name, step=final[0], val_ppl=val_ppl,
                        checkpoint_dir=export, registered_version=version,

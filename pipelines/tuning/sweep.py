@@ -26,6 +26,7 @@ finds its final checkpoint, trains nothing and reports the same validation again
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import io
@@ -33,6 +34,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -376,8 +378,33 @@ def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: Trial
 
 
 def _tune_verbosity() -> int:
-    """Tune's status table (1) by default, none with ``-q``, each trial's results too with ``-v``."""
-    return 0 if verbosity() < 0 else 2 if verbosity() > 0 else 1
+    """Tune's own output: its status tables and each trial's results with ``-v`` (2); none otherwise (0), where
+    one bar over the trials (``TrialBar``) is the sweep's progress, and none at all with ``-q``."""
+    return 2 if verbosity() > 0 else 0
+
+
+@contextlib.contextmanager
+def _tune_output() -> Iterator[None]:
+    """Tune's output engine while a sweep runs: at default verbosity the older one, which ``verbose=0`` silences
+    (Ray 2.60's newer engine prints its configuration table and the results folder even then); as set otherwise."""
+    if verbosity() != 0 or "RAY_AIR_NEW_OUTPUT" in os.environ:
+        yield
+        return
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+
+
+def _progress(space: SearchSpace) -> list:
+    """The callbacks that show the sweep's progress at this verbosity: ``TrialBar`` by default, none with ``-v``
+    (Tune's tables) or ``-q``."""
+    if verbosity() != 0:
+        return []
+    from pipelines.tuning.progress import TrialBar
+
+    return [TrialBar(space.name, space.total_trials)]
 
 
 def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
@@ -425,13 +452,14 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
             # A trial whose driver dies anyway (its node lost) is retried: the retry's training resumes from the
             # run's latest checkpoint, so the trial ends as if undisturbed.
             run_config=RunConfig(name=space.name, storage_path=plan.storage, verbose=_tune_verbosity(),
-                                 failure_config=FailureConfig(max_failures=TRIAL_RETRIES)),
+                                 failure_config=FailureConfig(max_failures=TRIAL_RETRIES), callbacks=_progress(space)),
         )
     log.info(f"[sweep {space.name}] {space.total_trials} trials ({space.algorithm} search, {space.scheduler} "
              f"scheduler, max_t {plan.max_t} steps), {space.max_concurrent} at a time; MLflow parent run {parent} "
              f"at {redact_uri(plan.tracking_uri)}")
     try:
-        grid = tuner.fit()
+        with _tune_output():
+            grid = tuner.fit()
     except Exception as e:  # re-raised with the rerun line: anything a trial or Tune raises ends here
         raise TuneError(f"sweep {space.name!r} failed: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}; "
                         f"rerun the same command to resume from {exp_dir}") from e
