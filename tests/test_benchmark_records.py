@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+TOOLS = {"records_from_raw.py"}
+"""Scripts beside the benchmarks that measure nothing (it writes the records of runs older than ``--record``)."""
+BENCHMARKS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_") and p.name not in TOOLS)
 OWN_CHECKS = {"gpu_check.py", "fast_sampling.py"}
 """Checked by their own tests (tests/test_gpu_check.py, tests/test_fast_sampling_bench.py)."""
 
