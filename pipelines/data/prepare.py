@@ -87,7 +87,7 @@ from pipelines.data.sources import Unit
 from pipelines.data.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
 from pipelines.data.worker import PrepareUnits
 from pipelines.faults import fault
-from pipelines.runtime import init_ray
+from pipelines.runtime import cpu_work_selector, init_ray
 from pipelines.storage import delete_dir, exists, get_fs, join, read_bytes, warn_if_node_local, write_bytes_atomic
 
 # ----------------------------------------------------------------------------------------------------------
@@ -283,8 +283,10 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
     received = 0
     if items:
         ctx = rdata.DataContext.get_current()
-        saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start)
+        saved = (ctx.execution_options.preserve_order, ctx.execution_options.label_selector, ctx.enable_progress_bars,
+                 ctx.print_on_execution_start)
         ctx.execution_options.preserve_order = False  # the records are ordered by unit index at the end
+        ctx.execution_options.label_selector = cpu_work_selector()  # every task and actor: never on a GPU node
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
         sized = all(u["kind"] in ("text", "jsonl") for u in items)  # byte ranges; rows elsewhere
@@ -320,7 +322,8 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
                     log(cfg, "; ".join(r.progress_line() for r in runs.values()))
                     last_print = time.time()
         finally:
-            ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start = saved
+            (ctx.execution_options.preserve_order, ctx.execution_options.label_selector, ctx.enable_progress_bars,
+             ctx.print_on_execution_start) = saved
     return {s: run.finish() for s, run in runs.items()}
 
 # ----------------------------------------------------------------------------------------------------------
