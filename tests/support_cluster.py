@@ -413,12 +413,15 @@ def _kill_new_children(before: set[int]) -> None:
 
 
 @contextlib.contextmanager
-def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] | None = None) -> Iterator[RayCluster]:
+def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] | None = None,
+                extra_nodes: tuple[dict, ...] = ()) -> Iterator[RayCluster]:
     """Head (0 CPUs, dashboard and job API on loopback) plus ``nodes`` nodes of ``cpus`` CPUs. The nodes are
     started from this process: they inherit its environment (the S3 settings and credentials, as nodes of a
     real cluster take them from their own environment or instance role), with the venv first on PATH so
     that a job's ``python`` is this interpreter. ``head_resources``: custom resources of the head (cluster.yaml's
-    ``adlm_driver``, which keeps Tune trial drivers on the never-preempted head). Each node gets its own runtime-env folder: nodes that share
+    ``adlm_driver``, which keeps Tune trial drivers on the never-preempted head). ``extra_nodes``: more nodes after
+    those, each with its own ``Cluster.add_node`` arguments (``num_cpus``, ``num_gpus``: a GPU Ray schedules on with
+    no device behind it, ``labels``). Each node gets its own runtime-env folder: nodes that share
     one (as on one machine) garbage-collect each other's job working directories."""
     from ray.cluster_utils import Cluster
 
@@ -438,8 +441,9 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] 
                     "num_cpus": 0, "resources": dict(head_resources or {}), "include_dashboard": True,
                     "dashboard_host": "127.0.0.1", "dashboard_port": dash, "_system_config": system_config,
                     **_free_ports()})
-                return cluster, [cluster.add_node(num_cpus=cpus, runtime_env_dir_name=f"runtime_resources_node{i}",
-                                                  **_free_ports()) for i in range(nodes)], dash
+                specs = [{"num_cpus": cpus} for _ in range(nodes)] + [dict(n) for n in extra_nodes]
+                return cluster, [cluster.add_node(**spec, runtime_env_dir_name=f"runtime_resources_node{i}",
+                                                  **_free_ports()) for i, spec in enumerate(specs)], dash
             except Exception:
                 if cluster is not None:
                     cluster.shutdown()
@@ -688,7 +692,8 @@ def autoscaling_config(gcs_address: str, without: tuple[str, ...] = (), idle_tim
                        recipe: dict | None = None) -> dict:
     """The autoscaler's config for Ray's fake multi-node provider: cluster.yaml's node types (or ``recipe``'s, a
     cluster.yaml-shaped config: a control; names and custom resources read from it; CPU, GPU, object store and
-    counts scaled: ``SCALED_WORKERS``, ``scaled_max_workers``), all workers from zero, idle nodes retired after
+    counts scaled: ``SCALED_WORKERS``, ``scaled_max_workers``; Ray node labels as they are, which the provider gives
+    the nodes it launches), all workers from zero, idle nodes retired after
     ``idle_timeout_s``; ``without``: worker types left out (a control). Written in full (the provider's defaults
     file, example.yaml, is not in Ray's wheel)."""
     import yaml
@@ -696,7 +701,8 @@ def autoscaling_config(gcs_address: str, without: tuple[str, ...] = (), idle_tim
     recipe = recipe or yaml.safe_load((ROOT / "cluster.yaml").read_text())
     types = recipe["available_node_types"]
     head = types[recipe["head_node_type"]]
-    node_types = {FAKE_HEAD_TYPE: {"resources": dict(head["resources"]), "node_config": {}, "max_workers": 0}}
+    node_types = {FAKE_HEAD_TYPE: {"resources": dict(head["resources"]), "labels": dict(head.get("labels") or {}),
+                                   "node_config": {}, "max_workers": 0}}
     for name, scaled in SCALED_WORKERS.items():
         spec = types[name]  # a KeyError here: cluster.yaml renamed a node type this test stands for
         assert ("GPU" in spec["resources"]) == ("GPU" in scaled), (name, spec["resources"])
@@ -704,6 +710,7 @@ def autoscaling_config(gcs_address: str, without: tuple[str, ...] = (), idle_tim
             continue
         custom = {k: v for k, v in spec["resources"].items() if k not in ("CPU", "GPU")}
         node_types[name] = {"resources": {**custom, **scaled, "object_store_memory": NODE_OBJECT_STORE},
+                            "labels": dict(spec.get("labels") or {}),
                             "node_config": {}, "min_workers": spec.get("min_workers", 0),
                             "max_workers": scaled_max_workers(spec, recipe)}
     return {
@@ -903,6 +910,7 @@ def autoscaling_cluster(env: dict[str, str], token: str, log: Path, without: tup
     config = temp / "autoscaling.yaml"
     config.write_text(yaml.safe_dump(settings))
     head = settings["available_node_types"][FAKE_HEAD_TYPE]["resources"]
+    head_labels = settings["available_node_types"][FAKE_HEAD_TYPE]["labels"]
     ports = _free_ports()
     pythonpath = os.pathsep.join(p for p in (str(ROOT / "tests" / "autoscaler_provider"), env.get("PYTHONPATH")) if p)
     # RAY_ADDRESS: a process of the cluster that looks for "its" Ray (Ray Train's placement-group cleaner, through
@@ -915,6 +923,7 @@ def autoscaling_cluster(env: dict[str, str], token: str, log: Path, without: tup
                 "RAY_health_check_period_ms": "1000"}
     cmd = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=0",
            f"--resources={json.dumps({k: v for k, v in head.items() if k not in ('CPU', 'GPU')})}",
+           *([f"--labels={','.join(f'{k}={v}' for k, v in head_labels.items())}"] if head_labels else []),
            f"--temp-dir={temp}", "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
            f"--dashboard-agent-listen-port={ports['dashboard_agent_listen_port']}",
            f"--dashboard-agent-grpc-port={ports['metrics_agent_port']}",
