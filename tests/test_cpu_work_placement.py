@@ -3,8 +3,8 @@
 
 One Ray cluster on this machine (tests/support_cluster.py): a 0-CPU head; a CPU node (1 CPU, labelled ``cpu``); a
 "GPU" node (2 CPUs and a GPU Ray schedules on, with no device behind it) labelled ``gpu``; and its twin without the
-label, which stands for a GPU node nobody declared. The real stages run from this process as their commands run
-them: Ray Data preparation (its tokenizer actors), a CPU training run (its Ray Train workers and Ray Data reads) and
+label, which stands for a GPU node nobody declared. The pre-flight check of a Ray that will not grow counts only
+the nodes CPU work may use. The real stages run from this process as their commands run them: Ray Data preparation (its tokenizer actors), a CPU training run (its Ray Train workers and Ray Data reads) and
 the evaluation's tasks. Nothing of theirs runs on the labelled node, while its unlabelled twin, otherwise the same,
 takes their work (so the work would have landed on a GPU node's idle CPUs); and the evaluation's tasks submitted
 without the selector (the control) do land on the labelled node.
@@ -39,6 +39,7 @@ def test_cpu_stages_never_run_on_a_gpu_labelled_node_with_idle_cpus(tiny_data: P
     from pipelines.data.embedded import embedded_slices
     from pipelines.data.prepare import PrepareConfig, prepare
     from pipelines.evaluation.executors import RayExecutor
+    from pipelines.placement import Unplaceable, check_run, fixed_nodes, run_demand, unplaceable
     from pipelines.training.config import load_config
     from pipelines.training.trainer import train
     from tests.support_data import TINY_MODEL, data_overrides
@@ -52,6 +53,12 @@ def test_cpu_stages_never_run_on_a_gpu_labelled_node_with_idle_cpus(tiny_data: P
         cpu, gpu, twin = (n.node_id for n in rc.workers)
         try:
             ray.init(address=rc.address)
+            # The pre-flight check of a Ray that will not grow counts only the nodes CPU work may use: a CPU run of two
+            # 2-CPU workers fits the labelled node and the twin, but not the twin and the CPU node.
+            wide = load_config(ROOT / "configs" / "demo.yaml", ["scaling.num_workers=2", "scaling.cpus_per_worker=2"])
+            assert not unplaceable(run_demand(wide), fixed_nodes())
+            with pytest.raises(Unplaceable, match="will not grow and cannot place"):
+                check_run(wide)
             # Data preparation: three tokenizer actors of a CPU each, as many as the nodes the selector allows hold.
             prepare(PrepareConfig(source=[f"train={texts['train']}"], tokenizer="gpt2", length=32, unit_mb=0.01,
                                   actors=3, min_actors=3, actor_cpus=1.0, out=str(tmp_path / "prepared"),

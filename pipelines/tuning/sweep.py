@@ -395,7 +395,7 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     warn_if_node_local([plan.storage], "the sweep's Tune storage")
     exp_dir = join(plan.storage, space.name)
     resuming = Tuner.can_restore(exp_dir)  # one look at the sweep's storage (a bucket's listing on a cluster)
-    nodes = placement.fixed_nodes()
+    nodes = placement.fixed_nodes(cpu_work=not plan.base.scaling.use_gpu)  # CPU trials: never on a GPU node
     if nodes is not None and not resuming:
         # A Ray that will not grow (this process's own, or a cluster without an autoscaler) is all there will be:
         # as many trials at once as it can place, each with its workers and a read task (more would wait on each
