@@ -660,6 +660,9 @@ def describe_leftovers(groups: list[dict], actors: list[dict]) -> str:
 # An autoscaling cluster: Ray's own autoscaler (its monitor, v1) with Ray's fake multi-node provider, which
 # launches and terminates nodes as Ray processes on this machine where a cloud provider would start instances.
 
+FAKE_HEAD_ID = "fffffffffffffffffffffffffffffffffffffffffffffffffff00000"
+"""The node id Ray's fake multi-node provider gives its head (``FAKE_HEAD_NODE_ID``), which the v2 autoscaler needs
+the head to start with."""
 FAKE_HEAD_TYPE = "ray.head.default"
 """The node type Ray's fake multi-node provider gives its head, whatever the config calls it: cluster.yaml's
 ``head`` goes under this name (its resources unchanged)."""
@@ -689,12 +692,13 @@ def scaled_max_workers(spec: dict, recipe: dict) -> int:
 
 
 def autoscaling_config(gcs_address: str, without: tuple[str, ...] = (), idle_timeout_s: float = 5.0,
-                       recipe: dict | None = None) -> dict:
+                       recipe: dict | None = None, v2: bool = False) -> dict:
     """The autoscaler's config for Ray's fake multi-node provider: cluster.yaml's node types (or ``recipe``'s, a
     cluster.yaml-shaped config: a control; names and custom resources read from it; CPU, GPU, object store and
     counts scaled: ``SCALED_WORKERS``, ``scaled_max_workers``; Ray node labels as they are, which the provider gives
     the nodes it launches), all workers from zero, idle nodes retired after
-    ``idle_timeout_s``; ``without``: worker types left out (a control). Written in full (the provider's defaults
+    ``idle_timeout_s``; ``without``: worker types left out (a control); ``v2``: for Ray's v2 autoscaler, which needs
+    the head's id. Written in full (the provider's defaults
     file, example.yaml, is not in Ray's wheel)."""
     import yaml
 
@@ -722,7 +726,8 @@ def autoscaling_config(gcs_address: str, without: tuple[str, ...] = (), idle_tim
         # autoscaler, seeing fewer than it asked for, launches more than the demand needs).
         "provider": {"type": "external", "module": "adlm_fake_provider.OwnDiskFakeProvider",
                      "gcs_address": gcs_address, "use_node_id_as_ip": True, "disable_node_updaters": True,
-                     "disable_launch_config_check": True, "launch_multiple": True},
+                     "disable_launch_config_check": True, "launch_multiple": True,
+                     **({"head_node_id": FAKE_HEAD_ID} if v2 else {})},
         "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [],
         "rsync_filter": [], "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
         "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": []}
@@ -885,13 +890,15 @@ def _cmdline(p: object) -> list[str]:
 
 @contextlib.contextmanager
 def autoscaling_cluster(env: dict[str, str], token: str, log: Path, without: tuple[str, ...] = (),
-                        idle_timeout_s: float = 5.0, recipe: dict | None = None) -> Iterator[AutoscalingCluster]:
+                        idle_timeout_s: float = 5.0, recipe: dict | None = None,
+                        v2: bool = False) -> Iterator[AutoscalingCluster]:
     """A 0-CPU head (cluster.yaml's, with ``adlm_driver``) whose autoscaler launches cluster.yaml's worker types
     (``autoscaling_config``) as Ray's fake multi-node provider does: Ray node processes on this machine. Started with
     ``ray start --head --autoscaling-config`` in ``env`` (token authentication on: ``RAY_AUTH_MODE=token`` and
     ``RAY_AUTH_TOKEN_PATH``; the S3 settings), in a temp dir and on ports of its own; never
     ``AutoscalingCluster.start()`` or ``ray stop``, which stop every Ray on the machine. The nodes the autoscaler
-    launches are processes of its monitor: they inherit ``env``. On exit every process of this cluster is killed
+    launches are processes of its monitor: they inherit ``env``. ``v2``: Ray's v2 autoscaler (what ``ray up`` starts
+    since Ray 2.50, label-aware) instead of the v1 monitor. On exit every process of this cluster is killed
     (``MARKER``), and none may be left."""
     import json
     import shutil
@@ -906,7 +913,7 @@ def autoscaling_cluster(env: dict[str, str], token: str, log: Path, without: tup
     temp = Path(tempfile.mkdtemp(prefix="adlm-as-", dir="/tmp"))
     port, dash = free_port(), free_port()
     gcs = f"{get_node_ip_address()}:{port}"
-    settings = autoscaling_config(gcs, without, idle_timeout_s, recipe)
+    settings = autoscaling_config(gcs, without, idle_timeout_s, recipe, v2)
     config = temp / "autoscaling.yaml"
     config.write_text(yaml.safe_dump(settings))
     head = settings["available_node_types"][FAKE_HEAD_TYPE]["resources"]
@@ -920,7 +927,10 @@ def autoscaling_cluster(env: dict[str, str], token: str, log: Path, without: tup
                 # that stops reporting given up after 10 s (default 30), after the GCS's health checks, every
                 # second here (default 3), find it dead: scaled down with the rest.
                 "AUTOSCALER_UPDATE_INTERVAL_S": "1", "AUTOSCALER_HEARTBEAT_TIMEOUT_S": "10",
-                "RAY_health_check_period_ms": "1000"}
+                "RAY_health_check_period_ms": "1000",
+                # v2: Ray's v2 autoscaler (what `ray up` starts), which knows the head by its instance id.
+                **({"RAY_enable_autoscaler_v2": "1", "RAY_CLOUD_INSTANCE_ID": FAKE_HEAD_ID,
+                    "RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_ID} if v2 else {})}
     cmd = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=0",
            f"--resources={json.dumps({k: v for k, v in head.items() if k not in ('CPU', 'GPU')})}",
            *([f"--labels={','.join(f'{k}={v}' for k, v in head_labels.items())}"] if head_labels else []),

@@ -12,6 +12,7 @@ without the selector (the control) do land on the labelled node.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -101,3 +102,66 @@ def test_cpu_stages_never_run_on_a_gpu_labelled_node_with_idle_cpus(tiny_data: P
             assert gpu in ran, ran
         finally:
             ray.shutdown()
+
+
+DRIVER = '''
+import json, sys, time
+
+import ray
+
+import pipelines.runtime as runtime
+from pipelines.evaluation.executors import RayExecutor
+
+
+def where(seconds):
+    time.sleep(seconds)
+    return ray.get_runtime_context().get_node_id()
+
+
+ray.init()
+if sys.argv[1] == "control":  # the selector left off
+    runtime.cpu_work_options = lambda gpus=0.0: {}
+# GPU work that leaves its node's CPU idle; then, while it runs, two CPU tasks of the evaluation's executor.
+held = ray.remote(where).options(num_cpus=0, num_gpus=1).remote(float(sys.argv[2]))
+while not [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")]:
+    time.sleep(0.5)
+time.sleep(2)
+cpu = RayExecutor(cpus=1, gpus=0).run(where, [{"seconds": 3.0}, {"seconds": 3.0}], desc=sys.argv[1])
+print("NODES " + json.dumps({"gpu": ray.get(held), "cpu": cpu}))
+'''
+
+
+def test_the_v2_autoscaler_starts_cpu_nodes_for_cpu_work_while_a_gpu_node_idles(tmp_path: Path) -> None:
+    """Ray's v2 autoscaler (what ``ray up`` starts) on cluster.yaml's node types and labels (Ray's fake multi-node
+    provider, tests/support_cluster.py): with a ``gpu_worker`` up for GPU work and one of its CPUs idle, the
+    evaluation's CPU tasks make it launch ``cpu_worker`` nodes and run there, none on the GPU node. The control: once
+    the CPU nodes are retired, the same tasks without the selector run on the GPU node's idle CPU."""
+    import subprocess
+    import sys
+
+    from tests.support_cluster import autoscaling_cluster, node_settings, node_type
+    from tests.test_cluster import TOKEN, _env
+
+    token = tmp_path / "auth_token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    env = {**_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token)), **node_settings()}
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    with autoscaling_cluster(env, TOKEN, tmp_path / "ray-start.log", v2=True) as ac:
+        def run(case: str, seconds: float) -> dict:
+            r = subprocess.run([sys.executable, str(driver), case, str(seconds)], cwd=ROOT, capture_output=True,
+                               text=True, timeout=300,
+                               env={**ac.client_env, "RAY_ADDRESS": ac.address, "PYTHONPATH": str(ROOT)})
+            line = [x for x in r.stdout.splitlines() if x.startswith("NODES ")]
+            assert r.returncode == 0 and line, f"{r.stderr[-3000:]}\n{ac.status()}"
+            kinds = {n["node_id"]: node_type(n) for n in ac.nodes()}
+            got = json.loads(line[0].removeprefix("NODES "))
+            return {"gpu": kinds[got["gpu"]], "cpu": [kinds[n] for n in got["cpu"]]}
+
+        placed = run("selector", 20.0)
+        assert placed == {"gpu": "gpu_worker", "cpu": ["cpu_worker", "cpu_worker"]}, f"{placed}\n{ac.status()}"
+        ac.wait_for("the idle cpu_worker nodes retired", lambda: not [
+            n for n in ac.workers() if node_type(n) == "cpu_worker"], timeout=90)
+        control = run("control", 10.0)
+        assert "gpu_worker" in control["cpu"], f"{control}\n{ac.status()}"
