@@ -222,8 +222,8 @@ def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, 
     init_ray()
     warn_if_node_local([*plan.train_uris[:1], storage, wd], "training reads or writes")
     # A CPU run is CPU work from end to end: its Ray Train workers and its Ray Data reads never go to a GPU node
-    # (pipelines.runtime.cpu_work_selector). A GPU run's workers go where the GPUs are, and its reads feed them from
-    # the same nodes' CPUs.
+    # (pipelines.runtime.cpu_work_selector). A GPU run's workers go where the GPUs are, and its reads may use any
+    # node's CPUs, the GPU nodes' own included.
     selector = None if cfg.scaling.use_gpu else cpu_work_selector()
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # deterministic order (the driver's context: local mode)
