@@ -306,7 +306,7 @@ def check_run(cfg: Any) -> None:
     """Pre-flight of one training run: on a Ray that will not grow (``fixed_nodes``), a run whose worker group
     and read task its nodes cannot place together is refused in one line (``Unplaceable``) before any work, where
     Ray would wait for good. Nothing is checked where nodes may still be added."""
-    nodes = fixed_nodes()
+    nodes = fixed_nodes(cpu_work=not cfg.scaling.use_gpu)  # a CPU run: none of its work on a GPU node
     if nodes is None:
         return
     demand = run_demand(cfg)
@@ -356,15 +356,19 @@ def own_ray() -> bool:
     return not os.environ.get("RAY_ADDRESS") and ray.get_runtime_context().worker.mode != ray.WORKER_MODE
 
 
-def fixed_nodes() -> list[dict[str, float]] | None:
+def fixed_nodes(cpu_work: bool = False) -> list[dict[str, float]] | None:
     """The nodes of a Ray that will not grow, as their total resources: the one this process started itself (a
     driver without ``$RAY_ADDRESS``: ``init_ray`` then starts a local Ray), or a running cluster with no autoscaler
     (``without_autoscaler``); None where nodes may still be added (an autoscaling cluster: its demands wait for a
     launch, which ``placement_deadline`` bounds). A Ray task or actor (a Tune trial) started no Ray, whatever its
-    environment says: only the monitor's report tells."""
+    environment says: only the monitor's report tells. ``cpu_work``: only the nodes CPU-only work may use (not
+    those labelled GPU nodes: ``pipelines.runtime.cpu_work_selector``)."""
     import ray
+
+    from pipelines.runtime import GPU_NODE_KIND, NODE_KIND_LABEL
 
     if not ray.is_initialized() or not (own_ray() or without_autoscaler(autoscaling_report())):
         return None
     return [{k: float(v) for k, v in (n.get("Resources") or {}).items() if not k.startswith("node:")}
-            for n in ray.nodes() if n.get("Alive")]
+            for n in ray.nodes() if n.get("Alive")
+            and not (cpu_work and (n.get("Labels") or {}).get(NODE_KIND_LABEL) == GPU_NODE_KIND)]

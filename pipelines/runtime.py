@@ -5,12 +5,15 @@
   that refuses this driver (no token, a wrong one, token mode off on this side) fails in one line naming what
   to set (``RayAuthError``), before any work. The workers' output reaches this console through
   ``pipelines.logs.WorkerOutput`` (every line of it with ``-v``).
+- ``cpu_work_selector`` / ``cpu_work_options`` / ``cpu_placement``: where the CPU stages' work may run (never on a
+  node labelled a GPU node).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from pipelines.logs import route_worker_output
 
@@ -32,6 +35,37 @@ LOCAL_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 120_000}
 about 15 (controller, worker, placement-group cleaner, Ray Data's coordinators and read tasks): each later fit or
 stage then starts them again, at 1-2 CPU-seconds each. Kept for 2 minutes they are reused: a tiny 1-worker fit
 after the first costs about 20 CPU-seconds here instead of 30 (16 s instead of 21)."""
+
+
+NODE_KIND_LABEL = "adlm.io/node-kind"
+"""The Ray node label that says what a node is for: ``gpu`` on GPU node types (cluster.yaml's ``gpu_worker``, the
+KubeRay ``gpu-worker`` group), ``cpu`` on the head and the CPU types. Ray's own labels live under ``ray.io/``."""
+GPU_NODE_KIND = "gpu"
+
+
+def cpu_work_selector() -> dict[str, str]:
+    """The label selector every piece of CPU-only work carries (Ray Data's tasks and actors, Tune's trial drivers,
+    CPU Ray Train workers, evaluation tasks without a GPU): any node not labelled a GPU node. A node without the
+    label (a laptop, a cluster started without this project's labels) satisfies it, so it never leaves work
+    unplaceable; on a labelled cluster CPU work neither lands on a GPU node's idle CPUs nor, with a label-aware
+    autoscaler (v2: ``ray up``'s default, KubeRay's ``autoscalerOptions.version: v2``), starts one. A fresh dict
+    each call (Ray keeps what it is given)."""
+    return {NODE_KIND_LABEL: f"!{GPU_NODE_KIND}"}
+
+
+def cpu_work_options(gpus: float = 0.0) -> dict[str, dict[str, str]]:
+    """Ray remote options for a task or actor that asks for ``gpus`` GPUs: the CPU-work selector when it asks for
+    none, nothing otherwise (GPU work goes where the GPUs are)."""
+    return {} if gpus else {"label_selector": cpu_work_selector()}
+
+
+def cpu_placement(bundle: dict[str, float]) -> Any:
+    """What a Tune trial reserves for its own process (``tune.with_resources``): ``bundle`` (zero amounts left
+    out), one bundle that carries the CPU-work selector. A trial's driver is CPU work whatever its training
+    workers use; those ask for their own resources (Ray Train's worker group)."""
+    from ray.tune import PlacementGroupFactory
+
+    return PlacementGroupFactory([{k: v for k, v in bundle.items() if v}], bundle_label_selector=[cpu_work_selector()])
 
 
 def driver_resources(cpu: float) -> dict[str, float]:

@@ -413,12 +413,15 @@ def _kill_new_children(before: set[int]) -> None:
 
 
 @contextlib.contextmanager
-def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] | None = None) -> Iterator[RayCluster]:
+def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] | None = None,
+                extra_nodes: tuple[dict, ...] = ()) -> Iterator[RayCluster]:
     """Head (0 CPUs, dashboard and job API on loopback) plus ``nodes`` nodes of ``cpus`` CPUs. The nodes are
     started from this process: they inherit its environment (the S3 settings and credentials, as nodes of a
     real cluster take them from their own environment or instance role), with the venv first on PATH so
     that a job's ``python`` is this interpreter. ``head_resources``: custom resources of the head (cluster.yaml's
-    ``adlm_driver``, which keeps Tune trial drivers on the never-preempted head). Each node gets its own runtime-env folder: nodes that share
+    ``adlm_driver``, which keeps Tune trial drivers on the never-preempted head). ``extra_nodes``: more nodes after
+    those, each with its own ``Cluster.add_node`` arguments (``num_cpus``, ``num_gpus``: a GPU Ray schedules on with
+    no device behind it, ``labels``). Each node gets its own runtime-env folder: nodes that share
     one (as on one machine) garbage-collect each other's job working directories."""
     from ray.cluster_utils import Cluster
 
@@ -438,8 +441,9 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] 
                     "num_cpus": 0, "resources": dict(head_resources or {}), "include_dashboard": True,
                     "dashboard_host": "127.0.0.1", "dashboard_port": dash, "_system_config": system_config,
                     **_free_ports()})
-                return cluster, [cluster.add_node(num_cpus=cpus, runtime_env_dir_name=f"runtime_resources_node{i}",
-                                                  **_free_ports()) for i in range(nodes)], dash
+                specs = [{"num_cpus": cpus} for _ in range(nodes)] + [dict(n) for n in extra_nodes]
+                return cluster, [cluster.add_node(**spec, runtime_env_dir_name=f"runtime_resources_node{i}",
+                                                  **_free_ports()) for i, spec in enumerate(specs)], dash
             except Exception:
                 if cluster is not None:
                     cluster.shutdown()
@@ -656,6 +660,9 @@ def describe_leftovers(groups: list[dict], actors: list[dict]) -> str:
 # An autoscaling cluster: Ray's own autoscaler (its monitor, v1) with Ray's fake multi-node provider, which
 # launches and terminates nodes as Ray processes on this machine where a cloud provider would start instances.
 
+FAKE_HEAD_ID = "fffffffffffffffffffffffffffffffffffffffffffffffffff00000"
+"""The node id Ray's fake multi-node provider gives its head (``FAKE_HEAD_NODE_ID``), which the v2 autoscaler needs
+the head to start with."""
 FAKE_HEAD_TYPE = "ray.head.default"
 """The node type Ray's fake multi-node provider gives its head, whatever the config calls it: cluster.yaml's
 ``head`` goes under this name (its resources unchanged)."""
@@ -685,18 +692,21 @@ def scaled_max_workers(spec: dict, recipe: dict) -> int:
 
 
 def autoscaling_config(gcs_address: str, without: tuple[str, ...] = (), idle_timeout_s: float = 5.0,
-                       recipe: dict | None = None) -> dict:
+                       recipe: dict | None = None, v2: bool = False) -> dict:
     """The autoscaler's config for Ray's fake multi-node provider: cluster.yaml's node types (or ``recipe``'s, a
     cluster.yaml-shaped config: a control; names and custom resources read from it; CPU, GPU, object store and
-    counts scaled: ``SCALED_WORKERS``, ``scaled_max_workers``), all workers from zero, idle nodes retired after
-    ``idle_timeout_s``; ``without``: worker types left out (a control). Written in full (the provider's defaults
+    counts scaled: ``SCALED_WORKERS``, ``scaled_max_workers``; Ray node labels as they are, which the provider gives
+    the nodes it launches), all workers from zero, idle nodes retired after
+    ``idle_timeout_s``; ``without``: worker types left out (a control); ``v2``: for Ray's v2 autoscaler, which needs
+    the head's id. Written in full (the provider's defaults
     file, example.yaml, is not in Ray's wheel)."""
     import yaml
 
     recipe = recipe or yaml.safe_load((ROOT / "cluster.yaml").read_text())
     types = recipe["available_node_types"]
     head = types[recipe["head_node_type"]]
-    node_types = {FAKE_HEAD_TYPE: {"resources": dict(head["resources"]), "node_config": {}, "max_workers": 0}}
+    node_types = {FAKE_HEAD_TYPE: {"resources": dict(head["resources"]), "labels": dict(head.get("labels") or {}),
+                                   "node_config": {}, "max_workers": 0}}
     for name, scaled in SCALED_WORKERS.items():
         spec = types[name]  # a KeyError here: cluster.yaml renamed a node type this test stands for
         assert ("GPU" in spec["resources"]) == ("GPU" in scaled), (name, spec["resources"])
@@ -704,6 +714,7 @@ def autoscaling_config(gcs_address: str, without: tuple[str, ...] = (), idle_tim
             continue
         custom = {k: v for k, v in spec["resources"].items() if k not in ("CPU", "GPU")}
         node_types[name] = {"resources": {**custom, **scaled, "object_store_memory": NODE_OBJECT_STORE},
+                            "labels": dict(spec.get("labels") or {}),
                             "node_config": {}, "min_workers": spec.get("min_workers", 0),
                             "max_workers": scaled_max_workers(spec, recipe)}
     return {
@@ -715,7 +726,8 @@ def autoscaling_config(gcs_address: str, without: tuple[str, ...] = (), idle_tim
         # autoscaler, seeing fewer than it asked for, launches more than the demand needs).
         "provider": {"type": "external", "module": "adlm_fake_provider.OwnDiskFakeProvider",
                      "gcs_address": gcs_address, "use_node_id_as_ip": True, "disable_node_updaters": True,
-                     "disable_launch_config_check": True, "launch_multiple": True},
+                     "disable_launch_config_check": True, "launch_multiple": True,
+                     **({"head_node_id": FAKE_HEAD_ID} if v2 else {})},
         "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [],
         "rsync_filter": [], "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
         "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": []}
@@ -878,13 +890,15 @@ def _cmdline(p: object) -> list[str]:
 
 @contextlib.contextmanager
 def autoscaling_cluster(env: dict[str, str], token: str, log: Path, without: tuple[str, ...] = (),
-                        idle_timeout_s: float = 5.0, recipe: dict | None = None) -> Iterator[AutoscalingCluster]:
+                        idle_timeout_s: float = 5.0, recipe: dict | None = None,
+                        v2: bool = False) -> Iterator[AutoscalingCluster]:
     """A 0-CPU head (cluster.yaml's, with ``adlm_driver``) whose autoscaler launches cluster.yaml's worker types
     (``autoscaling_config``) as Ray's fake multi-node provider does: Ray node processes on this machine. Started with
     ``ray start --head --autoscaling-config`` in ``env`` (token authentication on: ``RAY_AUTH_MODE=token`` and
     ``RAY_AUTH_TOKEN_PATH``; the S3 settings), in a temp dir and on ports of its own; never
     ``AutoscalingCluster.start()`` or ``ray stop``, which stop every Ray on the machine. The nodes the autoscaler
-    launches are processes of its monitor: they inherit ``env``. On exit every process of this cluster is killed
+    launches are processes of its monitor: they inherit ``env``. ``v2``: Ray's v2 autoscaler (what ``ray up`` starts
+    since Ray 2.50, label-aware) instead of the v1 monitor. On exit every process of this cluster is killed
     (``MARKER``), and none may be left."""
     import json
     import shutil
@@ -899,10 +913,11 @@ def autoscaling_cluster(env: dict[str, str], token: str, log: Path, without: tup
     temp = Path(tempfile.mkdtemp(prefix="adlm-as-", dir="/tmp"))
     port, dash = free_port(), free_port()
     gcs = f"{get_node_ip_address()}:{port}"
-    settings = autoscaling_config(gcs, without, idle_timeout_s, recipe)
+    settings = autoscaling_config(gcs, without, idle_timeout_s, recipe, v2)
     config = temp / "autoscaling.yaml"
     config.write_text(yaml.safe_dump(settings))
     head = settings["available_node_types"][FAKE_HEAD_TYPE]["resources"]
+    head_labels = settings["available_node_types"][FAKE_HEAD_TYPE]["labels"]
     ports = _free_ports()
     pythonpath = os.pathsep.join(p for p in (str(ROOT / "tests" / "autoscaler_provider"), env.get("PYTHONPATH")) if p)
     # RAY_ADDRESS: a process of the cluster that looks for "its" Ray (Ray Train's placement-group cleaner, through
@@ -912,9 +927,13 @@ def autoscaling_cluster(env: dict[str, str], token: str, log: Path, without: tup
                 # that stops reporting given up after 10 s (default 30), after the GCS's health checks, every
                 # second here (default 3), find it dead: scaled down with the rest.
                 "AUTOSCALER_UPDATE_INTERVAL_S": "1", "AUTOSCALER_HEARTBEAT_TIMEOUT_S": "10",
-                "RAY_health_check_period_ms": "1000"}
+                "RAY_health_check_period_ms": "1000",
+                # v2: Ray's v2 autoscaler (what `ray up` starts), which knows the head by its instance id.
+                **({"RAY_enable_autoscaler_v2": "1", "RAY_CLOUD_INSTANCE_ID": FAKE_HEAD_ID,
+                    "RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_ID} if v2 else {})}
     cmd = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=0",
            f"--resources={json.dumps({k: v for k, v in head.items() if k not in ('CPU', 'GPU')})}",
+           *([f"--labels={','.join(f'{k}={v}' for k, v in head_labels.items())}"] if head_labels else []),
            f"--temp-dir={temp}", "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
            f"--dashboard-agent-listen-port={ports['dashboard_agent_listen_port']}",
            f"--dashboard-agent-grpc-port={ports['metrics_agent_port']}",

@@ -290,6 +290,7 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
 
     from adlm_model.checkpoint import load_state
     from pipelines.data.manifest import read_manifest
+    from pipelines.runtime import NODE_KIND_LABEL
     from pipelines.storage import download_dir, upload_dir
     from pipelines.training.config import load_config
     from pipelines.training.trainer import train
@@ -382,6 +383,9 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
         assert status == "SUCCEEDED", f"{log[-5000:]}\n{ac.status()}"
         # CPU work only so far: no GPU node was launched for it, not even while the killed nodes still counted.
         assert not [n for n in ac.nodes() if node_type(n) == "gpu_worker"], f"a gpu_worker for the CPU sweep\n{ac.status()}"
+        # Every node says what it is for, as cluster.yaml declares (the head too): the label CPU work selects on.
+        kinds = {(node_type(n), (n.get("labels") or {}).get(NODE_KIND_LABEL)) for n in ac.nodes()}
+        assert kinds == {("head", "cpu"), ("cpu_worker", "cpu")}, kinds
         cpu = {n["node_id"]: n for n in ac.nodes() if node_type(n) == "cpu_worker"}
         assert all(cpu[n]["state"] == "DEAD" for n in killed) and replacement[0]["node_id"] not in killed, (cpu, killed)
         # The trial drivers (Tune's function-trainable actors) and the Ray Train controllers ran on the head only.
@@ -407,6 +411,7 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
             env_file, empty, tmp_path / "eval-job.log", timeout=300, env=client_env)
         gpu = [n for n in ac.nodes() if node_type(n) == "gpu_worker" and n["start_time_ms"] / 1000 > evaluated]
         assert status == "SUCCEEDED" and gpu, f"{elog[-5000:]}\n{ac.status()}"
+        assert {(n.get("labels") or {}).get(NODE_KIND_LABEL) for n in gpu} == {"gpu"}, gpu
         tasks = [t for t in ac._get("tasks") if (t.get("required_resources") or {}).get("GPU")]
         assert tasks and {t["node_id"] for t in tasks} <= {n["node_id"] for n in gpu}, tasks
         assert client.get_model_version("adlm", version).tags.get("eval.run_id")

@@ -90,7 +90,7 @@ from pipelines.data.worker import PrepareUnits
 from pipelines.faults import fault
 from pipelines.logs import get_logger, quiet_ray_data, verbosity
 from pipelines.placement import own_ray
-from pipelines.runtime import init_ray
+from pipelines.runtime import cpu_work_selector, init_ray
 from pipelines.storage import delete_dir, exists, get_fs, join, read_bytes, warn_if_node_local, write_bytes_atomic
 
 _log = get_logger(__name__)
@@ -293,8 +293,10 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
     received = 0
     if items:
         ctx = rdata.DataContext.get_current()
-        saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start)
+        saved = (ctx.execution_options.preserve_order, ctx.execution_options.label_selector, ctx.enable_progress_bars,
+                 ctx.print_on_execution_start)
         ctx.execution_options.preserve_order = False  # the records are ordered by unit index at the end
+        ctx.execution_options.label_selector = cpu_work_selector()  # every task and actor: never on a GPU node
         ctx.enable_progress_bars = False  # the driver's own bar below: one for the whole stage
         ctx.print_on_execution_start = False
         quiet_ray_data()
@@ -347,7 +349,8 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
                     last_print = time.time()
         finally:
             bar.close()
-            ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start = saved
+            (ctx.execution_options.preserve_order, ctx.execution_options.label_selector, ctx.enable_progress_bars,
+             ctx.print_on_execution_start) = saved
     return {s: run.finish() for s, run in runs.items()}
 
 # ----------------------------------------------------------------------------------------------------------

@@ -87,8 +87,10 @@ class RayExecutor:
         from tqdm.auto import tqdm
 
         from pipelines.logs import verbosity
+        from pipelines.runtime import cpu_work_options
 
-        remote = self.ray.remote(fn).options(num_cpus=self.cpus, num_gpus=self.gpus_for(large), max_retries=1)
+        gpus = self.gpus_for(large)  # a task without a GPU is CPU work: never on a GPU node
+        remote = self.ray.remote(fn).options(num_cpus=self.cpus, num_gpus=gpus, max_retries=1, **cpu_work_options(gpus))
         refs = [remote.remote(**job) for job in jobs]
         index = {r: i for i, r in enumerate(refs)}
         results: list[Any] = [None] * len(refs)

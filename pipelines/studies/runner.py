@@ -35,6 +35,7 @@ from adlm_model.config import ConfigError
 from adlm_model.flops import training_flops_per_row
 from adlm_model.kinds import parameter_count
 from pipelines.logs import get_logger, verbosity
+from pipelines.runtime import cpu_placement
 from pipelines.storage import join, resolve_workdir, write_text
 from pipelines.studies.comparisons import compare, comparisons_markdown, excess_curves, truth_markdown
 from pipelines.studies.report import ArmResult, plot_curves, results_csv, table_markdown
@@ -258,8 +259,8 @@ def _fit(plan: StudyPlan, todo: list[RunPlan], arm_runs: dict[str, str | None]) 
     ctx = TrialContext({rp.run_name: rp for rp in todo}, plan.workdir, plan.tracking_uri, arm_runs, spec.name)
     # Longest first: the two slots finish together rather than one long run trailing alone.
     order = sorted(todo, key=lambda rp: -rp.max_steps * plan.flops_per_step[rp.arm])
-    # The trial trains in its own process (local mode), on the trial_cpu CPUs it reserves.
-    trainable = tune.with_resources(partial(run_one, ctx=ctx), {"cpu": spec.trial_cpu})
+    # The trial trains in its own process (local mode), on the trial_cpu CPUs it reserves, never a GPU node's.
+    trainable = tune.with_resources(partial(run_one, ctx=ctx), cpu_placement({"CPU": spec.trial_cpu}))
     tuner = Tuner(trainable, param_space={"run": tune.grid_search([rp.run_name for rp in order])},
                   tune_config=TuneConfig(max_concurrent_trials=spec.max_concurrent),
                   run_config=RunConfig(name=f"study-{spec.name}", storage_path=join(plan.workdir, "ray_results", "tune"),

@@ -28,7 +28,7 @@ from adlm_model.config import ConfigError
 from pipelines.faults import fault
 from pipelines.logs import first_line, get_logger, quiet_ray_data, run_progress, verbosity, worker_console
 from pipelines.placement import check_run
-from pipelines.runtime import init_ray, quiet_environment
+from pipelines.runtime import cpu_work_selector, init_ray, quiet_environment
 from pipelines.storage import (
     check_location,
     is_uri,
@@ -221,8 +221,13 @@ def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, 
 
     init_ray()
     warn_if_node_local([*plan.train_uris[:1], storage, wd], "training reads or writes")
+    # A CPU run is CPU work from end to end: its Ray Train workers and its Ray Data reads never go to a GPU node
+    # (pipelines.runtime.cpu_work_selector). A GPU run's workers go where the GPUs are, and its reads may use any
+    # node's CPUs, the GPU nodes' own included.
+    selector = None if cfg.scaling.use_gpu else cpu_work_selector()
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # deterministic order (the driver's context: local mode)
+    ctx.execution_options.label_selector = selector
     ctx.enable_progress_bars = verbosity() > 0  # Ray Data's bars only with -v: the loop prints its own progress
     quiet_ray_data()
     # Ray Data's read_parquet samples the files in tasks of a whole CPU that no argument lowers (either datasource
@@ -231,7 +236,7 @@ def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, 
     # data.read_cpus and nothing else (pipelines.data.ray_source).
     from pipelines.data.ray_source import split_dataset
 
-    exec_opts = ray.data.ExecutionOptions(preserve_order=True)
+    exec_opts = ray.data.ExecutionOptions(preserve_order=True, label_selector=selector)
     train_ds = split_dataset(plan.train_manifest, plan.columns, blocks=max(len(plan.train_uris), 2 * cfg.world),
                              num_cpus=cfg.data.read_cpus)
     train_ds = train_ds.randomize_block_order(seed=cfg.run.seed)
@@ -255,7 +260,8 @@ def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, 
             train_loop_config={"loop": loop},
             torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
             scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
-                                         resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
+                                         resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+                                         label_selector=selector),
             run_config=RunConfig(name=cfg.run.name, storage_path=storage,
                                  failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
                                  checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.num_to_keep),

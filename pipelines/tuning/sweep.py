@@ -45,7 +45,7 @@ from adlm_model.config import ConfigError
 from adlm_model.kinds import model_kind
 from pipelines import placement
 from pipelines.logs import get_logger, verbosity
-from pipelines.runtime import driver_resources, init_ray, quiet_environment
+from pipelines.runtime import cpu_placement, driver_resources, init_ray, quiet_environment
 from pipelines.storage import join, publish_dir, resolve_workdir, temp_dir, warn_if_node_local
 from pipelines.tracking import client, ensure_experiment, redact_uri, resolve_tracking_uri, tracking_reachable
 from pipelines.training.config import TrainConfig, apply_override, load_raw
@@ -422,7 +422,7 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     warn_if_node_local([plan.storage], "the sweep's Tune storage")
     exp_dir = join(plan.storage, space.name)
     resuming = Tuner.can_restore(exp_dir)  # one look at the sweep's storage (a bucket's listing on a cluster)
-    nodes = placement.fixed_nodes()
+    nodes = placement.fixed_nodes(cpu_work=not plan.base.scaling.use_gpu)  # CPU trials: never on a GPU node
     if nodes is not None and not resuming:
         # A Ray that will not grow (this process's own, or a cluster without an autoscaler) is all there will be:
         # as many trials at once as it can place, each with its workers and a read task (more would wait on each
@@ -437,9 +437,10 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
                            workdir=plan.workdir, tracking_uri=plan.tracking_uri, parent_run_id=parent)
     # Each trial's driver (and the Ray Train controller, which attaches to its driver's node) asks for what only
     # never-preempted nodes offer on a cluster (cluster.yaml's head), so a spot preemption takes only training
-    # workers, which Ray Train restarts from the bucket's checkpoint (failure.max_failures of the recipe).
+    # workers, which Ray Train restarts from the bucket's checkpoint (failure.max_failures of the recipe); never on a
+    # GPU node (pipelines.runtime.cpu_work_selector).
     trainable = tune.with_resources(tune.with_parameters(run_trial, plan=trial_plan),
-                                    driver_resources(space.trial_cpu))
+                                    cpu_placement(driver_resources(space.trial_cpu)))
     if resuming:
         log.info(f"[sweep {space.name}] resuming from {exp_dir}: finished trials are not rerun")
         tuner = Tuner.restore(exp_dir, trainable=trainable, resume_unfinished=True, resume_errored=True)
