@@ -321,7 +321,8 @@ def worker_console() -> None:
         if not any(isinstance(f, _NotProject) for f in h.filters):
             h.addFilter(_NotProject())
     ours = logging.getLogger(PROJECT_LOGGER)
-    if not any(getattr(h, "_adlm", False) for h in ours.handlers):
+    # The project's handler on the root (``setup_logging`` ran in this worker process before) prints them already.
+    if not any(getattr(h, "_adlm", False) for h in (*root.handlers, *ours.handlers)):
         handler = _StderrHandler()
         handler._adlm = True  # type: ignore[attr-defined]
         handler.setFormatter(logging.Formatter(FORMAT))
