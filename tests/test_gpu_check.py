@@ -234,11 +234,11 @@ def test_the_hook_refuses_a_package_adlm_model_would_import(tmp_path: Path) -> N
     pkg = tmp_path / "adlm_model"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "bad.py").write_text("import yaml\n")
+    (pkg / "bad.py").write_text("import requests\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", HOOK, ",".join(sorted(ALLOWED))], capture_output=True, text=True,
                           env=env, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 1 and "adlm_model.bad imports yaml" in proc.stderr
+    assert proc.returncode == 1 and "adlm_model.bad imports requests" in proc.stderr
 
 
 def test_a_second_try_resumes_the_items_the_first_finished(tmp_path: Path, capsys) -> None:

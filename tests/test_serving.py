@@ -157,7 +157,7 @@ def test_text_starts_with_the_prompt_and_ends_with_the_suffix(art, kind) -> None
     ("mdlm", {"sampler": "sedd-euler"}, "'sedd-euler' does not run on a mdlm model; it takes remdm-loop, mdlm, "
                                         "confidence, bd3lm"),
     ("bd3lm", {"sampler": "sedd-analytic"}, "it takes bd3lm, mdlm, remdm-loop, confidence (default 'bd3lm')"),
-    ("ar", {"sampler": "sedd-analytic"}, "'sedd-analytic' does not run on a ar model; it takes ar (default 'ar')"),
+    ("ar", {"sampler": "sedd-analytic"}, "'sedd-analytic' does not run on a ar model; it takes ar, ar-window (default 'ar')"),
 ])
 def test_bad_requests_fail_in_one_line_before_the_network_runs(art, kind, fields, message) -> None:
     gen = _generator(art, kind)

@@ -285,6 +285,7 @@ class SplitRun:
 def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine: str) -> dict[str, Manifest]:
     """One Ray Data pipeline over the remaining units of every split (one actor pool for all of them); the
     driver receives the units' records only, in whatever order they complete."""
+    import ray
     import ray.data as rdata
 
     cfg = plan.cfg
@@ -323,7 +324,7 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
             # on the head node, which outlives worker nodes. Transient I/O errors are retried inside the actor
             # (data.worker), a bounded number of times, so a permanent one cannot loop forever.
             with warnings.catch_warnings():
-                # A Ray of this process alone has no node to lose: its actors are not restarted. (Ray's default
+                # A one-node Ray this process started has no node to lose: its actors are not restarted. (Ray's default
                 # restarts them, and for an actor whose constructor arguments are in the object store, as the
                 # tokenizer is, prints an error line on the console.) Ray 2.60 takes max_restarts only among the
                 # extra remote arguments, which it marks deprecated.
@@ -333,7 +334,7 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
                     fn_constructor_kwargs=dict(tokenizer_json=tok.tokenizer_json, splits=per_split,
                                                text_unit=cfg.text_unit, frame=frame, engine=engine),
                     compute=rdata.ActorPoolStrategy(min_size=low, max_size=high), num_cpus=cfg.actor_cpus,
-                    **({"max_restarts": 0} if own_ray() else {}))
+                    **({"max_restarts": 0} if own_ray() and len([n for n in ray.nodes() if n["Alive"]]) == 1 else {}))
             last_print = time.time()
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
                 for s, rec in zip(batch.column("split").to_pylist(), batch.column("record").to_pylist(), strict=True):

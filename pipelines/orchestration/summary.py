@@ -254,39 +254,47 @@ def replace_block(readme: str, new_block: str) -> str:
     return head + new_block + rest.split(END, 1)[1]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from pipelines.logs import add_logging_flags
+
     p = argparse.ArgumentParser(prog="python -m pipelines.orchestration.summary",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", default=None, help="the demo's work directory (default: $ADLM_WORKDIR or ./work)")
     p.add_argument("--readme", default=str(PROJECT_ROOT / "README.md"), help="the README to update")
     p.add_argument("--run", action="store_true", help="run the demo first (`make demo`'s command)")
-    args = p.parse_args(argv)
+    add_logging_flags(p)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
     from pipelines.storage import exists, join, read_text, resolve_workdir
 
     readme = Path(args.readme)
-    try:
-        text = readme.read_text(encoding="utf-8")
-        replace_block(text, "")  # the markers are there before anything runs
-        wd = resolve_workdir(args.workdir)
-        if args.run:
-            cmd = [*DEMO_COMMAND, *(["--workdir", args.workdir] if args.workdir else [])]
-            if subprocess.run(cmd, cwd=PROJECT_ROOT).returncode != 0:
-                raise SummaryError("the demo failed (its error is above): the README is left as it was")
-        if not exists(join(wd, "summary.md")):
-            raise SummaryError(f"no {join(wd, 'summary.md')}: run `make demo` first, or pass --run")
-        md = read_text(join(wd, "summary.md"))
-        when = dt.datetime.fromtimestamp(Path(join(wd, "summary.md")).stat().st_mtime, dt.UTC) \
-            if not str(wd).startswith(("s3://", "gs://")) else dt.datetime.now(dt.UTC)
-        commit = _git("rev-parse", "--short=12", "HEAD") if args.run else ""
-        dirty = "+dirty" if args.run and _git("status", "--porcelain", "--untracked-files=no") else ""
-        provenance = (f"`make demo` of {when:%Y-%m-%d %H:%M} UTC" + (f" at commit {commit}{dirty}" if commit else "")
-                      + f" on {_machine()}")
-        readme.write_text(replace_block(text, block(md, provenance)), encoding="utf-8")
-    except (OSError, SummaryError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    text = readme.read_text(encoding="utf-8")
+    replace_block(text, "")  # the markers are there before anything runs
+    wd = resolve_workdir(args.workdir)
+    if args.run:
+        cmd = [*DEMO_COMMAND, *(["--workdir", args.workdir] if args.workdir else [])]
+        if subprocess.run(cmd, cwd=PROJECT_ROOT).returncode != 0:
+            raise SummaryError("the demo failed (its error is above): the README is left as it was")
+    if not exists(join(wd, "summary.md")):
+        raise SummaryError(f"no {join(wd, 'summary.md')}: run `make demo` first, or pass --run")
+    md = read_text(join(wd, "summary.md"))
+    when = dt.datetime.fromtimestamp(Path(join(wd, "summary.md")).stat().st_mtime, dt.UTC) \
+        if not str(wd).startswith(("s3://", "gs://")) else dt.datetime.now(dt.UTC)
+    commit = _git("rev-parse", "--short=12", "HEAD") if args.run else ""
+    dirty = "+dirty" if args.run and _git("status", "--porcelain", "--untracked-files=no") else ""
+    provenance = (f"`make demo` of {when:%Y-%m-%d %H:%M} UTC" + (f" at commit {commit}{dirty}" if commit else "")
+                  + f" on {_machine()}")
+    readme.write_text(replace_block(text, block(md, provenance)), encoding="utf-8")
     print(f"{readme}: the demo summary block rewritten ({provenance})")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipelines.cli import run_command
+
+    return run_command(build_parser(), _run, argv, bad_input=(OSError, SummaryError))
 
 
 if __name__ == "__main__":
