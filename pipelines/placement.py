@@ -26,6 +26,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -101,6 +102,11 @@ def describe(demands: list, status: Any, seconds: float) -> str:
             f"resources.trial_cpu, the evaluation's cpus_per_task), or wait longer with {TIMEOUT_ENV}")
 
 
+REINTERRUPT_S = 30.0
+"""Seconds before a second interrupt of a driver that has not handled the first (long enough for Tune's
+graceful stop, which a second interrupt would force)."""
+
+
 class PlacementWatch:
     """Polls the GCS every ``poll`` seconds; sets ``message`` (the one line) and calls ``on_stuck(self)`` once
     when the same demands have been pending with an unchanged cluster for ``timeout`` seconds."""
@@ -150,15 +156,28 @@ class PlacementWatch:
                 return
 
 
+def _interrupt_main() -> None:
+    """SIGINT to the main thread: a real signal, which also wakes a blocking call (a sleep, a socket read) that
+    ``_thread.interrupt_main``'s flag alone would leave waiting; that flag where Python does not handle SIGINT."""
+    if callable(signal.getsignal(signal.SIGINT)):
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    else:
+        _thread.interrupt_main()
+
+
 def _interrupt_driver(watch: PlacementWatch) -> None:
     """Say it, then interrupt the driver's main thread (Tune stops its experiment on that, saved; a ``ray.get``
-    returns with KeyboardInterrupt); if the driver has not turned it into its error a minute later (stuck in
-    code that never sees the interrupt), end the process with the line."""
+    returns with KeyboardInterrupt); once more half a minute later if the driver has not yet turned it into its
+    error (an interrupt can land in code that swallows it); a minute after the first (stuck in code that never
+    sees the interrupt), end the process with the line."""
     log.error(watch.message)
-    _thread.interrupt_main()
+    _interrupt_main()
 
     def last_resort() -> None:
-        if not watch.handled.wait(60):
+        if watch.handled.wait(REINTERRUPT_S):
+            return
+        _interrupt_main()
+        if not watch.handled.wait(60 - REINTERRUPT_S):
             print(f"error: {watch.message}", file=sys.stderr, flush=True)
             os._exit(1)
 

@@ -615,9 +615,11 @@ def outage_step_rates(tracking_uri: str, run_id: str, outage: Outage) -> tuple[l
 
 
 RAY_OWN_ACTORS = ("_StatsActor", "_StatsSummaryActor", "AutoscalingRequester", "_AutoscalingCoordinatorActor",
-                  "ActorLocationTracker", "_UsageCollectionActor", "JobSupervisor")
+                  "ActorLocationTracker", "_UsageCollectionActor", "JobSupervisor", "PlacementGroupCleaner")
 """Actors Ray keeps for the cluster itself (Ray Data's detached statistics, usage and autoscaling-coordination
-actors, one each per cluster; the job API's supervisors, which end with their jobs): not work of the pipeline's."""
+actors, one each per cluster; the job API's supervisors, which end with their jobs; Ray Train's detached
+placement-group cleaner, which reserves nothing and ends once it sees its controller gone, at times well after
+the job): not work of the pipeline's. The groups they guard are checked on their own."""
 
 
 def state_rows(dashboard: str, kind: str, token: str | None = None) -> list[dict]:
