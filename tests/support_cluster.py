@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.conftest import RAY_LATE, free_port, start_ray_once_more_if_late
+from tests.conftest import RAY_LATE, environ, free_port, start_ray_once_more_if_late
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
@@ -95,17 +95,9 @@ def s3_server(bucket: str = "adlm") -> Iterator[S3]:
         env = {"AWS_ENDPOINT_URL": endpoint, "MLFLOW_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
                "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
                "AWS_EC2_METADATA_DISABLED": "true"}
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with environ(env):
             boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
             yield S3(endpoint, bucket, env, srv, calls)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 class MLflowServer:

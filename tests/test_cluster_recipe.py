@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import free_port, load_script
+from tests.conftest import environ, free_port, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 REGION = "us-west-2"
@@ -46,9 +46,7 @@ def aws(tmp_path_factory: pytest.TempPathFactory):
         env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
                "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": REGION, "AWS_EC2_METADATA_DISABLED": "true",
                "HOME": str(home), "MOTO_EC2_LOAD_DEFAULT_AMIS": "false"}
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with environ(env):
             ec2 = boto3.client("ec2", region_name=REGION)
             vpc = ec2.create_vpc(CidrBlock="10.20.0.0/16")["Vpc"]["VpcId"]
             subnets = [ec2.create_subnet(VpcId=vpc, CidrBlock=f"10.20.{i}.0/24", AvailabilityZone=f"{REGION}{z}")
@@ -59,12 +57,6 @@ def aws(tmp_path_factory: pytest.TempPathFactory):
                                      Architecture="x86_64", RootDeviceName="/dev/sda1")["ImageId"]
             yield {"ec2": ec2, "iam": boto3.client("iam", region_name=REGION), "vpc": vpc, "subnets": subnets,
                    "ami": ami, "home": home, "calls": calls}
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def _provision(aws: dict, out: Path, **extra: str) -> int:
