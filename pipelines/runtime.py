@@ -1,6 +1,6 @@
 """The process environment every stage shares: offline/quiet defaults and the one way to start Ray.
 
-- ``quiet_environment``: no telemetry, no usage statistics.
+- ``quiet_environment``: no telemetry, no usage statistics; ``environ``: settings for the length of a block.
 - ``init_ray``: connect to ``$RAY_ADDRESS`` (a cluster, ``ray job submit``) or start a local Ray. A cluster
   that refuses this driver (no token, a wrong one, token mode off on this side) fails in one line naming what
   to set (``RayAuthError``), before any work. The workers' output reaches this console through
@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +114,22 @@ def quiet_environment() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@contextlib.contextmanager
+def environ(env: dict[str, str]) -> Iterator[None]:
+    """``env`` in this process's environment while the block runs; the previous values (or their absence) back
+    afterwards."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def forwarded_env() -> dict[str, str]:

@@ -153,22 +153,6 @@ _SESSION_RAY = {"started": False}
 
 
 @contextlib.contextmanager
-def environ(env: dict[str, str]) -> Iterator[None]:
-    """``env`` put into this process's environment while the block runs, and the previous values (or their
-    absence) back afterwards: for servers every client in the process must reach (boto3, pyarrow, MLflow)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
 def away_from_session_ray() -> Iterator[None]:
     """For tests with a Ray cluster of their own: the session's local Ray is stopped while they run and brought
     back afterwards (if it was up, or the ``ray_session`` fixture started it meanwhile)."""

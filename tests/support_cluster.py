@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.conftest import RAY_LATE, environ, free_port, start_ray_once_more_if_late
+from pipelines.runtime import environ
+from tests.conftest import RAY_LATE, free_port, start_ray_once_more_if_late
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import environ, free_port, load_script
+from pipelines.runtime import environ
+from tests.conftest import free_port, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 REGION = "us-west-2"

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import math
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from pipelines.evaluation.config import EvalConfig, EvalError, sampling_steps
+from pipelines.runtime import environ
 
 TASK_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 """The offline tasks (YAML over local files made by ``lm_eval_data``)."""
@@ -107,16 +107,8 @@ NO_PROCESS_POOL = {"DISABLE_MULTIPROC": "1", "LMEVAL_DISABLE_MULTIPROC": "1"}
 @contextlib.contextmanager
 def single_process_harness() -> Iterator[None]:
     """The harness without its process pool while inside (module docstring); the environment restored after."""
-    before = {k: os.environ.get(k) for k in NO_PROCESS_POOL}
-    os.environ.update(NO_PROCESS_POOL)
-    try:
+    with environ(NO_PROCESS_POOL):
         yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def lm_eval_job(model: str, settings: Any, adapter: dict[str, Any], tasks: list[str]) -> dict[str, Any]:
