@@ -27,9 +27,9 @@ import torch
 import torch.nn as nn
 
 from .config import ModelConfig
-from .losses import LossOutput, conditioning_sigma, suppress_mask, valid_positions
+from .losses import LossOutput, conditioning_sigma, masked_noise, suppress_mask, valid_positions
 from .samplers import T_MIN, denoiser_fn, sample_categorical
-from .schedule import LogLinearSchedule, antithetic_times, mask_tokens
+from .schedule import LogLinearSchedule
 
 DIVERGENCES = ("kl-bwd", "kl-fwd", "tvd", "mse")
 """``kl-bwd``: KL(student || teacher), the reference's default; ``kl-fwd``: KL(teacher || student); ``tvd``: total
@@ -118,9 +118,7 @@ def sdtt_objective(student: nn.Module, teacher: nn.Module, x: torch.Tensor, atte
     between the student's one-step ``log p_x0`` and the teacher's ``substeps``-step target. ``nll_sum`` and
     ``n_tokens`` carry the summed divergence and the positions it counts (the window's per-token figure)."""
     schedule = LogLinearSchedule(cfg.noise_eps)
-    if t is None:
-        t = antithetic_times(x.shape[0], generator, cfg.sampling_eps, device=x.device)
-    z_t, _ = mask_tokens(x, schedule.move_chance(t)[:, None], cfg.mask_id, generator)
+    t, z_t = masked_noise(cfg, x, generator, schedule, t)
     was = teacher.training
     teacher.eval()
     try:

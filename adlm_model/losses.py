@@ -151,11 +151,21 @@ def valid_positions(x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: M
     return valid
 
 
-def _noise(cfg: ModelConfig, schedule: LogLinearSchedule, x: torch.Tensor, t: torch.Tensor | None,
-           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def masked_noise(cfg: ModelConfig, x: torch.Tensor, generator: torch.Generator | None,
+                 schedule: LogLinearSchedule | None = None, t: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t, z_t)`` of the masked-diffusion objectives: antithetic times (unless ``t`` is given), then each token
+    masked with its row's move chance, both drawn from ``generator`` in that order."""
+    schedule = schedule or LogLinearSchedule(cfg.noise_eps)
     if t is None:
         t = antithetic_times(x.shape[0], generator, cfg.sampling_eps, device=x.device)
     z_t, _ = mask_tokens(x, schedule.move_chance(t)[:, None], cfg.mask_id, generator)
+    return t, z_t
+
+
+def _noise(cfg: ModelConfig, schedule: LogLinearSchedule, x: torch.Tensor, t: torch.Tensor | None,
+           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    t, z_t = masked_noise(cfg, x, generator, schedule, t)
     return t, z_t, conditioning_sigma(cfg, schedule, t)
 
 

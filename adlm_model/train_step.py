@@ -30,8 +30,7 @@ from .block_attention import prepare_flex
 from .config import ModelConfig
 from .ema import EMA
 from .kinds import KINDS, compute_loss
-from .losses import LossOutput
-from .schedule import LogLinearSchedule, antithetic_times, mask_tokens
+from .losses import LossOutput, masked_noise
 
 Noise = tuple[torch.Tensor | None, torch.Tensor | None]
 """``(t, z_t)`` of one micro-batch (both None for a kind without noise: AR)."""
@@ -50,10 +49,7 @@ def draw_noise(cfg: ModelConfig, x: torch.Tensor, generator: torch.Generator | N
         return None, None
     if kind.block_diffusion:
         return block_noise(x, cfg, generator, train=train)
-    schedule = LogLinearSchedule(cfg.noise_eps)
-    t = antithetic_times(x.shape[0], generator, cfg.sampling_eps, device=x.device)
-    z_t, _ = mask_tokens(x, schedule.move_chance(t)[:, None], cfg.mask_id, generator)
-    return t, z_t
+    return masked_noise(cfg, x, generator)
 
 
 class Objective(nn.Module):
