@@ -64,11 +64,11 @@ def test_cpu_stages_never_run_on_a_gpu_labelled_node_with_idle_cpus(tiny_data: P
             prepare(PrepareConfig(source=[f"train={texts['train']}"], tokenizer="gpt2", length=32, unit_mb=0.01,
                                   actors=3, min_actors=3, actor_cpus=1.0, out=str(tmp_path / "prepared"),
                                   ray_address=rc.address))
-            # A CPU training run of two 1-CPU workers (a placement group PACKed onto one 2-CPU node if it can).
+            # A CPU training run of one 2-CPU worker: more than the CPU node holds.
             cfg = load_config(ROOT / "configs" / "demo.yaml", [
                 *data_overrides(tiny_data), *TINY_MODEL, "run.max_steps=4", "run.val_every=4", "run.ckpt_every=4",
                 "run.log_every=1", "run.val_batches=1", "batch.global_batch=8", "batch.micro_batch=4",
-                "scaling.num_workers=2", "scaling.cpus_per_worker=1", "data.read_cpus=0.25", "run.name=placed",
+                "scaling.num_workers=1", "scaling.cpus_per_worker=2", "data.read_cpus=0.25", "run.name=placed",
                 "mlflow.experiment=placed"])
             result = train(cfg, workdir=tmp_path / "work", tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
                            register=False)

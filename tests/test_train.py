@@ -45,13 +45,13 @@ def _history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path, ray_session):
-    """One work directory and sqlite store for the module; the uninterrupted 40-step reference run."""
+    """One work directory and sqlite store for the module; the uninterrupted 20-step reference run."""
     wd = tmp_path_factory.mktemp("train-work")
     uri = f"sqlite:///{wd / 'mlflow.db'}"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ADLM_WORKDIR", str(wd))
         mp.setenv("MLFLOW_TRACKING_URI", uri)
-        full = train_mod.train(_cfg(tiny_data, "full", "run.max_steps=40"))
+        full = train_mod.train(_cfg(tiny_data, "full", "run.max_steps=20"))
         yield {"wd": wd, "uri": uri, "full": full, "data": tiny_data}
 
 
@@ -69,23 +69,23 @@ def test_two_worker_run_trains_validates_checkpoints_and_registers(env) -> None:
     from pipelines.registry import get_version, resolve_model
 
     res, uri = env["full"], env["uri"]
-    assert res.step == 40 and res.registered_version is not None
+    assert res.step == 20 and res.registered_version is not None
     # It learned: training loss at the end below the start, validation bound finite and improving.
     loss = _history(uri, res.run_id, "train/loss")
-    assert [s for s, _ in loss] == list(range(1, 41))
+    assert [s for s, _ in loss] == list(range(1, 21))
     assert sum(v for _, v in loss[-5:]) / 5 < sum(v for _, v in loss[:5]) / 5 - 0.3
     val = _history(uri, res.run_id, "val/ppl")
-    assert [s for s, _ in val] == [10, 20, 30, 40] and val[-1][1] < val[0][1] and math.isfinite(val[-1][1])
+    assert [s for s, _ in val] == [10, 20] and val[-1][1] < val[0][1] and math.isfinite(val[-1][1])
     assert res.val_ppl == pytest.approx(val[-1][1])
     for key in ("train/nll", "train/anchor_loss", "train/gamma_k", "train/lr", "train/grad_norm",
                 "train/tokens_per_s"):
         assert _history(uri, res.run_id, key), key
     gk = dict(_history(uri, res.run_id, "train/gamma_k"))
-    assert gk[1] == 0.0 and gk[40] == pytest.approx(3e-3)  # ramp over 5 steps (docs/design/method.md, section 2)
+    assert gk[1] == 0.0 and gk[20] == pytest.approx(3e-3)  # ramp over 5 steps (docs/design/method.md, section 2)
     # Checkpoints through Ray Train: num_to_keep=2 of every 5 steps, rank files of both workers.
     run_dir = env["wd"] / "ray_results" / "full"
-    assert [s for s, _ in list_checkpoints(run_dir)] == [35, 40]
-    ck = run_dir / "checkpoint_00000040"
+    assert [s for s, _ in list_checkpoints(run_dir)] == [15, 20]
+    ck = run_dir / "checkpoint_00000020"
     assert {"rng_rank0.json", "rng_rank1.json", "trainer_state.json", "ema.safetensors"} <= {p.name for p in ck.iterdir()}
     assert not list(ck.glob("*.pkl")) and not list(ck.glob("*.pt"))
     # MLflow: params = full config + manifest hash; plot and checkpoint artifacts; candidate alias.
@@ -111,32 +111,32 @@ def test_two_worker_run_trains_validates_checkpoints_and_registers(env) -> None:
 @pytest.mark.slow
 def test_a_killed_worker_and_a_resume_both_continue_exactly_as_the_uninterrupted_run(
         env, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first 20 steps with the last worker killed at step 13: Ray Train restarts the group from step 10 and
-    the run ends at max_steps; then the same run resumed to 40 steps; then rerun once finished. Every loss equals
+    """The first 10 steps with the last worker killed at step 8: Ray Train restarts the group from step 5 and
+    the run ends at max_steps; then the same run resumed to 20 steps; then rerun once finished. Every loss equals
     the uninterrupted run's (one fit serves both the restart and the resume: each fit is 20-30 s of start-up)."""
     import mlflow
 
     data, uri = env["data"], env["uri"]
     full = dict(_history(uri, env["full"].run_id, "train/loss"))
-    monkeypatch.setenv(FAULT_ENV, "train.crash_at_step=13")
-    first = train_mod.train(_cfg(data, "half", "run.max_steps=20"))
+    monkeypatch.setenv(FAULT_ENV, "train.crash_at_step=8")
+    first = train_mod.train(_cfg(data, "half", "run.max_steps=10"))
     monkeypatch.delenv(FAULT_ENV)
-    assert first.step == 20
-    assert (env["wd"] / "ray_results" / "half" / ".crashed_once").read_text() == "13"
+    assert first.step == 10
+    assert (env["wd"] / "ray_results" / "half" / ".crashed_once").read_text() == "8"
     resumed = [int(v) for _, v in _history(uri, first.run_id, "train/resumed_from")]
-    assert resumed == [10] and 13 - resumed[0] <= 5  # lost at most one checkpoint interval
+    assert resumed == [5] and 8 - resumed[0] <= 5  # lost at most one checkpoint interval
     loss = _history(uri, first.run_id, "train/loss")
-    assert [s for s, _ in loss] == list(range(1, 21))  # the replayed steps were not logged twice
+    assert [s for s, _ in loss] == list(range(1, 11))  # the replayed steps were not logged twice
     assert all(abs(v - full[s]) < 1e-5 for s, v in loss), loss  # the restart continued exactly
 
-    second = train_mod.train(_cfg(data, "half", "run.max_steps=40"))
-    assert first.run_id == second.run_id and second.step == 40
+    second = train_mod.train(_cfg(data, "half", "run.max_steps=20"))
+    assert first.run_id == second.run_id and second.step == 20
     runs = mlflow.MlflowClient(uri).search_runs(
         [mlflow.MlflowClient(uri).get_experiment_by_name("test-train").experiment_id],
         filter_string="tags.`adlm.run_name` = 'half'")
     assert len(runs) == 1
     resumed = _history(uri, second.run_id, "train/loss")
-    assert [s for s, _ in resumed] == list(range(1, 41))  # no duplicated or missing steps
+    assert [s for s, _ in resumed] == list(range(1, 21))  # no duplicated or missing steps
     for s1, a in resumed:
         assert abs(a - full[s1]) < 1e-5, (s1, a, full[s1])
     assert second.val_ppl == pytest.approx(env["full"].val_ppl, rel=1e-5)
@@ -147,12 +147,12 @@ def test_a_killed_worker_and_a_resume_both_continue_exactly_as_the_uninterrupted
     versions = sorted(v.version for v in client.search_model_versions("name='adlm'"))
     candidate = client.get_model_version_by_alias("adlm", "candidate").version
     monkeypatch.setattr(train_mod, "_fit", lambda *a, **k: pytest.fail("a finished run was fitted again"))
-    third = train_mod.train(_cfg(data, "half", "run.max_steps=40"))
-    assert (third.run_id, third.step, third.registered_version) == (second.run_id, 40, second.registered_version)
+    third = train_mod.train(_cfg(data, "half", "run.max_steps=20"))
+    assert (third.run_id, third.step, third.registered_version) == (second.run_id, 20, second.registered_version)
     assert third.val_ppl == pytest.approx(second.val_ppl, rel=1e-6)  # the final checkpoint's, with no fit
     assert sorted(v.version for v in client.search_model_versions("name='adlm'")) == versions
     assert client.get_model_version_by_alias("adlm", "candidate").version == candidate
-    assert [s for s, _ in _history(uri, third.run_id, "train/loss")] == list(range(1, 41))
+    assert [s for s, _ in _history(uri, third.run_id, "train/loss")] == list(range(1, 21))
 
 
 def _no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
