@@ -46,10 +46,10 @@ import torch.nn as nn
 
 from . import losses
 from .config import ModelConfig
-from .losses import LossOutput, valid_positions
+from .losses import LossOutput, masked_noise, valid_positions
 from .models import _dit
 from .samplers import T_MIN, Progress, SamplerError, nucleus, sample_categorical
-from .schedule import LogLinearSchedule, antithetic_times, mask_tokens
+from .schedule import LogLinearSchedule
 
 PREDICTORS = ("euler", "analytic")
 
@@ -120,11 +120,9 @@ def sedd_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tens
     draws them independently; the expectation is the same, the variance lower); ``z_t`` with its ``t`` fixes the
     noise (the reference-equivalence test)."""
     schedule = schedule or LogLinearSchedule(cfg.noise_eps)
-    if t is None:
-        t = antithetic_times(x.shape[0], generator, cfg.sampling_eps, device=x.device)
-    sigma = schedule.sigma(t)
     if z_t is None:
-        z_t, _ = mask_tokens(x, schedule.move_chance(t)[:, None], cfg.mask_id, generator)
+        t, z_t = masked_noise(cfg, x, generator, schedule, t)
+    sigma = schedule.sigma(t)
     valid = valid_positions(x, attention_mask, cfg)
     total = score_entropy_sum(model, z_t, sigma, x, rate_sigma(schedule, t)[:, None] * valid, cfg.mask_id)
     n = valid.sum()
