@@ -163,18 +163,12 @@ def masked_noise(cfg: ModelConfig, x: torch.Tensor, generator: torch.Generator |
     return t, z_t
 
 
-def _noise(cfg: ModelConfig, schedule: LogLinearSchedule, x: torch.Tensor, t: torch.Tensor | None,
-           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    t, z_t = masked_noise(cfg, x, generator, schedule, t)
-    return t, z_t, conditioning_sigma(cfg, schedule, t)
-
-
 def _noised(cfg: ModelConfig, schedule: LogLinearSchedule, x: torch.Tensor, t: torch.Tensor | None,
             z_t: torch.Tensor | None, generator: torch.Generator | None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(t, z_t, sigma): drawn (``_noise``) unless ``z_t`` is given with its ``t``."""
+    """(t, z_t, sigma): drawn (``masked_noise``) unless ``z_t`` is given with its ``t``."""
     if z_t is None:
-        return _noise(cfg, schedule, x, t, generator)
+        t, z_t = masked_noise(cfg, x, generator, schedule, t)
     return t, z_t, conditioning_sigma(cfg, schedule, t)
 
 
