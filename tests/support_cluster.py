@@ -36,6 +36,30 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
     except OSError:
         return False
 
+def command_lines(pgid: int) -> list[str]:
+    """The command lines of a process group's processes (what `ps` shows every user)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getpgid(int(d.name)) == pgid:
+                    out.append((d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            except (ProcessLookupError, PermissionError, FileNotFoundError):
+                continue
+    return out
+
+
+def stop_group(proc: subprocess.Popen, term_s: float = 20.0) -> None:
+    """SIGTERM a process group (``start_new_session``), SIGKILL if it lingers past ``term_s``."""
+    for sig, wait in ((signal.SIGTERM, term_s), (signal.SIGKILL, 10.0)):
+        if proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=wait)
+
+
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
 
