@@ -158,6 +158,14 @@ class TrialPlan:
     parent_run_id: str | None
 
 
+def trial_config(base_raw: dict[str, Any], space: SearchSpace, trial_id: str,
+                 params: dict[str, Any]) -> tuple[TrainConfig, dict[str, str]]:
+    """A trial's training recipe (the base plus its params, run name ``<sweep>-<trial id>``) and its run's tags."""
+    cfg = TrainConfig.from_dict(_with_params(base_raw, params, space))
+    cfg.run.name = f"{space.name}-{trial_id}"
+    return cfg, {"sweep": space.name, "tune.trial_id": trial_id, "tune.params": json.dumps(params, sort_keys=True)}
+
+
 def run_trial(config: dict[str, Any], *, plan: TrialPlan) -> None:
     """One trial, in its Tune actor: the recipe plus this trial's params, trained by ``pipelines.train``."""
     from ray import tune
@@ -166,11 +174,7 @@ def run_trial(config: dict[str, Any], *, plan: TrialPlan) -> None:
     from pipelines.training.trainer import train
 
     space = parse_space(plan.space_raw, plan.space_source)
-    trial_id = tune.get_context().get_trial_id()
-    raw = _with_params(plan.base_raw, config, space)
-    cfg = TrainConfig.from_dict(raw)
-    cfg.run.name = f"{space.name}-{trial_id}"
-    tags = {"sweep": space.name, "tune.trial_id": trial_id, "tune.params": json.dumps(config, sort_keys=True)}
+    cfg, tags = trial_config(plan.base_raw, space, tune.get_context().get_trial_id(), config)
     # The callback forwards a Ray Train worker group's reports through a queue actor it starts (a process, about
     # 1.5 CPU-seconds): a local-mode trial has no worker group, it reports to Tune itself (TrialSession).
     callbacks = [TuneReportCallback()] if cfg.scaling.num_workers > 0 else []
@@ -316,6 +320,39 @@ def _finalise(plan: SweepPlan, parent: str | None, rows: list[TrialRow], best: T
     return version, {name: join(dest, name) for name in local}
 
 
+def _catch_up(plan: SweepPlan, parent: str, rows: list[TrialRow], children: dict[str, Any]) -> bool:
+    """The end of a trial's run that fell in a tracking outage, done now: its spooled metrics sent, and for a
+    trial whose training finished but whose run did not (its checkpoint artifact, its status; its very run if the
+    outage spanned its start), the end of its run as a rerun of its command does it (``train`` on a finished run
+    trains nothing). The trial's process is gone, and nothing else would ever send them: its metrics would be lost
+    and its checkpoint could never be registered. A trial the scheduler stopped only has its spool sent. Returns
+    whether any trial was caught up."""
+    from pipelines.storage import list_dir
+    from pipelines.tracking import SPOOL, send_spool
+    from pipelines.training.trainer import storage_root, train
+
+    done = False
+    for r in rows:
+        if r.status == "error":  # its rerun resumes it, spool included
+            continue
+        cfg, tags = trial_config(plan.base_raw, plan.space, r.trial_id, r.params)
+        spool = join(storage_root(cfg, plan.workdir), cfg.run.name, SPOOL)
+        run = children.get(r.trial_id)
+        ended = r.step is not None and r.step >= cfg.run.max_steps
+        if ended and (run is None or run.info.status != "FINISHED"
+                      or not client(plan.tracking_uri).list_artifacts(run.info.run_id, "checkpoint")):
+            log.info(f"[sweep {plan.space.name}] trial {r.trial_id} ended while MLflow was unavailable: "
+                     "finishing its run")
+            res = train(cfg, workdir=plan.workdir, tracking_uri=plan.tracking_uri, parent_run_id=parent,
+                        extra_tags=tags, register=False)
+            r.mlflow_run_id, done = res.run_id or r.mlflow_run_id, True
+        elif run is not None and any(f.endswith(".jsonl") for f in list_dir(spool)):
+            sent = send_spool(plan.tracking_uri, run.info.run_id, spool)
+            log.info(f"[sweep {plan.space.name}] trial {r.trial_id}: sent {sent} metrics that waited in its spool")
+            done = True
+    return done
+
+
 def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: TrialRow | None, interrupted: bool,
                  artifacts: list[Path]) -> str | None:
     """Child-run status tags, the parent's artifacts and figures, the best trial registered (once)."""
@@ -331,6 +368,8 @@ def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: Trial
     # After the trials: their results are on disk and stay; refused credentials are a warning here.
     with best_effort(plan.tracking_uri, "the sweep's MLflow bookkeeping is incomplete", stop_on_refusal=False):
         children = _child_runs(plan, parent)
+        if _catch_up(plan, parent, rows, children):
+            children = _child_runs(plan, parent)
         for r in rows:
             run = children.get(r.trial_id)
             if run is None:
