@@ -208,3 +208,20 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory, ray_session) -> Path:
     from tests.support_data import make_tiny_data
 
     return make_tiny_data(tmp_path_factory.mktemp("tiny-data"))
+
+
+@pytest.fixture(scope="session")
+def pg_tracking(tmp_path_factory: pytest.TempPathFactory):
+    """The tracking server a cluster runs, for the whole session: a throwaway PostgreSQL, S3 on loopback (moto) and
+    ``mlflow/server.sh`` with basic authentication on them (tests/support_postgres.py), stopped whatever happens.
+    Skipped with the reason on a machine without PostgreSQL; CI installs it and sets ``ADLM_REQUIRE_POSTGRES``, which
+    makes a missing one a failure instead."""
+    from tests.support_postgres import missing, tracking_stack
+
+    why = missing()
+    if why:
+        if os.environ.get("ADLM_REQUIRE_POSTGRES"):
+            pytest.fail(f"ADLM_REQUIRE_POSTGRES is set but {why}")
+        pytest.skip(why)
+    with tracking_stack(tmp_path_factory.mktemp("pg-tracking")) as stack:
+        yield stack
