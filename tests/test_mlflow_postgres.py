@@ -52,9 +52,10 @@ KILLED_S = 5.0
 TRIAL_STEPS, STEP_PAUSE_MS = 40, 500
 """Each trial: 40 steps of half a second of idle each (``ADLM_FAULT=train.step_pause_ms``), 20-30 s, so that the
 two waves of trials span the outage and the restart without keeping a core busy."""
-TRAIN_STEPS = 400
-"""The training run: paced at PACE_S a step until both outages are over (then it runs out at full speed)."""
-PACE_S = 0.25
+TRAIN_STEPS, HOLD_AT, PACE_S = 400, 50, 0.25
+"""The training run: it waits at step HOLD_AT for the database to go down (so that it trains through both outages,
+whenever the sweep's trials start), then takes PACE_S a step (four times that in its last 50 steps) until both
+outages are over, and its last steps wait for that: it ends with everything up."""
 
 
 def _client(stack: TrackingStack):
@@ -129,6 +130,8 @@ class Outages:
     db_up: float = 0.0
     server_killed: float = 0.0
     server_up: float = 0.0
+    started: threading.Event = field(default_factory=threading.Event)
+    """Set when the database goes down."""
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -145,6 +148,7 @@ def _outages(stack: TrackingStack, out: Outages) -> None:
     try:
         _wait("the training run and a trial to log", lambda: logging_runs() >= 2, timeout=600)
         out.db_down = time.time()
+        out.started.set()
         stack.pg.stop()
         time.sleep(OUTAGE_S)
         stack.pg.start()
@@ -160,11 +164,14 @@ def _outages(stack: TrackingStack, out: Outages) -> None:
     except BaseException as e:  # noqa: BLE001 - re-raised by the test's thread
         out.error = e
     finally:
-        if not stack.pg.running():
-            stack.pg.start()
-        if stack.server.proc is None:
-            stack.server.start()
-        out.done.set()
+        try:
+            if not stack.pg.running():
+                stack.pg.start()
+            if stack.server.proc is None:
+                stack.server.start()
+        finally:
+            out.started.set()
+            out.done.set()
 
 
 SWEEP = """
@@ -263,6 +270,7 @@ def test_a_sweep_and_a_training_run_lose_nothing_through_a_database_outage_and_a
     sweep_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
                  "ADLM_FAULT": f"train.step_pause_ms={STEP_PAUSE_MS}"}
     sweep_env.pop("RAY_ADDRESS", None)
+    t0 = time.time()
     sweep_cmd = [sys.executable, "-c", SWEEP, str(space), str(ROOT / "configs" / "demo.yaml"), *sets]
     with sweep_log.open("w") as fh:
         proc = subprocess.Popen(sweep_cmd, cwd=tmp_path, env=sweep_env, stdout=fh, stderr=subprocess.STDOUT,
@@ -277,10 +285,12 @@ def test_a_sweep_and_a_training_run_lose_nothing_through_a_database_outage_and_a
 
         def paced(w, *args, **kwargs):
             res = real_step(w, *args, **kwargs)
+            if w.step == HOLD_AT:
+                out.started.wait(timeout=900)
             if w.step >= TRAIN_STEPS - 5:
                 out.done.wait(timeout=900)
             elif not out.done.is_set():
-                time.sleep(PACE_S)
+                time.sleep(PACE_S * (4 if w.step > TRAIN_STEPS - 50 else 1))
             return res
 
         monkeypatch.setattr(loop_mod, "optimiser_step", paced)
@@ -373,8 +383,9 @@ def test_a_sweep_and_a_training_run_lose_nothing_through_a_database_outage_and_a
     assert promoted and aliases == {"champion": promoted[-1]}, (aliases, outcomes)
     assert not waiting_versions(c, "adlm")
     with capfd.disabled():
-        print(f"\npoints measured while the database was down: {during_db}; while the server was down: "
-              f"{during_kill}; {n_points} points in all")
+        print(f"\nthe database down {out.db_down - t0:.0f}-{out.db_up - t0:.0f} s, the server "
+              f"{out.server_killed - t0:.0f}-{out.server_up - t0:.0f} s after the sweep started; points measured while "
+              f"the database was down: {during_db}; while the server was: {during_kill}; {n_points} points in all")
 
 
 # ----------------------------------------------------------------------------------------------------------------
