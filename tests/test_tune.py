@@ -33,7 +33,8 @@ def test_every_shipped_space_validates_against_its_recipe() -> None:
     for path in SPACES:
         space = load_space(path)
         assert {p.name for p in space.params} >= {"gamma", "tau"}
-        plan = plan_sweep(space, ROOT / "configs" / recipes.get(path.name, "demo.yaml"), check_data=False)
+        recipe = ROOT / space.config if space.config else ROOT / "configs" / recipes.get(path.name, "demo.yaml")
+        plan = plan_sweep(space, recipe, check_data=False)
         assert plan.base.model.kind == "adlm" and plan.max_t <= plan.base.run.max_steps
         # The YAML form round-trips (the trial actors re-parse it).
         assert parse_space(space.to_raw(), str(path)) == space
