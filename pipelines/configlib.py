@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import types
 import typing
@@ -34,6 +35,7 @@ from adlm_model.config import ConfigError, refuse_unknown
 from pipelines.pydantic_config import PYDANTIC_CONFIG
 
 __all__ = ["ConfigError", "refuse_unknown", "check_tree", "validate", "coerce", "coerce_fields", "read_yaml_file",
+           "load_yaml", "check_finite",
            "split_assignment", "set_nested", "apply_to", "descriptions", "settings_help", "adapter"]
 
 _NONE = ("none", "null")
@@ -190,28 +192,56 @@ def validate(ann: Any, data: Any, where: str, sep: str = ".") -> Any:
     it to a key's path inside (``.``: ``optim.lr``; ``": "``: ``search space x.yaml: params.gamma``)."""
     check_tree(ann, data, where, sep)
     try:
-        return adapter(ann).validate_python(_prepare(ann, data))
+        out = adapter(ann).validate_python(_prepare(ann, data))
     except ValidationError as e:
         raise ConfigError(_one_line(e, ann, where, sep)) from None
+    check_finite(out, where, sep)
+    return out
 
 
-def coerce(value: Any, annotation: Any, where: str) -> Any:
+def _inf_default(cls: type, name: str) -> bool:
+    """Whether field ``name`` of dataclass ``cls`` defaults to an infinity (``inf``: no threshold), which its
+    value may then be too."""
+    f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    return f is not None and isinstance(f.default, float) and math.isinf(f.default)
+
+
+def check_finite(value: Any, where: str, sep: str = ".", _path: str = "", inf_ok: bool = False) -> None:
+    """Refuse a NaN anywhere in a validated config, and an infinity except in a field whose default is one
+    (``stage1_max_ppl: inf``: no threshold): ``optim.lr=.inf`` would train on NaN losses from the first step."""
+    if isinstance(value, float) and not math.isfinite(value) and not (inf_ok and math.isinf(value)):
+        raise ConfigError(f"{_join(where, _path, sep)}={value}: expected a finite number")
+    dot = f"{_path}." if _path else ""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            check_finite(getattr(value, f.name), where, sep, f"{dot}{f.name}", _inf_default(type(value), f.name))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_finite(v, where, sep, f"{dot}{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_finite(v, where, sep, f"{_path}[{i}]")
+
+
+def coerce(value: Any, annotation: Any, where: str, inf_ok: bool = False) -> Any:
     """``value`` (text from the command line, or what YAML gave) as the declared type.
 
     Numbers accept text (``3e-4``); ints refuse fractions; bools accept true/false/yes/no/on/off/1/0; lists and
     tuples accept YAML lists or comma-separated text; ``X | None`` accepts ``none``/``null``.
     """
     try:
-        return adapter(annotation).validate_python(_prepare(annotation, value))
+        out = adapter(annotation).validate_python(_prepare(annotation, value))
     except ValidationError:
         raise ConfigError(f"{where}={_short(value)}: expected {_type_name(annotation)}") from None
+    check_finite(out, where, inf_ok=inf_ok)
+    return out
 
 
 def coerce_fields(cls: type, d: dict[str, Any], where: str) -> dict[str, Any]:
     """Every value of ``d`` as the type its field of dataclass ``cls`` declares; unknown keys refused."""
     refuse_unknown(d, [f.name for f in dataclasses.fields(cls)], where)
     hints = _hints(cls)
-    return {k: coerce(v, hints[k], f"{where}.{k}") for k, v in d.items()}
+    return {k: coerce(v, hints[k], f"{where}.{k}", _inf_default(cls, k)) for k, v in d.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -225,9 +255,26 @@ def read_yaml_file(path: str | os.PathLike, what: str, choices: str) -> Any:
     if not p.is_file():
         raise ConfigError(f"{what} {p} does not exist; pass one of {choices}")
     try:
-        return yaml.safe_load(p.read_text())
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    return load_yaml(text, f"{what} {p}")
+
+
+def load_yaml(text: str, what: str) -> Any:
+    """``text`` parsed as YAML (safe: no ``!!python`` tags), or a one-line ConfigError naming ``what`` and the
+    problem's first line."""
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{what} {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+        problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+        said = f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if problem and mark else str(e)
+        said = " ".join(said.split())[:200]
+        if isinstance(e, yaml.constructor.ConstructorError):
+            said += "; tags such as !!python are not read: write plain values"
+        elif any(c in text for c in "{}[]:#&*!|>'\"%@`"):
+            said += "; quote a text value that holds YAML's special characters"
+        raise ConfigError(f"{what} is not valid YAML: {said}") from None
 
 
 def split_assignment(assignment: str) -> tuple[list[str], str]:
@@ -253,7 +300,7 @@ def set_nested(raw: dict[str, Any], assignment: str, sections: Sequence[str]) ->
         if not isinstance(nxt, dict):
             raise ConfigError(f"--set {assignment!r}: {p!r} is not a section")
         node = nxt
-    node[parts[-1]] = yaml.safe_load(value) if value else ""
+    node[parts[-1]] = load_yaml(value, f"--set {assignment!r}: the value") if value else ""
 
 
 def apply_to(configs: Sequence[Any], assignments: Sequence[str], *, dict_prefixes: dict[str, str] | None = None,
@@ -273,12 +320,12 @@ def apply_to(configs: Sequence[Any], assignments: Sequence[str], *, dict_prefixe
             target = next((c for c in configs if hasattr(c, field)), None)
             if target is None:
                 raise ConfigError(f"--set {key}: no {parts[0]} options here")
-            getattr(target, field)[parts[1]] = yaml.safe_load(value) if value else ""
+            getattr(target, field)[parts[1]] = load_yaml(value, f"--set {assignment!r}: the value") if value else ""
             continue
         for cfg in configs:
             hints = _hints(type(cfg))
             if key in hints and key not in reserved and key not in dict_prefixes.values():
-                setattr(cfg, key, coerce(value, hints[key], f"--set {key}"))
+                setattr(cfg, key, coerce(value, hints[key], f"--set {key}", _inf_default(type(cfg), key)))
                 break
         else:
             known = sorted({f.name for c in configs for f in dataclasses.fields(c)} - set(reserved)

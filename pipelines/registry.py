@@ -129,7 +129,10 @@ def get_version(uri: str, tracking_uri: str | None = None):
     """The ModelVersion a ``models:/`` URI names, or a one-line RegistryError."""
     from mlflow.exceptions import MlflowException
 
+    from pipelines.tracking import require_server
+
     name, version, alias = parse_model_uri(uri)
+    require_server(tracking_uri, f"reading {uri}")  # seconds, not MLflow's minutes of retries on a dead server
     c = client(tracking_uri)
     try:
         if alias is not None:

@@ -39,7 +39,7 @@ from pipelines.orchestration.profiles import PROFILES, prepare_options, profile,
 from pipelines.orchestration.summary import write_summary
 from pipelines.runtime import PROJECT_ROOT, init_ray, quiet_environment
 from pipelines.storage import join, resolve_workdir
-from pipelines.tracking import resolve_tracking_uri
+from pipelines.tracking import require_server, resolve_tracking_uri
 
 
 class Unregistered(RuntimeError):
@@ -70,6 +70,8 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
     # Resolved once, here: every stage below (and every Ray task or Tune trial they start) gets ``wd`` as an
     # argument, none reads $ADLM_WORKDIR again.
     uri = resolve_tracking_uri(wd)
+    # Its evaluation and promotion need the store: a server that does not answer is said now, not after the training.
+    require_server(uri, "the pipeline (its evaluation and promotion read and write the registry)")
     t0 = time.time()
     timings: dict[str, float] = {}
 

@@ -46,17 +46,11 @@ class BodyError(ValueError):
 
 
 def max_body_bytes(environ: MutableMapping[str, str] | None = None) -> int:
-    """``ADLM_MAX_BODY_BYTES`` (a positive integer), default ``DEFAULT_MAX_BODY_BYTES``."""
-    raw = (os.environ if environ is None else environ).get(BODY_ENV, "")
-    if not raw:
-        return DEFAULT_MAX_BODY_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{BODY_ENV}={raw!r} is not a whole number of bytes") from None
-    if value < 1:
-        raise ValueError(f"{BODY_ENV} must be >= 1, got {value}")
-    return value
+    """``ADLM_MAX_BODY_BYTES`` (a positive integer), default ``DEFAULT_MAX_BODY_BYTES``; a one-line
+    ``SettingError`` for anything else (``pipelines.settings``)."""
+    from pipelines.settings import env_number
+
+    return int(env_number(BODY_ENV, DEFAULT_MAX_BODY_BYTES, os.environ if environ is None else environ))
 
 
 def _no_constant(name: str) -> Any:

@@ -398,8 +398,9 @@ def parse_space(raw: Any, source: str = "<space>") -> SearchSpace:
     if not isinstance(raw, dict):
         raise ConfigError(f"search space {source} must be a mapping with keys {', '.join(_TOP)}")
     f: SpaceFile = validate(SpaceFile, raw, f"search space {source}", ": ")
-    if not f.name or "/" in f.name or " " in f.name:
-        raise ConfigError(f"search space {source}: 'name' must be a sweep name without '/' or spaces, got {f.name!r}")
+    if not f.name or f.name.startswith(".") or any(c in f.name for c in "/\\ "):
+        raise ConfigError(f"search space {source}: 'name' must be a sweep name without '/', '\\', spaces or a "
+                          f"leading '.' (it names a folder of the sweep's), got {f.name!r}")
     if not f.params:
         raise ConfigError(f"search space {source}: 'params' must map parameter names to distributions")
     params = [parse_param(k, v, f"{source}: params.{k}") for k, v in f.params.items()]

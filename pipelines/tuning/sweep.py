@@ -111,6 +111,14 @@ def plan_sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[st
             except ConfigError as e:
                 raise ConfigError(f"search space {space.source}: params.{p.name} value {v!r} is invalid for the "
                                   f"recipe: {e}") from None
+        if p.distribution in ("uniform", "loguniform"):  # its draws are fractions: a whole-number key takes none
+            v = p.low + (p.high - p.low) * 0.382
+            try:
+                TrainConfig.from_dict(_with_params(raw, {p.name: v}, space))
+            except ConfigError as e:
+                raise ConfigError(f"search space {space.source}: params.{p.name}: {p.distribution} draws fractions "
+                                  f"such as {v:g}, which {p.key} does not take ({e}); use randint (low inclusive, "
+                                  "high exclusive) or choice") from None
     r = base.run
     if r.ckpt_every % r.val_every:
         raise ConfigError(f"run.ckpt_every ({r.ckpt_every}) must be a multiple of run.val_every ({r.val_every}) in "
@@ -283,6 +291,17 @@ def _ended(grid: Any) -> int:
     TERMINATED without ever having run (its result holds nothing but its id), and a sweep that counted it done
     would register its best before the rest of the search had run."""
     return sum(1 for r in grid if r.error is not None or (r.metrics or {}).get(TIME_ATTR) is not None)
+
+
+def every_trial_failed(grid: Any, name: str) -> str | None:
+    """When every trial that ended failed (a sweep with nothing to choose from): the line that says so, with the first
+    trial's error; else None."""
+    errors = [r.error for r in grid if r.error is not None]
+    if not errors or len(errors) != _ended(grid):
+        return None
+    said = str(errors[0]).strip().splitlines()
+    return (f"every trial of sweep {name!r} failed ({len(errors)} of {len(errors)}); the first: "
+            f"{said[-1][:300] if said else type(errors[0]).__name__}")
 
 
 def _child_runs(plan: SweepPlan, parent: str) -> dict[str, Any]:
@@ -477,6 +496,9 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     finished = [r for r in rows if r.status == "finished" and r.selection_ppl is not None]
     best = min(finished, key=lambda r: r.selection_ppl) if finished and not interrupted else None
     version, arts = _finalise(plan, parent, rows, best, interrupted, register)
+    failed = None if interrupted else every_trial_failed(grid, space.name)
+    if failed:  # nothing to choose from: not a success a script may take for one
+        raise TuneError(f"{failed}; fix it and rerun the same command (it retries the failed trials), or see {exp_dir}")
     unregistered = None
     if best is not None and version is None and plan.base.mlflow.register and register:
         unregistered = (f"sweep {space.name!r} is done but its best trial {best.trial_id} is not registered (MLflow at "
