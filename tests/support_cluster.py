@@ -1,4 +1,4 @@
-"""What a cluster is made of, on this one machine (ENVIRONMENT.md): an S3 server on loopback, an MLflow
+"""What a cluster is made of, on this one machine: an S3 server on loopback, an MLflow
 tracking server whose artifacts live in it, and a Ray cluster of a 0-CPU head and worker nodes.
 
 Nodes of a real cluster share nothing but the object store and the MLflow server; here they share this
