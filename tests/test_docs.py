@@ -359,3 +359,60 @@ def test_train_help_config_prints_every_key_with_its_description() -> None:
     assert "torch.compile" in compile_line[1], compile_line
     assert "--help-config" in subprocess.run([sys.executable, "-m", "pipelines.train", "--help"], capture_output=True,
                                              text=True, cwd=ROOT, timeout=120).stdout
+
+
+# ---- tables and claims that restate the code --------------------------------------------------------------
+
+def _table_rows(page: Path, header: str) -> list[list[str]]:
+    """The rows of the Markdown table whose header line starts with ``header``, as stripped cells."""
+    lines = page.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[at + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split(" | ")])
+    return rows
+
+
+def test_the_sampler_table_is_the_kinds_table() -> None:
+    """Generation's table of samplers per kind lists, for every kind, the samplers ``samplers_for`` gives, default
+    first."""
+    from adlm_model.kinds import KINDS, samplers_for
+
+    rows = _table_rows(DOCS / "usage" / "generation-and-serving.md", "| model kind | samplers")
+    table = {kind.lower().replace("-", ""): re.findall(r"`([^`]+)`", samplers) for kind, samplers in rows}
+    assert table == {kind: samplers_for(kind) for kind in KINDS}
+
+
+def test_the_suites_table_lists_every_suite() -> None:
+    from pipelines.evaluation.suites import SUITES
+
+    rows = _table_rows(DOCS / "usage" / "evaluation.md", "| suite | what")
+    assert [re.sub(r"`", "", r[0]) for r in rows] == list(SUITES)
+
+
+def test_make_bench_runs_every_cpu_benchmark() -> None:
+    """``make bench`` names every benchmark script, except the ones its comment says why it leaves out, and only
+    scripts that exist."""
+    make = (ROOT / "Makefile").read_text()
+    listed = re.search(r"^CPU_BENCHMARKS := (.*?)(?<!\\)$", make, re.M | re.S).group(1).replace("\\\n", " ").split()
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("[a-z]*.py")}
+    left_out = {"gpu_check", "zero_shot_empty_rows", "suite_cpu", "records_from_raw"}
+    assert set(listed) == scripts - left_out and len(listed) == len(set(listed)), sorted(set(listed) ^ (scripts - left_out))
+    assert all(f"{name}.py" in make for name in left_out)
+
+
+def test_no_page_repeats_a_paragraph() -> None:
+    """A paragraph of prose (over 80 characters) appears once per page: a repeated one is a merge left behind."""
+    repeated = []
+    for page in [README, *sorted(DOCS.rglob("*.md"))]:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
+        seen: set[str] = set()
+        for p in paragraphs:
+            if len(p) > 80 and not p.startswith(("|", "<!--")):
+                if p in seen:
+                    repeated.append(f"{page.relative_to(ROOT)}: {p[:80]}")
+                seen.add(p)
+    assert not repeated, repeated
