@@ -416,3 +416,20 @@ def test_no_page_repeats_a_paragraph() -> None:
                     repeated.append(f"{page.relative_to(ROOT)}: {p[:80]}")
                 seen.add(p)
     assert not repeated, repeated
+
+
+def test_with_a_repo_url_the_site_links_the_repository_files_its_pages_name() -> None:
+    """docs/hooks/repo_links.py: a code span naming a repository file or folder becomes a link into the repository
+    (``ADLM_REPO_URL``); a name that is no file, a span already inside a link, and every span without a repo_url
+    are left as they are."""
+    from tests.conftest import load_script
+
+    hook = load_script(DOCS / "hooks" / "repo_links.py", "adlm_repo_links")
+    page = ("<p><code>configs/demo.yaml</code>, <code>benchmarks/results/</code>, <code>configs/none.yaml</code>, "
+            '<code>--set</code>, <a href="x"><code>README.md</code></a></p>')
+    out = hook.on_page_content(page, config={"repo_url": "https://example.org/o/r/"})
+    assert '<a href="https://example.org/o/r/blob/main/configs/demo.yaml"><code>configs/demo.yaml</code></a>' in out
+    assert '<a href="https://example.org/o/r/tree/main/benchmarks/results"><code>benchmarks/results/</code></a>' in out
+    assert "<code>configs/none.yaml</code>," in out and "<code>--set</code>," in out
+    assert out.count("<a ") == 3
+    assert hook.on_page_content(page, config={"repo_url": None}) == page
