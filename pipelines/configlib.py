@@ -35,8 +35,8 @@ from adlm_model.config import ConfigError, refuse_unknown
 from pipelines.pydantic_config import PYDANTIC_CONFIG
 
 __all__ = ["ConfigError", "refuse_unknown", "check_tree", "validate", "coerce", "coerce_fields", "read_yaml_file",
-           "load_yaml", "check_finite",
-           "split_assignment", "set_nested", "apply_to", "descriptions", "settings_help", "adapter"]
+           "load_yaml", "check_finite", "split_assignment", "set_nested", "apply_to", "descriptions", "settings_help",
+           "adapter", "ConfigKey", "config_keys", "keys_help", "type_text"]
 
 _NONE = ("none", "null")
 
@@ -353,4 +353,97 @@ def settings_help(cls: type, title: str) -> str:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         shown = ",".join(default) if isinstance(default, tuple) else default
         lines.append(f"  {f.name} (default {shown!s}): {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigKey:
+    """One key of a config file or ``--set``: its dotted name, type, default and description (the field's
+    docstring). What ``pipelines.train --help-config`` prints and the config reference page lists."""
+
+    name: str
+    type: str
+    default: str
+    description: str
+
+
+def type_text(ann: Any) -> str:
+    """A field's type in words: ``float``, ``int or none``, ``list of float``, ``mapping of str to int``."""
+    if typing.get_origin(ann) is typing.Annotated:
+        return type_text(typing.get_args(ann)[0])
+    if ann is Any:
+        return "any"
+    if _is_union(ann):
+        return " or ".join("none" if a is type(None) else type_text(a) for a in typing.get_args(ann))
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin in (list, tuple):
+        return f"list of {type_text(args[0])}" if args else "list"
+    if origin is dict:
+        return f"mapping of {type_text(args[0])} to {type_text(args[1])}" if args else "mapping"
+    return getattr(ann, "__name__", str(ann))
+
+
+def _default_text(value: Any) -> str:
+    if value is dataclasses.MISSING:
+        return "required"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(str, value)) + "]"
+    if isinstance(value, str):
+        return f'"{value}"' if value else '""'
+    return "none" if value is None else str(value)
+
+
+def _nested(ann: Any) -> tuple[str, type] | None:
+    """(suffix, dataclass) when ``ann`` holds dataclasses keyed further: ``X`` (""), ``dict[str, X]`` (".NAME"),
+    ``list[X]`` ("[]"), each possibly ``| None``."""
+    ann = _optional_inner(ann)
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if dataclasses.is_dataclass(ann) and isinstance(ann, type):
+        return "", ann
+    if origin is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]):
+        return ".NAME", args[1]
+    if origin in (list, tuple) and args and dataclasses.is_dataclass(args[0]):
+        return "[]", args[0]
+    return None
+
+
+def config_keys(cls: type, instance: Any = None, prefix: str = "") -> list[ConfigKey]:
+    """Every key of the dataclass ``cls``, nested sections walked (``optim.lr``; ``params.NAME.low`` for a mapping
+    of sections; ``arms[].name`` for a list), with the defaults of ``instance`` where given (a recipe's sections
+    default to what ``TrainConfig()`` holds), else the fields' own."""
+    docs = descriptions(cls)
+    hints = _hints(cls)
+    out: list[ConfigKey] = []
+    for f in dataclasses.fields(cls):
+        if instance is not None:
+            default = getattr(instance, f.name)
+        elif f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = dataclasses.MISSING
+        nested = _nested(hints[f.name])
+        if nested is not None:
+            suffix, inner = nested
+            section = default if suffix == "" and dataclasses.is_dataclass(default) else None
+            if docs.get(f.name):
+                out.append(ConfigKey(f"{prefix}{f.name}", "section", "required" if default is dataclasses.MISSING
+                                     else ("none" if default is None else "(its keys)"), docs[f.name]))
+            out += config_keys(inner, section, f"{prefix}{f.name}{suffix}.")
+            continue
+        out.append(ConfigKey(f"{prefix}{f.name}", type_text(hints[f.name]), _default_text(default),
+                             docs.get(f.name, "")))
+    return out
+
+
+def keys_help(keys: Sequence[ConfigKey], title: str) -> str:
+    """The keys as plain text: one paragraph a key (name, type, default; its description indented below)."""
+    import textwrap
+
+    lines = [f"{title}:"]
+    for k in keys:
+        lines.append(f"  {k.name} ({k.type}; default {k.default})")
+        if k.description:
+            lines += textwrap.wrap(k.description.replace("``", ""), 100, initial_indent="      ", subsequent_indent="      ")
     return "\n".join(lines)

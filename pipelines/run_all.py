@@ -1,6 +1,6 @@
 """The whole pipeline, top to bottom: what ``make demo`` runs and what a cluster job submits.
 
-    python -m pipelines.run_all                      # the embedded demo (CPU, offline, 5-6 minutes here)
+    python -m pipelines.run_all                      # the embedded demo (CPU, offline, a few minutes)
     python -m pipelines.run_all --profile smoke      # a 1-2 minute end-to-end check (tests, job submit)
     ray job submit --working-dir . --runtime-env runtime_env.yaml -- python -m pipelines.run_all
 
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the whole ADLM pipeline: prepare -> train ADLM, AR and MDLM -> gamma/tau sweep -> staged "
                     "evaluation and promotion -> summary. Offline on the embedded corpus; rerun to resume.")
     p.add_argument("--profile", choices=PROFILES, default="demo",
-                   help="demo: the `make demo` pipeline (5-6 minutes on 2 CPU cores); smoke: a 1-2 minute check")
+                   help="demo: the `make demo` pipeline (a few minutes on 2 CPU cores); smoke: the same stages on a toy")
     p.add_argument("--workdir", default=None, help="work directory (default: $ADLM_WORKDIR or ./work)")
     p.add_argument("--skip-sweep", action="store_true", help="leave out the gamma/tau sweep")
     add_logging_flags(p)

@@ -221,7 +221,7 @@ def build(lc: LoopConfig, rank: int, world: int, device: torch.device) -> Worker
     ema = EMA(raw, cfg.ema, warmup=cfg.ema_warmup)
     opt = build_optimizer(raw.parameters(), o)
     sched = build_schedule(opt, o, r.max_steps)
-    bf16 = use_gpu and cfg.scaling.bf16  # bf16 autocast on GPU only: ~19x slower on a CPU (ENVIRONMENT.md)
+    bf16 = use_gpu and cfg.scaling.bf16  # bf16 autocast on GPU only: ~19x slower on a CPU
     step = TrainStep(module, raw, opt, sched=sched, ema=ema, clip=o.clip, net=net,
                      sync="fsdp" if fsdp else ("ddp" if distributed else None),
                      autocast=torch.bfloat16 if bf16 else None, compile=cfg.compiles(device.type),
