@@ -105,7 +105,7 @@ def test_a_tracking_uri_no_store_can_be_made_of_is_one_line(workdir: Path, tmp_p
                                                             monkeypatch: pytest.MonkeyPatch,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     not_a_db = tmp_path / "notes.db"
-    not_a_db.write_text("these are my notes, not a database\n")
+    not_a_db.write_text("a notes file, not a database\n")
     for uri, says in ((f"ftp://127.0.0.1:{free_port()}/x", "MLflow has no store for the scheme 'ftp'"),
                       (f"sqlite:///{not_a_db}", "is not an SQLite database"),
                       (f"sqlite:///{tmp_path}", "is a folder, not an SQLite database file"),
@@ -115,7 +115,7 @@ def test_a_tracking_uri_no_store_can_be_made_of_is_one_line(workdir: Path, tmp_p
             assert _main(command)(argv) == 2, (uri, command)
             line = one_error(capsys)
             assert says in line, line
-    assert not_a_db.read_text() == "these are my notes, not a database\n"
+    assert not_a_db.read_text() == "a notes file, not a database\n"
     assert not (workdir / "ray_results").exists()
 
 
