@@ -76,7 +76,7 @@ def test_the_recipe_checks_of_a_confirmation_come_before_ray(tiny_data: Path, wo
         assert any(ln.startswith("baseline mdlm t-confirm-mdlm: 2 trials over optim.lr") for ln in lines), lines
         assert "confirm: 2 arms x fresh seeds [1, 2] = 4 runs; readings steps:4, steps:8; primary steps:8" in out.out
         assert re.search(r"tuned +winner +ADLM \(tuned\): .* 2 runs to 8 steps; [0-9.]+ s/step here", out.out)
-        assert "estimate: about" in out.out
+        assert "estimate: about" in out.out and "at most 16 steps" in out.out
     else:
         err = [ln for ln in out.err.strip().splitlines() if "(pid=" not in ln[:40]]
         assert rc == 2 and len(err) == 1 and re.search(message, err[0]), err

@@ -261,8 +261,9 @@ def plan_confirmation(space: SearchSpace, config: str | os.PathLike, cli_sets: l
 
 
 def search_steps(space: SearchSpace, max_t: int) -> tuple[int, int]:
-    """(at most, about): a search's optimiser steps over its trials, FIFO's bound and ASHA's expectation (a trial
-    reaches rung k = grace * rf^k with probability rf^-k)."""
+    """(at most, at least): a search's optimiser steps over its trials, FIFO's bound, and synchronous halving's (a
+    1/rf share of the trials continues at each rung k = grace * rf^k). Ray's ASHA is asynchronous: a rung's first
+    trials, with nothing to compare with, go on, so a search lands between the two."""
     n = space.total_trials
     if space.scheduler != "asha":
         return n * max_t, n * max_t

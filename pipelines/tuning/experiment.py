@@ -128,13 +128,13 @@ def check_lines(tp: TunePlan, timed: bool = True) -> list[str]:
         most, about = search_steps(space, plan.max_t)
         cfg = plan.base
         gf = training_flops_per_row(cfg.model) * cfg.batch.global_batch / 1e9
+        asha = f", at least {about:,} if ASHA keeps 1/{space.reduction_factor:g} at each rung" if about < most else ""
         line = (f"{what} {space.name}: {space.total_trials} trials over {', '.join(p.name for p in space.params)}; "
-                f"max_t {plan.max_t} steps; {about:,} steps with ASHA's promotions (at most {most:,}); "
-                f"{gf:.2f} GFLOP/step")
+                f"max_t {plan.max_t} steps; at most {most:,} steps{asha}; {gf:.2f} GFLOP/step")
         s = step_seconds(plan.base_raw) if timed else None
-        if s is not None:
-            vals = about // max(cfg.run.val_every, 1)
-            cpu = about * s + vals * _validation_s(plan.base_raw, s) + space.total_trials * START_S
+        if s is not None:  # at most: asynchronous ASHA promotes the first trials of a rung without competitors
+            vals = most // max(cfg.run.val_every, 1)
+            cpu = most * s + vals * _validation_s(plan.base_raw, s) + space.total_trials * START_S
             total_cpu += cpu
             line += f"; {s:.3f} s/step here -> about {cpu / 60:.0f} CPU-minutes"
         lines.append(line)

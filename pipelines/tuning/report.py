@@ -115,7 +115,8 @@ def plot_search(rows: list[TrialRow], out: Path, title: str, *, best: TrialRow |
         ax.set_xscale("log")
         ax.set_xlabel("gamma (anchor loss weight)")
         ax.set_ylabel("tau (anchor count threshold)")
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title + (f"\n(the surface ignores {', '.join(others)}: see the next panel)" if others else ""),
+                     fontsize=10)
         ax.legend(loc="best", fontsize=7)
         ax.grid(alpha=0.3)
     for j, n in enumerate(others):
@@ -130,7 +131,7 @@ def plot_search(rows: list[TrialRow], out: Path, title: str, *, best: TrialRow |
         if best is not None:
             ax.scatter([num(best.params[n])], [best.selection_ppl], s=320, facecolors="none", edgecolors="red",
                        linewidths=2.2, label=best_label, zorder=4)
-        if min(vals) > 0 and max(vals) / min(vals) > 20:
+        if min(vals) > 0 and max(vals) / min(vals) > 5:
             ax.set_xscale("log")
         ax.set_xlabel(n)
         ax.set_ylabel("validation bound (PPL)")
