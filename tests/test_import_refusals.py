@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from collections import OrderedDict
 from pathlib import Path
 
@@ -68,6 +69,127 @@ def test_a_pickle_cannot_make_the_loader_allocate_by_a_number_in_it(what: str, t
     torch.save({"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": bytearray(b"ok"), "c": b"\x00\xff"}, ok)
     back = load_pickled(ok)
     assert back["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and back["b"] == bytearray(b"ok") and back["c"] == b"\x00\xff"
+
+
+class _Built(_Allocates):
+    """Pickles as ``fn(*args)`` followed by ``__setstate__(state)``: numpy's own array pickle, with the state a
+    hostile file chooses."""
+
+    def __init__(self, fn, args, state) -> None:
+        super().__init__(fn, *args)
+        self.state = state
+
+    def __reduce__(self):
+        return (self.fn, self.args, self.state)
+
+
+def _hostile_numpy() -> dict[str, tuple[object, str]]:
+    """numpy objects a file of a few hundred bytes can name, each with the words of its refusal."""
+    import numpy as np
+    from numpy._core.multiarray import _reconstruct, scalar
+
+    def array(shape, dtype, data):  # numpy's placeholder, then the state it is given
+        return _Built(_reconstruct, (np.ndarray, (0,), b"b"), (1, shape, dtype, False, data))
+
+    return {
+        # an object array given fewer items than its shape: numpy filled the rest from memory it never wrote and
+        # the process died (SIGSEGV), after zeroing a gigabyte for the large one
+        "object array (1,000)": (array((1000,), np.dtype("O"), [1]), "numpy dtype 'O8'"),
+        "object array (2**27)": (array((1 << 27,), np.dtype("O"), []), "numpy dtype 'O8'"),
+        "object array by its type code": (_Built(_reconstruct, (np.ndarray, (0,), b"O"), (1, (9,), np.dtype("f4"),
+                                                                                          False, b"")),
+                                          "numpy dtype 'O'"),
+        "float array (2**27) of 8 bytes": (array((1 << 27,), np.dtype("f4"), b"A" * 8), "with 8 bytes of data for"),
+        "scalar of dtype V1073741824": (_Allocates(scalar, np.dtype("V1073741824"), b"x"), "numpy dtype 'V1073741824'"),
+        "structured dtype": (array((1,), np.dtype([("a", "O")]), b"A" * 8), "numpy dtype 'V8'"),
+    }
+
+
+@pytest.mark.parametrize("what", list(_hostile_numpy()))
+def test_numpy_in_a_pickle_is_checked_before_numpy_reads_it(what: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """numpy builds its objects in native code: an object array holding the file's bytes as pointers crashed the
+    importer (SIGSEGV), a void scalar of a stated gigabyte was allocated before numpy refused it. Each is refused
+    in one line before numpy sees it (the peak of Python's allocations stays far below the size asked), by the
+    importer too, which registers nothing; numpy's plain arrays and scalars, either byte order, still load."""
+    import tracemalloc
+
+    import numpy as np
+
+    payload, words = _hostile_numpy()[what]
+    f = tmp_path / "hostile.ckpt"
+    f.write_bytes(pickle.dumps(payload, protocol=2))
+    assert f.stat().st_size < 300
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnsafePickleError) as e:
+            load_pickled(f)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20 and words in str(e.value) and "\n" not in str(e.value), (peak, str(e.value))
+    from pipelines.import_model import main
+
+    zipped = tmp_path / "zipped.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "hyper_parameters": {"x": payload}}, zipped)
+    assert main([str(zipped), "--workdir", str(tmp_path / "wd")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+    assert not (tmp_path / "wd").exists()  # nothing registered, not even a store created
+    ok = tmp_path / "plain.ckpt"
+    big_endian = np.arange(4, dtype=">f8")
+    torch.save({"a": np.arange(6, dtype=np.int16).reshape(3, 2), "b": big_endian, "c": np.float64(1.5),
+                "d": np.bool_(True), "e": np.zeros((0, 3), np.complex64)}, ok)
+    back = load_pickled(ok)
+    assert back["a"].tolist() == [[0, 1], [2, 3], [4, 5]] and back["a"].dtype == np.int16
+    assert back["b"].tolist() == [0.0, 1.0, 2.0, 3.0] and back["c"] == 1.5 and back["d"] and back["e"].shape == (0, 3)
+
+
+def _as_torch_zip(pkl: bytes, out: Path) -> Path:
+    """``pkl`` as the pickle of a torch.save zip (its other records from an empty save)."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save({}, buf)
+    with zipfile.ZipFile(buf) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for name in src.namelist():
+            dst.writestr(name, pkl if name.endswith("/data.pkl") else src.read(name))
+    return out
+
+
+def test_deep_hyper_parameters_and_storages_larger_than_the_file_are_one_line(tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Hyper-parameters nested 5,000 deep (a 40 KB file) gave a RecursionError of 2,995 lines; a legacy-format file
+    whose storage declares 8 GB had them allocated before its data were read. Both are one line, exit 2, nothing
+    registered; a config.json nested 100,000 deep likewise."""
+    from pipelines.import_model import main
+
+    def s(x: str) -> bytes:
+        return b"X" + len(x.encode()).to_bytes(4, "little") + x.encode()
+
+    n = 5000  # {'state_dict': {}, 'hyper_parameters': {'a': {'a': ... {}}}}, written opcode by opcode
+    deep = b"\x80\x02}" + s("state_dict") + b"}s" + s("hyper_parameters") + (b"}" + s("a")) * n + b"}" + b"s" * n + b"s."
+    _as_torch_zip(deep, tmp_path / "deep.ckpt")
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"state_dict": {"w": torch.zeros(4)}}, buf, _use_new_zipfile_serialization=False)
+    # the storage's element count (4, after its location 'cpu') made 2**31 - 1
+    raw, hits = re.subn(rb"(X\x03\x00\x00\x00cpuq.)K\x04", lambda m: m.group(1) + b"J\xff\xff\xff\x7f", buf.getvalue())
+    assert hits == 1
+    (tmp_path / "legacy.ckpt").write_bytes(raw)
+    hub = tmp_path / "deep-json"
+    hub.mkdir()
+    (hub / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    (hub / "model.safetensors").write_bytes(b"\x00" * 16)
+    for source, words in ((tmp_path / "deep.ckpt", "nested deeper than 100 levels"),
+                          (tmp_path / "legacy.ckpt", "storages of 8,589,934,588 bytes in a file of"),
+                          (hub, "JSON nested too deep")):
+        assert main([str(source), "--workdir", str(tmp_path / "wd")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+    assert not (tmp_path / "wd").exists()
 
 
 def test_a_compressed_record_is_refused_before_it_is_inflated(tmp_path: Path) -> None:
