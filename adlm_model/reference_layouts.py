@@ -291,6 +291,8 @@ class Family:
     tokenizer_files: tuple[str, ...] = ()
     """The files of the tokenizer a released folder of this family carries beside the weights (RoBERTa's BPE for
     SSD-LM): the import builds the tokenizer from them, or from ``--tokenizer DIR`` holding them."""
+    layout: str = ""
+    """The only source layout it reads (``export``: this project's own folder); empty: any released one."""
 
 
 MDLM_COMMIT = "c112c526d193436838c98d81455ee51f90309470"
@@ -333,7 +335,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            note="its Hub layout (xhan77/ssdlm): RobertaForMaskedLM (config.json + pytorch_model.bin or "
                 "model.safetensors) with embed_sum_layer.pt and timestep_layer.pt; sample-only"),
     Family("adlm-export", "", "this project (python -m pipelines.export)", "", "see the model card",
-           lambda s: s.layout == "export", config_export, map_identity, buffers=(),
+           lambda s: s.layout == "export", config_export, map_identity, buffers=(), layout="export",
            note="this project's exported folder (model_type adlm)"),
 )}
 
@@ -355,6 +357,8 @@ def family(name: str) -> Family:
 
 
 MODEL_TYPES = {"mdlm": "mdlm", "bd3lm": "bd3lm", "adlm": "adlm-export"}
+LAYOUTS = {"lightning": "a Lightning .ckpt", "hub": "a Hub-layout folder", "run": "a SEDD training run",
+           "export": "this project's export folder"}
 """A Hub folder's own ``config.json`` ``model_type`` -> the family that reads it."""
 
 
@@ -365,6 +369,11 @@ def chosen_family(name: str | None, src: Source) -> Family:
     if name is None:
         return detect_family(src)
     fam = family(name)
+    if (fam.layout == "export") != (src.layout == "export"):
+        theirs = ("this project's export folders" if fam.layout == "export" else
+                  "released checkpoints, not this project's export folders")
+        raise ImportRefused(f"--family {name} reads {theirs}; this source is {LAYOUTS.get(src.layout, src.layout)}: "
+                            "leave --family out (it is recognised from the file) or pass its own family")
     own = MODEL_TYPES.get(str(src.hparams.get("model_type"))) if src.layout in ("hub", "export") else None
     if own is not None and own != fam.name:
         raise ImportRefused(f"--family {name} does not fit: the folder's config.json says model_type "
@@ -402,11 +411,18 @@ def model_config(src: Source, fam: Family, vocab_size: int, mask_id: int) -> Mod
 
 
 def embedding_width(src: Source, fam: Family) -> int:
-    """Rows of the checkpoint's token embedding (vocabulary plus an appended mask)."""
+    """Rows of the checkpoint's token embedding (vocabulary plus an appended mask); ImportRefused when a Hub
+    folder's config.json states another ``vocab_size`` (``from_pretrained`` refuses such a folder too)."""
     for k, v in src.tensors.items():
         if k.endswith(("vocab_embed.embedding", "vocab_embed.weight", "embeddings.word_embeddings.weight")) \
                 and "denoiser" not in k:
-            return int(v.shape[0])
+            rows = int(v.shape[0])
+            stated = src.hparams.get("vocab_size") if src.layout == "hub" else None
+            if stated is not None and stated != rows:
+                raise ImportRefused(f"config.json says vocab_size {stated!r} but the weights' token embedding {k} has "
+                                    f"{rows} rows: the config and the weights are not one model (download the folder "
+                                    "again)")
+            return rows
     raise ImportRefused(f"no token embedding (vocab_embed) in this {fam.name} checkpoint")
 
 

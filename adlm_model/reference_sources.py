@@ -219,7 +219,7 @@ def read_source(path: str | os.PathLike) -> Source:
         extra, extra_files = _read_hub_modules(p)
         tensors.update(extra)
         files = [*files, *extra_files]
-        layout = "export" if hp.get("model_type") == "adlm" and "model" in hp else "hub"
+        layout = "export" if hp.get("model_type") == "adlm" and isinstance(hp.get("model"), dict) else "hub"
         return Source(tensors, hp, layout, [cfg_file, *files])
     if not p.is_file():
         raise ImportRefused(f"{p} does not exist")

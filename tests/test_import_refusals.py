@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import shutil
 from collections import OrderedDict
 from pathlib import Path
 
@@ -252,6 +253,15 @@ def _bad_sources(tmp: Path) -> list[tuple[list[str], str]]:
     hub.mkdir()
     (hub / "config.json").write_text("{not json")
     (hub / "model.safetensors").write_bytes(b"\x00" * 16)
+    (tmp / "exported").mkdir()
+    (tmp / "my_models").mkdir()
+    export = tmp / "export"
+    export.mkdir()
+    (export / "config.json").write_text(json.dumps({"model_type": "adlm", "model": {"kind": "mdlm"}}))
+    save_file({"w": torch.zeros(2)}, str(export / "model.safetensors"))
+    vocab = tmp / "vocab-400"
+    shutil.copytree(FIXTURES / "ssdlm" / "hub", vocab)
+    (vocab / "config.json").write_text(json.dumps({**json.loads((vocab / "config.json").read_text()), "vocab_size": 400}))
     sf = tmp / "bad-safetensors"
     sf.mkdir()
     (sf / "config.json").write_text(json.dumps({"model_type": "mdlm"}))
@@ -271,6 +281,19 @@ def _bad_sources(tmp: Path) -> list[tuple[list[str], str]]:
         (["./ckpts/mdlm"], "no such file or folder"),
         (["../mdlm"], "no such file or folder"),
         (["models/sedd/run"], "no such file or folder"),
+        # owner/name whose owner is a folder here: a local path whose last part is missing, never a Hub id
+        (["exported/adlm"], "exported/adlm: no such file or folder"),
+        (["my_models/ckpt-final"], "my_models/ckpt-final: no such file or folder"),
+        # names and aliases the registry refuses, before anything is read (they failed after 44 files were logged)
+        ([str(FIXTURES / "mdlm" / "mdlm.ckpt"), "--name", "a/b"], "--name: Invalid model name 'a/b'"),
+        ([str(FIXTURES / "mdlm" / "mdlm.ckpt"), "--alias", "bad alias!"], "--alias: Invalid alias name"),
+        ([str(FIXTURES / "mdlm" / "mdlm.ckpt"), "--alias", "v3"], "--alias: Version alias name 'v3' is reserved"),
+        # the export family on a released checkpoint (a KeyError), and a released family on an export folder
+        ([str(FIXTURES / "mdlm" / "mdlm.ckpt"), "--family", "adlm-export"],
+         "--family adlm-export reads this project's export folders; this source is a Lightning .ckpt"),
+        ([str(export), "--family", "mdlm"], "--family mdlm reads released checkpoints, not this project's export"),
+        # a Hub folder whose config.json and weights disagree on the vocabulary
+        ([str(vocab)], "config.json says vocab_size 400 but the weights' token embedding"),
     ]
 
 
@@ -288,6 +311,11 @@ def test_unreadable_and_mistaken_sources_are_one_line(tmp_path: Path, capsys: py
         err = [ln for ln in capsys.readouterr().err.strip().splitlines() if "(pid=" not in ln[:40]]
         assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (argv, err)
         assert "Hub" not in err[0] or "Hub id is owner/name" in err[0], err
+    # owner/name with no such folder here: tried on the Hub (offline here), and the message says it is no local path
+    assert main(["nothere/adlm", "--workdir", str(wd)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: nothere/adlm: no such local file or folder (in {tmp_path}), "
+                                               "and cannot download nothere/adlm from the Hugging Face Hub"), err
     assert not (wd / "mlflow.db").exists() and not (wd / "mlartifacts").exists()
 
 
@@ -320,5 +348,6 @@ def test_a_hub_id_without_safetensors_is_fetched_with_its_pytorch_model_bin(tmp_
         assert "louaaron/sedd-both/pytorch_model.bin" not in served and "louaaron/sedd-both/model.safetensors" in served
         assert main(["louaaron/sedd-nothing", "--workdir", str(wd)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("error: cannot download louaaron/sedd-nothing from the Hugging Face Hub")
+        assert len(err) == 1 and err[0].startswith("error: louaaron/sedd-nothing: no such local file or folder")
+        assert "cannot download louaaron/sedd-nothing from the Hugging Face Hub" in err[0], err
     assert not (wd / "mlflow.db").exists()

@@ -41,8 +41,10 @@ def test_the_released_layout_imports_as_a_sample_only_version(imported) -> None:
     assert (tags["kind"], tags["imported"], tags["family"], tags["reference"]) == ("ssdlm", "true", "ssdlm",
                                                                                  "xhan77/ssd-lm")
     assert tags["reference_commit"] == "c0b67612c27928350aa073b303bc9df3a0e87f28"
+    # every file read, the tokenizer's among them
     assert json.loads(tags["sha256"]) == {f: sha256_file(HUB / f) for f in ("config.json", "model.safetensors",
-                                                                           "embed_sum_layer.pt", "timestep_layer.pt")}
+                                                                           "embed_sum_layer.pt", "timestep_layer.pt",
+                                                                           "vocab.json", "merges.txt")}
     ckpt = resolve_model(res["uri"], tracking, dst=imported["root"] / "dl")
     tok = json.loads((ckpt / "tokenizer.json").read_text())
     assert tok["model"]["vocab"]["<mask>"] == 4 and tok["post_processor"]["type"] == "RobertaProcessing"
@@ -163,3 +165,39 @@ def test_train_and_the_likelihood_suites_refuse_it_in_one_line(imported, capsys)
         evaluate_model(imported["res"]["uri"], ("arbitrary_length",), EvalConfig(sampler="mdlm", eval_lm="smollm2"),
                        workdir=str(imported["workdir"]), tracking_uri=imported["tracking"], in_process=True)
     assert "\n" not in str(e.value)
+
+
+def test_the_tokenizer_is_part_of_an_imports_identity_and_aliases_are_checked_first(imported, tmp_path,
+                                                                                   capsys) -> None:
+    """The same weights with two ids swapped in vocab.json are another model: imported as a new version whose
+    tokenizer has them swapped (they reused the old version and its tokenizer). Importing again with an alias sets
+    it on the version already there; an alias the registry refuses is one line before anything is read, and the
+    aliases stay as they were."""
+    import mlflow
+
+    from pipelines.import_model import main
+    from pipelines.registry import resolve_model
+
+    d = tmp_path / "swapped"
+    shutil.copytree(HUB, d)
+    vocab = json.loads((d / "vocab.json").read_text())
+    a, b = sorted(t for t in vocab if vocab[t] >= 5)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (d / "vocab.json").write_text(json.dumps(vocab))
+    flags = ["--workdir", str(imported["workdir"]), "--tracking-uri", imported["tracking"], "--json"]
+    assert main([str(d), *flags]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["new"] and res["version"] != imported["res"]["version"]
+    tok = json.loads((resolve_model(res["uri"], imported["tracking"], dst=tmp_path / "dl") / "tokenizer.json")
+                     .read_text())
+    assert (tok["model"]["vocab"][a], tok["model"]["vocab"][b]) == (vocab[a], vocab[b])
+
+    client = mlflow.MlflowClient(imported["tracking"])
+    before = dict(client.get_registered_model("adlm").aliases)
+    assert main([str(d), "--alias", "not an alias", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --alias: Invalid alias name"), err
+    assert main([str(d), "--alias", "swapped-vocab", *flags]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert (again["version"], again["new"]) == (res["version"], False)
+    assert dict(client.get_registered_model("adlm").aliases) == {**before, "swapped-vocab": int(res["version"])}
