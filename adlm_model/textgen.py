@@ -158,6 +158,8 @@ class _Checked:
     suffix_ids: list[int]
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The sampler's options (the confidence settings, resolved)."""
+    row: int = 0
+    """Tokens of the whole row: BOS (when the kind puts it there), prompt, new tokens, suffix."""
 
 
 def _number(name: str, value: Any) -> float | int:
@@ -247,21 +249,24 @@ class TextGenerator:
             req = dataclasses.replace(req, steps=self.default_steps)
         sampler = req.sampler or model_kind(self.cfg.kind).default_sampler
         options = sampler_settings(req, sampler)
-        prompt_ids, suffix_ids = self._encode(req.prompt, "prompt"), self._encode(req.suffix, "suffix")
+        prompt = req.prompt
+        if prompt and model_kind(self.cfg.kind).prompt_space and not prompt.startswith(" "):
+            prompt = " " + prompt  # the reference's convention (SSD-LM); the text still starts with the prompt given
+        prompt_ids, suffix_ids = self._encode(prompt, "prompt"), self._encode(req.suffix, "suffix")
         try:
-            plan_infill(self.cfg, sampler, len(prompt_ids), req.length, len(suffix_ids), self.specials.bos_id,
-                        options)
+            layout = plan_infill(self.cfg, sampler, len(prompt_ids), req.length, len(suffix_ids), self.specials.bos_id,
+                                 options)
         except (SamplerError, ConfigError) as e:
             raise GenerationError(str(e)) from e
         seed = req.seed if req.seed is not None else secrets.randbits(53)
-        return _Checked(req, sampler, seed, prompt_ids, suffix_ids, options)
+        return _Checked(req, sampler, seed, prompt_ids, suffix_ids, options, layout.total)
 
     def cost(self, checked: _Checked) -> tuple[int, float]:
         """``(network calls, FLOPs)`` a checked request may cost at most: calls bound the sampler's forward
         passes (diffusion ``T + 1``, confidence one per new token, AR one per token), FLOPs are
         ``2 x parameters x rows x row length x calls`` (a KV cache only makes it cheaper)."""
         r = checked.request
-        row = int(self.specials.bos_id is not None) + len(checked.prompt_ids) + r.length + len(checked.suffix_ids)
+        row = checked.row
         bound = get_sampler(checked.sampler).calls
         if bound is not None:  # the sampler's own bound (ssdlm: T a block), each pass over at most the context
             calls = bound(r.length, r.steps, checked.options)
