@@ -16,8 +16,8 @@ short line and without the body, when the request
 
 A request that passes goes to MLflow's app unchanged. Whatever that app answers with a 4xx or 5xx status is cut
 to its first line (at most ``MAX_MESSAGE`` characters), and every string the request sent (its keys and values,
-its content type) is taken out of it (``scrub``): no error message carries any of a request back, whoever wrote
-the message (the model's checks name a bad value, MLflow's name unknown keys).
+its content type) is taken out of it (``scrub``): no error message carries any of a request back, from the model's
+checks (which name a bad value) or from MLflow's (which name unknown keys).
 """
 
 from __future__ import annotations
