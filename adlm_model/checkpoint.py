@@ -10,7 +10,7 @@ Layout of a checkpoint directory::
 
 Loading checks the model kind, vocabulary size, mask id and sequence length against what the
 caller expects and fails with one clear line on a mismatch. Before any tensor is made it also checks that the
-network config.json describes is no larger than the weights file (``check_size``): a config.json edited to ask for
+network config.json describes is not far larger than the weights file (``check_size``): a config.json edited to ask for
 4,096 blocks or a hidden size of 2^20 is one line, not gigabytes allocated on the way to a shape error. A config
 that is not JSON, not a model config, or weights that are not safetensors are one line each too.
 """
@@ -121,12 +121,24 @@ def estimated_parameters(cfg: ModelConfig) -> int:
     return one + (cfg.n_blocks - 1) * per_block + (cfg.denoiser_blocks - 1) * per_denoiser_block
 
 
-def check_size(cfg: ModelConfig, weights: str | os.PathLike) -> None:
-    """CheckpointError unless ``cfg``'s network is no larger than ``weights`` (a safetensors file): what a config
-    may allocate is bounded by the file it belongs to, before any tensor is made."""
-    have = stored_values(weights)
+SIZE_SLACK = 1 << 24
+"""Parameters a config may ask for beyond twice the values its weights hold before it is refused unbuilt: a
+smaller mismatch is built and named key by key (the weights' own check), a larger one is an allocation."""
+
+
+def oversized(cfg: ModelConfig, values: int) -> int | None:
+    """The parameters of ``cfg``'s network when they exceed what weights of ``values`` values can fill (twice them,
+    plus ``SIZE_SLACK``), else None: what a config may allocate is bounded by the file it came with."""
     want = estimated_parameters(cfg)
-    if want > have:
+    return want if want > 2 * values + SIZE_SLACK else None
+
+
+def check_size(cfg: ModelConfig, weights: str | os.PathLike) -> None:
+    """CheckpointError when ``cfg``'s network is far larger than ``weights`` (a safetensors file) holds
+    (``oversized``), before any tensor is made."""
+    have = stored_values(weights)
+    want = oversized(cfg, have)
+    if want is not None:
         raise CheckpointError(f"{Path(weights).parent / 'config.json'} describes a network of {want:,} parameters "
                               f"but {Path(weights).name} holds {have:,} values: the config does not belong to these "
                               "weights (restore it; nothing was built)")

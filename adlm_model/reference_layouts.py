@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .checkpoint import oversized
 from .config import ConfigError, ModelConfig
 from .kinds import build_model
 from .reference_sources import PICKLE_SUFFIXES, ImportRefused, Source, normalise_key, read_source
@@ -451,6 +452,11 @@ def convert(src: Source, fam: Family, vocab_size: int, mask_id: int) -> tuple[nn
     unmatched keys) when the layout does not map completely: nothing is half loaded."""
     cfg = model_config(src, fam, vocab_size, mask_id)
     state = weights(src, fam)
+    have = sum(v.numel() for v in state.values())
+    want = oversized(cfg, have)
+    if want is not None:  # a config edited to ask for far more than the file holds: refused before it is built
+        raise ImportRefused(f"the checkpoint's config describes a {cfg.kind} network of {want:,} parameters but its "
+                            f"weights hold {have:,} values: the config does not belong to these weights")
     model = build_model(cfg)
     ours = model.state_dict()
     mapped: dict[str, torch.Tensor] = {}

@@ -54,16 +54,20 @@ def _config(**model) -> callable:
 def test_a_damaged_or_edited_export_folder_is_one_line(folders, tmp_path, capsys, monkeypatch) -> None:
     """Garbage weights, a config.json that is not JSON or holds no model, a garbage tokenizer.json: one line each
     (tracebacks before). A config.json asking for 4,096 blocks or a hidden size of 2^20 is refused from the
-    weights file's header, before any network is built (it allocated 5 GB, then a traceback)."""
+    weights file's header, before any network is built (it allocated 5 GB, then a traceback); importing such a
+    folder likewise."""
     import torch
 
     import adlm_model.checkpoint as checkpoint
+    import adlm_model.reference_layouts as layouts
     from pipelines.generate import main as generate
+    from pipelines.import_model import main as import_model
 
     built = []  # networks built on a real device (the size check counts on the meta device, allocating nothing)
     real = checkpoint.build_model
-    monkeypatch.setattr(checkpoint, "build_model",
-                        lambda cfg: (torch.empty(0).device.type != "meta" and built.append(cfg)) or real(cfg))
+    for module in (checkpoint, layouts):
+        monkeypatch.setattr(module, "build_model",
+                            lambda cfg: (torch.empty(0).device.type != "meta" and built.append(cfg)) or real(cfg))
     exp = folders["export"]
     cases = [
         (lambda d: (d / "model.safetensors").write_bytes(b"garbage"), "model.safetensors is not a readable safetensors"),
@@ -79,7 +83,11 @@ def test_a_damaged_or_edited_export_folder_is_one_line(folders, tmp_path, capsys
         assert generate(["--model", str(d), "--prompt", "x", "--length", "4", "--steps", "2", "-q"]) == 2
         line = _one_line(capsys)
         assert words in line, (i, line)
+        if words == "describes a network of":  # importing the folder: refused before its network is built too
+            assert import_model([str(d), "--workdir", str(tmp_path / "wd")]) == 2
+            assert "describes a mdlm network of" in _one_line(capsys)
     assert not built  # no network was built for any of them
+    assert not (tmp_path / "wd").exists()  # and nothing registered
     assert generate(["--model", str(exp), "--prompt", "x", "--length", "4", "--steps", "2", "-q"]) == 0
     assert capsys.readouterr().out.startswith("x") and len(built) == 1
 
