@@ -439,6 +439,8 @@ def plain(obj: Any, _seen: frozenset[int] = frozenset(), _depth: int = 0) -> Any
         return [sub(v) for v in obj]
     if isinstance(obj, torch.Tensor):
         return "<tensor>"
+    if isinstance(obj, np.ndarray):
+        return "<ndarray>"
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, _Dtype):

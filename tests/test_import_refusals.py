@@ -1,8 +1,9 @@
 """The importer's refusals (``python -m pipelines.import_model``, ``adlm_model.safe_pickle``): a pickle cannot make
-the loader allocate by a number it states or slip a Python 2 name past its checks; an empty, truncated or corrupt
-file, parts of the wrong type, a --family its folder contradicts and a mistyped path are one line each, exit 2,
-nothing registered; a Hub repository is fetched (from a stand-in of the Hub on loopback) with its
-``pytorch_model.bin`` when it has no safetensors."""
+the loader allocate by a number it states, hand numpy anything but plain number data, nest its hyper-parameters
+without bound or slip a Python 2 name past its checks; an empty, truncated or corrupt file, parts of the wrong type,
+a --family its folder contradicts, a vocabulary its config and weights disagree on, a name or alias the registry
+refuses and a mistyped path are one line each, exit 2, nothing registered; a Hub repository is fetched (from a
+stand-in of the Hub on loopback) with its ``pytorch_model.bin`` when it has no safetensors."""
 
 from __future__ import annotations
 
