@@ -137,7 +137,7 @@ def test_numpy_in_a_pickle_is_checked_before_numpy_reads_it(what: str, tmp_path:
     assert main([str(zipped), "--workdir", str(tmp_path / "wd")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
-    assert not (tmp_path / "wd").exists()  # nothing registered, not even a store created
+    assert not (tmp_path / "wd" / "mlflow.db").exists() and not (tmp_path / "wd" / "mlartifacts").exists()  # nothing registered
     ok = tmp_path / "plain.ckpt"
     big_endian = np.arange(4, dtype=">f8")
     torch.save({"a": np.arange(6, dtype=np.int16).reshape(3, 2), "b": big_endian, "c": np.float64(1.5),
@@ -191,7 +191,7 @@ def test_deep_hyper_parameters_and_storages_larger_than_the_file_are_one_line(tm
         assert main([str(source), "--workdir", str(tmp_path / "wd")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
-    assert not (tmp_path / "wd").exists()
+    assert not (tmp_path / "wd" / "mlflow.db").exists() and not (tmp_path / "wd" / "mlartifacts").exists()
 
 
 def test_a_compressed_record_is_refused_before_it_is_inflated(tmp_path: Path) -> None:

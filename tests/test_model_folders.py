@@ -87,7 +87,7 @@ def test_a_damaged_or_edited_export_folder_is_one_line(folders, tmp_path, capsys
             assert import_model([str(d), "--workdir", str(tmp_path / "wd")]) == 2
             assert "describes a mdlm network of" in _one_line(capsys)
     assert not built  # no network was built for any of them
-    assert not (tmp_path / "wd").exists()  # and nothing registered
+    assert not (tmp_path / "wd" / "mlflow.db").exists() and not (tmp_path / "wd" / "mlartifacts").exists()  # nothing registered
     assert generate(["--model", str(exp), "--prompt", "x", "--length", "4", "--steps", "2", "-q"]) == 0
     assert capsys.readouterr().out.startswith("x") and len(built) == 1
 
