@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,10 @@ class ModelConfig:
     gamma_horizon: int = 0
     """ADLM only: K of the ramp. 0: the training run's max_steps (the reference); training fills it in. Set
     explicitly it keeps a ramp fixed across runs of different lengths."""
+    anchor_init_std: float = 0.0
+    """ADLM only: standard deviation of the anchor network's output-layer weights at initialisation. 0 (the paper's,
+    the DiT convention for a final layer): zero, so the anchor logits start at 0 everywhere and the denoiser sees
+    the same input at every position until that layer learns; > 0 (e.g. 0.02): N(0, std) weights, zero bias."""
     block_size: int = 4
     """BD3-LM only: block size b (divides ``seq_len``)."""
     noise_eps: float = 1e-3
@@ -119,6 +124,8 @@ class ModelConfig:
         need(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
         need(self.tau >= 0, f"tau must be >= 0, got {self.tau}")
         need(self.gamma_beta > 0, f"gamma_beta must be > 0, got {self.gamma_beta}")
+        need(math.isfinite(self.anchor_init_std) and self.anchor_init_std >= 0,
+             f"anchor_init_std must be >= 0 (0: zero, the paper's), got {self.anchor_init_std}")
         need(self.gamma_horizon >= 0, f"gamma_horizon must be >= 0 (0: the run's max_steps), got {self.gamma_horizon}")
         need(0 < self.noise_eps < 1, f"noise_eps must be in (0, 1), got {self.noise_eps}")
         need(0 <= self.sampling_eps < 1, f"sampling_eps must be in [0, 1), got {self.sampling_eps}")
@@ -173,7 +180,8 @@ def refuse_unknown(keys: Iterable[Any], known: Sequence[str], where: str) -> Non
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # CPU-sized: a few million parameters with an 8,192-entry vocabulary (ENVIRONMENT.md).
+    # CPU-sized: a few million parameters with an 8,192-entry vocabulary (on a CPU the projection over the
+    # vocabulary dominates a step: GPT-2's 50,257 entries make one about 2.5x slower).
     "tiny": dict(hidden=256, heads=4, n_blocks=4, denoiser_blocks=2, cond_dim=64,
                  vocab_size=8192, mask_id=8192, seq_len=128),
     # The paper's (docs/design/method.md, section 2): 12 + 6 blocks of 768 with 12 heads, GPT-2 vocabulary.

@@ -68,7 +68,9 @@ def plan_infill(cfg: ModelConfig, sampler: str, prompt_len: int, new_tokens: int
     if suffix_len and not s.diffusion:
         raise SamplerError(f"sampler {sampler!r} generates left to right and cannot infill: drop the suffix "
                            "(an AR model continues a prompt) or use a diffusion model")
-    layout = InfillLayout(bos=bos_id is not None, prompt=prompt_len, new=new_tokens, suffix=suffix_len)
+    # BOS opens the row before a prompt, unless the kind's reference conditions on the prompt alone (SSD-LM)
+    bos = bos_id is not None and (KIND_TABLE[cfg.kind].bos_before_prompt or prompt_len == 0)
+    layout = InfillLayout(bos=bos, prompt=prompt_len, new=new_tokens, suffix=suffix_len)
     if layout.start == 0 and not s.diffusion:
         raise SamplerError(f"sampler {sampler!r} needs a first token: give a prompt (the tokenizer has no BOS)")
     if layout.total > cfg.seq_len and not s.any_length:
@@ -92,7 +94,8 @@ def infill(model: nn.Module, cfg: ModelConfig, prompt_ids: Sequence[int], suffix
 
     ``sampler``: a name of ``kinds.SAMPLERS`` (default: the model kind's ``default_sampler``); ``steps``,
     ``nucleus_p``, ``generator``, ``progress`` and ``options`` as in ``kinds.sample``. ``bos_id``: the
-    tokenizer's BOS, put first as in training (None: no BOS). ``stats`` (a dict) receives the sampler's counters
+    tokenizer's BOS, put first as in training (None: no BOS; a kind whose reference conditions on the prompt alone,
+    ``ModelKind.bos_before_prompt``, puts it first only given no prompt). ``stats`` (a dict) receives the sampler's counters
     (``network_calls``). The same generator state gives the same ids.
     """
     name = sampler or model_kind(cfg.kind).default_sampler

@@ -79,6 +79,12 @@ class ModelKind:
     (training, tuning, studies and distillation refuse the kind with it, and so do the likelihood suites)."""
     samplers: tuple[str, ...] = ()
     """The only samplers that run on it (empty: every sampler of its ``diffusion`` flag that names no kinds)."""
+    bos_before_prompt: bool = True
+    """Generation puts BOS before a prompt, as every training row starts with it. False: the reference conditions
+    on the prompt alone and starts from BOS only when given no prompt (SSD-LM's decoders)."""
+    prompt_space: bool = False
+    """A prompt that does not start with a space is encoded after one, as the reference does (SSD-LM's decoders:
+    a byte-level BPE reads the first word of a text as another token than the same word after a space)."""
 
 
 Mask = torch.Tensor | None
@@ -138,6 +144,7 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
     # SSD-LM: the released RoBERTa simplex-diffusion network (ssdlm.py), sampled block by block; no training, no
     # likelihood (Gaussian diffusion on the logit simplex has no bound here), its own sampler only.
     ModelKind("ssdlm", SSDLM, _sample_only, _sample_only, "ssdlm", adaln=False, samplers=("ssdlm",),
+              bos_before_prompt=False, prompt_space=True,
               sample_only="training SSD-LM is out of scope (sample-only: import the released model with python -m "
                           "pipelines.import_model xhan77/ssdlm, then generate or evaluate its samples)"),
 )}

@@ -23,6 +23,7 @@ under the same limits (its samples count as rows) unless ``--no-limits`` lifts t
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -61,13 +62,20 @@ class RequestLimits:
                                   "max_rows": DEFAULT_MAX_ROWS, "max_work": DEFAULT_MAX_WORK,
                                   "max_chars": CHARS_PER_TOKEN * max(length, seq_len)}
         for field, var in ENV.items():
-            if env.get(var):
+            raw = env.get(var, "").strip()
+            if raw:
+                # The same rules and words as the commands' settings (pipelines.settings): a NaN or an infinity
+                # would turn the limit off (every comparison with NaN is false).
+                kind = "a finite number" if field == "max_work" else "a whole number"
                 try:
-                    values[field] = float(env[var]) if field == "max_work" else int(env[var])
+                    values[field] = float(raw) if field == "max_work" else int(raw)
                 except ValueError:
-                    raise LimitError(f"{var}={env[var]!r} is not a number") from None
+                    values[field] = math.nan
+                if not math.isfinite(values[field]):
+                    raise LimitError(f"{var}={raw[:40]!r} is not {kind}: it sets the limit {field}; unset it or "
+                                     f"give {kind}")
                 if values[field] <= 0:
-                    raise LimitError(f"{var} must be > 0, got {env[var]}")
+                    raise LimitError(f"{var}={raw[:40]!r} must be above 0: it sets the limit {field}")
         return cls(**values)
 
     def check_row(self, i: int | None, steps: int, length: int) -> None:

@@ -48,7 +48,16 @@ class ADLM(nn.Module):
         self.cfg = cfg
         self.anchor = _dit(cfg, cfg.n_blocks)
         self.denoiser = _dit(cfg, cfg.denoiser_blocks, input_mode="dense", input_width=cfg.width)
+        if cfg.anchor_init_std > 0:  # drawn last: a zero start (the default) leaves every other draw as it was
+            nn.init.normal_(self.anchor.output_layer.linear.weight, std=cfg.anchor_init_std)
         self._fused: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+
+    def gradient_groups(self) -> dict[str, list[nn.Parameter]]:
+        """The parameters whose gradient norms training logs apart: the anchor network, the denoiser, and the
+        anchor's output layer (zero at initialisation by default: it learns through the denoiser's input layer and
+        the anchor term only)."""
+        return {"anchor": list(self.anchor.parameters()), "denoiser": list(self.denoiser.parameters()),
+                "anchor_out": list(self.anchor.output_layer.linear.parameters())}
 
     def forward(self, z_t: torch.Tensor, sigma: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor]:
         """Training path: (anchor logits y_phi(z_t), denoiser logits x_psi(y_phi(z_t)))."""

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .checkpoint import oversized
 from .config import ConfigError, ModelConfig
 from .kinds import build_model
 from .reference_sources import PICKLE_SUFFIXES, ImportRefused, Source, normalise_key, read_source
@@ -291,6 +292,8 @@ class Family:
     tokenizer_files: tuple[str, ...] = ()
     """The files of the tokenizer a released folder of this family carries beside the weights (RoBERTa's BPE for
     SSD-LM): the import builds the tokenizer from them, or from ``--tokenizer DIR`` holding them."""
+    layout: str = ""
+    """The only source layout it reads (``export``: this project's own folder); empty: any released one."""
 
 
 MDLM_COMMIT = "c112c526d193436838c98d81455ee51f90309470"
@@ -333,7 +336,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            note="its Hub layout (xhan77/ssdlm): RobertaForMaskedLM (config.json + pytorch_model.bin or "
                 "model.safetensors) with embed_sum_layer.pt and timestep_layer.pt; sample-only"),
     Family("adlm-export", "", "this project (python -m pipelines.export)", "", "see the model card",
-           lambda s: s.layout == "export", config_export, map_identity, buffers=(),
+           lambda s: s.layout == "export", config_export, map_identity, buffers=(), layout="export",
            note="this project's exported folder (model_type adlm)"),
 )}
 
@@ -355,6 +358,8 @@ def family(name: str) -> Family:
 
 
 MODEL_TYPES = {"mdlm": "mdlm", "bd3lm": "bd3lm", "adlm": "adlm-export"}
+LAYOUTS = {"lightning": "a Lightning .ckpt", "hub": "a Hub-layout folder", "run": "a SEDD training run",
+           "export": "this project's export folder"}
 """A Hub folder's own ``config.json`` ``model_type`` -> the family that reads it."""
 
 
@@ -365,6 +370,11 @@ def chosen_family(name: str | None, src: Source) -> Family:
     if name is None:
         return detect_family(src)
     fam = family(name)
+    if (fam.layout == "export") != (src.layout == "export"):
+        theirs = ("this project's export folders" if fam.layout == "export" else
+                  "released checkpoints, not this project's export folders")
+        raise ImportRefused(f"--family {name} reads {theirs}; this source is {LAYOUTS.get(src.layout, src.layout)}: "
+                            "leave --family out (it is recognised from the file) or pass its own family")
     own = MODEL_TYPES.get(str(src.hparams.get("model_type"))) if src.layout in ("hub", "export") else None
     if own is not None and own != fam.name:
         raise ImportRefused(f"--family {name} does not fit: the folder's config.json says model_type "
@@ -402,11 +412,18 @@ def model_config(src: Source, fam: Family, vocab_size: int, mask_id: int) -> Mod
 
 
 def embedding_width(src: Source, fam: Family) -> int:
-    """Rows of the checkpoint's token embedding (vocabulary plus an appended mask)."""
+    """Rows of the checkpoint's token embedding (vocabulary plus an appended mask); ImportRefused when a Hub
+    folder's config.json states another ``vocab_size`` (``from_pretrained`` refuses such a folder too)."""
     for k, v in src.tensors.items():
         if k.endswith(("vocab_embed.embedding", "vocab_embed.weight", "embeddings.word_embeddings.weight")) \
                 and "denoiser" not in k:
-            return int(v.shape[0])
+            rows = int(v.shape[0])
+            stated = src.hparams.get("vocab_size") if src.layout == "hub" else None
+            if stated is not None and stated != rows:
+                raise ImportRefused(f"config.json says vocab_size {stated!r} but the weights' token embedding {k} has "
+                                    f"{rows} rows: the config and the weights are not one model (download the folder "
+                                    "again)")
+            return rows
     raise ImportRefused(f"no token embedding (vocab_embed) in this {fam.name} checkpoint")
 
 
@@ -435,6 +452,11 @@ def convert(src: Source, fam: Family, vocab_size: int, mask_id: int) -> tuple[nn
     unmatched keys) when the layout does not map completely: nothing is half loaded."""
     cfg = model_config(src, fam, vocab_size, mask_id)
     state = weights(src, fam)
+    have = sum(v.numel() for v in state.values())
+    want = oversized(cfg, have)
+    if want is not None:  # a config edited to ask for far more than the file holds: refused before it is built
+        raise ImportRefused(f"the checkpoint's config describes a {cfg.kind} network of {want:,} parameters but its "
+                            f"weights hold {have:,} values: the config does not belong to these weights")
     model = build_model(cfg)
     ours = model.state_dict()
     mapped: dict[str, torch.Tensor] = {}

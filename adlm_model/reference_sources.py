@@ -78,6 +78,8 @@ def _first_line(e: BaseException) -> str:
 def _read_json(f: Path) -> Any:
     try:
         return json.loads(f.read_text())
+    except RecursionError:
+        raise ImportRefused(f"{f} is JSON nested too deep to be a model config: download the folder again") from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ImportRefused(f"{f} is not readable JSON ({_first_line(e)}): download the folder again") from None
 
@@ -94,6 +96,13 @@ def _load_pickle(f: Path) -> Any:
         return load_pickled(f)
     except UnreadablePickleError as e:
         raise ImportRefused(str(e)) from None
+
+
+def _plain(obj: Any, path: Path) -> Any:
+    try:
+        return plain(obj)
+    except UnreadablePickleError as e:
+        raise ImportRefused(f"{path}: {e}") from None
 
 
 def _tensor_dict(obj: Any, what: str) -> dict[str, torch.Tensor]:
@@ -210,7 +219,7 @@ def read_source(path: str | os.PathLike) -> Source:
         extra, extra_files = _read_hub_modules(p)
         tensors.update(extra)
         files = [*files, *extra_files]
-        layout = "export" if hp.get("model_type") == "adlm" and "model" in hp else "hub"
+        layout = "export" if hp.get("model_type") == "adlm" and isinstance(hp.get("model"), dict) else "hub"
         return Source(tensors, hp, layout, [cfg_file, *files])
     if not p.is_file():
         raise ImportRefused(f"{p} does not exist")
@@ -228,11 +237,11 @@ def read_source(path: str | os.PathLike) -> Source:
         if shadow is not None and (not isinstance(shadow, list | tuple)
                                    or not all(isinstance(t, torch.Tensor) for t in shadow)):
             raise ImportRefused(f"{p}'s 'ema' shadow_params is not a list of tensors")
-        hparams = plain(obj.get("hyper_parameters") or {})
+        hparams = _plain(obj.get("hyper_parameters") or {}, p)
         if not isinstance(hparams, dict):
             raise ImportRefused(f"{p}'s 'hyper_parameters' is a {type(hparams).__name__}, not a mapping of "
                                 "hyper-parameters: not a Lightning checkpoint of the references")
-        extra = {k: plain(v) for k, v in obj.items() if k in ("epoch", "global_step", "pytorch-lightning_version")}
+        extra = {k: _plain(v, p) for k, v in obj.items() if k in ("epoch", "global_step", "pytorch-lightning_version")}
         return Source({normalise_key(k): v for k, v in state.items()}, hparams, "lightning", [p],
                       ema=list(shadow) if shadow else None, extra=extra)
     if _is_sedd_run(obj):

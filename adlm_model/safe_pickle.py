@@ -17,9 +17,16 @@ checkpoints hold more than tensors: MDLM's Lightning module saves its hyper-para
 Names are first translated as pickle itself would (Python 2's ``commands.Popen`` is ``subprocess.Popen``,
 ``__builtin__`` is ``builtins``: ``_compat_pickle``), so an old spelling cannot slip past the checks. No allowed
 constructor allocates by a number the file states: ``bytes(n)`` / ``bytearray(n)`` and a numpy array rebuilt
-with a shape other than numpy's own ``(0,)`` placeholder are refused, so a file of a few hundred bytes cannot
-make the loader allocate gigabytes. A file that is not a readable ``torch.save`` pickle at all (empty,
-truncated, corrupt) is :class:`UnreadablePickleError`, one line.
+with a shape other than numpy's own ``(0,)`` placeholder are refused, and the tensors' storages may not declare
+more bytes than the file holds, so a file of a few hundred bytes cannot make the loader allocate gigabytes.
+
+numpy reaches native code, so nothing of numpy is built from what the file says until it is checked: a dtype is a
+plain number type (booleans, integers, floats, complex numbers of at most 32 bytes; never ``object``, a void, a
+string or a structured dtype) given by its type code, an array's data are bytes of exactly its shape's size (an
+``object`` array's data, pointers read from the file, would crash the process), and a numpy scalar's data are
+bytes of its dtype's size. A file that is not a readable ``torch.save`` pickle at all (empty, truncated,
+corrupt) is :class:`UnreadablePickleError`, one line; so is a hyper-parameter tree nested deeper than
+``MAX_DEPTH`` levels (:func:`plain`).
 
 Nothing outside the allowlist is ever imported, so loading cannot run code of the file's choosing.
 """
@@ -29,8 +36,10 @@ from __future__ import annotations
 import _compat_pickle
 import codecs
 import collections
+import math
 import os
 import pickle
+import re
 import types
 import zipfile
 from typing import Any
@@ -56,6 +65,7 @@ class UnsafePickleError(ValueError):
 
 
 ALLOCATES = "allocates by a number in the file"
+NOT_PLAIN = "only plain number types are read from a pickle"
 
 
 class UnreadablePickleError(ValueError):
@@ -167,6 +177,70 @@ class _NdarrayName:
 
 _NDARRAY = _NdarrayName()
 
+PLAIN_KINDS = "biufc"
+"""numpy dtype kinds read from a pickle: booleans, signed and unsigned integers, floats, complex numbers."""
+MAX_ITEMSIZE = 32
+_TYPE_CODE = re.compile(r"[<>|=]?(?:[biufc]\d{1,2}|[?bBhHiIlLqQpPeEfdgFDG])")
+
+
+def _plain_dtype(spec: Any) -> np.dtype:
+    """The numpy dtype ``spec`` (a type code, a checked ``_Dtype`` or a plain numpy dtype) names, or
+    UnsafePickleError: only plain number types of at most ``MAX_ITEMSIZE`` bytes."""
+    if isinstance(spec, _Dtype):
+        return spec.dtype
+    if isinstance(spec, bytes):
+        spec = spec.decode("latin-1")
+    if isinstance(spec, str) and _TYPE_CODE.fullmatch(spec):
+        dtype = np.dtype(spec)
+    elif isinstance(spec, np.dtype):
+        dtype = spec
+    else:
+        raise UnsafePickleError(f"numpy dtype {ascii(spec)[:40]} ({NOT_PLAIN})")
+    if dtype.kind not in PLAIN_KINDS or dtype.itemsize > MAX_ITEMSIZE or dtype.fields is not None \
+            or dtype.subdtype is not None:
+        raise UnsafePickleError(f"numpy dtype {str(dtype)[:40]} ({NOT_PLAIN})")
+    return dtype
+
+
+class _Dtype:
+    """What a pickle gets for ``numpy.dtype(code, align, copy)``: the code checked (``_plain_dtype``) and the byte
+    order its state names; numpy's own ``dtype.__setstate__``, which can make any dtype of any one, never runs."""
+
+    def __init__(self, code: Any, align: Any = False, copy: Any = False) -> None:
+        self.dtype = _plain_dtype(code)
+
+    def __setstate__(self, state: Any) -> None:
+        # numpy's state: (version, byte order, subarray, names, fields, itemsize, alignment, flags)
+        if not isinstance(state, tuple) or len(state) < 2 or any(v is not None for v in state[2:5]):
+            raise UnsafePickleError(f"numpy dtype state with a subarray or fields ({NOT_PLAIN})")
+        order = state[1].decode("latin-1") if isinstance(state[1], bytes) else state[1]
+        if order in ("<", ">"):
+            self.dtype = self.dtype.newbyteorder(order)
+        elif order not in ("|", "="):
+            raise UnsafePickleError(f"numpy dtype byte order {ascii(order)[:20]} ({NOT_PLAIN})")
+
+    def __repr__(self) -> str:
+        return f"dtype('{self.dtype}')"
+
+
+class _PickledArray(np.ndarray):
+    """The array numpy's ``_reconstruct`` placeholder becomes: its state is checked before numpy reads it."""
+
+    def __setstate__(self, state: Any) -> None:
+        # numpy's state: ([version,] shape, dtype, is_fortran, raw data)
+        if not isinstance(state, tuple) or len(state) not in (4, 5):
+            raise UnsafePickleError(f"numpy array state of an unknown form ({NOT_PLAIN})")
+        shape, dtype, fortran, raw = state[-4:]
+        dtype = _plain_dtype(dtype)
+        if not isinstance(shape, tuple) or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise UnsafePickleError(f"numpy array shape {str(shape)[:40]} ({NOT_PLAIN})")
+        need = math.prod(shape) * dtype.itemsize
+        if not isinstance(raw, bytes) or len(raw) != need:
+            got = f"{len(raw):,} bytes" if isinstance(raw, bytes) else f"a {type(raw).__name__}"
+            raise UnsafePickleError(f"numpy array of shape {str(shape)[:40]} with {got} of data for {need:,} "
+                                    f"({ALLOCATES})")
+        super().__setstate__((*state[:-4], shape, dtype, bool(fortran), raw))
+
 
 def _array(reconstruct: Any) -> Any:
     """numpy's ``_reconstruct`` for the placeholder numpy pickles (``ndarray``, shape ``(0,)``; the data come with
@@ -176,7 +250,19 @@ def _array(reconstruct: Any) -> Any:
             what = "ndarray" if subtype is _NDARRAY else "another type"
             raise UnsafePickleError(f"numpy _reconstruct of {what} with shape {str(shape)[:40]} ({ALLOCATES}: numpy "
                                     "pickles an empty ndarray placeholder, then its data)")
-        return reconstruct(np.ndarray, shape, dtype)
+        return reconstruct(_PickledArray, shape, _plain_dtype(dtype))
+
+    return build
+
+
+def _scalar(found: Any) -> Any:
+    """numpy's ``scalar(dtype, data)`` for a plain dtype and data of exactly its size (``scalar(dtype('V1073741824'),
+    b'x')`` would allocate a gigabyte first)."""
+    def build(dtype: Any, data: Any = None) -> Any:
+        dt = _plain_dtype(dtype)
+        if not isinstance(data, bytes) or len(data) != dt.itemsize:
+            raise UnsafePickleError(f"numpy scalar of {dt} without {dt.itemsize} bytes of data ({ALLOCATES})")
+        return found(dt, data)
 
     return build
 
@@ -200,8 +286,10 @@ def resolve_global(module: str, name: str) -> Any:
     if (module, name) in _NUMPY:
         if name == "ndarray":
             return _NDARRAY
+        if name == "dtype":
+            return _Dtype
         found = _np(module, name)
-        return _array(found) if name == "_reconstruct" else found
+        return _array(found) if name == "_reconstruct" else _scalar(found)
     if (module, name) == ("copyreg", "_reconstructor"):
         return _reconstructor
     if not all(part.isidentifier() for part in f"{module}.{name}".split(".")):  # bytes, not a name: a broken file
@@ -212,14 +300,59 @@ def resolve_global(module: str, name: str) -> Any:
     raise UnsafePickleError(f"{module}.{name}")
 
 
+def _storage_bytes(saved_id: Any) -> tuple[Any, int] | None:
+    """``(key, bytes)`` a ``torch.save`` storage reference declares (``('storage', type, key, location, numel[,
+    view])``), or None for anything else (torch itself refuses what it cannot read)."""
+    if not isinstance(saved_id, tuple) or len(saved_id) < 5 or saved_id[0] not in ("storage", b"storage"):
+        return None
+    key, numel = saved_id[2], saved_id[4]
+    try:
+        size = torch._utils._element_size(saved_id[1].dtype)
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+    return (key, numel * size) if isinstance(numel, int) else None
+
+
 class RestrictedUnpickler(pickle.Unpickler):
+    """``resolve_global`` for every name; the storages the file references may not declare more than
+    ``max_storage_bytes`` together (a storage is allocated at its declared size before its data are read)."""
+
+    max_storage_bytes: int | None = None
+
     def find_class(self, module: str, name: str) -> Any:
         return resolve_global(module, name)
 
+    @property
+    def persistent_load(self) -> Any:  # type: ignore[override]
+        return pickle.Unpickler.persistent_load.__get__(self)  # type: ignore[attr-defined]
 
-# What ``torch.load(pickle_module=...)`` needs of a pickle module.
-restricted = types.SimpleNamespace(__name__=__name__, Unpickler=RestrictedUnpickler,
-                                   load=lambda f, **kw: RestrictedUnpickler(f, **kw).load())
+    @persistent_load.setter
+    def persistent_load(self, load: Any) -> None:
+        """torch.load's storage loader, behind a count of the bytes the storages declare."""
+        declared: dict[Any, int] = {}
+        limit = self.max_storage_bytes
+
+        def bounded(saved_id: Any) -> Any:
+            found = _storage_bytes(saved_id) if limit is not None else None
+            if found is not None:
+                declared[found[0]] = found[1]
+                if sum(declared.values()) > limit:
+                    raise UnsafePickleError(f"tensor storages of {sum(declared.values()):,} bytes in a file of "
+                                            f"{limit:,} ({ALLOCATES})")
+            return load(saved_id)
+
+        pickle.Unpickler.persistent_load.__set__(self, bounded)  # type: ignore[attr-defined]
+
+
+def restricted_module(max_storage_bytes: int | None = None) -> types.SimpleNamespace:
+    """What ``torch.load(pickle_module=...)`` needs of a pickle module: the restricted unpickler, its storages
+    bounded by ``max_storage_bytes`` (the file's size)."""
+    unpickler = type("RestrictedUnpickler", (RestrictedUnpickler,), {"max_storage_bytes": max_storage_bytes})
+    return types.SimpleNamespace(__name__=__name__, Unpickler=unpickler,
+                                 load=lambda f, **kw: unpickler(f, **kw).load())
+
+
+restricted = restricted_module()
 
 
 def _check_zip_sizes(path: str | os.PathLike) -> None:
@@ -245,10 +378,14 @@ def load_pickled(path: str | os.PathLike) -> Any:
     UnreadablePickleError (one line) when it is not a readable ``torch.save`` file (empty, truncated, corrupt)."""
     try:
         _check_zip_sizes(path)
-        return torch.load(str(path), map_location="cpu", weights_only=False, pickle_module=restricted)
+        return torch.load(str(path), map_location="cpu", weights_only=False,
+                          pickle_module=restricted_module(os.path.getsize(path)))
     except UnsafePickleError as e:
         if ALLOCATES in str(e):
             raise UnsafePickleError(f"{path} holds {e}: refused before anything was allocated") from None
+        if NOT_PLAIN in str(e):
+            raise UnsafePickleError(f"{path} holds {e}: refused before numpy read it (numpy builds its objects in "
+                                    "native code)") from None
         raise UnsafePickleError(
             f"{path} names {e}, which loading would call (code, not data): refused; only tensors and the "
             "references' containers are read from a pickle (use the model's safetensors if it has them)") from None
@@ -262,41 +399,56 @@ def load_pickled(path: str | os.PathLike) -> Any:
                                     "it again or pass the model's folder") from None
 
 
-def plain(obj: Any, _seen: frozenset[int] = frozenset()) -> Any:
+MAX_DEPTH = 100
+"""Levels of nesting a hyper-parameter tree may have (the references' configs have a handful)."""
+
+
+def plain(obj: Any, _seen: frozenset[int] = frozenset(), _depth: int = 0) -> Any:
     """Plain data (dicts, lists, scalars, strings) of a loaded hyper-parameter tree: OmegaConf containers and
     nodes and Lightning's ``AttributeDict`` by their content; any other stand-in as ``'<module.Class>'``;
-    tensors left out (``'<tensor>'``)."""
+    tensors left out (``'<tensor>'``). UnreadablePickleError past ``MAX_DEPTH`` levels."""
+    if _depth > MAX_DEPTH:
+        raise UnreadablePickleError(f"its hyper-parameters are nested deeper than {MAX_DEPTH} levels: not a "
+                                    "checkpoint of the references")
     if id(obj) in _seen:
         return "<cycle>"
     seen = _seen | {id(obj)}
+
+    def sub(v: Any) -> Any:
+        return plain(v, seen, _depth + 1)
+
     if isinstance(obj, Opaque):
         ref = obj.ref
         state = obj.state if isinstance(obj.state, dict) else {}
         if ref.endswith(".DictConfig"):
             content = state.get("_content")
-            return plain(content, seen) if isinstance(content, dict) else plain(content, seen) if content else {}
+            return sub(content) if isinstance(content, dict) or content else {}
         if ref.endswith(".ListConfig"):
             content = state.get("_content")
-            return [plain(v, seen) for v in content] if isinstance(content, list) else plain(content, seen)
+            return [sub(v) for v in content] if isinstance(content, list) else sub(content)
         if ref.startswith("omegaconf.nodes."):
-            return plain(state.get("_val"), seen)
+            return sub(state.get("_val"))
         if ref.endswith("AttributeDict"):
-            return {str(k): plain(v, seen) for k, v in dict.items(obj)}
+            return {str(k): sub(v) for k, v in dict.items(obj)}
         if ref == "argparse.Namespace":  # older Lightning hyper-parameters: its attributes are its state
-            return plain(state, seen)
+            return sub(state)
         return f"<{ref}>"
     if isinstance(obj, dict):
-        return {str(k): plain(v, seen) for k, v in obj.items()}
+        return {str(k): sub(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [plain(v, seen) for v in obj]
+        return [sub(v) for v in obj]
     if isinstance(obj, torch.Tensor):
         return "<tensor>"
+    if isinstance(obj, np.ndarray):
+        return "<ndarray>"
     if isinstance(obj, np.generic):
         return obj.item()
+    if isinstance(obj, _Dtype):
+        return str(obj.dtype)
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     return f"<{type(obj).__name__}>"
 
 
-__all__ = ["Opaque", "UnreadablePickleError", "UnsafePickleError", "compat_name", "load_pickled", "plain",
-           "resolve_global"]
+__all__ = ["MAX_DEPTH", "Opaque", "UnreadablePickleError", "UnsafePickleError", "compat_name", "load_pickled", "plain",
+           "resolve_global", "restricted_module"]

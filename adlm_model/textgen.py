@@ -158,6 +158,8 @@ class _Checked:
     suffix_ids: list[int]
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The sampler's options (the confidence settings, resolved)."""
+    row: int = 0
+    """Tokens of the whole row: BOS (when the kind puts it there), prompt, new tokens, suffix."""
 
 
 def _number(name: str, value: Any) -> float | int:
@@ -178,7 +180,12 @@ def _as_int(name: str, value: Any) -> int:
 def _load_tokenizer(path: Path) -> Any:
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(path))
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on a file it cannot read
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} is not a readable tokenizer.json ({first}): restore the folder (export or "
+                              "download it again)") from None
     tok.no_truncation()
     tok.no_padding()
     return tok
@@ -218,8 +225,9 @@ class TextGenerator:
             raise CheckpointError(f"{d} names no special tokens ({SPECIAL_TOKENS_FILE} or config.json "
                                   "*_token_id): pass specials=SpecialTokens(...)")
         dev = resolve_device(device)
+        tokenizer = _load_tokenizer(d / "tokenizer.json")  # before the weights: a bad file fails cheaply
         model, cfg, meta = load_checkpoint(d, map_location=dev)
-        return cls(model, cfg, _load_tokenizer(d / "tokenizer.json"), specials, cls.default_steps_of(meta))
+        return cls(model, cfg, tokenizer, specials, cls.default_steps_of(meta))
 
     @staticmethod
     def default_steps_of(meta: dict[str, Any]) -> int:
@@ -241,21 +249,24 @@ class TextGenerator:
             req = dataclasses.replace(req, steps=self.default_steps)
         sampler = req.sampler or model_kind(self.cfg.kind).default_sampler
         options = sampler_settings(req, sampler)
-        prompt_ids, suffix_ids = self._encode(req.prompt, "prompt"), self._encode(req.suffix, "suffix")
+        prompt = req.prompt
+        if prompt and model_kind(self.cfg.kind).prompt_space and not prompt.startswith(" "):
+            prompt = " " + prompt  # the reference's convention (SSD-LM); the text still starts with the prompt given
+        prompt_ids, suffix_ids = self._encode(prompt, "prompt"), self._encode(req.suffix, "suffix")
         try:
-            plan_infill(self.cfg, sampler, len(prompt_ids), req.length, len(suffix_ids), self.specials.bos_id,
-                        options)
+            layout = plan_infill(self.cfg, sampler, len(prompt_ids), req.length, len(suffix_ids), self.specials.bos_id,
+                                 options)
         except (SamplerError, ConfigError) as e:
             raise GenerationError(str(e)) from e
         seed = req.seed if req.seed is not None else secrets.randbits(53)
-        return _Checked(req, sampler, seed, prompt_ids, suffix_ids, options)
+        return _Checked(req, sampler, seed, prompt_ids, suffix_ids, options, layout.total)
 
     def cost(self, checked: _Checked) -> tuple[int, float]:
         """``(network calls, FLOPs)`` a checked request may cost at most: calls bound the sampler's forward
         passes (diffusion ``T + 1``, confidence one per new token, AR one per token), FLOPs are
         ``2 x parameters x rows x row length x calls`` (a KV cache only makes it cheaper)."""
         r = checked.request
-        row = int(self.specials.bos_id is not None) + len(checked.prompt_ids) + r.length + len(checked.suffix_ids)
+        row = checked.row
         bound = get_sampler(checked.sampler).calls
         if bound is not None:  # the sampler's own bound (ssdlm: T a block), each pass over at most the context
             calls = bound(r.length, r.steps, checked.options)
@@ -364,7 +375,15 @@ def sampler_settings(req: GenerationRequest, sampler: str) -> dict[str, Any]:
 
 
 def validate_request(req: GenerationRequest) -> GenerationRequest:
-    """The checks that need no model (counts, ranges, a known sampler): run before loading one."""
+    """The checks that need no model (counts, ranges, a known sampler, text that is text): run before loading one."""
+    for what, text in (("prompt", req.prompt), ("suffix", req.suffix)):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # bytes a shell passed undecoded (surrogate escapes), or a lone surrogate
+            raise GenerationError(f"the {what} is not valid UTF-8 text (character {e.start} cannot be encoded): "
+                                  "pass UTF-8 text") from None
+        except AttributeError:
+            raise GenerationError(f"{what} must be a string, got {type(text).__name__}") from None
     if req.num_samples < 1:
         raise GenerationError(f"num_samples must be >= 1, got {req.num_samples}")
     if req.seed is not None and not 0 <= req.seed < MAX_SEED:
@@ -382,21 +401,50 @@ def validate_request(req: GenerationRequest) -> GenerationRequest:
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """``auto``: the GPU when there is one, else the CPU."""
+    """``auto``: the GPU when there is one, else the CPU; ``cpu``, ``cuda`` or ``cuda:N`` when this machine has it,
+    else GenerationError (one line, before any model is loaded)."""
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise GenerationError(f"device {str(device)[:40]!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise GenerationError(f"device {str(device)!r}: this machine has no CUDA device; use cpu (or auto)")
+        if dev.index is not None and dev.index >= count:
+            raise GenerationError(f"device {str(device)!r}: this machine has {count} CUDA device(s), cuda:0 to "
+                                  f"cuda:{count - 1}")
+    elif dev.type != "cpu":
+        raise GenerationError(f"device {str(device)[:40]!r}: generation runs on cpu or cuda[:N] (or auto)")
+    return dev
 
 
 def read_special_tokens(directory: str | os.PathLike) -> SpecialTokens | None:
     """``special_tokens.json`` (a registered model) or an export's config.json ``*_token_id`` keys."""
     d = Path(directory)
+
+    def read(f: Path) -> Any:
+        try:
+            return json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise CheckpointError(f"{f} is not readable JSON ({type(e).__name__}): restore the folder (export or "
+                                  "download it again)") from None
+
+    def ids(values: Any, f: Path) -> SpecialTokens:
+        try:
+            return SpecialTokens.from_dict(values)
+        except (KeyError, TypeError, ValueError, OverflowError):
+            raise CheckpointError(f"{f} names no valid special token ids (bos, eos, pad: an integer or null; mask: "
+                                  "an integer)") from None
+
     if (d / SPECIAL_TOKENS_FILE).is_file():
-        return SpecialTokens.from_dict(json.loads((d / SPECIAL_TOKENS_FILE).read_text()))
-    cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
-    if "mask_token_id" in cfg:
-        return SpecialTokens.from_dict({k: cfg.get(f"{k[:-3]}_token_id") for k in ("bos_id", "eos_id", "pad_id",
-                                                                                  "mask_id")})
+        return ids(read(d / SPECIAL_TOKENS_FILE), d / SPECIAL_TOKENS_FILE)
+    cfg = read(d / "config.json") if (d / "config.json").is_file() else {}
+    if isinstance(cfg, dict) and "mask_token_id" in cfg:
+        return ids({k: cfg.get(f"{k[:-3]}_token_id") for k in ("bos_id", "eos_id", "pad_id", "mask_id")},
+                   d / "config.json")
     return None
 
 

@@ -86,6 +86,8 @@ class StepOutput:
     """The global gradient norm before clipping."""
     lr: float
     """The learning rate this step used."""
+    group_norms: torch.Tensor | None = None
+    """The gradient norm of each of ``TrainStep.groups`` before clipping, in their order (None without groups)."""
 
 
 class TrainStep:
@@ -96,8 +98,11 @@ class TrainStep:
     def __init__(self, objective: nn.Module, model: nn.Module, opt: torch.optim.Optimizer, *,
                  sched: Any = None, ema: EMA | None = None, clip: float = 1.0, net: nn.Module | None = None,
                  sync: str | None = None, autocast: torch.dtype | None = None, compile: bool = False,
-                 backend: Any = "inductor") -> None:
+                 backend: Any = "inductor", groups: dict[str, list[nn.Parameter]] | None = None) -> None:
         self.objective, self.model, self.opt, self.sched, self.ema = objective, model, opt, sched, ema
+        self.groups = groups if groups and sync != "fsdp" else None
+        """Parameter groups whose gradient norms each step measures apart (an ADLM's two networks: a stall of one
+        shows in its curve); not under FSDP, whose gradients are shards."""
         self.clip, self.sync, self.autocast_dtype = clip, sync, autocast
         self.net = net if net is not None else objective
         self.compiled = torch.compile(self.net, backend=backend, dynamic=False) if compile else None
@@ -156,6 +161,7 @@ class TrainStep:
             if out.anchor_sum is not None:
                 sums["anc"] = out.anchor_sum if sums["anc"] is None else sums["anc"] + out.anchor_sum
                 sums["nanc"] = out.n_anchor if sums["nanc"] is None else sums["nanc"] + out.n_anchor
+        group_norms = self.group_norms()
         grad_norm = self.clip_gradients()
         lr = self.opt.param_groups[0]["lr"] if self.sched is None else self.sched.get_last_lr()[0]
         self.opt.step()
@@ -168,7 +174,18 @@ class TrainStep:
                 torch.cuda.synchronize(device)
             self.compile_s = time.perf_counter() - t0
         return StepOutput(loss=sums["loss"], nll_sum=sums["nll"], n_tokens=sums["ntok"], anchor_sum=sums["anc"],
-                          n_anchor=sums["nanc"], grad_norm=grad_norm, lr=lr)
+                          n_anchor=sums["nanc"], grad_norm=grad_norm, lr=lr, group_norms=group_norms)
+
+    def group_norms(self) -> torch.Tensor | None:
+        """The gradient norm of each group (float64, one tensor in the groups' order; a group without gradients: 0)."""
+        if self.groups is None:
+            return None
+        norms = []
+        for params in self.groups.values():
+            grads = [p.grad.detach().norm() for p in params if p.grad is not None]
+            norms.append(torch.linalg.vector_norm(torch.stack(grads)).double() if grads
+                         else torch.zeros((), dtype=torch.float64, device=self._k.device))
+        return torch.stack(norms)
 
     def clip_gradients(self) -> torch.Tensor:
         """The global gradient norm (a full tensor under FSDP), the gradients clipped to ``clip`` when > 0."""

@@ -15,6 +15,8 @@ Definitions (every RESULT line of the benchmark is computed here, from the JSON 
   bootstrap interval (repeats resampled jointly).
 - **Passes at 5%**: the excess interval's upper end is at most ``TOLERANCE`` and the point's impossible-row share
   is at most the baseline's plus ``IMPOSSIBLE_POINTS``.
+- **A speedup is printed** (its RESULT line) only when its interval lies above 1; an interval that includes 1 is
+  said as ``no detectable speedup`` with the interval, one below 1 as a slowdown, and neither gets a RESULT line.
 - **Selection, then measurement.** On the selection set each method (``FAST_METHODS``) gets its fastest passing
   setting, and the fastest of those is the benchmark's choice; the distilled students' choice is the fewest steps
   that pass. The chosen settings are then drawn and timed again on fresh seeds (the measurement set), and a RESULT
@@ -119,6 +121,18 @@ def _fmt(s: dict) -> str:
             f"{s['impossible']:.3f}, speedup {s['speedup']:.3f} [{slo:.3f}, {shi:.3f}]")
 
 
+def speedup_items(name: str, what: str, result: str, speedup: float, ci: tuple[float, float]) -> list:
+    """The lines of one speedup: its RESULT line when its interval lies above 1, else a line saying there is no
+    detectable speedup (the interval includes 1) or a slowdown (it lies below 1), with the interval."""
+    lo, hi = ci
+    shown = f"{speedup:.3f} [{lo:.3f}, {hi:.3f}]"
+    if lo > 1:
+        return [("RESULT", result, speedup)]
+    if hi >= 1:
+        return [("say", f"{name}: no detectable speedup {what}: {shown}, an interval that includes 1")]
+    return [("say", f"{name}: a slowdown {what}: {shown}, an interval below 1")]
+
+
 def figures(name: str, model: dict) -> list[tuple[str, str | float]]:
     """One model's output lines in order: ``("RESULT", name, value)`` items and ``("say", text)`` items.
 
@@ -148,12 +162,14 @@ def figures(name: str, model: dict) -> list[tuple[str, str | float]]:
                            f"{_fmt(m[fast])}"))
     else:
         out.append(("say", f"{name}: chosen {fast}: {_fmt(m[fast])}"))
-        out.append(("RESULT", f"fast_sampling_speedup_at_5pct_{name}", m[fast]["speedup"]))
+        out += speedup_items(name, "over the baseline", f"fast_sampling_speedup_at_5pct_{name}", m[fast]["speedup"],
+                             m[fast]["speedup_ci"])
         if "speedup_vs_paper_T" in m[fast]:
             lo, hi = m[fast]["speedup_vs_paper_T_ci"]
             out.append(("say", f"{name}: against the paper's T: {m[fast]['speedup_vs_paper_T']:.3f} "
                                f"[{lo:.3f}, {hi:.3f}]"))
-            out.append(("RESULT", f"fast_sampling_speedup_vs_paper_T_at_5pct_{name}", m[fast]["speedup_vs_paper_T"]))
+            out += speedup_items(name, "over the paper's T", f"fast_sampling_speedup_vs_paper_T_at_5pct_{name}",
+                                 m[fast]["speedup_vs_paper_T"], m[fast]["speedup_vs_paper_T_ci"])
     if any(p["method"] == "distilled" for p in sel):
         d = choice["distilled"]
         if d is None:
@@ -165,5 +181,6 @@ def figures(name: str, model: dict) -> list[tuple[str, str | float]]:
             steps = next(p["steps"] for p in meas if p["label"] == d)
             out.append(("say", f"{name}: chosen student {d}: {_fmt(m[d])}"))
             out.append(("RESULT", f"distilled_steps_at_5pct_{name}", float(steps)))
-            out.append(("RESULT", f"distilled_speedup_at_5pct_{name}", m[d]["speedup"]))
+            out += speedup_items(name, f"of the student {d}", f"distilled_speedup_at_5pct_{name}", m[d]["speedup"],
+                                 m[d]["speedup_ci"])
     return out

@@ -20,7 +20,8 @@ its impossible-row share is within 5 points of the baseline's) are read in two s
 timed on the **selection** set (``--repeats`` batches at seeds ``7, 8, ...``), each method's best passing setting
 is chosen there, and the chosen settings are drawn and timed again on the **measurement** set (``--measure-repeats``
 batches at fresh seeds, interleaved with the baseline). The RESULT lines come from the measurement set only, each
-printed only when its setting passes there: ``fast_sampling_speedup_at_5pct_<kind>`` (natural preset;
+printed only when its setting passes there (and a speedup only when its interval lies above 1; otherwise "no
+detectable speedup" with the interval): ``fast_sampling_speedup_at_5pct_<kind>`` (natural preset;
 ``..._<kind>_anchored`` for the other), ``..._vs_paper_T_at_5pct_<kind>``, ``distilled_steps_at_5pct_<kind>`` and
 ``distilled_speedup_at_5pct_<kind>``, with ``fast_sampling_sample_excess_<kind>``. Everything is written to the
 frontier JSON (every row's ``log p``, every time), from which the figures are recomputed; a plot beside it.
@@ -532,6 +533,14 @@ def _run(args: argparse.Namespace, plot_path: Path, rec: Recording) -> int:
     said: list[tuple[str, list]] = [(name, figures(name, m)) for name, m in models.items()]
     if not args.no_tracking:
         _log_mlflow(args, doc, said, [out_json, *([plot_path] if plotted else [])])
+    report(models, said, rec)
+    print(f"frontier: {out_json}" + (f" and {plot_path}" if plotted else ""), flush=True)
+    return 0
+
+
+def report(models: dict[str, dict], said: list[tuple[str, list]], rec: Recording) -> None:
+    """Print each model's distance from the truth and its figures (``figures``' items: RESULT lines through
+    ``_util.result``, the rest as lines), noting the lines in the record."""
     for name, items in said:
         dist = models[name]["distance"]
         line = (f"{name}: bound excess {dist['bound_excess']:.4f}, baseline samples' excess "
@@ -544,8 +553,6 @@ def _run(args: argparse.Namespace, plot_path: Path, rec: Recording) -> int:
             else:
                 print(item[1], flush=True)
                 rec.note(f"- {item[1]}")
-    print(f"frontier: {out_json}" + (f" and {plot_path}" if plotted else ""), flush=True)
-    return 0
 
 
 def _log_mlflow(args: argparse.Namespace, doc: dict, said: list, files: list[Path]) -> None:

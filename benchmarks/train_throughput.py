@@ -11,7 +11,7 @@ with ``--threads`` torch threads:
   rank 0 logs to a sqlite MLflow store every ``--window`` steps; its tokens/s are read back from the
   MLflow metric ``train/tokens_per_s`` (one value per window). Ray is started with one logical CPU
   more than the worker reserves, so that Ray Data's read tasks can be scheduled at all (a worker that
-  holds every CPU starves Ray Data: ENVIRONMENT.md); those tasks then share the physical cores with
+  holds every CPU starves Ray Data: its read tasks never start); those tasks then share the physical cores with
   the worker, a cost of the Ray loop that is counted here. Validation and the checkpoint happen only
   at the last step, after the last window.
 - Plain PyTorch: the same step (``adlm_model.train_step.TrainStep``: the objective, AdamW, the warm-up

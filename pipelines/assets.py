@@ -1,4 +1,4 @@
-"""Offline assets that pip packages ship (ENVIRONMENT.md): found by package folder, never by importing
+"""Offline assets that pip packages ship (docs/offline-assets.md): found by package folder, never by importing
 the package (some import heavy dependencies, one is not importable at all).
 
 Who uses what: ``data.sources`` (gensim's Wikipedia sample, the KJV database), ``data.tokenizer``

@@ -18,6 +18,8 @@ Every command's work runs under ``pipelines.placement.placement_deadline``: whic
 Ray, a wait Ray cannot satisfy (work no node can take, for ``ADLM_PLACEMENT_TIMEOUT_S``) ends in that one line
 instead of waiting for ever. Written here once, not in each command.
 
+A bad ``ADLM_*`` setting of the environment (``pipelines.settings``) is refused the same way before anything runs.
+
 An exception that is none of these is a bug: it keeps its traceback.
 """
 
@@ -56,8 +58,14 @@ def run_command(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespa
     """Parse ``argv``, set up logging and (``environment``) the environment defaults, run ``run(args)``; a failure
     of the kinds given becomes ``{label}: <message>`` on stderr and its exit code (module docstring)."""
     from pipelines.logs import setup_logging
+    from pipelines.settings import SettingError, check_environment
 
     args = parser.parse_args(argv)
+    try:
+        check_environment()  # before set-up: a bad ADLM_* setting is one line, before any work
+    except SettingError as e:
+        print(f"{label}: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     setup_logging(getattr(args, "verbose", 0) - getattr(args, "quiet", 0))
     if environment:
         from pipelines.runtime import quiet_environment

@@ -67,14 +67,20 @@ def write_schemas(out: Path = SCHEMA_DIR) -> list[Path]:
     return written
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipelines.config_schemas", description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m pipelines.config_schemas",
+                                 description="Write or check the JSON Schemas of the config files "
+                                             "(schemas/*.schema.json), generated from the config dataclasses.")
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--write-schemas", action="store_true", help=f"write {SCHEMA_DIR.name}/*.schema.json")
     g.add_argument("--check-schemas", action="store_true", help="exit 1 when a committed schema is out of date")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     from pipelines.cli import run_command
 
-    return run_command(ap, _run, argv, environment=False)
+    return run_command(build_parser(), _run, argv, environment=False)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import types
 import typing
@@ -34,7 +35,8 @@ from adlm_model.config import ConfigError, refuse_unknown
 from pipelines.pydantic_config import PYDANTIC_CONFIG
 
 __all__ = ["ConfigError", "refuse_unknown", "check_tree", "validate", "coerce", "coerce_fields", "read_yaml_file",
-           "split_assignment", "set_nested", "apply_to", "descriptions", "settings_help", "adapter"]
+           "load_yaml", "check_finite", "split_assignment", "set_nested", "apply_to", "descriptions", "settings_help",
+           "adapter", "ConfigKey", "config_keys", "keys_help", "type_text"]
 
 _NONE = ("none", "null")
 
@@ -190,28 +192,56 @@ def validate(ann: Any, data: Any, where: str, sep: str = ".") -> Any:
     it to a key's path inside (``.``: ``optim.lr``; ``": "``: ``search space x.yaml: params.gamma``)."""
     check_tree(ann, data, where, sep)
     try:
-        return adapter(ann).validate_python(_prepare(ann, data))
+        out = adapter(ann).validate_python(_prepare(ann, data))
     except ValidationError as e:
         raise ConfigError(_one_line(e, ann, where, sep)) from None
+    check_finite(out, where, sep)
+    return out
 
 
-def coerce(value: Any, annotation: Any, where: str) -> Any:
+def _inf_default(cls: type, name: str) -> bool:
+    """Whether field ``name`` of dataclass ``cls`` defaults to an infinity (``inf``: no threshold), which its
+    value may then be too."""
+    f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    return f is not None and isinstance(f.default, float) and math.isinf(f.default)
+
+
+def check_finite(value: Any, where: str, sep: str = ".", _path: str = "", inf_ok: bool = False) -> None:
+    """Refuse a NaN anywhere in a validated config, and an infinity except in a field whose default is one
+    (``stage1_max_ppl: inf``: no threshold): ``optim.lr=.inf`` would train on NaN losses from the first step."""
+    if isinstance(value, float) and not math.isfinite(value) and not (inf_ok and math.isinf(value)):
+        raise ConfigError(f"{_join(where, _path, sep)}={value}: expected a finite number")
+    dot = f"{_path}." if _path else ""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            check_finite(getattr(value, f.name), where, sep, f"{dot}{f.name}", _inf_default(type(value), f.name))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_finite(v, where, sep, f"{dot}{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_finite(v, where, sep, f"{_path}[{i}]")
+
+
+def coerce(value: Any, annotation: Any, where: str, inf_ok: bool = False) -> Any:
     """``value`` (text from the command line, or what YAML gave) as the declared type.
 
     Numbers accept text (``3e-4``); ints refuse fractions; bools accept true/false/yes/no/on/off/1/0; lists and
     tuples accept YAML lists or comma-separated text; ``X | None`` accepts ``none``/``null``.
     """
     try:
-        return adapter(annotation).validate_python(_prepare(annotation, value))
+        out = adapter(annotation).validate_python(_prepare(annotation, value))
     except ValidationError:
         raise ConfigError(f"{where}={_short(value)}: expected {_type_name(annotation)}") from None
+    check_finite(out, where, inf_ok=inf_ok)
+    return out
 
 
 def coerce_fields(cls: type, d: dict[str, Any], where: str) -> dict[str, Any]:
     """Every value of ``d`` as the type its field of dataclass ``cls`` declares; unknown keys refused."""
     refuse_unknown(d, [f.name for f in dataclasses.fields(cls)], where)
     hints = _hints(cls)
-    return {k: coerce(v, hints[k], f"{where}.{k}") for k, v in d.items()}
+    return {k: coerce(v, hints[k], f"{where}.{k}", _inf_default(cls, k)) for k, v in d.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -225,9 +255,26 @@ def read_yaml_file(path: str | os.PathLike, what: str, choices: str) -> Any:
     if not p.is_file():
         raise ConfigError(f"{what} {p} does not exist; pass one of {choices}")
     try:
-        return yaml.safe_load(p.read_text())
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    return load_yaml(text, f"{what} {p}")
+
+
+def load_yaml(text: str, what: str) -> Any:
+    """``text`` parsed as YAML (safe: no ``!!python`` tags), or a one-line ConfigError naming ``what`` and the
+    problem's first line."""
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{what} {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+        problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+        said = f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if problem and mark else str(e)
+        said = " ".join(said.split())[:200]
+        if isinstance(e, yaml.constructor.ConstructorError):
+            said += "; tags such as !!python are not read: write plain values"
+        elif any(c in text for c in "{}[]:#&*!|>'\"%@`"):
+            said += "; quote a text value that holds YAML's special characters"
+        raise ConfigError(f"{what} is not valid YAML: {said}") from None
 
 
 def split_assignment(assignment: str) -> tuple[list[str], str]:
@@ -253,7 +300,7 @@ def set_nested(raw: dict[str, Any], assignment: str, sections: Sequence[str]) ->
         if not isinstance(nxt, dict):
             raise ConfigError(f"--set {assignment!r}: {p!r} is not a section")
         node = nxt
-    node[parts[-1]] = yaml.safe_load(value) if value else ""
+    node[parts[-1]] = load_yaml(value, f"--set {assignment!r}: the value") if value else ""
 
 
 def apply_to(configs: Sequence[Any], assignments: Sequence[str], *, dict_prefixes: dict[str, str] | None = None,
@@ -273,12 +320,12 @@ def apply_to(configs: Sequence[Any], assignments: Sequence[str], *, dict_prefixe
             target = next((c for c in configs if hasattr(c, field)), None)
             if target is None:
                 raise ConfigError(f"--set {key}: no {parts[0]} options here")
-            getattr(target, field)[parts[1]] = yaml.safe_load(value) if value else ""
+            getattr(target, field)[parts[1]] = load_yaml(value, f"--set {assignment!r}: the value") if value else ""
             continue
         for cfg in configs:
             hints = _hints(type(cfg))
             if key in hints and key not in reserved and key not in dict_prefixes.values():
-                setattr(cfg, key, coerce(value, hints[key], f"--set {key}"))
+                setattr(cfg, key, coerce(value, hints[key], f"--set {key}", _inf_default(type(cfg), key)))
                 break
         else:
             known = sorted({f.name for c in configs for f in dataclasses.fields(c)} - set(reserved)
@@ -306,4 +353,97 @@ def settings_help(cls: type, title: str) -> str:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         shown = ",".join(default) if isinstance(default, tuple) else default
         lines.append(f"  {f.name} (default {shown!s}): {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigKey:
+    """One key of a config file or ``--set``: its dotted name, type, default and description (the field's
+    docstring). What ``pipelines.train --help-config`` prints and the config reference page lists."""
+
+    name: str
+    type: str
+    default: str
+    description: str
+
+
+def type_text(ann: Any) -> str:
+    """A field's type in words: ``float``, ``int or none``, ``list of float``, ``mapping of str to int``."""
+    if typing.get_origin(ann) is typing.Annotated:
+        return type_text(typing.get_args(ann)[0])
+    if ann is Any:
+        return "any"
+    if _is_union(ann):
+        return " or ".join("none" if a is type(None) else type_text(a) for a in typing.get_args(ann))
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin in (list, tuple):
+        return f"list of {type_text(args[0])}" if args else "list"
+    if origin is dict:
+        return f"mapping of {type_text(args[0])} to {type_text(args[1])}" if args else "mapping"
+    return getattr(ann, "__name__", str(ann))
+
+
+def _default_text(value: Any) -> str:
+    if value is dataclasses.MISSING:
+        return "required"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(str, value)) + "]"
+    if isinstance(value, str):
+        return f'"{value}"' if value else '""'
+    return "none" if value is None else str(value)
+
+
+def _nested(ann: Any) -> tuple[str, type] | None:
+    """(suffix, dataclass) when ``ann`` holds dataclasses keyed further: ``X`` (""), ``dict[str, X]`` (".NAME"),
+    ``list[X]`` ("[]"), each possibly ``| None``."""
+    ann = _optional_inner(ann)
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if dataclasses.is_dataclass(ann) and isinstance(ann, type):
+        return "", ann
+    if origin is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]):
+        return ".NAME", args[1]
+    if origin in (list, tuple) and args and dataclasses.is_dataclass(args[0]):
+        return "[]", args[0]
+    return None
+
+
+def config_keys(cls: type, instance: Any = None, prefix: str = "") -> list[ConfigKey]:
+    """Every key of the dataclass ``cls``, nested sections walked (``optim.lr``; ``params.NAME.low`` for a mapping
+    of sections; ``arms[].name`` for a list), with the defaults of ``instance`` where given (a recipe's sections
+    default to what ``TrainConfig()`` holds), else the fields' own."""
+    docs = descriptions(cls)
+    hints = _hints(cls)
+    out: list[ConfigKey] = []
+    for f in dataclasses.fields(cls):
+        if instance is not None:
+            default = getattr(instance, f.name)
+        elif f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = dataclasses.MISSING
+        nested = _nested(hints[f.name])
+        if nested is not None:
+            suffix, inner = nested
+            section = default if suffix == "" and dataclasses.is_dataclass(default) else None
+            if docs.get(f.name):
+                out.append(ConfigKey(f"{prefix}{f.name}", "section", "required" if default is dataclasses.MISSING
+                                     else ("none" if default is None else "(its keys)"), docs[f.name]))
+            out += config_keys(inner, section, f"{prefix}{f.name}{suffix}.")
+            continue
+        out.append(ConfigKey(f"{prefix}{f.name}", type_text(hints[f.name]), _default_text(default),
+                             docs.get(f.name, "")))
+    return out
+
+
+def keys_help(keys: Sequence[ConfigKey], title: str) -> str:
+    """The keys as plain text: one paragraph a key (name, type, default; its description indented below)."""
+    import textwrap
+
+    lines = [f"{title}:"]
+    for k in keys:
+        lines.append(f"  {k.name} ({k.type}; default {k.default})")
+        if k.description:
+            lines += textwrap.wrap(k.description.replace("``", ""), 100, initial_indent="      ", subsequent_indent="      ")
     return "\n".join(lines)

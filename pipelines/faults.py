@@ -18,18 +18,22 @@ Nothing else reads test switches from the environment.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 ENV = "ADLM_FAULT"
 KNOWN = ("train.crash_at_step", "prepare.fail_after_shards", "train.crash_writing_best", "train.step_pause_ms")
 
 
-def faults() -> dict[str, str]:
-    """The switches set in ``$ADLM_FAULT`` (unknown names are refused, so a typo cannot silently pass)."""
+def faults(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The switches set in ``$ADLM_FAULT`` (unknown names, and values that are not whole numbers, are refused, so
+    a typo cannot silently pass)."""
     out: dict[str, str] = {}
-    for entry in filter(None, (e.strip() for e in os.environ.get(ENV, "").split(","))):
+    for entry in filter(None, (e.strip() for e in (os.environ if environ is None else environ).get(ENV, "").split(","))):
         name, _, value = entry.partition("=")
         if name not in KNOWN:
             raise ValueError(f"{ENV}: unknown fault {name!r}; known: {', '.join(KNOWN)}")
+        if value and not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"{ENV}: {name}={value!r} is not a whole number")
         out[name] = value
     return out
 

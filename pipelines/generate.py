@@ -26,7 +26,14 @@ import json
 import sys
 from collections.abc import Sequence
 
-from adlm_model.textgen import DEFAULT_LENGTH, DEFAULT_NUCLEUS_P, DEFAULT_STEPS, GenerationRequest, validate_request
+from adlm_model.textgen import (
+    DEFAULT_LENGTH,
+    DEFAULT_NUCLEUS_P,
+    DEFAULT_STEPS,
+    GenerationRequest,
+    resolve_device,
+    validate_request,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +111,7 @@ def _run(args: argparse.Namespace) -> int:
                                 num_samples=args.num_samples, threshold=args.threshold, block=args.block,
                                 refresh=args.refresh, kv_cache=args.kv_cache, stop_at_eos=not args.keep_going)
     validate_request(request)  # what needs no model fails before one is downloaded or loaded
+    resolve_device(args.device)  # likewise a device this machine does not have
     loaded = open_generator(args.model, tracking_uri=args.tracking_uri, workdir=args.workdir, device=args.device)
     try:
         out = run_generation(loaded, request, progress=not args.quiet, limits=not args.no_limits)

@@ -67,7 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from pipelines.serving.importing import import_model
+    from pipelines.storage import resolve_workdir
+    from pipelines.tracking import require_server, resolve_tracking_uri
 
+    if not args.inspect:  # an import registers: a tracking server that does not answer is said before any work
+        require_server(args.tracking_uri or resolve_tracking_uri(resolve_workdir(args.workdir)), "an import")
     res = import_model(args.source, name=args.name, revision=args.revision, family=args.family,
                        tokenizer=args.tokenizer, inspect=args.inspect, aliases=args.alias,
                        workdir=args.workdir, tracking_uri=args.tracking_uri)

@@ -6,7 +6,8 @@ actor left, and a pre-flight placement with the autoscaler's own bin packing.
 - ``run_demand`` / ``sweep_demand`` / ``unplaceable`` / ``fit_concurrency``: what a run or a sweep asks for at
   once, placed on a cluster's nodes (or cluster.yaml's node types) with ``get_bin_pack_residual``;
   ``fixed_nodes``: the nodes of a Ray that will not grow (this process's own, or a running cluster without an
-  autoscaler), on which ``check_run`` and the sweep's ``fit_concurrency`` refuse what cannot be placed.
+  autoscaler), on which ``check_run``, ``check_task`` (an evaluation's tasks) and the sweep's ``fit_concurrency``
+  refuse what cannot be placed.
 
 Ray waits without end for a task, actor or placement group that no node can take now, and says so only in
 ``ray status`` ("Pending Demands"). On an autoscaling cluster the wait ends when a node is launched; on a fixed
@@ -129,13 +130,16 @@ class PlacementWatch:
 
     def _status(self) -> Any | None:
         ray = sys.modules.get("ray")  # a command that never imported Ray has none to watch (and imports none here)
-        if ray is None or not ray.is_initialized():
+        if ray is None:
             return None
-        from ray.autoscaler.v2.sdk import get_cluster_status
-
         try:
+            # Ray may still be half imported by the main thread (lm-eval imports it late): no reading this time.
+            if not ray.is_initialized():
+                return None
+            from ray.autoscaler.v2.sdk import get_cluster_status
+
             return get_cluster_status(ray.get_runtime_context().gcs_address, timeout=10)
-        except Exception:  # noqa: BLE001 - the GCS busy or going away: no reading this time
+        except Exception:  # noqa: BLE001 - Ray half imported, the GCS busy or going away: no reading this time
             return None
 
     def _run(self) -> None:
@@ -188,12 +192,11 @@ _active: list[PlacementWatch] = []
 
 
 def timeout_s() -> float:
-    """``ADLM_PLACEMENT_TIMEOUT_S`` (seconds; 0 turns the deadline off), else 900."""
-    raw = os.environ.get(TIMEOUT_ENV, "")
-    try:
-        return float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds (0 turns the deadline off)") from None
+    """``ADLM_PLACEMENT_TIMEOUT_S`` (seconds; 0 turns the deadline off), else 900; a ``SettingError`` (one line,
+    exit 2) for anything else."""
+    from pipelines.settings import env_number
+
+    return float(env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
 
 
 @contextlib.contextmanager
@@ -334,6 +337,19 @@ def check_run(cfg: Any) -> None:
         raise Unplaceable(f"run {cfg.run.name!r} asks for {demand} at once, but this Ray's nodes ({brief(nodes)}) "
                           f"will not grow and cannot place {left}: ask less (scaling.num_workers, "
                           "scaling.cpus_per_worker, scaling.use_gpu, data.read_cpus) or run on a bigger machine or an "
+                          "autoscaling cluster")
+
+
+def check_task(bundle: dict[str, float], what: str, fix: str) -> None:
+    """Pre-flight of work done as Ray tasks of one size (``bundle``: an evaluation job's ``{"CPU": ..., "GPU": ...}``):
+    on a Ray that will not grow, a task that no node can take is refused in one line (``Unplaceable``), where Ray
+    would wait for good. ``what`` names the work, ``fix`` the settings that ask less."""
+    nodes = fixed_nodes(cpu_work=not bundle.get("GPU"))
+    if nodes is None:
+        return
+    if unplaceable([bundle], nodes):
+        raise Unplaceable(f"{what} asks for {brief([bundle])[0]} a task, but no node of this Ray ({brief(nodes)}) "
+                          f"has that much, and it will not grow: ask less ({fix}) or run on a bigger machine or an "
                           "autoscaling cluster")
 
 

@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,26 @@ def register_checkpoint(run_id: str, name: str, tags: dict[str, Any], *, trackin
     return mv
 
 
+def check_names(name: str | None, aliases: Sequence[str] = ()) -> None:
+    """RegistryError (one line) unless ``name`` is a registered model name and each of ``aliases`` an alias MLflow
+    accepts: checked before any work, not found when the version is created (with its files already logged)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import (
+        _validate_model_alias_name,
+        _validate_model_alias_name_reserved,
+        _validate_model_name,
+    )
+
+    for flag, value, checks in ([("--name", name, (_validate_model_name,))] if name is not None else []) + [
+            ("--alias", a, (_validate_model_alias_name, _validate_model_alias_name_reserved)) for a in aliases]:
+        try:
+            for check in checks:
+                check(value)
+        except MlflowException as e:
+            first = e.message.strip().splitlines()[0][:200] if e.message.strip() else f"{value!r} is not accepted"
+            raise RegistryError(f"{flag}: {first}") from None
+
+
 def registered_version(name: str, run_id: str, step: int, *, tracking_uri: str | None = None) -> Any:
     """The version already registered from training run ``run_id`` at ``step``, or None: what makes a rerun
     of a finished run (training, sweep, the whole pipeline) register nothing new and move no alias."""
@@ -129,7 +150,10 @@ def get_version(uri: str, tracking_uri: str | None = None):
     """The ModelVersion a ``models:/`` URI names, or a one-line RegistryError."""
     from mlflow.exceptions import MlflowException
 
+    from pipelines.tracking import require_server
+
     name, version, alias = parse_model_uri(uri)
+    require_server(tracking_uri, f"reading {uri}")  # seconds, not MLflow's minutes of retries on a dead server
     c = client(tracking_uri)
     try:
         if alias is not None:
@@ -164,11 +188,17 @@ def download_version(uri: str, tracking_uri: str | None = None, dst: str | os.Pa
     """Download the files of the version a ``models:/`` URI names; returns the local folder (an MLflow Model,
     or a bare checkpoint folder for a version registered before versions were MLflow Models)."""
     import mlflow
+    from mlflow.exceptions import MlflowException
 
     mv = get_version(uri, tracking_uri)
     location = client(tracking_uri).get_model_version_download_uri(mv.name, mv.version)
-    local = mlflow.artifacts.download_artifacts(artifact_uri=location, dst_path=str(dst) if dst else None,
-                                                tracking_uri=tracking_uri)
+    try:
+        local = mlflow.artifacts.download_artifacts(artifact_uri=location, dst_path=str(dst) if dst else None,
+                                                    tracking_uri=tracking_uri)
+    except (MlflowException, OSError):  # the registry has the version, the artifact store not its files
+        raise RegistryError(f"{uri}: the registry has version {mv.version} of {mv.name} but its files cannot be "
+                            f"downloaded from {redact_uri(str(location))} (deleted or unreachable); register the "
+                            "model again from its run or checkpoint") from None
     return Path(local)
 
 

@@ -1,6 +1,6 @@
 """The whole pipeline, top to bottom: what ``make demo`` runs and what a cluster job submits.
 
-    python -m pipelines.run_all                      # the embedded demo (CPU, offline, 5-6 minutes here)
+    python -m pipelines.run_all                      # the embedded demo (CPU, offline, a few minutes)
     python -m pipelines.run_all --profile smoke      # a 1-2 minute end-to-end check (tests, job submit)
     ray job submit --working-dir . --runtime-env runtime_env.yaml -- python -m pipelines.run_all
 
@@ -39,7 +39,7 @@ from pipelines.orchestration.profiles import PROFILES, prepare_options, profile,
 from pipelines.orchestration.summary import write_summary
 from pipelines.runtime import PROJECT_ROOT, init_ray, quiet_environment
 from pipelines.storage import join, resolve_workdir
-from pipelines.tracking import resolve_tracking_uri
+from pipelines.tracking import require_server, resolve_tracking_uri
 
 
 class Unregistered(RuntimeError):
@@ -70,6 +70,8 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
     # Resolved once, here: every stage below (and every Ray task or Tune trial they start) gets ``wd`` as an
     # argument, none reads $ADLM_WORKDIR again.
     uri = resolve_tracking_uri(wd)
+    # Its evaluation and promotion need the store: a server that does not answer is said now, not after the training.
+    require_server(uri, "the pipeline (its evaluation and promotion read and write the registry)")
     t0 = time.time()
     timings: dict[str, float] = {}
 
@@ -136,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the whole ADLM pipeline: prepare -> train ADLM, AR and MDLM -> gamma/tau sweep -> staged "
                     "evaluation and promotion -> summary. Offline on the embedded corpus; rerun to resume.")
     p.add_argument("--profile", choices=PROFILES, default="demo",
-                   help="demo: the `make demo` pipeline (5-6 minutes on 2 CPU cores); smoke: a 1-2 minute check")
+                   help="demo: the `make demo` pipeline (a few minutes on 2 CPU cores); smoke: the same stages on a toy")
     p.add_argument("--workdir", default=None, help="work directory (default: $ADLM_WORKDIR or ./work)")
     p.add_argument("--skip-sweep", action="store_true", help="leave out the gamma/tau sweep")
     add_logging_flags(p)

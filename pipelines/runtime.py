@@ -155,7 +155,7 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, dashboa
 
     A local Ray gets its dashboard on a free loopback port (``dashboard=True``): Ray Tune over Ray Train
     V2 needs the state API the dashboard serves, or finished trials' placement groups are never released
-    (ENVIRONMENT.md); loopback only, never open to the network. Data preparation alone starts without
+    (the next trials' workers then wait for them); loopback only, never open to the network. Data preparation alone starts without
     it (``dashboard=False``: seconds faster). ``env_vars``: extra environment for a local Ray's workers
     (without it they inherit this process's and the raylet's prestarted workers serve at once).
     """

@@ -17,7 +17,7 @@ from pipelines.cli import run_command
 from pipelines.logs import add_logging_flags
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipelines.study", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("study", help="the study file (studies/*.yaml)")
@@ -27,9 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="validate the study, count FLOPs and print the plan; "
                                                         "train nothing")
     add_logging_flags(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
     from pipelines.tracking import TrackingAuthError
 
-    return run_command(p, _run, argv, bad_input=(ConfigError, TrackingAuthError), failed=(RuntimeError,))
+    return run_command(build_parser(), _run, argv, bad_input=(ConfigError, TrackingAuthError), failed=(RuntimeError,))
 
 
 def _run(args: argparse.Namespace) -> int:

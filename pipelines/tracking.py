@@ -12,6 +12,11 @@
 - ``tracking_reachable``: a quick probe of a tracking server before the first (retrying) MLflow call. A
   server that refuses this client's credentials (401/403) is not an outage: ``TrackingAuthError``, one line
   naming what to set, before any training (an outage, by contrast, leaves training going and the spool).
+- ``check_tracking_uri``: a tracking URI of a scheme MLflow has no store for, or an sqlite file that is no
+  database, is refused in one line (``TrackingConfigError``) before the first MLflow call; ``require_server``: a
+  command that cannot do its work without the store (evaluation, import, reading a ``models:/`` version) refuses
+  a server that does not answer in seconds (``TrackingUnavailableError``), where MLflow would retry for minutes.
+  Training, sweeps and studies go on through an outage instead (the spool; ``best_effort``).
 - ``best_effort``: the one way a command makes MLflow calls that a tracking outage must not stop (a run's
   bookkeeping, a sweep's or a study's parent run): an outage is one warning saying what goes on without
   MLflow; refused credentials are said as such (``TrackingAuthError`` before the work, a warning after it).
@@ -64,9 +69,58 @@ def redact_uri(uri: str | None) -> str:
     return _SECRET_QUERY.sub(r"\1***", _USERINFO.sub(r"\1:***@", str(uri)))
 
 
+STORE_SCHEMES = ("http", "https", "sqlite", "file", "postgresql", "mysql", "mssql", "databricks", "databricks-uc",
+                 "uc")
+"""The schemes MLflow has a tracking store for (``postgresql+psycopg2://`` is ``postgresql``)."""
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+class TrackingConfigError(ValueError):
+    """A tracking URI no store can be made of (an unknown scheme, an sqlite file that is no database)."""
+
+    exit_code = 2  # bad input, found before any work (pipelines.cli)
+
+
+_checked: set[str] = set()
+
+
+def check_tracking_uri(uri: str) -> None:
+    """Refuse, in one line, a tracking URI of a scheme MLflow has no store for or an sqlite file that is not a
+    database (MLflow's own errors: a 90-line traceback, or minutes of retries). A URI found good is not read again."""
+    if uri in _checked:
+        return
+    shown = redact_uri(uri)
+    scheme = uri.split("://", 1)[0].lower() if "://" in uri else ("sqlite" if uri.startswith("sqlite:") else "file")
+    if scheme.split("+", 1)[0] not in STORE_SCHEMES:
+        raise TrackingConfigError(
+            f"tracking URI {shown}: MLflow has no store for the scheme {scheme!r}; use a tracking server "
+            "(http://HOST:PORT, https://...), sqlite:///PATH.db or postgresql://... (MLFLOW_TRACKING_URI / "
+            "--tracking-uri)")
+    if scheme == "file" and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true", "yes"):
+        raise TrackingConfigError(
+            f"tracking URI {shown} is a folder store, which MLflow no longer opens by default: use sqlite:///PATH.db "
+            "or a tracking server (or set MLFLOW_ALLOW_FILE_STORE=true to open it anyway)")
+    if scheme == "sqlite" and uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+        if path.is_dir():
+            raise TrackingConfigError(f"tracking URI {shown}: {path} is a folder, not an SQLite database file")
+        if path.is_file() and path.stat().st_size:
+            with path.open("rb") as f:
+                head = f.read(len(SQLITE_HEADER))
+            if head != SQLITE_HEADER:
+                raise TrackingConfigError(f"tracking URI {shown}: {path} is not an SQLite database; point the URI "
+                                          "at the tracking store's .db file, or at a new file to start one")
+    _checked.add(uri)
+
+
 def client(tracking_uri: str | None) -> Any:
-    """An ``MlflowClient`` whose tracking and registry URIs are both ``tracking_uri``."""
+    """An ``MlflowClient`` whose tracking and registry URIs are both ``tracking_uri`` (checked:
+    ``check_tracking_uri``)."""
     import mlflow
+
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        check_tracking_uri(uri)
 
     return mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
 
@@ -173,21 +227,33 @@ def _auth_headers_and_basic(tracking_uri: str) -> tuple[dict[str, str], tuple[st
 def tracking_reachable(tracking_uri: str, timeout: float = 5.0) -> bool:
     """Whether a tracking server answers within ``timeout`` (local stores: always). A quick probe before the
     first MLflow call: MLflow's own retries would wait about 4 minutes on a dead server. Connection refused, a
-    timeout or a 5xx is an outage (False); a 401/403 raises ``TrackingAuthError``: no retry fixes it."""
+    timeout or a 5xx is an outage (False); a 401/403 raises ``TrackingAuthError``: no retry fixes it. A URI no store
+    can be made of raises ``TrackingConfigError`` (``check_tracking_uri``)."""
+    return probe(tracking_uri, timeout) is None
+
+
+def probe(tracking_uri: str, timeout: float = 5.0) -> str | None:
+    """``tracking_reachable``'s probe: None when the store answers, else why not (``connection refused``, ``no
+    answer within 5 s``, ``HTTP 503``)."""
+    check_tracking_uri(tracking_uri)
     if not tracking_uri.startswith(("http://", "https://")):
-        return True
+        return None
     import requests
 
     headers, basic = _auth_headers_and_basic(tracking_uri)
     try:
         r = requests.get(tracking_uri.rstrip("/") + _PROBE, params={"experiment_name": "Default"},
                          headers=headers, auth=basic, timeout=timeout)
-    except requests.RequestException:
-        return False
+    except requests.Timeout:
+        return f"no answer within {timeout:g} s"
+    except requests.ConnectionError as e:
+        return "connection refused" if "refused" in str(e).lower() else f"cannot connect: {first_line(e, 120)}"
+    except requests.RequestException as e:
+        return first_line(e, 120)
     if r.status_code in (401, 403):
         raise TrackingAuthError(f"the MLflow tracking server at {redact_uri(tracking_uri)} refused this client's "
                                 f"credentials (HTTP {r.status_code}): {AUTH_HINT}")
-    return r.status_code < 500
+    return f"HTTP {r.status_code}" if r.status_code >= 500 else None
 
 
 def is_auth_refusal(e: BaseException) -> bool:
@@ -210,6 +276,27 @@ def require_tracking(tracking_uri: str, timeout: float = 5.0) -> None:
     retries); one that refuses the credentials raises ``TrackingAuthError``."""
     if not tracking_reachable(tracking_uri, timeout=timeout):
         raise TrackingUnavailable(f"no answer within {timeout:g} s")
+
+
+class TrackingUnavailableError(ValueError):
+    """A command that needs the tracking store to do anything, started against a server that does not answer."""
+
+    exit_code = 2  # nothing was done (pipelines.cli)
+
+
+def require_server(tracking_uri: str | None, what: str, timeout: float = 5.0) -> None:
+    """Before a command whose work needs the tracking store (``what``: reading a registered version, logging an
+    evaluation, importing): a server that does not answer within ``timeout`` seconds is refused in one line
+    (``TrackingUnavailableError``), not waited on through MLflow's minutes of retries; refused credentials raise
+    ``TrackingAuthError``; a bad URI ``TrackingConfigError``. Local stores need no server."""
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return
+    why = probe(uri, timeout=timeout)
+    if why is not None:
+        raise TrackingUnavailableError(
+            f"no tracking server at {redact_uri(uri)} ({why}), and {what} needs one: start it (mlflow/server.sh) or "
+            "point MLFLOW_TRACKING_URI (or --tracking-uri) at one that answers")
 
 
 class best_effort:
@@ -237,8 +324,8 @@ class best_effort:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: Any) -> bool:
-        if e is None or not isinstance(e, Exception):
-            return False  # success, or KeyboardInterrupt / SystemExit: not ours to swallow
+        if e is None or not isinstance(e, Exception) or isinstance(e, TrackingConfigError):
+            return False  # success, KeyboardInterrupt / SystemExit, or a URI no store can be made of: not an outage
         self.failed = True
         where = f"MLflow at {redact_uri(self.tracking_uri)}"
         if isinstance(e, TrackingAuthError) or is_auth_refusal(e):

@@ -24,14 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train ADLM / MDLM / AR / BD3-LM with Ray Train from prepared Parquet shards; track and "
                     "register in MLflow. Rerunning the same run name resumes it from its latest checkpoint.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Config sections and keys (see pipelines/training/config.py for every field): model (preset + "
-               "ModelConfig fields), data (train, validation: split dirs, relative = under the workdir; "
-               "shuffle_buffer), optim (lr, betas, eps, weight_decay, warmup_steps, schedule constant|cosine, "
-               "min_lr_ratio, clip), batch (global_batch, micro_batch), run (name, max_steps, val_every, "
-               "val_batches, ckpt_every, num_to_keep, log_every, seed, storage_path, init), scaling (num_workers, "
-               "use_gpu, cpus_per_worker, strategy ddp|fsdp, bf16), failure (max_failures), ema, mlflow "
-               "(experiment, registered_model, register), distill (teacher, rounds, steps_per_round, teacher_steps, "
-               "substeps, divergence: self-distillation through time of that version; python -m pipelines.distill).\n\nExample:\n  python -m pipelines.train --config "
+        epilog="Recipe sections: model (a preset plus ModelConfig fields), data, optim, batch, run, scaling, "
+               "failure, ema, ema_warmup, mlflow, distill (self-distillation of a version; python -m "
+               "pipelines.distill). --help-config lists every key with its type, default and description.\n\n"
+               "Example:\n  python -m pipelines.train --config "
                "configs/demo.yaml --set run.max_steps=50 --set model.kind=mdlm --set run.name=demo-mdlm\n\nExit codes: 0 trained "
                "(and registered when mlflow.register); 1 training failed; 2 bad input, or credentials refused (the "
                "tracking server, the store, the Ray cluster), before any work; 3 trained but not registered (the "
@@ -45,11 +41,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="work directory (default: $ADLM_WORKDIR or ./work); holds "
                    "data, ray_results, checkpoints and the default sqlite MLflow store")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("--help-config", action="store_true", help="list every recipe key (section.key) with its type, "
+                   "default and description, and exit")
     add_logging_flags(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--help-config" in (sys.argv[1:] if argv is None else argv):  # before --config is required
+        from pipelines.configlib import keys_help
+        from pipelines.training.config import recipe_keys
+
+        print(keys_help(recipe_keys(), "Recipe keys (a YAML section's key, or --set SECTION.KEY=VALUE)"))
+        return 0
     # ValueError: bad input (ConfigError and the checks before any work); RuntimeError: TrainError, training
     # failed after it started.
     return run_command(build_parser(), _run, argv, bad_input=(ConfigError, ValueError), failed=(RuntimeError,))

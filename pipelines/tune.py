@@ -35,13 +35,21 @@ def build_parser() -> argparse.ArgumentParser:
                  "input; 3 done but the best trial not registered (the tracking server was down or refused): rerun "
                  "the same command to register it; 130 interrupted: rerun to resume.")
     p.add_argument("--space", required=True, help="search-space YAML (tune_spaces/*.yaml)")
-    p.add_argument("--config", required=True, help="training recipe YAML (configs/*.yaml)")
+    p.add_argument("--config", default=None, help="training recipe YAML (configs/*.yaml); default: the space's "
+                                                  "'config'")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one training-config value for every trial (repeatable), e.g. run.max_steps=60")
     p.add_argument("--name", default=None, help="sweep name (default: the space's 'name'); rerun a name to resume it")
     p.add_argument("--num-samples", type=int, default=None, help="override the space's num_samples")
     p.add_argument("--workdir", default=None, help="work directory (default: $ADLM_WORKDIR or ./work)")
-    p.add_argument("--check", action="store_true", help="validate the space against the recipe and the data, then exit")
+    p.add_argument("--confirm", type=int, default=None, metavar="N",
+                   help="after the search, retrain the winner at N fresh seeds against the space's comparator "
+                        "(confirm.against: the baseline arm, the recipe as it is, or a recipe file) and report the "
+                        "paired difference with its 95%% interval; 0: no confirmation (default: the space's "
+                        "confirm.seeds)")
+    p.add_argument("--check", action="store_true", help="validate the space against the recipe and the data, size "
+                                                        "the searches and the confirmation (timed here for a CPU "
+                                                        "recipe), then exit")
     add_logging_flags(p)
     return p
 
@@ -59,25 +67,41 @@ def _run(args: argparse.Namespace) -> int:
     if args.num_samples is not None:
         space = dataclasses.replace(space, num_samples=args.num_samples)
         parse_space(space.to_raw(), space.source)
-    from pipelines.tuning.sweep import plan_sweep, sweep
+    from pipelines.tuning.experiment import check_lines, plan_tune, run_tune, with_confirm
 
+    if args.confirm is not None:
+        space = with_confirm(space, args.confirm)
     if args.check:
-        plan = plan_sweep(space, args.config, args.overrides, workdir=args.workdir)
+        tp = plan_tune(space, args.config, args.overrides, workdir=args.workdir)
         print(f"ok: sweep {space.name}: {space.total_trials} trials over {', '.join(p.name for p in space.params)}"
-              f"; max_t {plan.max_t} steps")
+              f"; max_t {tp.main.max_t} steps")
+        for line in check_lines(tp):
+            print(line)
         return 0
-    res = sweep(space, args.config, args.overrides, workdir=args.workdir)
+    out = run_tune(space, args.config, args.overrides, workdir=args.workdir)
+    res = out.main
     from pipelines.tuning.report import table_markdown
 
     print(table_markdown(res.trials, res.best), flush=True)
+    if out.baseline is not None:
+        print(table_markdown(out.baseline.trials, out.baseline.best), flush=True)
+    if out.confirm is not None:
+        print(out.confirm.markdown, flush=True)
     print(json.dumps({"sweep": res.name, "parent_run_id": res.parent_run_id, "interrupted": res.interrupted,
                       "best_trial": res.best.trial_id if res.best else None,
                       "best_val_ppl": res.best.selection_ppl if res.best else None,
-                      "registered_version": res.registered_version}))
+                      "registered_version": res.registered_version,
+                      **({"baseline_best": out.baseline.best.params if out.baseline.best else None}
+                         if out.baseline is not None else {}),
+                      **({"confirmed": out.confirm.summary, "verdict": out.confirm.plan.primary.verdict,
+                          "confirmed_versions": out.confirm.versions} if out.confirm is not None else {})}))
+    if out.confirm is not None:
+        print(out.confirm.summary, flush=True)
     if res.unregistered:  # swept, best trial not registered: not a success a script may take for one
         print(f"error: {res.unregistered}", file=sys.stderr)
         return 3
-    return 130 if res.interrupted else 0
+    interrupted = res.interrupted or (out.baseline is not None and out.baseline.interrupted)
+    return 130 if interrupted else 0
 
 
 if __name__ == "__main__":

@@ -15,10 +15,13 @@ import sys
 
 
 def main() -> None:
-    auth = {k: os.environ[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH") if k in os.environ}
-    from tests.support_cluster import ray_cluster  # tests.conftest sets RAY_AUTH_MODE=disabled: put this one back
+    # tests.conftest sets RAY_AUTH_MODE=disabled and drops the work directory and the tracking URI: put this
+    # environment's back, which the nodes take (as cluster.yaml's nodes take them from their containers).
+    kept = {k: os.environ[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "ADLM_WORKDIR", "MLFLOW_TRACKING_URI")
+            if k in os.environ}
+    from tests.support_cluster import ray_cluster
 
-    os.environ.update(auth)
+    os.environ.update(kept)
     with ray_cluster(**json.loads(sys.argv[1])) as rc:
         print(json.dumps({"address": rc.address, "dashboard": rc.dashboard,
                           "session_dir": rc.cluster.head_node.get_session_dir_path()}), flush=True)

@@ -55,9 +55,9 @@ os.environ.pop("ADLM_WORKDIR", None)
 # starting with two. The cluster module (about 470-520 s of mostly waiting on its clusters, 7 tests) goes first: with
 # xdist's default order (the modules of most tests first) it was handed out after about 85% of the tests and ran
 # its last 8 minutes with the other worker out of work (two in-place runs: 815 s and 1,007 s).
-LONGEST_FIRST = ("test_cluster.py", "test_train.py", "test_tune.py", "test_recipes.py", "test_tracking_outage.py",
-                 "test_mlflow_postgres.py",
-                 "test_prepare_cluster.py", "test_fast_sampling_bench.py", "test_prepare_data.py", "test_metrics.py",
+LONGEST_FIRST = ("test_cluster.py", "test_journey.py", "test_train.py", "test_tune.py", "test_recipes.py",
+                 "test_tracking_outage.py", "test_mlflow_postgres.py", "test_prepare_cluster.py",
+                 "test_fast_sampling_bench.py", "test_prepare_data.py", "test_metrics.py",
                  "test_model_core.py", "test_study.py", "test_mlflow_server.py", "test_cluster_parts.py",
                  "test_serving.py", "test_lm_eval.py", "test_promotion.py", "test_evaluate.py", "test_placement.py",
                  "test_encoder.py", "test_distill_pipeline.py", "test_gpu_check.py", "test_serve_load.py",

@@ -1,4 +1,4 @@
-"""What a cluster is made of, on this one machine (ENVIRONMENT.md): an S3 server on loopback, an MLflow
+"""What a cluster is made of, on this one machine: an S3 server on loopback, an MLflow
 tracking server whose artifacts live in it, and a Ray cluster of a 0-CPU head and worker nodes.
 
 Nodes of a real cluster share nothing but the object store and the MLflow server; here they share this
@@ -47,17 +47,6 @@ def command_lines(pgid: int) -> list[str]:
             except (ProcessLookupError, PermissionError, FileNotFoundError):
                 continue
     return out
-
-
-def stop_group(proc: subprocess.Popen, term_s: float = 20.0) -> None:
-    """SIGTERM a process group (``start_new_session``), SIGKILL if it lingers past ``term_s``."""
-    for sig, wait in ((signal.SIGTERM, term_s), (signal.SIGKILL, 10.0)):
-        if proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=wait)
 
 
 BIN = Path(sys.executable).parent
@@ -275,16 +264,22 @@ def models_serve(model_uri: str, log: Path, cwd: Path, timeout: float = 120.0) -
             time.sleep(0.5)
         yield url
     finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):  # mlflow and its uvicorn worker; SIGKILL if it lingers
-            if proc.poll() is not None:
-                break
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=20)
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        stop_group(proc)  # mlflow and its uvicorn worker
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """Stop a process started with ``start_new_session=True`` and everything in its group: SIGTERM, then SIGKILL
+    if it lingers 20 s (a server and its workers)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=20)
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def invocations(url: str, payload: dict) -> tuple[int, dict]:

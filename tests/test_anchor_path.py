@@ -42,3 +42,36 @@ def test_gamma_teaches_the_anchor_network_the_anchor_tokens(one_torch_thread):
     val = tb.sample(256, seed=10_000)
     on, off = _anchor_accuracy(1.0, tb, val), _anchor_accuracy(0.0, tb, val)
     assert on > 0.5 and on > off + 0.3, (on, off)
+
+
+def test_the_anchor_output_layer_starts_at_zero_or_small_random_as_the_recipe_says(one_torch_thread):
+    """``model.anchor_init_std``: 0 (the paper's) gives all-zero anchor logits at initialisation, so the denoiser's
+    input is one vector at every position; a small random start gives the anchor logits spread, and the anchor
+    trunk a gradient through the anchor term from the first step. Every other weight is drawn as before."""
+    tb = Testbed(TestbedConfig(length=16, seed=0))
+    x = tb.sample(8, seed=0)
+
+    def start(std: float) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, float]:
+        cfg = preset("tiny", kind="adlm", vocab_size=tb.vocab_size, mask_id=MASK_ID, seq_len=tb.length, hidden=32,
+                     heads=2, n_blocks=1, denoiser_blocks=1, cond_dim=16, dropout=0.0, anchor_init_std=std)
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        with torch.no_grad():
+            logits, _ = model(x, torch.zeros(x.shape[0]))
+            denoiser_in = model.denoiser.dense_in(logits)
+        out = compute_loss(model, x, None, cfg, step=0, train=True, generator=torch.Generator().manual_seed(0))
+        out.loss.backward()
+        trunk = [p for n, p in model.anchor.named_parameters() if not n.startswith("output_layer.")]
+        g = sum(float(p.grad.norm() ** 2) for p in trunk if p.grad is not None) ** 0.5
+        return model, logits, denoiser_in, g
+
+    zero, zero_logits, zero_in, zero_grad = start(0.0)
+    rand, rand_logits, rand_in, rand_grad = start(0.02)
+    assert float(zero_logits.abs().max()) == 0.0 and zero_grad == 0.0
+    assert torch.equal(zero_in, zero_in[:1, :1].expand_as(zero_in))  # the same input at every position
+    assert float(rand_logits.std()) > 1e-3 and float((rand_in - rand_in[:1, :1]).abs().max()) > 0 and rand_grad > 0
+    w = rand.anchor.output_layer.linear.weight
+    assert 0.015 < float(w.std()) < 0.025 and float(rand.anchor.output_layer.linear.bias.abs().max()) == 0.0
+    params = dict(rand.named_parameters())
+    differ = {n for n, p in zero.named_parameters() if not torch.equal(p, params[n])}
+    assert differ == {"anchor.output_layer.linear.weight"}

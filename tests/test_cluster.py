@@ -260,7 +260,7 @@ def test_bad_storage_fails_in_one_line_before_any_work(case: str, message: str, 
 
 
 CONTROL_ENV = "ADLM_AUTOSCALER_CONTROL"
-"""The autoscaler test's controls, each of which must make it fail (docs/operations/cluster.md: what they printed):
+"""The autoscaler test's controls, each of which must make it fail (docs/development/cluster-tests.md: what they printed):
 ``1``: the cluster is built without its ``cpu_worker`` type; ``gpu-for-cpu``: ``cpu_worker`` capped below the
 cluster's ``max_workers`` (4 of 12, as cluster.yaml had it), where the autoscaler puts CPU work on a GPU node."""
 

@@ -1,4 +1,4 @@
-"""cluster.yaml as Ray 2.60's own launcher takes it, against moto's EC2/IAM server (ENVIRONMENT.md): the cluster docs'
+"""cluster.yaml as Ray 2.60's own launcher takes it, against moto's EC2/IAM server: the cluster docs'
 provisioning step (deploy/aws/provision.py) on a VPC with two private subnets, then Ray's `prepare_config`,
 `validate_config` and `bootstrap_aws` on the config it wrote, as `ray up` runs them. What AWS would start is
 read back with boto3: no security group of the cluster accepts anything from 0.0.0.0/0, every node type keeps
@@ -201,6 +201,61 @@ def test_the_kuberay_pods_get_a_role_of_their_own_that_only_their_service_accoun
     assert account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"].endswith(":role/adlm-ray-pods")
     worker_trust = iam.get_role(RoleName="adlm-ray-worker")["Role"]["AssumeRolePolicyDocument"]
     assert "Federated" not in json.dumps(worker_trust)
+
+
+def _doc(x: object) -> dict:
+    return json.loads(x) if isinstance(x, str) else x
+
+
+def test_the_tracking_server_gets_its_role_for_its_artifact_prefix_alone(aws: dict, capsys) -> None:
+    """``--mlflow-role`` needs no VM argument: it creates ``adlm-mlflow-server`` (EC2 trust, an instance profile
+    holding it) with pods.json for the server's artifact prefix, judged as AWS would: writing and reading artifacts
+    and listing under that prefix are allowed, the work prefix and the bucket's root are not. A rerun changes
+    nothing; without a prefix it is refused in one line."""
+    from tests.support_iam import Authorisation, decide
+
+    prov = _provisioner()
+    args = ["--region", REGION, "--bucket", "adlm-bucket", "--prefix", "mlflow-artifacts", "--mlflow-role"]
+    for _ in range(2):
+        assert prov.main(args) == 0
+    out = capsys.readouterr().out
+    assert "adlm-mlflow-server: arn:aws:iam::123456789012:instance-profile/adlm-mlflow-server" in out
+    iam = aws["iam"]
+    assert "ec2.amazonaws.com" in json.dumps(_doc(iam.get_role(RoleName="adlm-mlflow-server")["Role"]
+                                                  ["AssumeRolePolicyDocument"]))
+    profile = iam.get_instance_profile(InstanceProfileName="adlm-mlflow-server")["InstanceProfile"]
+    assert [r["RoleName"] for r in profile["Roles"]] == ["adlm-mlflow-server"]
+    got = _doc(iam.get_role_policy(RoleName="adlm-mlflow-server", PolicyName="adlm-mlflow-server")["PolicyDocument"])
+    bucket = "arn:aws:s3:::adlm-bucket"
+    allowed = [Authorisation("PutObject", "s3:PutObject", f"{bucket}/mlflow-artifacts/1/abc/model.safetensors"),
+               Authorisation("GetObject", "s3:GetObject", f"{bucket}/mlflow-artifacts/1/abc/MLmodel"),
+               Authorisation("ListObjectsV2", "s3:ListBucket", bucket, {"s3:prefix": "mlflow-artifacts/1/"}),
+               Authorisation("HeadBucket", "s3:ListBucket", bucket)]
+    refused = [Authorisation("PutObject", "s3:PutObject", f"{bucket}/adlm/data/x.parquet"),
+               Authorisation("ListObjectsV2", "s3:ListBucket", bucket, {"s3:prefix": ""}),
+               Authorisation("GetSecretValue", "secretsmanager:GetSecretValue", "arn:aws:secretsmanager:*")]
+    assert [decide(got, a) for a in allowed] == ["Allow"] * len(allowed)
+    assert [decide(got, a) for a in refused] == ["ImplicitDeny"] * len(refused)
+    assert prov.main(["--region", REGION, "--bucket", "adlm-bucket", "--prefix", "", "--mlflow-role"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --mlflow-role needs --prefix") and "\n" not in err
+
+
+def test_the_kuberay_pods_role_alone_needs_no_vm_argument(aws: dict, capsys) -> None:
+    """``--pods-only`` creates the pods' role with the region, bucket, prefix and OIDC provider alone (no VPC,
+    subnets, registry or output); the VM cluster without its arguments is refused in one line naming them."""
+    prov = _provisioner()
+    oidc = "oidc.eks.us-west-2.amazonaws.com/id/PODSONLY0000000000000000000000"
+    assert prov.main(["--region", REGION, "--bucket", "adlm-bucket", "--prefix", "adlm", "--pods-only",
+                      "--eks-oidc-provider", oidc, "--namespace", "team"]) == 0
+    assert capsys.readouterr().out.startswith("adlm-ray-pods: arn:aws:iam::123456789012:role/adlm-ray-pods")
+    trust = _doc(aws["iam"].get_role(RoleName="adlm-ray-pods")["Role"]["AssumeRolePolicyDocument"])
+    assert trust["Statement"][0]["Condition"]["StringEquals"][f"{oidc}:sub"] == "system:serviceaccount:team:adlm-ray"
+    assert prov.main(["--region", REGION, "--bucket", "adlm-bucket", "--pods-only"]) == 2
+    assert prov.main(["--region", REGION, "--bucket", "adlm-bucket"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "error: --pods-only needs --eks-oidc-provider"
+    assert err[1].startswith("error: the VM cluster") and "--vpc, --subnets, --ssh-cidr" in err[1]
 
 
 def test_every_request_rays_node_provider_sends_is_one_the_head_policy_allows(aws: dict, booted: dict) -> None:

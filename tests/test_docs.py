@@ -150,6 +150,24 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     for page in NAV:
         html = tmp_path / "site" / (page[:-3] + "/index.html" if page != "index.md" else "index.html")
         assert html.is_file(), f"{page}: no page built at {html}"
+    _formulas_render_offline(tmp_path / "site")
+
+
+def _formulas_render_offline(site: Path) -> None:
+    """The method page's formulas are in the built HTML as MathML (docs/hooks/mathml.py), which browsers render with
+    no script: every formula of the page's source is a ``<math>`` element, none is left as raw TeX, and no page of
+    the site loads a script, a style or a font from the network."""
+    source = (DOCS / "design" / "method.md").read_text()
+    inline = re.findall(r"(?<![\\$])\$(?!\$)[^$\n]+\$", source)
+    display = re.findall(r"^\$\$", source, re.M)
+    html = (site / "design" / "method" / "index.html").read_text()
+    maths = re.findall(r"<math [^>]*display=\"(inline|block)\"", html)
+    assert len(maths) == len(inline) + len(display) // 2 and len(maths) >= 90, (len(maths), len(inline), len(display))
+    assert maths.count("block") == len(display) // 2
+    assert "\\(" not in html and "\\[" not in html and "$$" not in html, "raw TeX left on the method page"
+    for page in site.rglob("*.html"):
+        remote = re.findall(r"<(?:script|link)[^>]+(?:src|href)=\"(https?://[^\"]+)\"", page.read_text())
+        assert not [u for u in remote if not u.startswith(("https://squidfunk", "https://github.com"))], (page, remote)
 
 
 def test_the_strict_build_catches_a_dead_link(tmp_path: Path) -> None:
@@ -246,15 +264,43 @@ def test_every_file_the_docs_name_exists() -> None:
     assert not missing, "named but missing:\n" + "\n".join(missing)
 
 
-def test_the_docs_cite_no_file_users_lack() -> None:
-    """The method's specification is written into docs/design/method.md; no page, docstring, comment or help text
-    sends a reader to a file the repository does not have (METHOD.md, the specification it was written from)."""
-    import subprocess
+CITED_NAME = re.compile(r"(?<![\w/.-])([A-Z][A-Z0-9_]*(?:[-_][A-Z0-9]+)*\.(?:md|txt|cff|rst))\b")
+"""A document named as the project names its own (README.md, CONTRIBUTING.md, CHANGELOG.md)."""
+CITED_PATH = re.compile(r"(?<![\w/.-])((?:adlm_model|pipelines|benchmarks|tests|configs|studies|tune_spaces|schemas|"
+                        r"deploy|mlflow|docs)/[\w./-]*\.(?:py|md|yaml|yml|json|sh|toml))\b")
+"""A repository file named anywhere (a page, a docstring, a comment, a help text, a schema's description)."""
+WRITTEN_BY_THEIR_FILE = {
+    "docs/usage/own-data.md": {"configs/mine_adlm.yaml", "tune_spaces/mine.yaml"},  # the page has the user write them
+    "tests/test_journey.py": {"configs/mine_adlm.yaml", "tune_spaces/mine.yaml"},
+    "tests/support_cluster.py": {"pipelines/_submitted_probe.py"},  # the module it adds to a submitted copy
+    "tests/test_record.py": {"benchmarks/x.py"},  # a benchmark it makes up
+    "CONTRIBUTING.md": {"tests/test_x.py"},  # "the tests of the files you touched"
+}
+"""Files named that do not exist on purpose: the file that names them writes them, or names a placeholder."""
 
-    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    citing = [f for f in tracked if Path(f).suffix in {".md", ".py", ".yaml", ".yml", ".sh", ".toml", ""}
-              and f != "tests/test_docs.py" and (ROOT / f).is_file() and "METHOD.md" in (ROOT / f).read_text(errors="replace")]
-    assert not citing, f"files citing METHOD.md (say docs/design/method.md, and the section): {citing}"
+
+def test_no_tracked_file_cites_a_file_the_repository_lacks() -> None:
+    """No page, docstring, comment, help text or schema sends a reader to a file the repository does not have
+    (such as the specifications it was written from, which users never get): every document named like
+    ``README.md`` is one of the repository's, and every repository path named exists."""
+    tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
+    names = {Path(f).name for f in tracked}
+    missing = []
+    for path in _text_files() + [ROOT / f for f in tracked if f.startswith("schemas/")]:
+        rel = path.relative_to(ROOT).as_posix()
+        text = path.read_text(errors="replace")
+        missing += [f"{rel}: {n}" for n in CITED_NAME.findall(text) if n not in names]
+        missing += [f"{rel}: {p}" for p in CITED_PATH.findall(text)
+                    if not (ROOT / p).exists() and "..." not in p and p not in WRITTEN_BY_THEIR_FILE.get(rel, ())]
+    assert not missing, "named but not in the repository:\n" + "\n".join(sorted(set(missing)))
+
+
+@pytest.mark.parametrize("line", ["the formulas of METHOD.md, section 2", "(ENVIRONMENT.md)",
+                                  "see pipelines/training/gone.py"])
+def test_the_citation_check_sees_a_missing_file(line: str) -> None:
+    found = CITED_NAME.findall(line) + CITED_PATH.findall(line)
+    assert found and not all((ROOT / f).exists() for f in found), line
 
 
 def test_the_records_written_from_raw_files_are_current() -> None:
@@ -263,3 +309,127 @@ def test_the_records_written_from_raw_files_are_current() -> None:
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "records_from_raw.py"), "--check"],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
+
+
+# ---- the reference pages, generated from the code -------------------------------------------------------------
+
+def test_the_reference_pages_are_current() -> None:
+    """docs/reference/commands.md and config.md are what ``python -m pipelines.docs_reference --write`` makes of
+    the code now: a new flag, key or docstring without the regenerated page fails here."""
+    from pipelines.docs_reference import stale
+
+    old = [p.relative_to(ROOT).as_posix() for p in stale()]
+    assert not old, f"out of date: {old}; run python -m pipelines.docs_reference --write"
+
+
+def test_the_reference_pages_name_every_flag_and_key() -> None:
+    """Each command's every flag and each config dataclass's every field is on its page, and every recipe key has
+    a description (a field without a docstring would leave a blank cell)."""
+    import dataclasses
+    import importlib
+
+    from pipelines.docs_reference import COMMANDS, PAGES
+    from pipelines.training.config import SECTIONS, TrainConfig, recipe_keys
+
+    commands = PAGES["commands"].read_text()
+    for name in COMMANDS:
+        section = commands.split(f"\n## {name}\n", 1)[1].split("\n## ", 1)[0]
+        for action in importlib.import_module(f"pipelines.{name}").build_parser()._actions:
+            for flag in action.option_strings:
+                assert f"`{flag}`" in section or flag in ("-h", "--help"), (name, flag)
+    config = PAGES["config"].read_text()
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f"| `{section}.{f.name}` |" in config, f"{section}.{f.name}"
+    assert all(k.description for k in recipe_keys()), [k.name for k in recipe_keys() if not k.description]
+    assert {"ema", "ema_warmup"} <= {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def test_train_help_config_prints_every_key_with_its_description() -> None:
+    """``python -m pipelines.train --help-config`` (no recipe needed) lists every recipe key with its type, default
+    and description: the keys the epilog of ``--help`` promises, scaling.compile and data.read_cpus among them."""
+    from pipelines.training.config import recipe_keys
+
+    r = subprocess.run([sys.executable, "-m", "pipelines.train", "--help-config"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for key in recipe_keys():
+        assert f"  {key.name} ({key.type}; default {key.default})" in r.stdout, key.name
+    compile_line = r.stdout.split("  scaling.compile ", 1)[1].split("\n  ", 2)
+    assert "torch.compile" in compile_line[1], compile_line
+    assert "--help-config" in subprocess.run([sys.executable, "-m", "pipelines.train", "--help"], capture_output=True,
+                                             text=True, cwd=ROOT, timeout=120).stdout
+
+
+# ---- tables and claims that restate the code --------------------------------------------------------------
+
+def _table_rows(page: Path, header: str) -> list[list[str]]:
+    """The rows of the Markdown table whose header line starts with ``header``, as stripped cells."""
+    lines = page.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[at + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split(" | ")])
+    return rows
+
+
+def test_the_sampler_table_is_the_kinds_table() -> None:
+    """Generation's table of samplers per kind lists, for every kind, the samplers ``samplers_for`` gives, default
+    first."""
+    from adlm_model.kinds import KINDS, samplers_for
+
+    rows = _table_rows(DOCS / "usage" / "generation-and-serving.md", "| model kind | samplers")
+    table = {kind.lower().replace("-", ""): re.findall(r"`([^`]+)`", samplers) for kind, samplers in rows}
+    assert table == {kind: samplers_for(kind) for kind in KINDS}
+
+
+def test_the_suites_table_lists_every_suite() -> None:
+    from pipelines.evaluation.suites import SUITES
+
+    rows = _table_rows(DOCS / "usage" / "evaluation.md", "| suite | what")
+    assert [re.sub(r"`", "", r[0]) for r in rows] == list(SUITES)
+
+
+def test_make_bench_runs_every_cpu_benchmark() -> None:
+    """``make bench`` names every benchmark script, except the ones its comment says why it leaves out, and only
+    scripts that exist."""
+    make = (ROOT / "Makefile").read_text()
+    listed = re.search(r"^CPU_BENCHMARKS := (.*?)(?<!\\)$", make, re.M | re.S).group(1).replace("\\\n", " ").split()
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("[a-z]*.py")}
+    left_out = {"gpu_check", "zero_shot_empty_rows", "suite_cpu", "records_from_raw"}
+    assert set(listed) == scripts - left_out and len(listed) == len(set(listed)), sorted(set(listed) ^ (scripts - left_out))
+    assert all(f"{name}.py" in make for name in left_out)
+
+
+def test_no_page_repeats_a_paragraph() -> None:
+    """A paragraph of prose (over 80 characters) appears once per page: a repeated one is a merge left behind."""
+    repeated = []
+    for page in [README, *sorted(DOCS.rglob("*.md"))]:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
+        seen: set[str] = set()
+        for p in paragraphs:
+            if len(p) > 80 and not p.startswith(("|", "<!--")):
+                if p in seen:
+                    repeated.append(f"{page.relative_to(ROOT)}: {p[:80]}")
+                seen.add(p)
+    assert not repeated, repeated
+
+
+def test_with_a_repo_url_the_site_links_the_repository_files_its_pages_name() -> None:
+    """docs/hooks/repo_links.py: a code span naming a repository file or folder becomes a link into the repository
+    (``ADLM_REPO_URL``); a name that is no file, a span already inside a link, and every span without a repo_url
+    are left as they are."""
+    from tests.conftest import load_script
+
+    hook = load_script(DOCS / "hooks" / "repo_links.py", "adlm_repo_links")
+    page = ("<p><code>configs/demo.yaml</code>, <code>benchmarks/results/</code>, <code>configs/none.yaml</code>, "
+            '<code>--set</code>, <a href="x"><code>README.md</code></a></p>')
+    out = hook.on_page_content(page, config={"repo_url": "https://example.org/o/r/"})
+    assert '<a href="https://example.org/o/r/blob/main/configs/demo.yaml"><code>configs/demo.yaml</code></a>' in out
+    assert '<a href="https://example.org/o/r/tree/main/benchmarks/results"><code>benchmarks/results/</code></a>' in out
+    assert "<code>configs/none.yaml</code>," in out and "<code>--set</code>," in out
+    assert out.count("<a ") == 3
+    assert hook.on_page_content(page, config={"repo_url": None}) == page

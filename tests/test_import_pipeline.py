@@ -67,7 +67,7 @@ def test_an_imported_version_is_evaluated_staged_sampled_served_and_lm_evaluated
     mv = client.get_model_version("adlm", res["version"])
     tags = mv.tags
     assert (res["kind"], res["family"], tags["kind"], tags["imported"]) == ("mdlm", "mdlm", "mdlm", "true")
-    assert json.loads(tags["sha256"]) == {"mdlm.ckpt": sha256_file(FIXTURE)}
+    assert json.loads(tags["sha256"]) == {"mdlm.ckpt": sha256_file(FIXTURE), "tokenizer.json": sha256_file(tok_path)}
     assert tags["reference"] == "kuleshov-group/mdlm" and len(tags["reference_commit"]) == 40
     assert tags["source"] == str(FIXTURE) and tags["license"] == "apache-2.0"
     assert "candidate" in mv.aliases

@@ -318,7 +318,8 @@ def test_exported_version_reimports_to_the_same_weights(kind: str, tmp_path: Pat
     export_model(str(ckpt), tmp_path / "export")
     src = rl.read_source(tmp_path / "export")
     fam = rl.detect_family(src)
-    tok = _tokenizer(None, src, rl.embedding_width(src, fam), tmp_path / "export")
+    tok, read = _tokenizer(None, src, rl.embedding_width(src, fam), tmp_path / "export")
+    assert read == [tmp_path / "export" / "tokenizer.json"]  # the tokenizer file read, for the import's sha256
     back, got = rl.convert(src, fam, tok.vocab_size, tok.mask_id)
     assert (src.layout, fam.name, got) == ("export", "adlm-export", cfg)
     want, have = model.state_dict(), back.state_dict()

@@ -1,13 +1,16 @@
 """The importer's refusals (``python -m pipelines.import_model``, ``adlm_model.safe_pickle``): a pickle cannot make
-the loader allocate by a number it states or slip a Python 2 name past its checks; an empty, truncated or corrupt
-file, parts of the wrong type, a --family its folder contradicts and a mistyped path are one line each, exit 2,
-nothing registered; a Hub repository is fetched (from a stand-in of the Hub on loopback) with its
-``pytorch_model.bin`` when it has no safetensors."""
+the loader allocate by a number it states, hand numpy anything but plain number data, nest its hyper-parameters
+without bound or slip a Python 2 name past its checks; an empty, truncated or corrupt file, parts of the wrong type,
+a --family its folder contradicts, a vocabulary its config and weights disagree on, a name or alias the registry
+refuses and a mistyped path are one line each, exit 2, nothing registered; a Hub repository is fetched (from a
+stand-in of the Hub on loopback) with its ``pytorch_model.bin`` when it has no safetensors."""
 
 from __future__ import annotations
 
 import json
 import pickle
+import re
+import shutil
 from collections import OrderedDict
 from pathlib import Path
 
@@ -70,6 +73,127 @@ def test_a_pickle_cannot_make_the_loader_allocate_by_a_number_in_it(what: str, t
     assert back["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and back["b"] == bytearray(b"ok") and back["c"] == b"\x00\xff"
 
 
+class _Built(_Allocates):
+    """Pickles as ``fn(*args)`` followed by ``__setstate__(state)``: numpy's own array pickle, with the state a
+    hostile file chooses."""
+
+    def __init__(self, fn, args, state) -> None:
+        super().__init__(fn, *args)
+        self.state = state
+
+    def __reduce__(self):
+        return (self.fn, self.args, self.state)
+
+
+def _hostile_numpy() -> dict[str, tuple[object, str]]:
+    """numpy objects a file of a few hundred bytes can name, each with the words of its refusal."""
+    import numpy as np
+    from numpy._core.multiarray import _reconstruct, scalar
+
+    def array(shape, dtype, data):  # numpy's placeholder, then the state it is given
+        return _Built(_reconstruct, (np.ndarray, (0,), b"b"), (1, shape, dtype, False, data))
+
+    return {
+        # an object array given fewer items than its shape: numpy filled the rest from memory it never wrote and
+        # the process died (SIGSEGV), after zeroing a gigabyte for the large one
+        "object array (1,000)": (array((1000,), np.dtype("O"), [1]), "numpy dtype 'O8'"),
+        "object array (2**27)": (array((1 << 27,), np.dtype("O"), []), "numpy dtype 'O8'"),
+        "object array by its type code": (_Built(_reconstruct, (np.ndarray, (0,), b"O"), (1, (9,), np.dtype("f4"),
+                                                                                          False, b"")),
+                                          "numpy dtype 'O'"),
+        "float array (2**27) of 8 bytes": (array((1 << 27,), np.dtype("f4"), b"A" * 8), "with 8 bytes of data for"),
+        "scalar of dtype V1073741824": (_Allocates(scalar, np.dtype("V1073741824"), b"x"), "numpy dtype 'V1073741824'"),
+        "structured dtype": (array((1,), np.dtype([("a", "O")]), b"A" * 8), "numpy dtype 'V8'"),
+    }
+
+
+@pytest.mark.parametrize("what", list(_hostile_numpy()))
+def test_numpy_in_a_pickle_is_checked_before_numpy_reads_it(what: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """numpy builds its objects in native code: an object array holding the file's bytes as pointers crashed the
+    importer (SIGSEGV), a void scalar of a stated gigabyte was allocated before numpy refused it. Each is refused
+    in one line before numpy sees it (the peak of Python's allocations stays far below the size asked), by the
+    importer too, which registers nothing; numpy's plain arrays and scalars, either byte order, still load."""
+    import tracemalloc
+
+    import numpy as np
+
+    payload, words = _hostile_numpy()[what]
+    f = tmp_path / "hostile.ckpt"
+    f.write_bytes(pickle.dumps(payload, protocol=2))
+    assert f.stat().st_size < 300
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnsafePickleError) as e:
+            load_pickled(f)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20 and words in str(e.value) and "\n" not in str(e.value), (peak, str(e.value))
+    from pipelines.import_model import main
+
+    zipped = tmp_path / "zipped.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "hyper_parameters": {"x": payload}}, zipped)
+    assert main([str(zipped), "--workdir", str(tmp_path / "wd")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+    assert not (tmp_path / "wd" / "mlflow.db").exists() and not (tmp_path / "wd" / "mlartifacts").exists()  # nothing registered
+    ok = tmp_path / "plain.ckpt"
+    big_endian = np.arange(4, dtype=">f8")
+    torch.save({"a": np.arange(6, dtype=np.int16).reshape(3, 2), "b": big_endian, "c": np.float64(1.5),
+                "d": np.bool_(True), "e": np.zeros((0, 3), np.complex64)}, ok)
+    back = load_pickled(ok)
+    assert back["a"].tolist() == [[0, 1], [2, 3], [4, 5]] and back["a"].dtype == np.int16
+    assert back["b"].tolist() == [0.0, 1.0, 2.0, 3.0] and back["c"] == 1.5 and back["d"] and back["e"].shape == (0, 3)
+
+
+def _as_torch_zip(pkl: bytes, out: Path) -> Path:
+    """``pkl`` as the pickle of a torch.save zip (its other records from an empty save)."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save({}, buf)
+    with zipfile.ZipFile(buf) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for name in src.namelist():
+            dst.writestr(name, pkl if name.endswith("/data.pkl") else src.read(name))
+    return out
+
+
+def test_deep_hyper_parameters_and_storages_larger_than_the_file_are_one_line(tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Hyper-parameters nested 5,000 deep (a 40 KB file) gave a RecursionError of 2,995 lines; a legacy-format file
+    whose storage declares 8 GB had them allocated before its data were read. Both are one line, exit 2, nothing
+    registered; a config.json nested 100,000 deep likewise."""
+    from pipelines.import_model import main
+
+    def s(x: str) -> bytes:
+        return b"X" + len(x.encode()).to_bytes(4, "little") + x.encode()
+
+    n = 5000  # {'state_dict': {}, 'hyper_parameters': {'a': {'a': ... {}}}}, written opcode by opcode
+    deep = b"\x80\x02}" + s("state_dict") + b"}s" + s("hyper_parameters") + (b"}" + s("a")) * n + b"}" + b"s" * n + b"s."
+    _as_torch_zip(deep, tmp_path / "deep.ckpt")
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"state_dict": {"w": torch.zeros(4)}}, buf, _use_new_zipfile_serialization=False)
+    # the storage's element count (4, after its location 'cpu') made 2**31 - 1
+    raw, hits = re.subn(rb"(X\x03\x00\x00\x00cpuq.)K\x04", lambda m: m.group(1) + b"J\xff\xff\xff\x7f", buf.getvalue())
+    assert hits == 1
+    (tmp_path / "legacy.ckpt").write_bytes(raw)
+    hub = tmp_path / "deep-json"
+    hub.mkdir()
+    (hub / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    (hub / "model.safetensors").write_bytes(b"\x00" * 16)
+    for source, words in ((tmp_path / "deep.ckpt", "nested deeper than 100 levels"),
+                          (tmp_path / "legacy.ckpt", "storages of 8,589,934,588 bytes in a file of"),
+                          (hub, "JSON nested too deep")):
+        assert main([str(source), "--workdir", str(tmp_path / "wd")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+    assert not (tmp_path / "wd" / "mlflow.db").exists() and not (tmp_path / "wd" / "mlartifacts").exists()
+
+
 def test_a_compressed_record_is_refused_before_it_is_inflated(tmp_path: Path) -> None:
     """torch.save stores its records uncompressed; a zip whose deflated record declares 64 MiB in a file of a few
     kilobytes would be inflated whole: refused from the zip's directory, before torch reads a record."""
@@ -130,6 +254,15 @@ def _bad_sources(tmp: Path) -> list[tuple[list[str], str]]:
     hub.mkdir()
     (hub / "config.json").write_text("{not json")
     (hub / "model.safetensors").write_bytes(b"\x00" * 16)
+    (tmp / "exported").mkdir()
+    (tmp / "my_models").mkdir()
+    export = tmp / "export"
+    export.mkdir()
+    (export / "config.json").write_text(json.dumps({"model_type": "adlm", "model": {"kind": "mdlm"}}))
+    save_file({"w": torch.zeros(2)}, str(export / "model.safetensors"))
+    vocab = tmp / "vocab-400"
+    shutil.copytree(FIXTURES / "ssdlm" / "hub", vocab)
+    (vocab / "config.json").write_text(json.dumps({**json.loads((vocab / "config.json").read_text()), "vocab_size": 400}))
     sf = tmp / "bad-safetensors"
     sf.mkdir()
     (sf / "config.json").write_text(json.dumps({"model_type": "mdlm"}))
@@ -149,6 +282,19 @@ def _bad_sources(tmp: Path) -> list[tuple[list[str], str]]:
         (["./ckpts/mdlm"], "no such file or folder"),
         (["../mdlm"], "no such file or folder"),
         (["models/sedd/run"], "no such file or folder"),
+        # owner/name whose owner is a folder here: a local path whose last part is missing, never a Hub id
+        (["exported/adlm"], "exported/adlm: no such file or folder"),
+        (["my_models/ckpt-final"], "my_models/ckpt-final: no such file or folder"),
+        # names and aliases the registry refuses, before anything is read (they failed after 44 files were logged)
+        ([str(FIXTURES / "mdlm" / "mdlm.ckpt"), "--name", "a/b"], "--name: Invalid model name 'a/b'"),
+        ([str(FIXTURES / "mdlm" / "mdlm.ckpt"), "--alias", "bad alias!"], "--alias: Invalid alias name"),
+        ([str(FIXTURES / "mdlm" / "mdlm.ckpt"), "--alias", "v3"], "--alias: Version alias name 'v3' is reserved"),
+        # the export family on a released checkpoint (a KeyError), and a released family on an export folder
+        ([str(FIXTURES / "mdlm" / "mdlm.ckpt"), "--family", "adlm-export"],
+         "--family adlm-export reads this project's export folders; this source is a Lightning .ckpt"),
+        ([str(export), "--family", "mdlm"], "--family mdlm reads released checkpoints, not this project's export"),
+        # a Hub folder whose config.json and weights disagree on the vocabulary
+        ([str(vocab)], "config.json says vocab_size 400 but the weights' token embedding"),
     ]
 
 
@@ -166,6 +312,11 @@ def test_unreadable_and_mistaken_sources_are_one_line(tmp_path: Path, capsys: py
         err = [ln for ln in capsys.readouterr().err.strip().splitlines() if "(pid=" not in ln[:40]]
         assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (argv, err)
         assert "Hub" not in err[0] or "Hub id is owner/name" in err[0], err
+    # owner/name with no such folder here: tried on the Hub (offline here), and the message says it is no local path
+    assert main(["nothere/adlm", "--workdir", str(wd)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: nothere/adlm: no such local file or folder (in {tmp_path}), "
+                                               "and cannot download nothere/adlm from the Hugging Face Hub"), err
     assert not (wd / "mlflow.db").exists() and not (wd / "mlartifacts").exists()
 
 
@@ -198,5 +349,6 @@ def test_a_hub_id_without_safetensors_is_fetched_with_its_pytorch_model_bin(tmp_
         assert "louaaron/sedd-both/pytorch_model.bin" not in served and "louaaron/sedd-both/model.safetensors" in served
         assert main(["louaaron/sedd-nothing", "--workdir", str(wd)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("error: cannot download louaaron/sedd-nothing from the Hugging Face Hub")
+        assert len(err) == 1 and err[0].startswith("error: louaaron/sedd-nothing: no such local file or folder")
+        assert "cannot download louaaron/sedd-nothing from the Hugging Face Hub" in err[0], err
     assert not (wd / "mlflow.db").exists()

@@ -90,12 +90,18 @@ def test_a_log_window_pools_the_steps_and_starts_afresh(kind: str) -> None:
     assert w.window.steps == 0 and float(w.window.ntok) == 0.0
     assert 0 < m["train/nll"] < 2 * torch.log(torch.tensor(float(VOCAB))).item() * 10
     assert m["train/tokens_per_s"] > 0 and m["train/grad_norm"] > 0
-    anchored = {"train/anchor_loss", "train/anchor_frac", "train/gamma_k"}
+    anchored = {"train/anchor_loss", "train/anchor_frac", "train/gamma_k", "train/grad_norm_anchor",
+                "train/grad_norm_denoiser", "train/grad_norm_anchor_out"}
     if kind == "adlm":
         assert anchored <= set(m)
         c = w.cfg.model
         assert m["train/gamma_k"] == gamma_at(2, c.gamma, c.gamma_beta, c.gamma_horizon)
         assert 0 < m["train/anchor_frac"] <= 1
+        # The two networks' norms make up the whole (both before clipping): |g|^2 = |g_anchor|^2 + |g_denoiser|^2
+        # holds step by step, so their window means are within the whole's and sum in squares to at least it.
+        ga, gd = m["train/grad_norm_anchor"], m["train/grad_norm_denoiser"]
+        assert 0 < ga <= m["train/grad_norm"] + 1e-9 and 0 < gd <= m["train/grad_norm"] + 1e-9
+        assert 0 <= m["train/grad_norm_anchor_out"] <= ga + 1e-9
     else:
         assert not anchored & set(m)
 

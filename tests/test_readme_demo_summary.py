@@ -21,7 +21,7 @@ SUMMARY = {
               "champion": True}],
     "samples": ["a sample", "another"], "sweep": {"name": "demo-gamma-tau", "trials": 4, "stopped": ["x_00002"]},
     "timings_s": {"prepare": 28.0, "total": 473.0},
-    "goals": [{"goal": "whole pipeline <= 360 s", "measured": "473 s", "met": False}],
+    "goals": [{"goal": "2 samples of the champion", "measured": "1", "met": False}],
     "tracking_uri": f"sqlite:///{PROJECT_ROOT}/work/mlflow.db",
 }
 
@@ -48,7 +48,7 @@ def test_the_block_is_the_printed_summary_table_and_lines(tmp_path: Path, capsys
     expected = [line.replace(f"{PROJECT_ROOT}/", "") for line in printed.splitlines() if line.strip()]
     assert shown == expected  # every printed line, in order, nothing added
     assert "sqlite:///work/mlflow.db" in inside and "`make demo` of " in inside
-    assert inside.index("| AR | ar | 2 |") < inside.index("```text") < inside.index("Demo goal: whole pipeline")
+    assert inside.index("| AR | ar | 2 |") < inside.index("```text") < inside.index("Demo goal: 2 samples")
 
 
 def test_no_summary_or_no_markers_fail_in_one_line_and_leave_the_readme(tmp_path: Path,

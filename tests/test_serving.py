@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -507,6 +508,42 @@ def test_export_reloads_bit_for_bit_and_its_card_lists_the_registry_figures(regi
     assert export(["models:/adlm@candidate", "--out", str(out), "--force"]) == 0
 
 
+def test_a_version_whose_files_were_deleted_is_one_line_in_every_command(registry, tmp_path, capsys,
+                                                                         monkeypatch) -> None:
+    """The registry keeps a version whose artifacts were deleted: generate, export, serve and evaluate said
+    ``No such artifact`` in a traceback; each names the version and what to do, in one line, exit 2."""
+    import mlflow
+
+    from pipelines.evaluate import main as evaluate
+    from pipelines.export import main as export
+    from pipelines.generate import main as generate
+    from pipelines.registry import register_checkpoint
+    from pipelines.serve import main as serve
+    from pipelines.tracking import ensure_experiment
+
+    monkeypatch.setenv("PATH", os.environ["PATH"])  # serve puts the venv first on it
+    uri = registry["uri"]
+    client = mlflow.MlflowClient(uri)
+    run = client.create_run(ensure_experiment("adlm", uri), run_name="gone")
+    client.log_artifacts(run.info.run_id, str(registry["mdlm"]), "checkpoint")
+    mv = register_checkpoint(run.info.run_id, "gone", {"kind": "mdlm"}, tracking_uri=uri, aliases=())
+    for location in (client.get_run(run.info.run_id).info.artifact_uri, client.get_model_version_download_uri(
+            "gone", mv.version)):  # the run's files and the logged model's
+        shutil.rmtree(location.removeprefix("file://"))
+    capsys.readouterr()
+    model = f"models:/gone/{mv.version}"
+    for main, argv in ((generate, ["--model", model, "--prompt", "x", "-q"]),
+                       (export, [model, "--out", str(tmp_path / "exported")]),
+                       (serve, ["--model", model, "--port", "5999"]),
+                       (evaluate, ["--model", model, "--suite", "ppl", "--in-process"])):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
+        line = err[0]
+        assert f"the registry has version {mv.version} of gone but its files cannot be downloaded" in line, line
+    assert not (tmp_path / "exported").exists()
+
+
 # --------------------------------------------------------------------------------------------------------
 # Serving over HTTP
 
@@ -576,9 +613,10 @@ def test_the_server_refuses_large_and_unparsable_bodies_without_echoing_them(reg
     assert refused(big, 413, "larger than the server's limit", chunk=64 << 10, declare=False) <= (1 << 20) + (64 << 10)
     refused(b"x" * 900_000, 400, "the body is not JSON (Expecting value at line 1 column 1)")
     refused(b"\xff\xfe" * 400_000, 400, "the body is not UTF-8 (byte 0 cannot be decoded)")
-    refused(b"prompt,length\nx,4\n", 415, "takes Content-Type application/json, got 'text/csv'", content_type="text/csv")
+    refused(b"prompt,length\nx,4\n", 415, "takes Content-Type application/json (charset=utf-8 its only parameter)",
+            content_type="text/csv")
     for value, line in (("NaN", "holds NaN"), ("Infinity", "holds Infinity"), ("-Infinity", "holds -Infinity"),
-                        ("1e999", "the number 1e999, too large"), ("-3", "length must be >= 1"),
+                        ("1e999", "a number too large for a float"), ("-3", "length must be >= 1"),
                         ("2.5", "length must be an integer, got 2.5")):
         refused(b'{"dataframe_records": [{"prompt": "x", "length": %s}]}' % value.encode(), 400, line)
     prompt = json.dumps({"dataframe_records": [{"prompt": "And God said " * 77_000, "length": 4}]}).encode()
@@ -592,6 +630,51 @@ def test_the_server_refuses_large_and_unparsable_bodies_without_echoing_them(reg
     status, answer, _ = _post(app, json.dumps({"dataframe_records": [{"prompt": PROMPT, "length": 4, "steps": 4,
                                                                       "seed": 3}]}).encode())
     assert status == 200 and json.loads(answer)["predictions"][0]["text"].startswith(PROMPT)
+
+
+def test_every_malformed_request_is_a_4xx_that_echoes_nothing(registry) -> None:
+    """Malformed requests of every kind, each carrying a marker string: JSON nested 100,000 deep and a 5,000-digit
+    integer (HTTP 500 with a traceback in the log before), 100 KB sampler and length strings, unknown keys and
+    formats, content-type parameters (echoed up to 500 characters before), a lone surrogate. Each gets a 4xx whose
+    one-line message holds none of what was sent; the server's own words (field names, samplers) stay."""
+    import mlflow
+    from mlflow.pyfunc import scoring_server
+
+    from pipelines.serving.server import RequestGuard
+
+    app = RequestGuard(scoring_server.init(mlflow.pyfunc.load_model("models:/adlm@candidate")), max_body=1 << 20)
+    mark = "ECHO-" + "q" * 40
+
+    def records(**row) -> bytes:
+        return json.dumps({"dataframe_records": [{"prompt": "x", **row}]}).encode()
+
+    bodies = {
+        "nested 100,000 deep": (b"[" * 100_000 + b"]" * 100_000, "nested deeper than 32 levels"),
+        "object nested 50,000 deep": (b'{"a":' * 50_000 + b"1" + b"}" * 50_000, "nested deeper than 32 levels"),
+        "a 5,000-digit length": (b'{"dataframe_records": [{"prompt": "x", "length": ' + b"9" * 5000 + b"}]}",
+                                 "an integer of more than 40 digits"),
+        "a 100 KB sampler": (records(sampler=mark * 2500), "unknown sampler (the value sent)"),
+        "a 100 KB length": (records(length=mark * 2500), "length must be a number, got (the value sent)"),
+        "an unknown field": (records(**{mark: 1}), "unknown field(s) (the value sent); known: prompt, suffix"),
+        "an unknown format": (json.dumps({mark: [1]}).encode(), "exactly one of the input fields"),
+        "a bad kv_cache": (records(sampler="confidence", kv_cache=mark), "kv_cache must be one of off, prefix, dual"),
+        "a bad stop_at_eos": (records(stop_at_eos=mark), "stop_at_eos must be true or false"),
+        "columns of a split": (json.dumps({"dataframe_split": {"columns": [mark], "data": [[1, 2]]}}).encode(), ""),
+        "a prompt holding the mask": (records(prompt="<|mask|>" + mark), "the prompt contains the mask token"),
+        "a lone surrogate": (b'{"dataframe_records": [{"prompt": "\\ud800' + mark.encode() + b'"}]}',
+                             "a lone surrogate escape"),
+        "a list of anything": (json.dumps([mark]).encode(), "exactly one of the input fields"),
+    }
+    for what, (body, words) in bodies.items():
+        status, answer, _ = _post(app, body)
+        assert 400 <= status < 500 and len(answer) < 700, (what, status, answer[:300])
+        message = json.loads(answer)["message"]
+        assert mark[:9] not in message and words in message and "\n" not in message, (what, message)
+    for content_type in (f"application/json; {mark}=1", f"application/json; charset={mark}", f"text/{mark}", ""):
+        status, answer, _ = _post(app, records(length=4), content_type=content_type)
+        assert status == 415 and mark[:9].encode() not in answer, (content_type, answer)
+    status, answer, _ = _post(app, records(length=2, steps=2, seed=1), content_type="application/json; charset=UTF-8")
+    assert status == 200 and json.loads(answer)["predictions"][0]["text"].startswith("x")
 
 
 @pytest.mark.slow

@@ -41,8 +41,10 @@ def test_the_released_layout_imports_as_a_sample_only_version(imported) -> None:
     assert (tags["kind"], tags["imported"], tags["family"], tags["reference"]) == ("ssdlm", "true", "ssdlm",
                                                                                  "xhan77/ssd-lm")
     assert tags["reference_commit"] == "c0b67612c27928350aa073b303bc9df3a0e87f28"
+    # every file read, the tokenizer's among them
     assert json.loads(tags["sha256"]) == {f: sha256_file(HUB / f) for f in ("config.json", "model.safetensors",
-                                                                           "embed_sum_layer.pt", "timestep_layer.pt")}
+                                                                           "embed_sum_layer.pt", "timestep_layer.pt",
+                                                                           "vocab.json", "merges.txt")}
     ckpt = resolve_model(res["uri"], tracking, dst=imported["root"] / "dl")
     tok = json.loads((ckpt / "tokenizer.json").read_text())
     assert tok["model"]["vocab"]["<mask>"] == 4 and tok["post_processor"]["type"] == "RobertaProcessing"
@@ -84,35 +86,51 @@ def test_the_hubs_pickled_files_give_the_same_weights_and_a_missing_tokenizer_is
     assert (res["kind"], res["version"], res["new"]) == ("ssdlm", imported["res"]["version"], False)
 
 
-def test_generate_gives_the_references_tokens_at_its_seed(imported, capsys) -> None:
-    """The CLI on the registered version: `<s>` + the prompt " The city" is the fixture's context, so seed 2022,
-    B = 5, T = 25, K = 5, top-p 0.95 give the block the reference decoded."""
-    from safetensors.torch import load_file
+def test_generate_conditions_on_the_prompt_alone_as_the_reference(imported, capsys) -> None:
+    """The references condition on the prompt alone, after a space they put before a prompt without one, and start
+    from `<s>` only given no prompt (prompt_alone.json: the reference's decoder run on the fixture, its README says
+    how). The CLI on the registered version gives the reference's tokens for "The city" at seed 2022 (B = 5,
+    T = 25, K = 5, top-p 0.95), "The city" and " The city" condition alike, no prompt starts from `<s>`, and two
+    blocks with the previous block as the context (the BD3-LM paper's runs) give the reference's ten tokens."""
+    import torch
 
+    from adlm_model.infill import infill
+    from adlm_model.textgen import TextGenerator
     from pipelines.generate import main as generate
     from pipelines.registry import resolve_model
 
-    ref = load_file(str(FIXTURE / "reference.safetensors"))
-    assert generate(["--model", imported["res"]["uri"], "--prompt", " The city", "--length", "5", "--block", "5", "--steps", "25",
-                     "--nucleus-p", "0.95", "--seed", "2022", "--keep-going", "--json", "--tracking-uri",
-                     imported["tracking"]]) == 0
+    fixture = json.loads((FIXTURE / "prompt_alone.json").read_text())
+    s = fixture["settings"]
+    ckpt = resolve_model(imported["res"]["uri"], imported["tracking"], dst=imported["root"] / "dl-gen")
+    gen = TextGenerator.from_dir(ckpt, device="cpu")
+    bos = gen.specials.bos_id
+    for case in fixture["cases"]:
+        length = s["block"] * case["blocks"]
+        checked = gen.check(gen.request(prompt=case["prompt"], length=length, steps=s["steps"], block=s["block"],
+                                        nucleus_p=s["top_p"], seed=case["seed"]))
+        # what the sampler is given: the prompt's ids alone, or <s> alone for no prompt
+        assert (checked.prompt_ids or [bos]) == case["context"] and checked.row == len(case["context"]) + length
+        options = {"block_size": s["block"], **({"context": s["block"]} if case["blocks"] > 1 else {})}
+        ids = infill(gen.model, gen.cfg, checked.prompt_ids, new_tokens=length, steps=s["steps"], sampler="ssdlm",
+                     nucleus_p=s["top_p"], generator=torch.Generator().manual_seed(case["seed"]), bos_id=bos,
+                     **options)
+        assert ids[0].tolist() == case["tokens"], case
+
+    first = fixture["cases"][0]
+    assert first["prompt"] == "The city" and gen.check(gen.request(prompt="The city")).prompt_ids != gen._encode(
+        "The city", "prompt")  # without the reference's space the prompt would be other tokens
+    assert generate(["--model", imported["res"]["uri"], "--prompt", "The city", "--length", "5", "--block", "5",
+                     "--steps", "25", "--nucleus-p", "0.95", "--seed", "2022", "--keep-going", "--json",
+                     "--tracking-uri", imported["tracking"]]) == 0
     out = json.loads(capsys.readouterr().out)
     out = out[0] if isinstance(out, list) else out
-    assert out["text"].startswith(" The city") and out["sampler"] == "ssdlm" and out["network_calls"] == 25
-    ckpt = resolve_model(imported["res"]["uri"], imported["tracking"], dst=imported["root"] / "dl-gen")
-    from tokenizers import Tokenizer
+    assert out["text"].startswith("The city") and out["sampler"] == "ssdlm" and out["network_calls"] == 25
+    assert out["completion"] == gen.decode_between(first["context"], first["tokens"], [])
 
-    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    want = tok.decode(ref["sampling.tokens"][0].tolist(), skip_special_tokens=True)
-    assert out["completion"] == want
-
-    from adlm_model.textgen import TextGenerator
-
-    gen = TextGenerator.from_dir(ckpt, device="cpu")  # the served bound: T a block, each pass within the context
-    checked = gen.check(gen.request(prompt=" The city", length=12, steps=3, block=5, seed=0))
-    calls, flops = gen.cost(checked)
-    assert calls == 9 and flops == 2.0 * gen.parameters * 9 * (1 + len(checked.prompt_ids) + 12)
-    calls, flops = gen.cost(gen.check(gen.request(prompt=" The city", length=200, steps=3, seed=0)))
+    checked = gen.check(gen.request(prompt="The city", length=12, steps=3, block=5, seed=0))
+    calls, flops = gen.cost(checked)  # the served bound: T a block, each pass within the context
+    assert calls == 9 and flops == 2.0 * gen.parameters * 9 * (len(checked.prompt_ids) + 12)
+    calls, flops = gen.cost(gen.check(gen.request(prompt="The city", length=200, steps=3, seed=0)))
     assert calls == 3 * 8 and flops == 2.0 * gen.parameters * calls * 64  # 8 blocks of 25, passes of <= 64
 
 
@@ -163,3 +181,39 @@ def test_train_and_the_likelihood_suites_refuse_it_in_one_line(imported, capsys)
         evaluate_model(imported["res"]["uri"], ("arbitrary_length",), EvalConfig(sampler="mdlm", eval_lm="smollm2"),
                        workdir=str(imported["workdir"]), tracking_uri=imported["tracking"], in_process=True)
     assert "\n" not in str(e.value)
+
+
+def test_the_tokenizer_is_part_of_an_imports_identity_and_aliases_are_checked_first(imported, tmp_path,
+                                                                                   capsys) -> None:
+    """The same weights with two ids swapped in vocab.json are another model: imported as a new version whose
+    tokenizer has them swapped (they reused the old version and its tokenizer). Importing again with an alias sets
+    it on the version already there; an alias the registry refuses is one line before anything is read, and the
+    aliases stay as they were."""
+    import mlflow
+
+    from pipelines.import_model import main
+    from pipelines.registry import resolve_model
+
+    d = tmp_path / "swapped"
+    shutil.copytree(HUB, d)
+    vocab = json.loads((d / "vocab.json").read_text())
+    a, b = sorted(t for t in vocab if vocab[t] >= 5)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (d / "vocab.json").write_text(json.dumps(vocab))
+    flags = ["--workdir", str(imported["workdir"]), "--tracking-uri", imported["tracking"], "--json"]
+    assert main([str(d), *flags]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["new"] and res["version"] != imported["res"]["version"]
+    tok = json.loads((resolve_model(res["uri"], imported["tracking"], dst=tmp_path / "dl") / "tokenizer.json")
+                     .read_text())
+    assert (tok["model"]["vocab"][a], tok["model"]["vocab"][b]) == (vocab[a], vocab[b])
+
+    client = mlflow.MlflowClient(imported["tracking"])
+    before = dict(client.get_registered_model("adlm").aliases)
+    assert main([str(d), "--alias", "not an alias", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --alias: Invalid alias name"), err
+    assert main([str(d), "--alias", "swapped-vocab", *flags]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert (again["version"], again["new"]) == (res["version"], False)
+    assert dict(client.get_registered_model("adlm").aliases) == {**before, "swapped-vocab": int(res["version"])}

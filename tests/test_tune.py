@@ -33,7 +33,8 @@ def test_every_shipped_space_validates_against_its_recipe() -> None:
     for path in SPACES:
         space = load_space(path)
         assert {p.name for p in space.params} >= {"gamma", "tau"}
-        plan = plan_sweep(space, ROOT / "configs" / recipes.get(path.name, "demo.yaml"), check_data=False)
+        recipe = ROOT / space.config if space.config else ROOT / "configs" / recipes.get(path.name, "demo.yaml")
+        plan = plan_sweep(space, recipe, check_data=False)
         assert plan.base.model.kind == "adlm" and plan.max_t <= plan.base.run.max_steps
         # The YAML form round-trips (the trial actors re-parse it).
         assert parse_space(space.to_raw(), str(path)) == space
@@ -69,6 +70,10 @@ def _space(**changes) -> dict:
     ({"scheduler__max_t": 400}, r"max_t \(400\) exceeds run.max_steps \(8\)"),
     ({"overrides__run.ckpt_every": 15}, "must be a multiple of run.val_every"),
     ({"name": "a b"}, "'name' must be a sweep name"),
+    ({"name": ".."}, r"'name' must be a sweep name .*leading '\.'"),  # Tune's state would go above the sweeps' folder
+    # Every draw a fraction that run.max_steps refuses: --check said ok, every trial failed, the command exited 0.
+    ({"params__run.max_steps": {"distribution": "uniform", "low": 8, "high": 12}},
+     r"params.run.max_steps: uniform draws fractions such as 9.528, which run.max_steps does not take .*use randint"),
 ])
 def test_bad_spaces_fail_with_one_line(changes: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as e:
@@ -128,6 +133,24 @@ def test_a_trial_still_pending_at_ctrl_c_is_not_counted_as_ended() -> None:
     pending = result({"trial_id": "a_00003"})
     assert _ended([finished, stopped, failed]) == 3
     assert _ended([finished, pending]) == 1
+
+
+def test_a_sweep_whose_every_trial_failed_is_not_a_success() -> None:
+    """A sweep whose trials all failed exited 0 with an empty table: it is a TuneError (exit 1) naming the first
+    trial's error; one trial that ended without an error is a sweep with a result."""
+    from ray.tune import Result
+
+    from pipelines.tuning.sweep import every_trial_failed
+
+    def result(metrics: dict, error: Exception | None = None) -> Result:
+        return Result(metrics=metrics, checkpoint=None, error=error, path="/nowhere")
+
+    failed = [result({"trial_id": f"a_0000{i}"}, RuntimeError(f"Traceback ...\nConfigError: bad value {i}"))
+              for i in range(2)]
+    said = every_trial_failed(failed, "s")
+    assert said == "every trial of sweep 's' failed (2 of 2); the first: ConfigError: bad value 0"
+    assert every_trial_failed([*failed, result({"trial_id": "a_00002", "step": 10, "val_ppl": 5.0})], "s") is None
+    assert every_trial_failed([], "s") is None
 
 
 def _trial_runs(experiment: str = "adlm-demo") -> dict[str, object]:

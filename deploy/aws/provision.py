@@ -28,6 +28,18 @@ What it does (idempotent: a rerun finds what exists and changes nothing there):
    itself must be registered in IAM first (``eksctl utils associate-iam-oidc-provider``).
 5. ``--out``: cluster.yaml with every ``${NAME}`` filled.
 
+Two parts alone, without the VM cluster's arguments:
+
+    python deploy/aws/provision.py --region us-west-2 --bucket your-bucket --prefix mlflow-artifacts --mlflow-role
+    python deploy/aws/provision.py --region us-west-2 --bucket your-bucket --prefix adlm --pods-only \
+        --eks-oidc-provider oidc.eks.us-west-2.amazonaws.com/id/EXAMPLE --namespace default
+
+- ``--mlflow-role``: the tracking server's role and instance profile ``adlm-mlflow-server``: ``deploy/iam/pods.json``
+  for the server's artifact prefix (``--prefix``, e.g. ``mlflow-artifacts``: what ``MLFLOW_ARTIFACTS_DESTINATION``
+  names), trusted by EC2; attach it to the server's machine. The server writes every run's artifacts with it, so
+  the nodes need no access to that prefix.
+- ``--pods-only``: step 4 alone, for a KubeRay cluster (no security group, node roles, AMI or config).
+
 It does not create the VPC, the subnets, the bucket, the repository or the two secrets (``adlm/ray-auth-token``:
 the token; ``adlm/mlflow-credentials``: an INI file ``[mlflow]`` with ``mlflow_tracking_username`` and
 ``mlflow_tracking_password``); docs/operations/cluster.md says how. Needs boto3 and credentials allowed to create the above.
@@ -50,6 +62,9 @@ POD_ROLE = "adlm-ray-pods"
 """KubeRay's pods' role (IRSA, deploy/k8s/serviceaccount.yaml): pods.json's permissions, trusted by one EKS
 cluster's OIDC provider for the adlm-ray service account only (deploy/iam/trust-eks.json)."""
 POD_POLICY = "pods.json"
+MLFLOW_ROLE = "adlm-mlflow-server"
+"""The tracking server's role and instance profile (``--mlflow-role``): pods.json's permissions on the server's
+artifact prefix, trusted by EC2 (the machine mlflow/server.sh runs on)."""
 DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 """The public SSM parameter naming the current Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04):
 NVIDIA driver, Docker and the NVIDIA container toolkit, which the images' CUDA 13.0 torch needs (driver >= 580)."""
@@ -103,25 +118,28 @@ def ensure_security_group(ec2: Any, vpc: str, ssh_cidr: str, cluster: str) -> st
     return gid
 
 
+def ensure_instance_role(iam: Any, role: str, doc: str, values: dict[str, str], description: str) -> str:
+    """An EC2 role with its instance profile: created when missing, its inline policy ``deploy/iam/<doc>``
+    (replaced on every run); returns the instance profile's ARN."""
+    try:
+        iam.get_role(RoleName=role)
+    except iam.exceptions.NoSuchEntityException:
+        iam.create_role(RoleName=role, AssumeRolePolicyDocument=(IAM_DIR / "trust-ec2.json").read_text(),
+                        Description=description)
+    iam.put_role_policy(RoleName=role, PolicyName=role, PolicyDocument=json.dumps(policy(doc, values)))
+    try:
+        profile = iam.get_instance_profile(InstanceProfileName=role)["InstanceProfile"]
+    except iam.exceptions.NoSuchEntityException:
+        profile = iam.create_instance_profile(InstanceProfileName=role)["InstanceProfile"]
+    if not any(r["RoleName"] == role for r in profile.get("Roles", [])):
+        iam.add_role_to_instance_profile(InstanceProfileName=role, RoleName=role)
+    return profile["Arn"]
+
+
 def ensure_roles(iam: Any, values: dict[str, str]) -> dict[str, str]:
-    """Role name -> instance profile ARN; each role gets its inline policy (replaced on every run)."""
-    trust = (IAM_DIR / "trust-ec2.json").read_text()
-    out = {}
-    for role, doc in ROLES.items():
-        try:
-            iam.get_role(RoleName=role)
-        except iam.exceptions.NoSuchEntityException:
-            iam.create_role(RoleName=role, AssumeRolePolicyDocument=trust,
-                            Description="ADLM Ray cluster node role (deploy/iam)")
-        iam.put_role_policy(RoleName=role, PolicyName=role, PolicyDocument=json.dumps(policy(doc, values)))
-        try:
-            profile = iam.get_instance_profile(InstanceProfileName=role)["InstanceProfile"]
-        except iam.exceptions.NoSuchEntityException:
-            profile = iam.create_instance_profile(InstanceProfileName=role)["InstanceProfile"]
-        if not any(r["RoleName"] == role for r in profile.get("Roles", [])):
-            iam.add_role_to_instance_profile(InstanceProfileName=role, RoleName=role)
-        out[role] = profile["Arn"]
-    return out
+    """Role name -> instance profile ARN of the head's and the workers' roles."""
+    return {role: ensure_instance_role(iam, role, doc, values, "ADLM Ray cluster node role (deploy/iam)")
+            for role, doc in ROLES.items()}
 
 
 def ensure_spot_role(iam: Any) -> None:
@@ -159,17 +177,53 @@ def current_ami(ssm: Any) -> str:
     return ssm.get_parameter(Name=DLAMI_PARAMETER)["Parameter"]["Value"]
 
 
-def provision(args: argparse.Namespace, session: Any | None = None) -> str:
-    """Create the group, roles and profiles; returns the filled cluster config (YAML text)."""
+VM_ARGUMENTS = ("vpc", "subnets", "ssh_cidr", "registry", "mlflow_uri", "out")
+"""What the VM cluster needs beyond the region and the bucket (``--mlflow-role`` and ``--pods-only`` do not)."""
+
+
+def _needs(args: argparse.Namespace, names: tuple[str, ...], what: str) -> None:
+    missing = ["--" + n.replace("_", "-") for n in names if not getattr(args, n)]
+    if missing:
+        raise ProvisionError(f"{what} needs {', '.join(missing)}")
+
+
+def _session(args: argparse.Namespace, session: Any | None) -> tuple[Any, str]:
     import boto3
 
+    session = session or boto3.session.Session(region_name=args.region)
+    return session, session.client("sts").get_caller_identity()["Account"]
+
+
+def provision_mlflow_role(args: argparse.Namespace, session: Any | None = None) -> str:
+    """The tracking server's role (``MLFLOW_ROLE``) for the artifact prefix ``--prefix`` of ``--bucket``; returns
+    its instance profile's ARN."""
+    prefix = args.prefix.strip("/")
+    if not prefix:
+        raise ProvisionError("--mlflow-role needs --prefix: the server's artifact prefix (e.g. mlflow-artifacts)")
+    session, account = _session(args, session)
+    values = {"ACCOUNT": account, "REGION": args.region, "BUCKET": args.bucket, "PREFIX": prefix}
+    return ensure_instance_role(session.client("iam"), MLFLOW_ROLE, POD_POLICY, values,
+                                "ADLM MLflow tracking server: its artifact prefix (deploy/iam/pods.json)")
+
+
+def provision_pods(args: argparse.Namespace, session: Any | None = None) -> str:
+    """The KubeRay pods' role alone (step 4); returns its ARN."""
+    _needs(args, ("eks_oidc_provider",), "--pods-only")
+    session, account = _session(args, session)
+    values = {"ACCOUNT": account, "REGION": args.region, "BUCKET": args.bucket, "PREFIX": args.prefix.strip("/"),
+              "OIDC_PROVIDER": args.eks_oidc_provider.removeprefix("https://"), "NAMESPACE": args.namespace}
+    return ensure_pod_role(session.client("iam"), values)
+
+
+def provision(args: argparse.Namespace, session: Any | None = None) -> str:
+    """Create the group, roles and profiles; returns the filled cluster config (YAML text)."""
+    _needs(args, VM_ARGUMENTS, "the VM cluster (without --mlflow-role or --pods-only)")
     if args.ssh_cidr in OPEN:
         raise ProvisionError("--ssh-cidr 0.0.0.0/0 opens SSH to the internet: give your VPN's or bastion's range")
     if "/" not in args.registry:
         raise ProvisionError("--registry must be <registry host>/<repository>, e.g. "
                              "123456789012.dkr.ecr.us-west-2.amazonaws.com/adlm")
-    session = session or boto3.session.Session(region_name=args.region)
-    account = session.client("sts").get_caller_identity()["Account"]
+    session, account = _session(args, session)
     host, repository = args.registry.split("/", 1)
     cluster_yaml = Path(args.config).read_text()
     cluster = re.search(r"^cluster_name:\s*(\S+)", cluster_yaml, re.M).group(1)
@@ -209,13 +263,20 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--region", required=True)
-    p.add_argument("--vpc", required=True, help="the VPC of the subnets")
-    p.add_argument("--subnets", required=True, help="comma-separated private subnet ids (one per zone)")
-    p.add_argument("--ssh-cidr", required=True, help="the only range SSH is accepted from (VPN or bastion)")
     p.add_argument("--bucket", required=True, help="the work directory's bucket (ADLM_WORKDIR=s3://bucket/prefix)")
-    p.add_argument("--prefix", default="adlm", help="the work directory's prefix in the bucket (default adlm)")
-    p.add_argument("--registry", required=True, help="<ECR host>/<repository> of the images (tags gpu-0.1.0, cpu-0.1.0)")
-    p.add_argument("--mlflow-uri", required=True, help="the tracking server every node reaches (mlflow/server.sh)")
+    p.add_argument("--prefix", default="adlm", help="the work directory's prefix in the bucket (default adlm); with "
+                                                    "--mlflow-role, the tracking server's artifact prefix")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--mlflow-role", action="store_true", help=f"create only the tracking server's role and "
+                      f"instance profile {MLFLOW_ROLE} (pods.json on --prefix), and print the profile's ARN")
+    mode.add_argument("--pods-only", action="store_true", help="create only the KubeRay pods' role (needs "
+                      "--eks-oidc-provider), and print its ARN")
+    p.add_argument("--vpc", help="the VPC of the subnets (the VM cluster)")
+    p.add_argument("--subnets", help="comma-separated private subnet ids, one per zone (the VM cluster)")
+    p.add_argument("--ssh-cidr", help="the only range SSH is accepted from: a VPN or bastion (the VM cluster)")
+    p.add_argument("--registry", help="<ECR host>/<repository> of the images, tags gpu-0.1.0 and cpu-0.1.0 "
+                                      "(the VM cluster)")
+    p.add_argument("--mlflow-uri", help="the tracking server every node reaches, mlflow/server.sh (the VM cluster)")
     p.add_argument("--gpu-ami", default=None, help=f"pin an AMI (default: the SSM parameter {DLAMI_PARAMETER})")
     p.add_argument("--cpu-ami", default=None, help="pin the CPU nodes' AMI (default: the same as the GPU nodes')")
     p.add_argument("--eks-oidc-provider", default=None,
@@ -224,13 +285,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "cluster.identity.oidc.issuer)")
     p.add_argument("--namespace", default="default", help="the KubeRay cluster's namespace (with --eks-oidc-provider)")
     p.add_argument("--config", default=str(ROOT / "cluster.yaml"), help="the template (default: cluster.yaml)")
-    p.add_argument("--out", required=True, help="where to write the filled cluster config")
+    p.add_argument("--out", help="where to write the filled cluster config (the VM cluster)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.mlflow_role:
+            arn = provision_mlflow_role(args)
+            print(f"{MLFLOW_ROLE}: {arn}; attach it to the tracking server's machine: aws ec2 "
+                  f"associate-iam-instance-profile --instance-id <id> --iam-instance-profile Name={MLFLOW_ROLE}")
+            return 0
+        if args.pods_only:
+            print(f"{POD_ROLE}: {provision_pods(args)}")
+            return 0
         text = provision(args)
     except ProvisionError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from pipelines.logs import first_line
 from pipelines.storage import exists, is_uri, join, read_bytes, sha256_file, write_bytes_atomic
 
 MANIFEST_NAME = "manifest.json"
@@ -190,11 +191,59 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], split_dir: str = "") -> Manifest:
+        """The manifest of a mapping (``manifest.json``); a ``ManifestError`` (one line) when what a consumer
+        relies on (the ids, the length, the rows, each shard's name, rows and sha256) is missing or of the wrong
+        type."""
+        where = join(split_dir, MANIFEST_NAME) if split_dir else MANIFEST_NAME
+        _check_shape(d, where)
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in known}
-        kw["shards"] = [ShardInfo(**s) for s in d.get("shards", [])]
+        kw["shards"] = [ShardInfo(**{k: v for k, v in s.items() if k in SHARD_KEYS}) for s in d.get("shards", [])]
         kw["split_dir"] = split_dir
         return cls(**kw)
+
+    def check_shards(self) -> None:
+        """That the shards are what the manifest says, from their sizes and Parquet footers (no row is read):
+        each file has the manifest's size and row count, and an ``input_ids`` column of rows of ``length`` int32
+        ids; and no id the manifest counted (``token_frequency``) lies outside the vocabulary. A ``ManifestError``
+        naming the shard otherwise: a truncated or replaced shard, or a manifest edited by hand, would fail only
+        once training reads it (in a worker, after Ray's start-up and an MLflow run)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from pipelines.storage import get_fs
+
+        fix = "rerun prepare_data for this split (it rewrites corrupt shards) or with --overwrite"
+        total = sum(s.rows for s in self.shards)
+        if total != self.rows:
+            raise ManifestError(f"{self.split_dir}: the manifest says {self.rows} rows but its shards hold {total}; "
+                                + fix)
+        ids = [int(k) for k in self.token_frequency if str(k).lstrip("-").isdigit()]
+        outside = [i for i in (min(ids, default=0), max(ids, default=0)) if not 0 <= i < self.width]
+        if outside:
+            raise ManifestError(f"{self.split_dir}: the manifest counts token id {outside[-1]} outside its vocabulary "
+                                f"(vocab_size {self.vocab_size}, mask id {self.mask_id}); {fix}")
+        for s, uri in zip(self.shards, self.shard_uris(), strict=True):
+            fs, path = get_fs(uri)
+            try:
+                size = fs.get_file_info(path).size
+                if s.bytes and size != s.bytes:
+                    raise ManifestError(f"shard {uri} has {size:,} bytes, not the {s.bytes:,} of the manifest "
+                                        f"(truncated or replaced); {fix}")
+                with fs.open_input_file(path) as f:
+                    pf = pq.ParquetFile(f)
+                    rows, schema = pf.metadata.num_rows, pf.schema_arrow
+            except ManifestError:
+                raise
+            except (OSError, pa.ArrowException) as e:
+                raise ManifestError(f"shard {uri} is not a readable Parquet file ({first_line(e)}); {fix}") from None
+            col = schema.field("input_ids").type if "input_ids" in schema.names else None
+            if rows != s.rows:
+                raise ManifestError(f"shard {uri} holds {rows} rows, not the {s.rows} of the manifest; {fix}")
+            if not (pa.types.is_fixed_size_list(col) and col.list_size == self.length
+                    and pa.types.is_int32(col.value_type)):
+                raise ManifestError(f"shard {uri} does not hold rows of {self.length} int32 ids (input_ids: {col}), "
+                                    f"as the manifest's length says; {fix}")
 
     def write(self, split_dir: str | os.PathLike) -> str:
         """Write ``manifest.json`` atomically into ``split_dir``; returns its path."""
@@ -202,6 +251,28 @@ class Manifest:
         write_bytes_atomic(p, self.to_json().encode("utf-8"))
         self.split_dir = str(split_dir)
         return p
+
+
+SHARD_KEYS = ("name", "rows", "sha256", "bytes")
+_REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "vocab_size": int, "mask_id": int, "length": int, "rows": int, "mode": str, "tokenizer": dict,
+    "bos_id": (int, type(None)), "eos_id": (int, type(None)), "pad_id": (int, type(None)), "shards": list}
+
+
+def _check_shape(d: dict[str, Any], where: str) -> None:
+    """One line for a manifest whose fields a consumer relies on are missing or of another type."""
+    fix = "rerun prepare_data for this split with --overwrite"
+    for k, kind in _REQUIRED.items():
+        v = d.get(k)
+        if k not in d or not isinstance(v, kind) or isinstance(v, bool):
+            raise ManifestError(f"{where}: {k!r} is {'missing' if k not in d else repr(v)[:60]}, not a manifest's; {fix}")
+    for i, sh in enumerate(d["shards"]):
+        ok = (isinstance(sh, dict) and isinstance(sh.get("name"), str) and "/" not in sh["name"]
+              and sh["name"] not in ("", ".", "..")
+              and isinstance(sh.get("rows"), int) and sh["rows"] >= 0 and isinstance(sh.get("sha256"), str)
+              and isinstance(sh.get("bytes", 0), int))
+        if not ok:
+            raise ManifestError(f"{where}: shards[{i}] is {repr(sh)[:60]}, not a shard's name, rows and sha256; {fix}")
 
 
 def read_manifest(split_dir: str | os.PathLike) -> Manifest:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import with_config
@@ -34,6 +36,7 @@ from pipelines.data.sources import (
     SourceError,
     Unit,
     check_text_field,
+    check_text_file,
     expand_local,
     file_kind,
     load_hf_split,
@@ -42,7 +45,7 @@ from pipelines.data.sources import (
     read_unit,
     source_fs,
 )
-from pipelines.data.tokenizer import TokenizerInfo
+from pipelines.data.tokenizer import TokenizerInfo, check_trained_vocab
 from pipelines.logs import get_logger
 from pipelines.pydantic_config import PYDANTIC_CONFIG
 from pipelines.storage import (
@@ -206,10 +209,20 @@ def _local_plan(files: list[str], cfg: PrepareConfig) -> tuple[list[Unit], dict[
 
 
 def _output(out: str) -> str:
-    """The output location, checked when it is an object store (one line before any work)."""
+    """The output location, checked (one line before any work): an object store's, or a local folder that can be
+    made (no file in its place or above it)."""
     out = str(out).rstrip("/")
     if is_uri(out):
         check_location(out)
+        return out
+    p = local_path(out) or Path(out)
+    for q in (p, *p.parents):
+        if q.exists():
+            if not q.is_dir():
+                raise PrepareError(f"--out {out}: {q} is a file, not a folder; pass a folder for the shards")
+            if not os.access(q, os.W_OK | os.X_OK):
+                raise PrepareError(f"--out {out}: {q} is not writable; pass a folder you can write")
+            break
     return out
 
 
@@ -280,6 +293,13 @@ def make_plan(cfg: PrepareConfig) -> Plan:
         raise PrepareError(f"unknown --detokenizer {cfg.detokenizer!r}; known: none, {', '.join(sorted(DETOKENIZERS))}")
     if cfg.tokenizer and cfg.train_tokenizer:
         raise PrepareError("--tokenizer and --train-tokenizer exclude each other; pass one")
+    if cfg.train_tokenizer is not None:
+        check_trained_vocab(cfg.train_tokenizer)  # before the corpus is read: 10^12 aborted in the allocator
+    for flag, value, least in (("--unit-mb", cfg.unit_mb, 0), ("--progress-interval", cfg.progress_interval, 0)):
+        if not (math.isfinite(value) and value > least):
+            raise PrepareError(f"{flag} {value}: must be a number above {least}")
+    if cfg.unit_docs < 1:
+        raise PrepareError(f"--unit-docs {cfg.unit_docs}: must be at least 1 (documents a unit of work)")
 
     named_specs = [s for s in cfg.source if "=" not in s and (s.lower() == "embedded" or s.lower() in NAMED_SOURCES)]
     local_specs = [s for s in cfg.source if s not in named_specs]
@@ -346,6 +366,8 @@ def make_plan(cfg: PrepareConfig) -> Plan:
             for f in files:
                 if file_kind(f) in ("jsonl", "parquet"):
                     check_text_field(f, text_field)
+                else:
+                    check_text_file(f)
             units, ident = _local_plan(stage_inputs(files, out), cfg)
             label = ",".join(x.split("=", 1)[-1] for x in local_specs if x.startswith(f"{s}=") or "=" not in x)
             splits[s] = SplitPlan(s, label, units, text_field, detok, ident)

@@ -130,6 +130,9 @@ def expand_local(spec: str) -> list[str]:
     """Files of a local path / glob / directory or object-store URI, sorted; SourceError if none."""
     import pyarrow.fs as pafs
 
+    if not spec.strip():  # ``--source train=``: not the working directory
+        raise SourceError("--source has an empty path; pass SPLIT=PATH with a file, a directory or a glob")
+
     if "://" in spec and not spec.startswith("file://"):
         fs, inner = source_fs(spec)
         scheme = spec.split("://", 1)[0]
@@ -364,6 +367,22 @@ def read_unit(unit: dict[str, Any], text_field: str, text_unit: str = "line", hf
             v = ""
         docs.append(v)
     return UnitText(docs, invalid_utf8=bad, missing_field=missing)
+
+
+BINARY_SNIFF = 8192
+"""Bytes of a plain-text input read to tell text from a binary file."""
+
+
+def check_text_file(path: str) -> None:
+    """SourceError (before any work) when a plain-text input is a binary file: NUL bytes in its first
+    ``BINARY_SNIFF`` bytes (no text encoding the tokenizers read has them; an image, an archive or a model file
+    would be tokenized as replacement characters)."""
+    fs, inner = source_fs(path)
+    with fs.open_input_file(inner) as f:
+        head = f.read(BINARY_SNIFF)
+    if b"\x00" in head:
+        raise SourceError(f"{path} is a binary file, not text (NUL bytes in its first {BINARY_SNIFF:,} bytes); pass "
+                          "UTF-8 text, JSONL or Parquet files")
 
 
 def check_text_field(path: str, text_field: str) -> None:

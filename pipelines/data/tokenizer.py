@@ -379,6 +379,19 @@ TRAINED_SPECIALS = ("<|endoftext|>", "<|pad|>", "<|mask|>")
 """Special tokens of a BPE trained by ``train_bpe``: BOS = EOS, pad, mask (ids 0, 1, 2, inside the vocab)."""
 
 
+MAX_TRAINED_VOCAB = 1 << 20
+"""The largest BPE ``train_bpe`` trains (1,048,576 entries: four times the largest vocabularies in use). The
+trainer sizes its tables by the size asked: 10^12 aborted the process in its allocator."""
+
+
+def check_trained_vocab(vocab_size: int) -> None:
+    """A ``TokenizerError`` (one line) unless a byte-level BPE of ``vocab_size`` entries can be trained."""
+    least = 256 + len(TRAINED_SPECIALS) + 1
+    if not least <= vocab_size <= MAX_TRAINED_VOCAB:
+        raise TokenizerError(f"--train-tokenizer {vocab_size}: a byte-level BPE has between {least} entries (256 bytes "
+                             f"+ specials) and {MAX_TRAINED_VOCAB:,} here; use e.g. 8192")
+
+
 def train_bpe(texts_iter: Any, vocab_size: int, name: str = "trained-bpe") -> TokenizerInfo:
     """Train a byte-level BPE (``tokenizers``) on an iterator of texts; specials ``TRAINED_SPECIALS``.
 
@@ -387,9 +400,7 @@ def train_bpe(texts_iter: Any, vocab_size: int, name: str = "trained-bpe") -> To
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < 256 + len(TRAINED_SPECIALS) + 1:
-        raise TokenizerError(f"--train-tokenizer {vocab_size}: a byte-level BPE needs at least "
-                             f"{256 + len(TRAINED_SPECIALS) + 1} entries (256 bytes + specials); use e.g. 8192")
+    check_trained_vocab(vocab_size)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

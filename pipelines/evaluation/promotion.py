@@ -39,7 +39,7 @@ from pipelines.evaluation.run import log_result, make_executor, run_plan
 from pipelines.evaluation.suites import SUITES, check_suites, default_stage2, parse_suite
 from pipelines.storage import parent_of
 from pipelines.tracking import client as tracking_client
-from pipelines.tracking import redact_uri, resolve_tracking_uri
+from pipelines.tracking import redact_uri, require_server, resolve_tracking_uri
 
 FINAL_STATUSES = ("promoted", "rejected")
 CHAMPION = "champion"
@@ -336,6 +336,7 @@ def stage_all(promo: PromotionConfig | None = None, cfg: EvalConfig | None = Non
     promo, cfg = promo or PromotionConfig(), cfg or EvalConfig()
     tracking_uri = tracking_uri or resolve_tracking_uri(workdir)
     check_stage_all(promo, cfg, tracking_uri)
+    require_server(tracking_uri, "staging the registered versions")
     client = tracking_client(tracking_uri)
     waiting = waiting_versions(client, promo.model_name)
     if not waiting:

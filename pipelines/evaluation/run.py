@@ -51,9 +51,13 @@ def make_executor(cfg: EvalConfig, *, in_process: bool, ray_address: str | None 
     """In this process, or one Ray task per job (``ray_address`` > ``$RAY_ADDRESS`` > a local Ray)."""
     if in_process:
         return LocalExecutor()
+    from pipelines.placement import check_task
     from pipelines.runtime import init_ray
 
     init_ray(ray_address)
+    # A task no node can take would wait for good on a Ray that will not grow: refused now, in one line.
+    check_task({"CPU": float(cfg.cpus_per_task), "GPU": max(float(cfg.gpus_per_task), 0.0)}, "the evaluation",
+               "--set cpus_per_task=..., gpus_per_task=...")
     return RayExecutor(cfg.cpus_per_task, cfg.gpus_per_task, cfg.job_timeout_s)
 
 

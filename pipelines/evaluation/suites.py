@@ -426,6 +426,7 @@ def _plan_mauve(plan: Any) -> None:
     ref_dir = ref_dir if has_manifest(ref_dir) else join(data, ref_dir)
     m = read_manifest(ref_dir)
     m.check_fits(plan.model_cfg, plan.meta.get("tokenizer_hash"))
+    m.check_shards()
     check_mauve_inputs(plan.cfg.num_samples, m.rows, plan.cfg.mauve_min_samples)
     plan.reference_split = m.split_dir
 

@@ -19,10 +19,9 @@ PROFILES = ("demo", "smoke")
 
 @dataclass(frozen=True)
 class DemoGoals:
-    """What the demo promises (checked and printed in its summary; never a timed test assertion)."""
+    """What the demo promises (checked and printed in its summary; never a timed test assertion). Its time is
+    printed with the stages' times but is no promise: on a machine that other work shares it measures the load."""
 
-    max_seconds: float = 360.0
-    """The whole pipeline within 6 minutes on 2 CPU cores."""
     champion_bound_over_vocab: float = 0.1
     """The champion's validation bound at most a tenth of the vocabulary size: a model that has learned
     (an untrained model's bound is about the vocabulary size)."""

@@ -14,6 +14,8 @@
 
 The folder is written beside ``out`` and moved into place only after ``adlm_model.load_pretrained`` has read
 it back with weights equal, tensor for tensor, to the registered model's: an export is complete or absent.
+``--force`` over an earlier export replaces the files an export writes (``EXPORT_FILES``), one atomic rename each,
+and removes none: any other file in the folder (a ``.git``, the user's notes) is left as it was.
 Uploading it to the Hugging Face Hub is one command (docs/usage/generation-and-serving.md):
 ``huggingface-cli upload <user>/<repo> <out> .``
 """
@@ -21,6 +23,7 @@ Uploading it to the Hugging Face Hub is one command (docs/usage/generation-and-s
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import shutil
 import tempfile
@@ -31,8 +34,10 @@ from typing import Any
 import adlm_model
 from adlm_model.checkpoint import CheckpointError, load_checkpoint
 from adlm_model.kinds import count_parameters, model_kind
-from adlm_model.pretrained import load_pretrained, save_pretrained
+from adlm_model.pretrained import HF_CODE, PRETRAINED_FILES, load_pretrained, save_pretrained
 from pipelines.registry import ModelRef
+
+log = logging.getLogger("adlm.export")
 
 
 class ExportError(ValueError):
@@ -88,6 +93,43 @@ def _source(uri: str, tracking_uri: str | None, workdir: str | os.PathLike | Non
                      if str(v) == str(mv.version))
     return _Source(uri, str(checkpoint_folder(uri, tracking_uri=turi, workdir=workdir)), mv.name, str(mv.version),
                    mv.run_id, dict(mv.tags or {}), aliases)
+
+
+EXPORT_FILES = ("README.md", *PRETRAINED_FILES, *HF_CODE)
+"""Every file an export writes: what ``--force`` replaces in an earlier export (and nothing else)."""
+
+
+def _check_out(dst: Path, force: bool) -> None:
+    """ExportError (one line) unless ``dst`` can take an export: new, an empty folder, or (``force``) an earlier
+    export; its nearest existing parent must be a folder."""
+    parent = dst.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ExportError(f"--out {dst}: {parent} is a file, not a folder: pass a folder path")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        if not _is_export(dst):
+            raise ExportError(f"--out {dst} exists and is not an empty folder or an earlier export: pass another folder")
+        if not force:
+            raise ExportError(f"--out {dst} holds an earlier export: pass --force to replace it, or another folder")
+
+
+def _move_into(staged: Path, dst: Path) -> None:
+    """The staged export in place: a new folder renamed whole; over an earlier export, each file the export wrote
+    renamed over its namesake and the earlier export's files this one does not write removed, every other file
+    left alone."""
+    if not dst.exists():
+        os.replace(staged, dst)
+        return
+    written = {f.name for f in staged.iterdir()}
+    for name in sorted(written):
+        os.replace(staged / name, dst / name)
+    for name in EXPORT_FILES:
+        if name not in written and (dst / name).is_file():
+            (dst / name).unlink()
+    others = sorted(f.name for f in dst.iterdir() if f.name not in EXPORT_FILES)
+    if others:
+        log.info(f"kept {len(others)} file(s) in {dst} that an export does not write: {', '.join(others[:8])}")
 
 
 def _is_export(d: Path) -> bool:
@@ -181,11 +223,7 @@ def export_model(uri: str, out: str | os.PathLike, *, tracking_uri: str | None =
     from pipelines.serving.generate import special_tokens_of
 
     dst = Path(out).expanduser()
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        if not _is_export(dst):
-            raise ExportError(f"--out {dst} exists and is not an empty folder or an earlier export: pass another folder")
-        if not force:
-            raise ExportError(f"--out {dst} holds an earlier export: pass --force to replace it, or another folder")
+    _check_out(dst, force)
     src = _source(uri, tracking_uri, workdir)
     d = Path(src.local_dir)
     specials = special_tokens_of(d)
@@ -208,9 +246,7 @@ def export_model(uri: str, out: str | os.PathLike, *, tracking_uri: str | None =
         want, got = model.state_dict(), back.state_dict()
         if want.keys() != got.keys() or any(not want[k].equal(got[k]) for k in want):
             raise CheckpointError(f"the export of {uri} does not read back equal to the registered weights")
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
+        _move_into(tmp, dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return ExportResult(out=dst, figures=figures_of(src.tags), parameters=parameters)

@@ -58,10 +58,20 @@ def fetch_source(source: str, revision: str | None, tmp: Path) -> tuple[Path, st
         if revision:
             raise ImportInputError("--revision applies to a Hub id only, not to a local path")
         return local, "local"
-    if looks_like_path(source):
+    if looks_like_path(source) or _local_parent(source):
         raise ImportInputError(f"{source}: no such file or folder (a Hub id is owner/name, without a file suffix); "
                                "check the path")
-    return hub_snapshot(source, revision), "hub"
+    try:
+        return hub_snapshot(source, revision), "hub"
+    except ImportInputError as e:  # owner/name is a relative path too: say that none exists here either
+        raise ImportInputError(f"{source}: no such local file or folder (in {Path.cwd()}), and {e}") from None
+
+
+def _local_parent(source: str) -> bool:
+    """``owner/name`` whose ``owner`` is a folder here (``exported/adlm``, ``my_models/ckpt-final``): a local path
+    whose last part is missing, not a Hub id."""
+    head = source.split("/", 1)[0]
+    return "/" in source and Path(head).is_dir()
 
 
 def looks_like_path(source: str) -> bool:
@@ -98,18 +108,27 @@ def _sha256(files: list[Path]) -> dict[str, str]:
     return {f.name: sha256_file(f) for f in files}
 
 
-def _tokenizer_from_files(spec: str | None, fam: Any, local: Path, source: str) -> Any:
+def _tokenizer_file(spec: str) -> list[Path]:
+    """The local tokenizer.json a ``--tokenizer`` spec names (a file, or a folder holding one); none for a name."""
+    p = Path(spec).expanduser()
+    f = p / "tokenizer.json" if p.is_dir() else p
+    return [f] if f.is_file() else []
+
+
+def _tokenizer_from_files(spec: str | None, fam: Any, local: Path, source: str) -> tuple[Any, list[Path]]:
     """The tokenizer of a family that ships its own files (``Family.tokenizer_files``): from ``--tokenizer`` (a
-    folder holding them, or a tokenizer.json), else from the released folder, else one line naming what to pass."""
+    folder holding them, or a tokenizer.json), else from the released folder, else one line naming what to pass;
+    with the files it was read from."""
     from pipelines.data.tokenizer import TokenizerError, bpe_from_files, load_tokenizer
 
     files = " + ".join(fam.tokenizer_files)
     folder = Path(spec).expanduser() if spec else (local if local.is_dir() else local.parent)
     try:
         if folder.is_dir() and all((folder / f).is_file() for f in fam.tokenizer_files):
-            return bpe_from_files(str(folder / fam.tokenizer_files[0]), str(folder / fam.tokenizer_files[1]))
+            return bpe_from_files(str(folder / fam.tokenizer_files[0]), str(folder / fam.tokenizer_files[1])), [
+                folder / f for f in fam.tokenizer_files]
         if spec:
-            return load_tokenizer(spec)
+            return load_tokenizer(spec), _tokenizer_file(spec)
     except TokenizerError as e:
         raise ImportInputError(str(e)) from None
     raise ImportInputError(f"the {fam.name} model's tokenizer ({files}) is not in {source} and no installed package "
@@ -117,16 +136,19 @@ def _tokenizer_from_files(spec: str | None, fam: Any, local: Path, source: str) 
                            "released Hub folder holds them)")
 
 
-def _tokenizer(spec: str | None, src: Any, width: int, local: Path, fam: Any = None, source: str = "") -> Any:
+def _tokenizer(spec: str | None, src: Any, width: int, local: Path, fam: Any = None,
+               source: str = "") -> tuple[Any, list[Path]]:
+    """The tokenizer the model was trained with and the files it was read from (none for a named one such as
+    gpt2, which comes from an installed package)."""
     from pipelines.data.tokenizer import TokenizerError, load_tokenizer
 
     if fam is not None and fam.tokenizer_files:
-        tok = _tokenizer_from_files(spec, fam, local, source)
+        tok, read = _tokenizer_from_files(spec, fam, local, source)
         if tok.width != width:
             raise ImportInputError(f"tokenizer {tok.name!r} (vocabulary {tok.vocab_size}, width {tok.width}) does not "
                                    f"fit the checkpoint's embedding of {width} rows; pass the tokenizer the model was "
                                    "trained with (--tokenizer)")
-        return tok
+        return tok, read
     if spec is None and src.layout == "export":
         spec = str(local / "tokenizer.json")
     if spec is None:
@@ -142,7 +164,7 @@ def _tokenizer(spec: str | None, src: Any, width: int, local: Path, fam: Any = N
         raise ImportInputError(f"tokenizer {tok.name!r} (vocabulary {tok.vocab_size}, mask {tok.mask_id}: width "
                                f"{tok.width}) does not fit the checkpoint's embedding of {width} rows; pass the "
                                "tokenizer the model was trained with (--tokenizer)")
-    return tok
+    return tok, _tokenizer_file(spec)
 
 
 def inspect_lines(src: Any, fam: Any | None, files: list[Path]) -> list[str]:
@@ -170,7 +192,9 @@ def import_model(source: str, *, name: str | None = None, revision: str | None =
     from adlm_model import reference_layouts as rl
     from adlm_model.checkpoint import save_checkpoint
     from adlm_model.kinds import parameter_count
+    from pipelines.registry import check_names
 
+    check_names(name, aliases or ())  # before anything is fetched, read or registered
     with tempfile.TemporaryDirectory(prefix="adlm-import-") as tmp_s:
         tmp = Path(tmp_s)
         local, where = fetch_source(source, revision, tmp)
@@ -184,9 +208,13 @@ def import_model(source: str, *, name: str | None = None, revision: str | None =
                     "lines": inspect_lines(src, fam, src.files)}
         fam = rl.chosen_family(family, src)
         width = rl.embedding_width(src, fam)
-        tok = _tokenizer(tokenizer, src, width, local, fam, source)
+        tok, tok_files = _tokenizer(tokenizer, src, width, local, fam, source)
         model, cfg = rl.convert(src, fam, tok.vocab_size, tok.mask_id)
-        digests = _sha256(src.files)
+        # every file read, the tokenizer's among them (the same weights with another vocabulary are another model);
+        # a tokenizer read from no file here (gpt2 from its package) by its content
+        digests = _sha256([*src.files, *(f for f in tok_files if f not in src.files)])
+        if not tok_files:
+            digests[f"tokenizer {tok.name}"] = tok.content_hash
         # a Hub snapshot's folder is named after the commit it resolved to: the revision recorded
         hub_revision = local.name if where == "hub" else (revision or "")
         provenance = {"source": str(local.resolve()) if where == "local" else source, "source_kind": where, "revision": hub_revision, "family": fam.name,
@@ -227,9 +255,12 @@ def _register(ckpt: Path, cfg: Any, provenance: dict[str, Any], *, name: str | N
         done = c.search_model_versions(f"name='{model_name}' and run_id='{run_id}'")
     except MlflowException:  # no such registered model yet
         done = []
-    if done:  # the same files imported before: that version, nothing new
+    if done:  # the same files imported before: that version, nothing new (but the aliases asked for)
         mv = min(done, key=lambda v: int(v.version))
         log.info(f"{provenance['source']} is already imported as {model_name} v{mv.version}")
+        for alias in aliases or ():
+            c.set_registered_model_alias(model_name, alias, mv.version)
+            log.info(f"alias {alias} now names {model_name} v{mv.version}")
     else:
         if created:
             c.log_batch(run_id, params=[Param(f"model.{k}", str(v)) for k, v in cfg.to_dict().items()])

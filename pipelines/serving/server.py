@@ -9,15 +9,20 @@ short line and without the body, when the request
 
 - is larger than ``max_body_bytes`` (``ADLM_MAX_BODY_BYTES``, default 1 MiB): 413, read no further than the
   limit (a ``Content-Length`` over it is refused before any byte is read);
-- is not ``application/json`` (the served model's format): 415;
-- is not UTF-8, not JSON, or holds ``NaN``, ``Infinity`` or a number too large for a float: 400.
+- is not ``application/json`` (the served model's format; ``charset=utf-8`` the only parameter): 415;
+- is not UTF-8, not JSON, nested deeper than ``MAX_NESTING`` levels, or holds ``NaN``, ``Infinity``, a number too
+  large for a float or an integer of more than ``MAX_DIGITS`` digits: 400 (a JSON nested 100,000 deep and a
+  5,000-digit integer were 500s with a traceback in the log).
 
 A request that passes goes to MLflow's app unchanged. Whatever that app answers with a 4xx or 5xx status is cut
-to its first line (at most ``MAX_MESSAGE`` characters), so no error message carries a request back.
+to its first line (at most ``MAX_MESSAGE`` characters), and every string the request sent (its keys and values,
+its content type) is taken out of it (``scrub``): no error message carries any of a request back, from the model's
+checks (which name a bad value) or from MLflow's (which name unknown keys).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -29,6 +34,12 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 BODY_ENV = "ADLM_MAX_BODY_BYTES"
 MAX_MESSAGE = 500
 """Characters of an error message the server sends back (its first line)."""
+MAX_NESTING = 32
+"""Levels of JSON nesting a request may have (the served formats use four)."""
+MAX_DIGITS = 40
+"""Digits an integer of a request may have (a seed is below 2**53: 16 digits)."""
+SENT = "(the value sent)"
+"""What an error message shows in place of a string the request sent."""
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -46,17 +57,11 @@ class BodyError(ValueError):
 
 
 def max_body_bytes(environ: MutableMapping[str, str] | None = None) -> int:
-    """``ADLM_MAX_BODY_BYTES`` (a positive integer), default ``DEFAULT_MAX_BODY_BYTES``."""
-    raw = (os.environ if environ is None else environ).get(BODY_ENV, "")
-    if not raw:
-        return DEFAULT_MAX_BODY_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{BODY_ENV}={raw!r} is not a whole number of bytes") from None
-    if value < 1:
-        raise ValueError(f"{BODY_ENV} must be >= 1, got {value}")
-    return value
+    """``ADLM_MAX_BODY_BYTES`` (a positive integer), default ``DEFAULT_MAX_BODY_BYTES``; a one-line
+    ``SettingError`` for anything else (``pipelines.settings``)."""
+    from pipelines.settings import env_number
+
+    return int(env_number(BODY_ENV, DEFAULT_MAX_BODY_BYTES, os.environ if environ is None else environ))
 
 
 def _no_constant(name: str) -> Any:
@@ -67,41 +72,120 @@ def _no_constant(name: str) -> Any:
 def _finite(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise BodyError(400, f"the body holds the number {text[:40]}, too large for a float", "INVALID_PARAMETER_VALUE")
+        raise BodyError(400, "the body holds a number too large for a float: send a finite number",
+                        "INVALID_PARAMETER_VALUE")
     return value
 
 
-def check_body(body: bytes, content_type: str | None) -> None:
-    """BodyError (one line, never the body) unless ``body`` is UTF-8 JSON without NaN or infinities."""
-    mime = (content_type or "").split(";")[0].strip().lower()
-    if mime != "application/json":
-        raise BodyError(415, f"the served model takes Content-Type application/json, got {mime or 'none'!r}",
-                        "BAD_REQUEST")
+def _integer(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_DIGITS:
+        raise BodyError(400, f"the body holds an integer of more than {MAX_DIGITS} digits: no field takes one",
+                        "INVALID_PARAMETER_VALUE")
+    return int(text)
+
+
+def _walk(obj: Any) -> tuple[int, set[str]]:
+    """Levels of nesting of a parsed JSON value and every string in it, keys included (iteratively: no recursion
+    on what a client sent)."""
+    deepest, strings, todo = 0, set(), [(obj, 1)]
+    while todo:
+        o, d = todo.pop()
+        if isinstance(o, str):
+            strings.add(o)
+        elif isinstance(o, dict | list):
+            deepest = max(deepest, d)
+            if isinstance(o, dict):
+                strings.update(str(k) for k in o)
+            todo.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return deepest, strings
+
+
+def check_body(body: bytes, content_type: str | None) -> Any:
+    """The parsed body, or BodyError (one line, never any of the body) unless it is UTF-8 JSON without NaN or
+    infinities, nested at most ``MAX_NESTING`` deep, sent as ``application/json``."""
+    mime, *params = [part.strip().lower() for part in (content_type or "").split(";")]
+    if mime != "application/json" or any(p.replace(" ", "") not in ("charset=utf-8", "") for p in params):
+        raise BodyError(415, "the served model takes Content-Type application/json (charset=utf-8 its only "
+                             "parameter)", "BAD_REQUEST")
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BodyError(400, f"the body is not UTF-8 (byte {e.start} cannot be decoded): send JSON text in UTF-8") \
             from None
     try:
-        json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+        parsed = json.loads(text, parse_constant=_no_constant, parse_float=_finite, parse_int=_integer)
     except json.JSONDecodeError as e:
         raise BodyError(400, f"the body is not JSON ({e.msg} at line {e.lineno} column {e.colno}): send "
                              '{"dataframe_records": [{"prompt": ...}]} or {"inputs": ...}') from None
+    except RecursionError:
+        parsed = None
+    depth, strings = _walk(parsed)
+    if parsed is None and text.strip() != "null" or depth > MAX_NESTING:
+        raise BodyError(400, f"the body is JSON nested deeper than {MAX_NESTING} levels: send "
+                             '{"dataframe_records": [{"prompt": ...}]} or {"inputs": ...}')
+    for value in strings:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BodyError(400, "the body holds a string with a lone surrogate escape (\\ud800-\\udfff), which is "
+                                 "no character: send text", "INVALID_PARAMETER_VALUE") from None
+    return parsed
 
 
-def short_error(body: bytes, status: int = 400) -> bytes:
-    """An error answer cut to its first line: MLflow's JSON ``message`` (other fields kept, its stack trace
-    dropped), or any other body as such a JSON (the timeout's plain-text 504, ...)."""
+FORMAT_KEYS = ("dataframe_records", "dataframe_split", "inputs", "instances", "params", "columns", "data", "index")
+"""The keys of MLflow's request formats."""
+
+
+@functools.lru_cache(maxsize=1)
+def known_words() -> frozenset[str]:
+    """The server's own vocabulary, which a message may name though a request sent it too: the request fields, the
+    formats' keys, the samplers and the cache modes (a message naming ``length`` echoes nothing of the client's)."""
+    from adlm_model.confidence import KV_MODES
+    from adlm_model.kinds import SAMPLERS
+    from pipelines.mlflow_model import REQUEST_FIELDS
+
+    return frozenset([*REQUEST_FIELDS, "num_samples", *FORMAT_KEYS, *SAMPLERS, *KV_MODES])
+
+
+def sent_strings(parsed: Any, content_type: str | None = None) -> list[str]:
+    """Every string a request sent (the parsed body's keys and values at any depth, the content type and its
+    parts) but the server's own words (``known_words``), longest first: what ``scrub`` takes out of an answer."""
+    found = _walk(parsed)[1]
+    if content_type:
+        found.add(content_type)
+        for part in content_type.split(";"):
+            found.update(x.strip() for x in (part, *part.split("=", 1)))
+    known = known_words()
+    return sorted((x for x in found if x and x not in known), key=len, reverse=True)
+
+
+def scrub(message: str, sent: list[str]) -> str:
+    """``message`` with every string of ``sent`` replaced by ``SENT``: quoted as Python or JSON writes it, and bare
+    when it is four characters or longer (a shorter one bare is as likely the message's own word)."""
+    for value in sent:
+        for form in {repr(value), json.dumps(value), json.dumps(value, ensure_ascii=False), f"'{value}'",
+                     f'"{value}"'}:
+            message = message.replace(form, SENT)
+        if len(value) >= 4:
+            message = message.replace(value, SENT)
+    return message
+
+
+def short_error(body: bytes, status: int = 400, sent: list[str] | None = None) -> bytes:
+    """An error answer cut to its first line with the request's strings (``sent``) taken out: MLflow's JSON
+    ``message`` (``error_code`` kept, its stack trace dropped), or any other body as such a JSON (the timeout's
+    plain-text 504, ...)."""
     try:
         obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         obj = None
-    if isinstance(obj, dict) and isinstance(obj.get("message"), str):
-        obj = {k: v for k, v in obj.items() if k != "stack_trace"}
-        obj["message"] = _line(obj["message"])
-        return json.dumps(obj).encode()
     code = "INTERNAL_ERROR" if status >= 500 else "BAD_REQUEST"
-    return json.dumps({"error_code": code, "message": _line(body.decode("utf-8", "replace"))}).encode()
+    if isinstance(obj, dict) and isinstance(obj.get("message"), str):
+        text = obj["message"]
+        code = str(obj.get("error_code", code))[:64]
+    else:
+        text = body.decode("utf-8", "replace")
+    return json.dumps({"error_code": code, "message": _line(scrub(text, sent or []))}).encode()
 
 
 def _line(text: str) -> str:
@@ -146,12 +230,13 @@ class RequestGuard:
                 await _answer(send, 413, "REQUEST_LIMIT_EXCEEDED", too_big)
                 return
         ctype = headers.get(b"content-type")
+        content_type = ctype.decode("latin-1") if ctype else None
         try:
-            check_body(bytes(body), ctype.decode("latin-1") if ctype else None)
+            parsed = check_body(bytes(body), content_type)
         except BodyError as e:
             await _answer(send, e.status, e.code, str(e))
             return
-        await self.app(scope, _replay(bytes(body), receive), _cut_errors(send))
+        await self.app(scope, _replay(bytes(body), receive), _cut_errors(send, sent_strings(parsed, content_type)))
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -168,8 +253,9 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return again
 
 
-def _cut_errors(send: Send) -> Send:
-    """``send`` with a 4xx/5xx answer held back until whole and cut to its first line (``short_error``)."""
+def _cut_errors(send: Send, sent: list[str]) -> Send:
+    """``send`` with a 4xx/5xx answer held back until whole, cut to its first line and the request's strings
+    (``sent``) taken out (``short_error``)."""
     held: dict[str, Any] = {}
     chunks: list[bytes] = []
 
@@ -184,7 +270,7 @@ def _cut_errors(send: Send) -> Send:
         if message.get("more_body", False):
             return
         start = dict(held["start"])
-        body = short_error(b"".join(chunks), int(start["status"]))
+        body = short_error(b"".join(chunks), int(start["status"]), sent)
         start["headers"] = [(k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-length",
                                                                                               b"content-type")]
         start["headers"] += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -207,5 +293,5 @@ def create_app() -> RequestGuard:
     return RequestGuard(scoring_server.init(model), max_body_bytes())
 
 
-__all__ = ["BODY_ENV", "DEFAULT_MAX_BODY_BYTES", "BodyError", "RequestGuard", "check_body", "create_app",
-           "max_body_bytes", "short_error"]
+__all__ = ["BODY_ENV", "DEFAULT_MAX_BODY_BYTES", "MAX_DIGITS", "MAX_NESTING", "BodyError", "RequestGuard", "check_body",
+           "create_app", "max_body_bytes", "scrub", "sent_strings", "short_error"]

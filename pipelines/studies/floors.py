@@ -97,7 +97,7 @@ def table(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipelines.studies.floors", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("split", help="a prepared split folder (holds manifest.json)")
@@ -105,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alpha", type=float, default=0.5, help="add-alpha smoothing of the train-fitted floors")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_logging_flags(p)
-    return run_command(p, _run, argv, bad_input=(ManifestError, ValueError))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser(), _run, argv, bad_input=(ManifestError, ValueError))
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -34,10 +34,10 @@ from typing import Any
 from adlm_model.config import ConfigError
 from adlm_model.flops import training_flops_per_row
 from adlm_model.kinds import parameter_count
-from pipelines.logs import get_logger, verbosity
-from pipelines.runtime import cpu_placement
+from pipelines.logs import get_logger
 from pipelines.storage import join, resolve_workdir, write_text
 from pipelines.studies.comparisons import compare, comparisons_markdown, excess_curves, truth_markdown
+from pipelines.studies.grid import RunPlan, TrialContext, fit_grid, history, trained
 from pipelines.studies.report import ArmResult, plot_curves, results_csv, table_markdown
 from pipelines.studies.spec import StudySpec, validate_arms
 from pipelines.studies.stats import relative_gain, summarise
@@ -55,19 +55,6 @@ from pipelines.training.config import TrainConfig
 log = get_logger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-METRIC = "val/ppl"
-
-
-@dataclass
-class RunPlan:
-    """One (arm, seed) training run."""
-
-    arm: str
-    seed: int
-    run_name: str
-    max_steps: int
-    raw: dict[str, Any]
-    """The full recipe of this run (validated)."""
 
 
 @dataclass
@@ -124,43 +111,6 @@ def plan_study(spec: StudySpec, *, workdir: str | os.PathLike | None = None, tra
     return plan
 
 
-# ----------------------------------------------------------------------------------------------------
-# The trials
-
-
-@dataclass
-class TrialContext:
-    """What each trial's driver function needs (pickled into its Tune actor)."""
-
-    runs: dict[str, RunPlan]
-    workdir: str
-    tracking_uri: str
-    arm_runs: dict[str, str | None]
-    study: str
-
-
-def run_one(config: dict[str, Any], *, ctx: TrialContext) -> None:
-    """One (arm, seed), in its Tune actor: a ``pipelines.train`` run (in this process) nested under its arm's run."""
-    from ray import tune
-
-    from pipelines.training.trainer import train
-
-    rp = ctx.runs[config["run"]]
-    cfg = TrainConfig.from_dict(rp.raw)
-    tags = {"study": ctx.study, "study.arm": rp.arm, "study.seed": str(rp.seed)}
-    res = train(cfg, workdir=ctx.workdir, tracking_uri=ctx.tracking_uri, parent_run_id=ctx.arm_runs.get(rp.arm),
-                extra_tags=tags, register=False)
-    tune.report({"step": res.step, "val_ppl": res.val_ppl, "mlflow_run_id": res.run_id})
-
-
-def _trained(plan: StudyPlan, rp: RunPlan) -> bool:
-    from pipelines.training.checkpoints import latest_checkpoint
-    from pipelines.training.trainer import storage_root
-
-    last = latest_checkpoint(join(storage_root(TrainConfig.from_dict(rp.raw), plan.workdir), rp.run_name))
-    return last is not None and last[0] >= rp.max_steps
-
-
 def _mlflow_runs(plan: StudyPlan) -> tuple[str | None, dict[str, str | None]]:
     """The parent run and a child per arm (created, or found on a rerun); Nones if MLflow is down."""
     from pipelines.tracking import find_or_create_run, log_params_once
@@ -188,17 +138,6 @@ def _mlflow_runs(plan: StudyPlan) -> tuple[str | None, dict[str, str | None]]:
             arms[arm.name] = rid
         return parent, arms
     return None, {a.name: None for a in spec.arms}  # the runs spool their metrics
-
-
-def _history(plan: StudyPlan, rp: RunPlan) -> dict[int, float]:
-    """The run's validation bound by step, from its MLflow run (found by its run name)."""
-    c = client(plan.tracking_uri)
-    exp = c.get_experiment_by_name(TrainConfig.from_dict(rp.raw).mlflow.experiment)
-    found = c.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{rp.run_name}'",
-                          max_results=1, order_by=["attributes.start_time DESC"]) if exp else []
-    if not found:
-        return {}
-    return {m.step: m.value for m in c.get_metric_history(found[0].info.run_id, METRIC)}
 
 
 @dataclass
@@ -242,7 +181,7 @@ def run_study(spec: StudySpec, *, workdir: str | os.PathLike | None = None, trac
 
         prepare(dataclasses.replace(spec.data, out=join(wd, spec.data.out)))
     parent, arm_runs = _mlflow_runs(plan)
-    todo = [rp for rp in plan.runs if not _trained(plan, rp)]
+    todo = [rp for rp in plan.runs if not trained(plan.workdir, rp)]
     if todo:
         _fit(plan, todo, arm_runs)
     result = _tabulate(plan, parent, time.time() - t0)
@@ -250,27 +189,12 @@ def run_study(spec: StudySpec, *, workdir: str | os.PathLike | None = None, trac
 
 
 def _fit(plan: StudyPlan, todo: list[RunPlan], arm_runs: dict[str, str | None]) -> None:
-    from functools import partial
-
-    from ray import tune
-    from ray.tune import RunConfig, TuneConfig, Tuner
-
     spec = plan.spec
-    ctx = TrialContext({rp.run_name: rp for rp in todo}, plan.workdir, plan.tracking_uri, arm_runs, spec.name)
-    # Longest first: the two slots finish together rather than one long run trailing alone.
-    order = sorted(todo, key=lambda rp: -rp.max_steps * plan.flops_per_step[rp.arm])
+    ctx = TrialContext({rp.run_name: rp for rp in todo}, plan.workdir, plan.tracking_uri, arm_runs,
+                       tags={"study": spec.name}, prefix="study")
     # The trial trains in its own process (local mode), on the trial_cpu CPUs it reserves, never a GPU node's.
-    trainable = tune.with_resources(partial(run_one, ctx=ctx), cpu_placement({"CPU": spec.trial_cpu}))
-    tuner = Tuner(trainable, param_space={"run": tune.grid_search([rp.run_name for rp in order])},
-                  tune_config=TuneConfig(max_concurrent_trials=spec.max_concurrent),
-                  run_config=RunConfig(name=f"study-{spec.name}", storage_path=join(plan.workdir, "ray_results", "tune"),
-                                       verbose=0 if verbosity() < 0 else 2 if verbosity() > 0 else 1))  # -q/-v
-    grid = tuner.fit()
-    failed = [r for r in grid if r.error is not None]
-    if failed:
-        names = ", ".join(str(r.config.get("run")) for r in failed)
-        raise RuntimeError(f"study {spec.name}: {len(failed)} run(s) failed ({names}); first error: "
-                           f"{str(failed[0].error).splitlines()[0][:300]}; rerun the same command to resume them")
+    fit_grid(f"study-{spec.name}", todo, ctx, max_concurrent=spec.max_concurrent, resources={"CPU": spec.trial_cpu},
+             cost={a: float(f) for a, f in plan.flops_per_step.items()}, what=f"study {spec.name}")
 
 
 def _truth(plan: StudyPlan) -> dict[str, Any] | None:
@@ -300,7 +224,7 @@ def _tabulate(plan: StudyPlan, parent: str | None, seconds: float) -> StudyResul
     arms: list[ArmResult] = []
     truth = _truth(plan)
     for arm in spec.arms:
-        curves = {rp.seed: _history(plan, rp) for rp in plan.runs if rp.arm == arm.name}
+        curves = {rp.seed: history(plan.tracking_uri, rp) for rp in plan.runs if rp.arm == arm.name}
         at_steps = {s: h[spec.steps] for s, h in curves.items() if spec.steps in h}
         fs = plan.flops_step.get(arm.name)
         at_flops = {s: h[fs] for s, h in curves.items() if fs is not None and fs in h}

@@ -26,6 +26,7 @@ from pipelines.logs import get_logger
 from pipelines.storage import (
     delete_dir,
     exists,
+    get_fs,
     is_file,
     join,
     list_dir,
@@ -75,6 +76,42 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, str]]:
 def latest_checkpoint(run_dir: str | Path) -> tuple[int, str] | None:
     cks = list_checkpoints(run_dir)
     return cks[-1] if cks else None
+
+
+RAY_TRAIN_RECORD = "checkpoint_manager_snapshot.json"
+"""Ray Train's record of a run's checkpoints, in the run folder: a rerun of the run name restores it, and fails
+(``CheckpointManagerInitializationError``) when a checkpoint it lists is gone."""
+
+
+def missing_recorded_checkpoints(run_dir: str | Path) -> list[str]:
+    """The checkpoint folders Ray Train's record of ``run_dir`` lists that no longer exist (deleted by hand); [] when
+    it has no record, or an unreadable one (Ray Train then says so itself)."""
+    try:
+        record = json.loads(read_text(join(run_dir, RAY_TRAIN_RECORD)))
+        names = [r["checkpoint_dir_name"] for r in record.get("checkpoint_results", [])]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    return [n for n in names if not exists(join(run_dir, n))]
+
+
+def forget_missing_checkpoints(run_dir: str | Path, resume: tuple[int, str] | None, run_name: str) -> None:
+    """Before a rerun of a run whose checkpoints were deleted in part or whole: with one left (``resume``), Ray Train's
+    record is dropped (its bookkeeping starts again; the run resumes from that checkpoint, as it does from the
+    folder anyway), with a warning; with none left, a one-line ``ConfigError``: the run cannot resume, and
+    starting it again under its name would mix two runs in one MLflow run."""
+    from adlm_model.config import ConfigError
+
+    missing = missing_recorded_checkpoints(run_dir)
+    if not missing:
+        return
+    if resume is None:
+        raise ConfigError(f"run {run_name!r} cannot resume: its checkpoints in {run_dir} were deleted (Ray Train's "
+                          f"record still lists {', '.join(missing[-2:])}); start it under another run.name, or "
+                          f"delete {run_dir} to start this one again from step 0")
+    log.warning(f"[{run_name}] {len(missing)} checkpoint(s) of this run were deleted ({', '.join(missing[-2:])}); "
+                f"resuming from step {resume[0]}, the latest one left")
+    fs, path = get_fs(join(run_dir, RAY_TRAIN_RECORD))
+    fs.delete_file(path)
 
 
 def complete_export(src: str | Path) -> bool:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from adlm_model.config import MODEL_KINDS, PRESETS, ConfigError, ModelConfig, preset, refuse_unknown
-from pipelines.configlib import coerce, read_yaml_file, set_nested, validate
+from pipelines.configlib import ConfigKey, coerce, config_keys, read_yaml_file, set_nested, validate
 from pipelines.storage import join
 
 
@@ -134,7 +134,8 @@ class ScalingSection:
     use_gpu: bool = False
     """One GPU per worker; backend nccl (gloo on CPU)."""
     cpus_per_worker: float = 0.5
-    """CPUs each worker reserves; leave some for Ray Data's read tasks (ENVIRONMENT.md)."""
+    """CPUs each worker reserves. Leave some for Ray Data's read tasks: workers that hold every CPU starve them
+    and the run waits for data (fractional CPUs on a laptop; on GPU nodes, a few CPUs per GPU)."""
     threads: int = 0
     """torch intra-op threads of each worker; 0: its CPUs rounded half up (0.5 -> 1), or every core in local
     mode. Set it when several local-mode runs share a machine (the study runs two at once on 2 cores)."""
@@ -345,6 +346,17 @@ class TrainConfig:
             return p
         q = Path(os.path.expanduser(p))
         return str(q) if q.is_absolute() else join(workdir, p)
+
+
+def recipe_keys() -> list[ConfigKey]:
+    """Every key of a recipe with its type, default and description (``python -m pipelines.train --help-config``,
+    the config reference page). The model's keys default to the ``tiny`` preset, a recipe's default model."""
+    keys = config_keys(TrainConfig, TrainConfig())
+    at = next(i for i, k in enumerate(keys) if k.name.startswith("model."))
+    keys.insert(at, ConfigKey("model.preset", "str or none", "none", "Start from this preset ("
+                              + ", ".join(PRESETS) + "; ``adlm_model.config.PRESETS``): the model section's other "
+                              "keys override its fields. Without one, the fields of ``tiny``."))
+    return keys
 
 
 def build_model_config(d: dict[str, Any]) -> ModelConfig:

@@ -51,6 +51,10 @@ def plan_data(cfg: TrainConfig, workdir: str) -> DataPlan:
         if missing or not m.shards:
             raise ConfigError(f"data.{split}: shard {missing[0] if missing else '(none listed)'} is missing; "
                               "rerun pipelines.prepare_data for this split")
+        try:
+            m.check_shards()  # their footers: a truncated shard or a manifest that lies, before any work
+        except ManifestError as e:
+            raise ConfigError(f"data.{split}: {e}") from None
         manifests[split] = m
     tr, va = manifests["train"], manifests["validation"]
     for split, m in manifests.items():

@@ -117,6 +117,8 @@ def optimiser_step(w: Worker, stream: Iterator[tuple[int, int, dict[str, torch.T
         win.anc += out.anchor_sum
         win.nanc += out.n_anchor
     win.gnorm += out.grad_norm
+    if out.group_norms is not None:
+        win.gnorm_groups = out.group_norms if win.gnorm_groups is None else win.gnorm_groups + out.group_norms
     win.lr = out.lr
     if w.train_step.compile_s is not None and not w.compile_logged:  # the first compiled step: its compilation
         w.compile_logged = True
@@ -139,6 +141,9 @@ def log_window(w: Worker) -> dict[str, float]:
                "train/tokens_per_s": tot[2] / max(dt, 1e-9), "train/epoch": w.epoch}
     if win.compile_s is not None:  # the window of the first compiled step
         metrics["train/compile_s"] = win.compile_s
+    if win.gnorm_groups is not None:  # e.g. train/grad_norm_anchor, _denoiser, _anchor_out (ADLM)
+        for name, total in zip(w.train_step.groups or {}, tot[6:], strict=True):
+            metrics[f"train/grad_norm_{name}"] = total / (n * world)
     mc = w.cfg.model
     if model_kind(mc.kind).anchored:
         metrics["train/anchor_loss"] = tot[3] / max(tot[2], 1.0)

@@ -28,7 +28,7 @@ from adlm_model.config import ConfigError
 from pipelines.faults import fault
 from pipelines.logs import first_line, get_logger, quiet_ray_data, run_progress, verbosity, worker_console
 from pipelines.placement import check_run
-from pipelines.runtime import cpu_work_selector, init_ray, quiet_environment
+from pipelines.runtime import cpu_work_selector, environ, init_ray, quiet_environment
 from pipelines.storage import (
     check_location,
     is_uri,
@@ -52,7 +52,12 @@ from pipelines.tracking import (
     send_spool,
     tracking_reachable,
 )
-from pipelines.training.checkpoints import best_checkpoint, fetch_export, latest_checkpoint
+from pipelines.training.checkpoints import (
+    best_checkpoint,
+    fetch_export,
+    forget_missing_checkpoints,
+    latest_checkpoint,
+)
 from pipelines.training.config import TrainConfig, flatten
 from pipelines.training.data import DataPlan, plan_data
 from pipelines.training.init import INIT_TAG, pin_init
@@ -275,7 +280,10 @@ def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, 
             train_loop_per_worker({"loop": loop, "session": session})
             metrics = dict(session.last)
         else:
-            with run_progress(cfg.run.name, cfg.run.max_steps, prev[0] if prev else 0):
+            # Ray Train tags its Prometheus metrics with the run's name, and Ray's metrics take ASCII tags alone: a
+            # name such as "café" failed the run in its controller. Such a run trains without those metrics.
+            no_metrics = {} if cfg.run.name.isascii() else {"RAY_TRAIN_METRICS_ENABLED": "0"}
+            with run_progress(cfg.run.name, cfg.run.max_steps, prev[0] if prev else 0), environ(no_metrics):
                 metrics = dict(trainer.fit().metrics or {})
     except Exception as e:  # re-raised as TrainError naming the run and its logs: any worker failure
         msg = str(e).strip().splitlines()
@@ -332,6 +340,7 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     if cfg.distill.teacher:  # a distillation's teacher is the version its student started from, pinned
         cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, teacher=cfg.run.init))
     finished = prev is not None and prev[0] >= cfg.run.max_steps and not _in_tune()
+    forget_missing_checkpoints(run_dir, prev, cfg.run.name)  # deleted by hand: resume from what is left, or say so
     if not finished:  # a run that will train: what a Ray that will not grow cannot place fails here, in one line
         init_ray()
         check_run(cfg)

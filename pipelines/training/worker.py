@@ -95,6 +95,8 @@ class Window:
     """ADLM: tokens the anchor loss counts."""
     gnorm: torch.Tensor
     """Sum over steps of the gradient norm (before clipping)."""
+    gnorm_groups: torch.Tensor | None = None
+    """Sum over steps of each gradient group's norm (``TrainStep.groups``, in their order), if any."""
     steps: int = 0
     lr: float = 0.0
     """The learning rate of the window's last step."""
@@ -109,8 +111,10 @@ class Window:
         return cls(t=time.perf_counter(), loss=z(), nll=z(), ntok=z(), anc=z(), nanc=z(), gnorm=z())
 
     def sums(self) -> torch.Tensor:
-        """The six running sums as one tensor (loss, nll, ntok, anc, nanc, gnorm): one all-reduce, one sync."""
-        return torch.stack([self.loss, self.nll, self.ntok, self.anc, self.nanc, self.gnorm])
+        """The running sums as one tensor (loss, nll, ntok, anc, nanc, gnorm, then the groups' norms): one all-reduce,
+        one sync."""
+        head = torch.stack([self.loss, self.nll, self.ntok, self.anc, self.nanc, self.gnorm])
+        return head if self.gnorm_groups is None else torch.cat([head, self.gnorm_groups])
 
 
 @dataclass
@@ -219,10 +223,11 @@ def build(lc: LoopConfig, rank: int, world: int, device: torch.device) -> Worker
     ema = EMA(raw, cfg.ema, warmup=cfg.ema_warmup)
     opt = build_optimizer(raw.parameters(), o)
     sched = build_schedule(opt, o, r.max_steps)
-    bf16 = use_gpu and cfg.scaling.bf16  # bf16 autocast on GPU only: ~19x slower on a CPU (ENVIRONMENT.md)
+    bf16 = use_gpu and cfg.scaling.bf16  # bf16 autocast on GPU only: ~19x slower on a CPU
     step = TrainStep(module, raw, opt, sched=sched, ema=ema, clip=o.clip, net=net,
                      sync="fsdp" if fsdp else ("ddp" if distributed else None),
-                     autocast=torch.bfloat16 if bf16 else None, compile=cfg.compiles(device.type))
+                     autocast=torch.bfloat16 if bf16 else None, compile=cfg.compiles(device.type),
+                     groups=raw.gradient_groups() if hasattr(raw, "gradient_groups") else None)
     noise = torch.Generator(device=device)
     noise.manual_seed(derive_seed(r.seed, TRAIN_NOISE, rank))
     torch.manual_seed(derive_seed(r.seed, TRAIN_DROPOUT, rank))  # dropout differs per rank, reproducibly

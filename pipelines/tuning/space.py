@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -89,6 +90,57 @@ class ResourcesFile:
 
 
 @dataclass
+class BaselineFile:
+    """A second arm searched with the sweep's own budget (its trial count, scheduler and search algorithm), so that
+    the winner is compared with a baseline tuned as fairly as itself: e.g. MDLM's learning rate and warm-up."""
+
+    name: str
+    """The arm's name (letters, digits, '.', '_', '+', '-'); its search is the sweep ``<sweep>-<name>``."""
+    set: dict[str, Any] | None = None
+    """``section.key: value`` over the recipe for every run of this arm (``model.kind: mdlm``)."""
+    config: str | None = None
+    """Its own recipe (``configs/*.yaml``); empty: the sweep's."""
+    params: dict[str, ParamFile] | None = None
+    """What its search varies (as ``params``); empty: nothing is searched, the arm trains as set."""
+
+
+@dataclass
+class AblationFile:
+    """The winner with one change, retrained at the confirmation's seeds and compared with the winner."""
+
+    name: str
+    """The arm's name (letters, digits, '.', '_', '+', '-')."""
+    set: dict[str, Any]
+    """``section.key: value`` over the winner's configuration (``model.anchor_init_std: 0.02``)."""
+    steps: int | None = None
+    """Its runs' length and the equal-steps reading it is compared at; empty: the confirmation's longest."""
+
+
+@dataclass
+class ConfirmFile:
+    """After the search: the winner retrained in full at fresh seeds, and a baseline at the same seeds."""
+
+    seeds: int = 0
+    """Fresh seeds (never used by the search) each arm is retrained at; 0: no confirmation (``--confirm N`` sets
+    it); 2 or more give an interval."""
+    against: str | None = None
+    """What the winner is compared with: the ``baseline`` arm's name (its own search's winner), ``recipe`` (the
+    recipe as it is, untuned) or a recipe file (``configs/*.yaml``, as it is). Empty: the baseline arm if there is
+    one, else ``recipe``."""
+    steps: list[int] | None = None
+    """Equal-steps readings (multiples of run.val_every); every run trains to the largest. Empty: the recipe's own
+    run.max_steps (before the space's overrides), the run the search stood in for. Several readings, or any FLOPs
+    reading, need optim.schedule: constant (a longer run read part-way)."""
+    flops: list[int] | None = None
+    """Equal-FLOPs readings: the training FLOPs the winner spends in these many steps; a cheaper arm trains on to
+    them (to its nearest validation)."""
+    primary: str | None = None
+    """The reading that decides, ``steps:<n>`` or ``flops:<n>``; empty: the longest equal-steps reading."""
+    ablations: list[AblationFile] | None = None
+    """Variants of the winner at the same seeds, each compared with the winner at equal steps."""
+
+
+@dataclass
 class SpaceFile:
     """A ``tune_spaces/*.yaml`` file as written (``parse_space`` turns it into a ``SearchSpace``)."""
 
@@ -111,6 +163,15 @@ class SpaceFile:
     """Ray resources of each trial."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Train-config assignments applied to every trial (``run.max_steps: 60``)."""
+    config: str | None = None
+    """The training recipe (``configs/*.yaml``, relative to the working directory); ``--config`` overrides it."""
+    baseline: BaselineFile | None = None
+    """A second arm searched with the same trial budget (the winner's fair comparator)."""
+    confirm: ConfirmFile | None = None
+    """Retrain the winner (and the comparator) at fresh seeds after the search: the paired difference and its 95%
+    interval decide, not the search's own best trial."""
+    hypothesis: str | None = None
+    """The pre-registered hypothesis and decision rule, in words (printed above the confirmation's table)."""
 
 
 @dataclass
@@ -153,6 +214,43 @@ class ParamSpec:
 
 
 @dataclass
+class BaselineArm:
+    """A second arm of the sweep (``BaselineFile``), parsed."""
+
+    name: str
+    sets: dict[str, Any] = field(default_factory=dict)
+    config: str | None = None
+    params: list[ParamSpec] = field(default_factory=list)
+
+
+@dataclass
+class Ablation:
+    name: str
+    sets: dict[str, Any]
+    steps: int | None = None
+
+
+@dataclass
+class ConfirmSpec:
+    """``ConfirmFile``, parsed: see its fields."""
+
+    seeds: int = 0
+    against: str = "recipe"
+    steps: list[int] = field(default_factory=list)
+    flops: list[int] = field(default_factory=list)
+    primary: str | None = None
+    ablations: list[Ablation] = field(default_factory=list)
+
+    @property
+    def primary_reading(self) -> tuple[str, int] | None:
+        """``("steps" | "flops", n)``; None: the longest equal-steps reading (known once the recipe is)."""
+        if self.primary is None:
+            return None
+        budget, _, n = self.primary.partition(":")
+        return budget, int(n)
+
+
+@dataclass
 class SearchSpace:
     """A ``tune_spaces/*.yaml`` file.
 
@@ -180,6 +278,10 @@ class SearchSpace:
     trial_cpu: float = 0.01
     overrides: dict[str, Any] = field(default_factory=dict)
     source: str = ""
+    config: str | None = None
+    baseline: BaselineArm | None = None
+    confirm: ConfirmSpec | None = None
+    hypothesis: str | None = None
 
     @property
     def grid_size(self) -> int:
@@ -198,19 +300,48 @@ class SearchSpace:
 
     def to_raw(self) -> dict[str, Any]:
         """The space back in its YAML form (the trial actors re-parse it)."""
-        params = {}
-        for p in self.params:
-            d: dict[str, Any] = {"distribution": p.distribution}
-            if p.values is not None:
-                d["values"] = p.values
-            else:
-                d["low"], d["high"] = (int(p.low), int(p.high)) if p.distribution == "randint" else (p.low, p.high)
-            params[p.name] = d
-        return {"name": self.name, "params": params, "search": {"algorithm": self.algorithm, "seed": self.seed},
-                "scheduler": {"type": self.scheduler, "grace_period": self.grace_period,
-                              "reduction_factor": self.reduction_factor, "max_t": self.max_t},
-                "num_samples": self.num_samples, "max_concurrent": self.max_concurrent, "metric": self.metric,
-                "resources": {"trial_cpu": self.trial_cpu}, "overrides": self.overrides}
+        raw = {"name": self.name, "params": _params_raw(self.params),
+               "search": {"algorithm": self.algorithm, "seed": self.seed},
+               "scheduler": {"type": self.scheduler, "grace_period": self.grace_period,
+                             "reduction_factor": self.reduction_factor, "max_t": self.max_t},
+               "num_samples": self.num_samples, "max_concurrent": self.max_concurrent, "metric": self.metric,
+               "resources": {"trial_cpu": self.trial_cpu}, "overrides": self.overrides}
+        if self.config is not None:
+            raw["config"] = self.config
+        if self.baseline is not None:
+            b = self.baseline
+            raw["baseline"] = {"name": b.name, "set": b.sets, "config": b.config, "params": _params_raw(b.params)}
+        if self.confirm is not None:
+            c = self.confirm
+            raw["confirm"] = {"seeds": c.seeds, "against": c.against, "steps": c.steps, "flops": c.flops,
+                              "primary": c.primary,
+                              "ablations": [{"name": a.name, "set": a.sets, "steps": a.steps} for a in c.ablations]}
+        if self.hypothesis is not None:
+            raw["hypothesis"] = self.hypothesis
+        return raw
+
+    def baseline_space(self) -> SearchSpace | None:
+        """The baseline arm's own search: this sweep's budget (trials, scheduler, search, resources, overrides) over
+        the arm's params, its settings applied as overrides; None without a baseline arm or when it searches
+        nothing."""
+        b = self.baseline
+        if b is None or not b.params:
+            return None
+        return dataclasses.replace(self, name=f"{self.name}-{b.name}", params=list(b.params),
+                                   overrides={**self.overrides, **b.sets}, config=b.config or self.config,
+                                   baseline=None, confirm=None, hypothesis=None)
+
+
+def _params_raw(params: list[ParamSpec]) -> dict[str, Any]:
+    out = {}
+    for p in params:
+        d: dict[str, Any] = {"distribution": p.distribution}
+        if p.values is not None:
+            d["values"] = p.values
+        else:
+            d["low"], d["high"] = (int(p.low), int(p.high)) if p.distribution == "randint" else (p.low, p.high)
+        out[p.name] = d
+    return out
 
 
 _TOP = tuple(f.name for f in dataclasses.fields(SpaceFile))
@@ -267,8 +398,9 @@ def parse_space(raw: Any, source: str = "<space>") -> SearchSpace:
     if not isinstance(raw, dict):
         raise ConfigError(f"search space {source} must be a mapping with keys {', '.join(_TOP)}")
     f: SpaceFile = validate(SpaceFile, raw, f"search space {source}", ": ")
-    if not f.name or "/" in f.name or " " in f.name:
-        raise ConfigError(f"search space {source}: 'name' must be a sweep name without '/' or spaces, got {f.name!r}")
+    if not f.name or f.name.startswith(".") or any(c in f.name for c in "/\\ "):
+        raise ConfigError(f"search space {source}: 'name' must be a sweep name without '/', '\\', spaces or a "
+                          f"leading '.' (it names a folder of the sweep's), got {f.name!r}")
     if not f.params:
         raise ConfigError(f"search space {source}: 'params' must map parameter names to distributions")
     params = [parse_param(k, v, f"{source}: params.{k}") for k, v in f.params.items()]
@@ -298,4 +430,67 @@ def parse_space(raw: Any, source: str = "<space>") -> SearchSpace:
         raise ConfigError(f"search space {source}: resources.trial_cpu must be in (0, 64], got {space.trial_cpu:g}")
     if algo == "optuna" and any(p.distribution == "grid" for p in params):
         raise ConfigError(f"search space {source}: grid parameters need search.algorithm random (Optuna samples)")
+    space.config, space.hypothesis = f.config, f.hypothesis
+    if f.baseline is not None:
+        space.baseline = _parse_baseline(f.baseline, source, algo)
+    if f.confirm is not None:
+        space.confirm = parse_confirm(f.confirm, source, space.baseline)
     return space
+
+
+ARM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+
+
+def _sets(v: dict[str, Any] | None, where: str) -> dict[str, Any]:
+    if v is None:
+        return {}
+    bad = [k for k in v if "." not in k or k.split(".")[0] not in TOP_KEYS]
+    if bad:
+        raise ConfigError(f"{where} must map section.key to a value (e.g. model.kind: mdlm), got {bad[0]!r}")
+    return dict(v)
+
+
+def _parse_baseline(b: BaselineFile, source: str, algorithm: str) -> BaselineArm:
+    where = f"search space {source}: baseline"
+    if not ARM_NAME.match(b.name) or b.name == "recipe":
+        raise ConfigError(f"{where}.name must be letters, digits, '.', '_', '+' or '-' (not 'recipe'), got {b.name!r}")
+    params = [parse_param(k, v, f"{where}.params.{k}") for k, v in (b.params or {}).items()]
+    if algorithm == "optuna" and any(p.distribution == "grid" for p in params):
+        raise ConfigError(f"{where}: grid parameters need search.algorithm random (Optuna samples)")
+    return BaselineArm(b.name, _sets(b.set, f"{where}.set"), b.config, params)
+
+
+def parse_confirm(c: ConfirmFile, source: str, baseline: BaselineArm | None) -> ConfirmSpec:
+    """The ``confirm`` section's own rules (the recipe's are checked in ``pipelines.tuning.confirm.plan``)."""
+    where = f"search space {source}: confirm"
+    if c.seeds < 0 or c.seeds == 1:
+        raise ConfigError(f"{where}.seeds must be 0 (no confirmation) or at least 2 (an interval needs two), "
+                          f"got {c.seeds}")
+    against = c.against or (baseline.name if baseline is not None else "recipe")
+    if against not in ("recipe", *([baseline.name] if baseline else [])) and not against.endswith((".yaml", ".yml")):
+        names = ", ".join(["recipe", *([baseline.name] if baseline else [])])
+        raise ConfigError(f"{where}.against {against!r} is neither an arm ({names}) nor a recipe file (.yaml)")
+    for key in ("steps", "flops"):
+        v = getattr(c, key) or []
+        if any(n < 1 for n in v) or len(set(v)) != len(v):
+            raise ConfigError(f"{where}.{key} must be distinct positive step counts, got {v!r}")
+    if c.primary is not None:
+        budget, _, n = c.primary.partition(":")
+        listed = c.steps if budget == "steps" else c.flops if budget == "flops" else None
+        if listed is None or not n.isdigit() or int(n) not in (listed or []):
+            raise ConfigError(f"{where}.primary must name one of its readings as steps:<n> or flops:<n> "
+                              f"(steps {c.steps or []}, flops {c.flops or []}), got {c.primary!r}")
+    ablations = []
+    for i, a in enumerate(c.ablations or []):
+        if not ARM_NAME.match(a.name) or a.name in ("recipe", "tuned", against):
+            raise ConfigError(f"{where}.ablations[{i}].name must be letters, digits, '.', '_', '+' or '-' and not "
+                              f"another arm's, got {a.name!r}")
+        if not a.set:
+            raise ConfigError(f"{where}.ablations[{i}].set must change something (section.key: value)")
+        if a.steps is not None and a.steps < 1:
+            raise ConfigError(f"{where}.ablations[{i}].steps must be a positive step count, got {a.steps}")
+        ablations.append(Ablation(a.name, _sets(a.set, f"{where}.ablations[{i}].set"), a.steps))
+    names = [a.name for a in ablations]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{where}.ablations: arm names must be unique, got {names}")
+    return ConfirmSpec(c.seeds, against, sorted(c.steps or []), sorted(c.flops or []), c.primary, ablations)

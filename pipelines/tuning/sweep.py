@@ -111,6 +111,14 @@ def plan_sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[st
             except ConfigError as e:
                 raise ConfigError(f"search space {space.source}: params.{p.name} value {v!r} is invalid for the "
                                   f"recipe: {e}") from None
+        if p.distribution in ("uniform", "loguniform"):  # its draws are fractions: a whole-number key takes none
+            v = p.low + (p.high - p.low) * 0.382
+            try:
+                TrainConfig.from_dict(_with_params(raw, {p.name: v}, space))
+            except ConfigError as e:
+                raise ConfigError(f"search space {space.source}: params.{p.name}: {p.distribution} draws fractions "
+                                  f"such as {v:g}, which {p.key} does not take ({e}); use randint (low inclusive, "
+                                  "high exclusive) or choice") from None
     r = base.run
     if r.ckpt_every % r.val_every:
         raise ConfigError(f"run.ckpt_every ({r.ckpt_every}) must be a multiple of run.val_every ({r.val_every}) in "
@@ -289,6 +297,17 @@ def _ended(grid: Any) -> int:
     return sum(1 for r in grid if r.error is not None or (r.metrics or {}).get(TIME_ATTR) is not None)
 
 
+def every_trial_failed(grid: Any, name: str) -> str | None:
+    """When every trial that ended failed (a sweep with nothing to choose from): the line that says so, with the first
+    trial's error; else None."""
+    errors = [r.error for r in grid if r.error is not None]
+    if not errors or len(errors) != _ended(grid):
+        return None
+    said = str(errors[0]).strip().splitlines()
+    return (f"every trial of sweep {name!r} failed ({len(errors)} of {len(errors)}); the first: "
+            f"{said[-1][:300] if said else type(errors[0]).__name__}")
+
+
 def _child_runs(plan: SweepPlan, parent: str) -> dict[str, Any]:
     c = client(plan.tracking_uri)
     exp = c.get_experiment_by_name(plan.base.mlflow.experiment)
@@ -297,7 +316,7 @@ def _child_runs(plan: SweepPlan, parent: str) -> dict[str, Any]:
 
 
 def _finalise(plan: SweepPlan, parent: str | None, rows: list[TrialRow], best: TrialRow | None,
-              interrupted: bool) -> tuple[str | None, dict[str, str]]:
+              interrupted: bool, register: bool = True) -> tuple[str | None, dict[str, str]]:
     """The trial table and search plot (``<workdir>/sweeps/<name>/``), child-run bookkeeping, parent artifacts,
     registration of the best trial. Returns the registered version and where the artifacts were written."""
     space = plan.space
@@ -314,7 +333,8 @@ def _finalise(plan: SweepPlan, parent: str | None, rows: list[TrialRow], best: T
     plot_search(rows, out / "search.png", f"sweep {space.name}: {len(rows)} trials")
     local = {p.name: p for p in sorted(out.iterdir())}
     try:
-        version = _bookkeeping(plan, parent, rows, best, interrupted, list(local.values())) if parent else None
+        version = _bookkeeping(plan, parent, rows, best, interrupted, list(local.values()), register) \
+            if parent else None
     finally:
         dest = publish_dir(out, join(plan.workdir, "sweeps", space.name))
     return version, {name: join(dest, name) for name in local}
@@ -354,7 +374,7 @@ def _catch_up(plan: SweepPlan, parent: str, rows: list[TrialRow], children: dict
 
 
 def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: TrialRow | None, interrupted: bool,
-                 artifacts: list[Path]) -> str | None:
+                 artifacts: list[Path], register: bool = True) -> str | None:
     """Child-run status tags, the parent's artifacts and figures, the best trial registered (once)."""
     space = plan.space
 
@@ -394,7 +414,7 @@ def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: Trial
                         and (v.tags or {}).get("tune.trial_id") == best.trial_id]
             if existing:
                 version = str(existing[0].version)
-            elif plan.base.mlflow.register and best.mlflow_run_id:
+            elif plan.base.mlflow.register and register and best.mlflow_run_id:
                 params = dict(best.params)
                 mc = plan.base.model.replace(gamma=params.get("gamma", plan.base.model.gamma),
                                              tau=params.get("tau", plan.base.model.tau))
@@ -447,9 +467,11 @@ def _progress(space: SearchSpace) -> list:
 
 
 def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
-          workdir: str | os.PathLike | None = None, tracking_uri: str | None = None) -> SweepResult:
+          workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
+          register: bool = True) -> SweepResult:
     """Run (or resume) the sweep ``space.name``; see the module docstring. Progress goes to the log; the trial table
-    (``table_markdown(result.trials, result.best)``) is the command's to print."""
+    (``table_markdown(result.trials, result.best)``) is the command's to print. ``register``: False leaves the best
+    trial unregistered whatever the recipe says (a baseline arm's search: its winner is not a candidate)."""
     quiet_environment()
     plan = plan_sweep(space, config, overrides, workdir=workdir, tracking_uri=tracking_uri)
     tracking_reachable(plan.tracking_uri)  # refused credentials (401/403) fail here in one line, before Ray
@@ -512,9 +534,12 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     interrupted = ended < space.total_trials
     finished = [r for r in rows if r.status == "finished" and r.selection_ppl is not None]
     best = min(finished, key=lambda r: r.selection_ppl) if finished and not interrupted else None
-    version, arts = _finalise(plan, parent, rows, best, interrupted)
+    version, arts = _finalise(plan, parent, rows, best, interrupted, register)
+    failed = None if interrupted else every_trial_failed(grid, space.name)
+    if failed:  # nothing to choose from: not a success a script may take for one
+        raise TuneError(f"{failed}; fix it and rerun the same command (it retries the failed trials), or see {exp_dir}")
     unregistered = None
-    if best is not None and version is None and plan.base.mlflow.register:
+    if best is not None and version is None and plan.base.mlflow.register and register:
         unregistered = (f"sweep {space.name!r} is done but its best trial {best.trial_id} is not registered (MLflow at "
                         f"{redact_uri(plan.tracking_uri)} was unavailable or refused: see the warning above); rerun "
                         "the same command to register it (it trains nothing)")
