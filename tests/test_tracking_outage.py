@@ -246,7 +246,8 @@ def test_a_call_whose_retries_run_out_is_sent_again_once_the_server_is_back(tmp_
     is back every step arrives exactly once, in order, without close() having to spool anything."""
     import mlflow
 
-    from pipelines.tracking import ResilientLogger, ensure_experiment, find_or_create_run
+    from pipelines.spool import ResilientLogger
+    from pipelines.tracking import ensure_experiment, find_or_create_run
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")

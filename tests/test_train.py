@@ -242,7 +242,8 @@ def test_tracker_never_waits_on_a_dead_server_and_the_spool_delivers_later(tmp_p
     delivers them once a store answers, and a restarted logger sends no stored step twice."""
     import mlflow
 
-    from pipelines.tracking import ResilientLogger, ensure_experiment, find_or_create_run, send_spool
+    from pipelines.spool import ResilientLogger, send_spool
+    from pipelines.tracking import ensure_experiment, find_or_create_run
 
     good = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_id, created = find_or_create_run(good, ensure_experiment("outage", good, tmp_path), "r")
@@ -274,7 +275,8 @@ def test_a_checkpoint_makes_the_queued_metrics_outlive_the_process(tmp_path, mon
     checkpoint (a restart replays only later steps) loses no step: the spool sends them."""
     import mlflow
 
-    from pipelines.tracking import ResilientLogger, ensure_experiment, find_or_create_run, send_spool
+    from pipelines.spool import ResilientLogger, send_spool
+    from pipelines.tracking import ensure_experiment, find_or_create_run
 
     good = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_id, _ = find_or_create_run(good, ensure_experiment("persist", good, tmp_path), "r")

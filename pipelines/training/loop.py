@@ -41,6 +41,7 @@ from adlm_model.losses import LossOutput
 from pipelines.data.reader import read_subset
 from pipelines.logs import get_logger
 from pipelines.seeds import TRAIN_DATA_ORDER, TRAIN_VALIDATION, derive_seed
+from pipelines.spool import SPOOL, ResilientLogger
 from pipelines.storage import (
     delete_dir,
     exists,
@@ -51,7 +52,6 @@ from pipelines.storage import (
     temp_dir,
     write_text,
 )
-from pipelines.tracking import SPOOL, ResilientLogger
 from pipelines.training.checkpoints import (
     TRAINER_STATE,
     checkpoint_name,

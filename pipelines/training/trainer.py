@@ -29,6 +29,7 @@ from pipelines.faults import fault
 from pipelines.logs import first_line, get_logger, quiet_ray_data, run_progress, verbosity, worker_console
 from pipelines.placement import check_run
 from pipelines.runtime import cpu_work_selector, environ, init_ray, quiet_environment
+from pipelines.spool import SPOOL, send_spool
 from pipelines.storage import (
     check_location,
     is_uri,
@@ -41,7 +42,6 @@ from pipelines.storage import (
     write_bytes_atomic,
 )
 from pipelines.tracking import (
-    SPOOL,
     TrackingAuthError,
     best_effort,
     client,
@@ -49,7 +49,6 @@ from pipelines.tracking import (
     redact_uri,
     require_tracking,
     resolve_tracking_uri,
-    send_spool,
     tracking_reachable,
 )
 from pipelines.training.checkpoints import (

@@ -18,6 +18,7 @@ from typing import Any
 from adlm_model.config import ConfigError
 from pipelines.logs import get_logger
 from pipelines.tuning.confirm import ConfirmPlan, ConfirmResult, budget_text, plan_confirmation, run_confirmation
+from pipelines.tuning.confirm_report import report
 from pipelines.tuning.space import ConfirmSpec, SearchSpace
 from pipelines.tuning.sweep import SweepPlan, SweepResult, plan_sweep, sweep
 
@@ -220,8 +221,8 @@ def run_tune(space: SearchSpace, config: str | None, sets: list[str] | tuple[str
     log.info(f"[sweep {space.name}] confirming {cplan.arms[0].label} against {cplan.against.label} at fresh seeds "
              f"{cplan.seeds}")
     out.confirm = run_confirmation(cplan, main.parent_run_id, max_concurrent=space.max_concurrent,
-                                   resources=driver_resources(space.trial_cpu), register=tp.main.base.mlflow.register,
-                                   rows=main.trials, winner=dict(main.best.params))
+                                   resources=driver_resources(space.trial_cpu), winner=dict(main.best.params))
+    report(out.confirm, main.parent_run_id, tp.main.base.mlflow.register, main.trials)
     return out
 
 

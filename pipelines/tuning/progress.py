@@ -1,12 +1,17 @@
-"""A sweep's progress on the driver's console: one bar over its trials (Tune's status tables only with ``-v``)."""
+"""A sweep's progress on the driver's console: one bar over its trials (Tune's status tables only with ``-v``), and
+Tune's own output settings at each verbosity."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+from collections.abc import Iterator
 from typing import Any
 
 from ray.tune import Callback
 
+from pipelines.logs import verbosity
 from pipelines.tuning.space import METRIC
 
 
@@ -54,3 +59,31 @@ class TrialBar(Callback):
         self._ended(trials)
         self.bar.close()
         self.bar = None
+
+
+def tune_verbosity() -> int:
+    """Tune's own output: its status tables and each trial's results with ``-v`` (2); none otherwise (0), where
+    one bar over the trials (``TrialBar``) is the sweep's progress, and none at all with ``-q``."""
+    return 2 if verbosity() > 0 else 0
+
+
+@contextlib.contextmanager
+def tune_output() -> Iterator[None]:
+    """Tune's output engine while a sweep runs: at default verbosity the older one, which ``verbose=0`` silences
+    (Ray 2.60's newer engine prints its configuration table and the results folder even then); as set otherwise."""
+    if verbosity() != 0 or "RAY_AIR_NEW_OUTPUT" in os.environ:
+        yield
+        return
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+
+
+def progress_callbacks(name: str, total: int) -> list:
+    """The callbacks that show a sweep's progress at this verbosity: ``TrialBar`` by default, none with ``-v``
+    (Tune's tables) or ``-q``."""
+    if verbosity() != 0:
+        return []
+    return [TrialBar(name, total)]

@@ -26,7 +26,6 @@ finds its final checkpoint, trains nothing and reports the same validation again
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
 import io
@@ -34,7 +33,6 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,11 +42,12 @@ import yaml
 from adlm_model.config import ConfigError
 from adlm_model.kinds import model_kind
 from pipelines import placement
-from pipelines.logs import get_logger, verbosity
+from pipelines.logs import get_logger
 from pipelines.runtime import cpu_placement, driver_resources, init_ray, quiet_environment
 from pipelines.storage import join, publish_dir, resolve_workdir, temp_dir, warn_if_node_local
 from pipelines.tracking import client, ensure_experiment, redact_uri, resolve_tracking_uri, tracking_reachable
 from pipelines.training.config import TrainConfig, apply_override, load_raw
+from pipelines.tuning.progress import progress_callbacks, tune_output, tune_verbosity
 from pipelines.tuning.report import TrialRow, plot_search, table_markdown
 from pipelines.tuning.space import METRIC, TIME_ATTR, SearchSpace, parse_space
 
@@ -436,36 +435,6 @@ def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: Trial
     return version
 
 
-def _tune_verbosity() -> int:
-    """Tune's own output: its status tables and each trial's results with ``-v`` (2); none otherwise (0), where
-    one bar over the trials (``TrialBar``) is the sweep's progress, and none at all with ``-q``."""
-    return 2 if verbosity() > 0 else 0
-
-
-@contextlib.contextmanager
-def _tune_output() -> Iterator[None]:
-    """Tune's output engine while a sweep runs: at default verbosity the older one, which ``verbose=0`` silences
-    (Ray 2.60's newer engine prints its configuration table and the results folder even then); as set otherwise."""
-    if verbosity() != 0 or "RAY_AIR_NEW_OUTPUT" in os.environ:
-        yield
-        return
-    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-    try:
-        yield
-    finally:
-        os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
-
-
-def _progress(space: SearchSpace) -> list:
-    """The callbacks that show the sweep's progress at this verbosity: ``TrialBar`` by default, none with ``-v``
-    (Tune's tables) or ``-q``."""
-    if verbosity() != 0:
-        return []
-    from pipelines.tuning.progress import TrialBar
-
-    return [TrialBar(space.name, space.total_trials)]
-
-
 def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
           workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
           register: bool = True) -> SweepResult:
@@ -513,14 +482,14 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
                                    scheduler=_scheduler(space, plan.max_t), num_samples=space.num_samples),
             # A trial whose driver dies anyway (its node lost) is retried: the retry's training resumes from the
             # run's latest checkpoint, so the trial ends as if undisturbed.
-            run_config=RunConfig(name=space.name, storage_path=plan.storage, verbose=_tune_verbosity(),
-                                 failure_config=FailureConfig(max_failures=TRIAL_RETRIES), callbacks=_progress(space)),
+            run_config=RunConfig(name=space.name, storage_path=plan.storage, verbose=tune_verbosity(),
+                                 failure_config=FailureConfig(max_failures=TRIAL_RETRIES), callbacks=progress_callbacks(space.name, space.total_trials)),
         )
     log.info(f"[sweep {space.name}] {space.total_trials} trials ({space.algorithm} search, {space.scheduler} "
              f"scheduler, max_t {plan.max_t} steps), {space.max_concurrent} at a time; MLflow parent run {parent} "
              f"at {redact_uri(plan.tracking_uri)}")
     try:
-        with _tune_output():
+        with tune_output():
             grid = tuner.fit()
     except Exception as e:  # re-raised with the rerun line: anything a trial or Tune raises ends here
         raise TuneError(f"sweep {space.name!r} failed: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}; "
