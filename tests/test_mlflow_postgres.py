@@ -257,7 +257,8 @@ def test_a_sweep_and_a_training_run_lose_nothing_through_a_database_outage_and_a
     from pipelines.training.config import flatten, load_config
     from pipelines.training.trainer import train
     from pipelines.tuning.space import load_space
-    from pipelines.tuning.sweep import plan_sweep, trial_config
+    from pipelines.tuning.sweep import plan_sweep
+    from pipelines.tuning.trials import trial_config
 
     stack = pg_tracking
     wd = tmp_path / "work"

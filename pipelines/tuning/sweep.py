@@ -50,6 +50,7 @@ from pipelines.training.config import TrainConfig, apply_override, load_raw
 from pipelines.tuning.progress import progress_callbacks, tune_output, tune_verbosity
 from pipelines.tuning.report import TrialRow, plot_search, table_markdown
 from pipelines.tuning.space import METRIC, TIME_ATTR, SearchSpace, parse_space
+from pipelines.tuning.trials import finish_trial_runs, trial_config, with_params
 
 log = get_logger(__name__)
 
@@ -79,14 +80,6 @@ class SweepPlan:
     max_t: int
 
 
-def _with_params(base_raw: dict[str, Any], params: dict[str, Any], space: SearchSpace) -> dict[str, Any]:
-    raw = json.loads(json.dumps(base_raw))
-    for p in space.params:
-        if p.name in params:
-            apply_override(raw, f"{p.key}={json.dumps(params[p.name])}")
-    return raw
-
-
 def plan_sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
                workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
                check_data: bool = True) -> SweepPlan:
@@ -106,14 +99,14 @@ def plan_sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[st
     for p in space.params:  # every corner must make a valid recipe (e.g. gamma >= 0, tau >= 0)
         for v in p.corners():
             try:
-                TrainConfig.from_dict(_with_params(raw, {p.name: v}, space))
+                TrainConfig.from_dict(with_params(raw, {p.name: v}, space))
             except ConfigError as e:
                 raise ConfigError(f"search space {space.source}: params.{p.name} value {v!r} is invalid for the "
                                   f"recipe: {e}") from None
         if p.distribution in ("uniform", "loguniform"):  # its draws are fractions: a whole-number key takes none
             v = p.low + (p.high - p.low) * 0.382
             try:
-                TrainConfig.from_dict(_with_params(raw, {p.name: v}, space))
+                TrainConfig.from_dict(with_params(raw, {p.name: v}, space))
             except ConfigError as e:
                 raise ConfigError(f"search space {space.source}: params.{p.name}: {p.distribution} draws fractions "
                                   f"such as {v:g}, which {p.key} does not take ({e}); use randint (low inclusive, "
@@ -163,14 +156,6 @@ class TrialPlan:
     workdir: str
     tracking_uri: str
     parent_run_id: str | None
-
-
-def trial_config(base_raw: dict[str, Any], space: SearchSpace, trial_id: str,
-                 params: dict[str, Any]) -> tuple[TrainConfig, dict[str, str]]:
-    """A trial's training recipe (the base plus its params, run name ``<sweep>-<trial id>``) and its run's tags."""
-    cfg = TrainConfig.from_dict(_with_params(base_raw, params, space))
-    cfg.run.name = f"{space.name}-{trial_id}"
-    return cfg, {"sweep": space.name, "tune.trial_id": trial_id, "tune.params": json.dumps(params, sort_keys=True)}
 
 
 def run_trial(config: dict[str, Any], *, plan: TrialPlan) -> None:
@@ -339,39 +324,6 @@ def _finalise(plan: SweepPlan, parent: str | None, rows: list[TrialRow], best: T
     return version, {name: join(dest, name) for name in local}
 
 
-def _catch_up(plan: SweepPlan, parent: str, rows: list[TrialRow], children: dict[str, Any]) -> bool:
-    """The end of a trial's run that fell in a tracking outage, done now: its spooled metrics sent, and for a
-    trial whose training finished but whose run did not (its checkpoint artifact, its status; its very run if the
-    outage spanned its start), the end of its run as a rerun of its command does it (``train`` on a finished run
-    trains nothing). The trial's process is gone, and nothing else would ever send them: its metrics would be lost
-    and its checkpoint could never be registered. A trial the scheduler stopped only has its spool sent. Returns
-    whether any trial was caught up."""
-    from pipelines.storage import list_dir
-    from pipelines.tracking import SPOOL, send_spool
-    from pipelines.training.trainer import storage_root, train
-
-    done = False
-    for r in rows:
-        if r.status == "error":  # its rerun resumes it, spool included
-            continue
-        cfg, tags = trial_config(plan.base_raw, plan.space, r.trial_id, r.params)
-        spool = join(storage_root(cfg, plan.workdir), cfg.run.name, SPOOL)
-        run = children.get(r.trial_id)
-        ended = r.step is not None and r.step >= cfg.run.max_steps
-        if ended and (run is None or run.info.status != "FINISHED"
-                      or not client(plan.tracking_uri).list_artifacts(run.info.run_id, "checkpoint")):
-            log.info(f"[sweep {plan.space.name}] trial {r.trial_id} ended while MLflow was unavailable: "
-                     "finishing its run")
-            res = train(cfg, workdir=plan.workdir, tracking_uri=plan.tracking_uri, parent_run_id=parent,
-                        extra_tags=tags, register=False)
-            r.mlflow_run_id, done = res.run_id or r.mlflow_run_id, True
-        elif run is not None and any(f.endswith(".jsonl") for f in list_dir(spool)):
-            sent = send_spool(plan.tracking_uri, run.info.run_id, spool)
-            log.info(f"[sweep {plan.space.name}] trial {r.trial_id}: sent {sent} metrics that waited in its spool")
-            done = True
-    return done
-
-
 def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: TrialRow | None, interrupted: bool,
                  artifacts: list[Path], register: bool = True) -> str | None:
     """Child-run status tags, the parent's artifacts and figures, the best trial registered (once)."""
@@ -387,7 +339,7 @@ def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: Trial
     # After the trials: their results are on disk and stay; refused credentials are a warning here.
     with best_effort(plan.tracking_uri, "the sweep's MLflow bookkeeping is incomplete", stop_on_refusal=False):
         children = _child_runs(plan, parent)
-        if _catch_up(plan, parent, rows, children):
+        if finish_trial_runs(plan.base_raw, space, plan.workdir, plan.tracking_uri, parent, rows, children):
             children = _child_runs(plan, parent)
         for r in rows:
             run = children.get(r.trial_id)
