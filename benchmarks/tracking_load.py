@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -195,6 +196,7 @@ def measure(args: argparse.Namespace, ns: list[int], rec) -> None:
                 proc.join(timeout=30)
             for srv, _, _ in servers.values():
                 srv.stop()
+            shutil.rmtree(base, ignore_errors=True)
     loads = [c["load"] for cs in cells.values() for c in cs]
     rec.note(f"Load average (1 min) during the cells: median {statistics.median(loads):.1f}, range "
              f"{min(loads):.1f}-{max(loads):.1f}, on {psutil.cpu_count()} cores; every metric the clients counted was "

@@ -143,7 +143,13 @@ def postgres() -> Iterator[Postgres]:
     pg = None
     try:
         pg = Postgres()
-        yield pg.start()
+        try:
+            pg.start()
+        except RuntimeError:  # its free port taken meanwhile by another process: once more on another
+            pg.stop()
+            pg.port = free_port()
+            pg.start()
+        yield pg
     finally:
         if pg is not None:
             pg.close()

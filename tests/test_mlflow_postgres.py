@@ -65,18 +65,24 @@ def _client(stack: TrackingStack):
     return client(stack.url)
 
 
-def _wait(what: str, check: Callable[[], object], timeout: float, poll: float = 1.0) -> object:
-    """``check()``'s first truthy value within ``timeout`` (its errors count as not yet: an outage)."""
+def _wait(what: str, check: Callable[[], object], timeout: float, poll: float = 1.0,
+          abort: threading.Event | None = None) -> object:
+    """``check()``'s first truthy value within ``timeout`` (its errors count as not yet: an outage); ``abort`` set
+    ends the wait at once."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (abort and abort.is_set()):
         try:
             got = check()
         except Exception:  # noqa: BLE001 - the store is down or busy: ask again
             got = None
         if got:
             return got
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        if abort is not None:
+            abort.wait(poll)
+        else:
+            time.sleep(poll)
+    raise AssertionError(f"{'gave up' if abort and abort.is_set() else f'timed out after {timeout:.0f} s'} waiting "
+                         f"for {what}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -134,6 +140,8 @@ class Outages:
     started: threading.Event = field(default_factory=threading.Event)
     """Set when the database goes down."""
     done: threading.Event = field(default_factory=threading.Event)
+    abort: threading.Event = field(default_factory=threading.Event)
+    """Set by the test when it fails: the outages end at once (everything is started again)."""
     error: BaseException | None = None
 
 
@@ -147,19 +155,19 @@ def _outages(stack: TrackingStack, out: Outages) -> None:
                                  db="mlflow") or 0)
 
     try:
-        _wait("the training run and a trial to log", lambda: logging_runs() >= 2, timeout=600)
+        _wait("the training run and a trial to log", lambda: logging_runs() >= 2, timeout=600, abort=out.abort)
         out.db_down = time.time()
         out.started.set()
         stack.pg.stop()
-        time.sleep(OUTAGE_S)
+        out.abort.wait(OUTAGE_S)
         stack.pg.start()
         out.db_up = time.time()
         _wait("a point measured after the database came back", lambda: stack.pg.psql(
             f"SELECT count(*) FROM metrics WHERE timestamp > {int(out.db_up * 1000)}", db="mlflow") != "0",
-              timeout=180)
+              timeout=180, abort=out.abort)
         out.server_killed = time.time()
         stack.server.kill()
-        time.sleep(KILLED_S)
+        out.abort.wait(KILLED_S)
         stack.server.start()
         out.server_up = time.time()
     except BaseException as e:  # noqa: BLE001 - re-raised by the test's thread
@@ -311,6 +319,8 @@ def test_a_sweep_and_a_training_run_lose_nothing_through_a_database_outage_and_a
         assert out.done.is_set() and out.server_up, "the outages never finished"
         proc.wait(timeout=900)
     finally:
+        out.abort.set()  # a failure above: the database and the server are started again before the next test
+        controller.join(timeout=300)
         if proc.poll() is None:  # the sweep and its Ray
             os.killpg(proc.pid, 9)
             proc.wait(timeout=30)
