@@ -55,8 +55,8 @@ lint: $(STAMP)
 # The benchmarks that run on a CPU with no argument, one after the other; a failure is reported at the end and the
 # rest still run. Left out: gpu_check.py (needs CUDA), zero_shot_empty_rows.py (reads the demo's champion: run it
 # after make demo), suite_cpu.py (runs the test suite) and records_from_raw.py (writes records, measures nothing).
-CPU_BENCHMARKS := step_cost sampling train_throughput data_path prepare_data prepare_scale tracking_outage serve_load \
-                  confidence_cost lm_eval_mc_variance testbed_calibration fast_sampling
+CPU_BENCHMARKS := step_cost sampling train_throughput data_path prepare_data prepare_scale tracking_outage tracking_load \
+                  serve_load confidence_cost lm_eval_mc_variance testbed_calibration fast_sampling
 
 bench: $(STAMP)
 	@failed=""; for b in $(CPU_BENCHMARKS); do echo "== benchmarks/$$b.py"; \

@@ -7,6 +7,8 @@
   resume from the latest checkpoint.
 - ``train.crash_writing_best=N``: rank 0 kills its own process (``os._exit``) after the first file of the
   best checkpoint of step N is uploaded, once per run, to test that a best cut short is never registered.
+- ``train.step_pause_ms=N``: every optimiser step then waits N milliseconds (a step on an accelerator leaves the
+  CPU idle), so that a test of a tracking outage can size its runs in seconds without keeping a core busy.
 - ``prepare.fail_after_shards=N``: data preparation raises after committing N shards in this process, to
   test that a rerun resumes byte-identically.
 
@@ -19,7 +21,7 @@ import os
 from collections.abc import Mapping
 
 ENV = "ADLM_FAULT"
-KNOWN = ("train.crash_at_step", "prepare.fail_after_shards", "train.crash_writing_best")
+KNOWN = ("train.crash_at_step", "prepare.fail_after_shards", "train.crash_writing_best", "train.step_pause_ms")
 
 
 def faults(environ: Mapping[str, str] | None = None) -> dict[str, str]:

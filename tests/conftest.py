@@ -56,7 +56,8 @@ os.environ.pop("ADLM_WORKDIR", None)
 # xdist's default order (the modules of most tests first) it was handed out after about 85% of the tests and ran
 # its last 8 minutes with the other worker out of work (two in-place runs: 815 s and 1,007 s).
 LONGEST_FIRST = ("test_cluster.py", "test_journey.py", "test_train.py", "test_tune.py", "test_recipes.py",
-                 "test_tracking_outage.py", "test_prepare_cluster.py", "test_fast_sampling_bench.py", "test_prepare_data.py", "test_metrics.py",
+                 "test_tracking_outage.py", "test_mlflow_postgres.py", "test_prepare_cluster.py",
+                 "test_fast_sampling_bench.py", "test_prepare_data.py", "test_metrics.py",
                  "test_model_core.py", "test_study.py", "test_mlflow_server.py", "test_cluster_parts.py",
                  "test_serving.py", "test_lm_eval.py", "test_promotion.py", "test_evaluate.py", "test_placement.py",
                  "test_encoder.py", "test_distill_pipeline.py", "test_gpu_check.py", "test_serve_load.py",
@@ -208,3 +209,20 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory, ray_session) -> Path:
     from tests.support_data import make_tiny_data
 
     return make_tiny_data(tmp_path_factory.mktemp("tiny-data"))
+
+
+@pytest.fixture(scope="session")
+def pg_tracking(tmp_path_factory: pytest.TempPathFactory):
+    """The tracking server a cluster runs, for the whole session: a throwaway PostgreSQL, S3 on loopback (moto) and
+    ``mlflow/server.sh`` with basic authentication on them (tests/support_postgres.py), stopped whatever happens.
+    Skipped with the reason on a machine without PostgreSQL; CI installs it and sets ``ADLM_REQUIRE_POSTGRES``, which
+    makes a missing one a failure instead."""
+    from tests.support_postgres import missing, tracking_stack
+
+    why = missing()
+    if why:
+        if os.environ.get("ADLM_REQUIRE_POSTGRES"):
+            pytest.fail(f"ADLM_REQUIRE_POSTGRES is set but {why}")
+        pytest.skip(why)
+    with tracking_stack(tmp_path_factory.mktemp("pg-tracking")) as stack:
+        yield stack

@@ -36,6 +36,19 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
     except OSError:
         return False
 
+def command_lines(pgid: int) -> list[str]:
+    """The command lines of a process group's processes (what `ps` shows every user)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getpgid(int(d.name)) == pgid:
+                    out.append((d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            except (ProcessLookupError, PermissionError, FileNotFoundError):
+                continue
+    return out
+
+
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
 

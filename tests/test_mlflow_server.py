@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import pipelines.training.trainer as train_mod
 from adlm_model import load_checkpoint
 from pipelines.training.config import load_config
 from tests.conftest import free_port
-from tests.support_cluster import http_ok
+from tests.support_cluster import command_lines, http_ok, stop_group
 from tests.support_data import TINY_MODEL, data_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,22 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _healthy(url: str) -> bool:
     return http_ok(f"{url}/health")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (mlflow + its uvicorn workers), SIGKILL if it lingers."""
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @contextlib.contextmanager
@@ -69,26 +52,13 @@ def _server_sh(tmp_path: Path, **extra: str):
             time.sleep(0.5)
         yield url, artifacts, log, proc
     finally:
-        _stop(proc)
+        stop_group(proc)
 
 
 @pytest.fixture()
 def server(tmp_path: Path):
     with _server_sh(tmp_path) as (url, artifacts, _, _):
         yield url, artifacts
-
-
-def _command_lines(pgid: int) -> list[str]:
-    """The command lines of a process group's processes (what `ps` shows every user)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if os.getpgid(int(d.name)) == pgid:
-                    out.append((d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-            except (ProcessLookupError, PermissionError, FileNotFoundError):
-                continue
-    return out
 
 
 @pytest.mark.slow
@@ -115,18 +85,21 @@ def test_the_server_recipe_can_require_authentication_and_keeps_secrets_off_comm
         evil = requests.get(api, params={"max_results": 1}, auth=("admin", secret), headers={"Host": "evil.example"},
                             timeout=10)
         assert evil.status_code == 403
-        lines = _command_lines(proc.pid)
+        lines = command_lines(proc.pid)
         assert lines and not any(secret in c or "--backend-store-uri" in c for c in lines), lines
     assert secret not in log.read_text(errors="replace")
 
 
-def test_the_server_recipe_prints_store_uris_redacted(tmp_path: Path) -> None:
-    """A PostgreSQL URI with a password: the recipe stops (no psycopg2 here) but never prints the password."""
-    env = {**os.environ, "ADLM_WORKDIR": str(tmp_path),
-           "MLFLOW_BACKEND_STORE_URI": "postgresql://user:hunter2@db.internal:5432/mlflow"}
+def test_the_server_recipe_names_a_missing_store_driver_in_one_line_and_no_password(tmp_path: Path) -> None:
+    """A PostgreSQL URI with a password whose driver (the one SQLAlchemy loads for its scheme) this environment
+    lacks: the recipe stops in one line naming it, before the server starts, and never prints the password."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "ADLM_WORKDIR": str(tmp_path), "MLFLOW_BACKEND_STORE_URI": "postgresql+pg8000://user:hunter2@db.internal/m"}
     r = subprocess.run(["bash", str(ROOT / "mlflow" / "server.sh")], env=env, capture_output=True, text=True,
                        timeout=60)
-    assert "hunter2" not in r.stdout + r.stderr
+    assert r.returncode == 2 and "hunter2" not in r.stdout + r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == ["mlflow/server.sh: the store (postgresql+pg8000://) needs the Python "
+                                             "module 'pg8000': pip install -e '.[server]'"]
 
 
 @pytest.mark.slow

@@ -439,6 +439,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
             advance(w)
         optimiser_step(w, stream)
+        if lc.step_pause_ms:
+            time.sleep(lc.step_pause_ms / 1000)
         step = w.step
         if step % r.log_every == 0 or step == r.max_steps:
             last.update(log_step(w, tracker, progress))

@@ -256,7 +256,7 @@ def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, 
                                                    or os.cpu_count() or 1) + 0.5)),
         local_mode=local_mode, run_dir=run_dir, resume_dir=prev[1] if prev else None,
         crash_at_step=crash_at, crash_marker=join(run_dir, ".crashed_once") if crash_at is not None else None,
-        crash_writing_best=fault("train.crash_writing_best"))
+        crash_writing_best=fault("train.crash_writing_best"), step_pause_ms=fault("train.step_pause_ms"))
     trainer = None  # inside a Tune trial in local mode, the loop runs right here (TrialSession)
     if trial_cpus is None:
         trainer = TorchTrainer(

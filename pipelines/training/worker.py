@@ -72,6 +72,8 @@ class LoopConfig:
     crash_marker: str | None = None
     crash_writing_best: int | None = None
     """Fault injection (``ADLM_FAULT=train.crash_writing_best=N``): rank 0 dies mid-upload of step N's best."""
+    step_pause_ms: int | None = None
+    """Fault injection (``ADLM_FAULT=train.step_pause_ms=N``): each optimiser step waits N ms."""
 
 
 @dataclass

@@ -50,6 +50,7 @@ from pipelines.training.config import TrainConfig, apply_override, load_raw
 from pipelines.tuning.progress import progress_callbacks, tune_output, tune_verbosity
 from pipelines.tuning.report import TrialRow, plot_search, table_markdown
 from pipelines.tuning.space import METRIC, TIME_ATTR, SearchSpace, parse_space
+from pipelines.tuning.trials import finish_trial_runs, trial_config, with_params
 
 log = get_logger(__name__)
 
@@ -79,14 +80,6 @@ class SweepPlan:
     max_t: int
 
 
-def _with_params(base_raw: dict[str, Any], params: dict[str, Any], space: SearchSpace) -> dict[str, Any]:
-    raw = json.loads(json.dumps(base_raw))
-    for p in space.params:
-        if p.name in params:
-            apply_override(raw, f"{p.key}={json.dumps(params[p.name])}")
-    return raw
-
-
 def plan_sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
                workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
                check_data: bool = True) -> SweepPlan:
@@ -106,14 +99,14 @@ def plan_sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[st
     for p in space.params:  # every corner must make a valid recipe (e.g. gamma >= 0, tau >= 0)
         for v in p.corners():
             try:
-                TrainConfig.from_dict(_with_params(raw, {p.name: v}, space))
+                TrainConfig.from_dict(with_params(raw, {p.name: v}, space))
             except ConfigError as e:
                 raise ConfigError(f"search space {space.source}: params.{p.name} value {v!r} is invalid for the "
                                   f"recipe: {e}") from None
         if p.distribution in ("uniform", "loguniform"):  # its draws are fractions: a whole-number key takes none
             v = p.low + (p.high - p.low) * 0.382
             try:
-                TrainConfig.from_dict(_with_params(raw, {p.name: v}, space))
+                TrainConfig.from_dict(with_params(raw, {p.name: v}, space))
             except ConfigError as e:
                 raise ConfigError(f"search space {space.source}: params.{p.name}: {p.distribution} draws fractions "
                                   f"such as {v:g}, which {p.key} does not take ({e}); use randint (low inclusive, "
@@ -173,11 +166,7 @@ def run_trial(config: dict[str, Any], *, plan: TrialPlan) -> None:
     from pipelines.training.trainer import train
 
     space = parse_space(plan.space_raw, plan.space_source)
-    trial_id = tune.get_context().get_trial_id()
-    raw = _with_params(plan.base_raw, config, space)
-    cfg = TrainConfig.from_dict(raw)
-    cfg.run.name = f"{space.name}-{trial_id}"
-    tags = {"sweep": space.name, "tune.trial_id": trial_id, "tune.params": json.dumps(config, sort_keys=True)}
+    cfg, tags = trial_config(plan.base_raw, space, tune.get_context().get_trial_id(), config)
     # The callback forwards a Ray Train worker group's reports through a queue actor it starts (a process, about
     # 1.5 CPU-seconds): a local-mode trial has no worker group, it reports to Tune itself (TrialSession).
     callbacks = [TuneReportCallback()] if cfg.scaling.num_workers > 0 else []
@@ -350,6 +339,8 @@ def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: Trial
     # After the trials: their results are on disk and stay; refused credentials are a warning here.
     with best_effort(plan.tracking_uri, "the sweep's MLflow bookkeeping is incomplete", stop_on_refusal=False):
         children = _child_runs(plan, parent)
+        if finish_trial_runs(plan.base_raw, space, plan.workdir, plan.tracking_uri, parent, rows, children):
+            children = _child_runs(plan, parent)
         for r in rows:
             run = children.get(r.trial_id)
             if run is None:
