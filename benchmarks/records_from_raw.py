@@ -236,8 +236,57 @@ def from_study(src: Source) -> Record:
     return Record(day, slug, src.topic, rows, src.command, results, src.raw, sections)
 
 
+def _load_summary(path: str) -> str:
+    """The 1-minute load averages a ``load.log`` sampled (one ``<UTC time> <1 min> <5 min> <15 min>`` line a minute)."""
+    vals = sorted(float(line.split()[1]) for line in (ROOT / path).read_text().splitlines() if line.strip())
+    if not vals:
+        return "not sampled"
+    return (f"1-minute load average {vals[0]:.1f} to {vals[-1]:.1f}, median {vals[len(vals) // 2]:.1f} over "
+            f"{len(vals)} samples a minute apart (2 cores: other work shared the machine above 2)")
+
+
+def from_confirm(src: Source) -> Record:
+    """A sweep's confirmation (``confirm.json`` as ``pipelines.tuning.confirm_report`` wrote it) and its report."""
+    path = next(p for p in src.raw if p.endswith("confirm.json"))
+    d = json.loads((ROOT / path).read_text())
+    h, day = committed_in(path)
+    slug, _, desc = src.machine.partition(": ")
+    results = []
+    for c in d["contrasts"]:
+        dn = c["difference_nats"]
+        if dn is None:
+            continue
+        name = f"{d['sweep']}_{c['arm']}_vs_{c['against']}_{c['reading'].replace(':', '')}_d_nats"
+        results += [f"RESULT {name}={_fmt(dn['mean'])}", f"RESULT {name}_lo95={_fmt(dn['lo'])}",
+                    f"RESULT {name}_hi95={_fmt(dn['hi'])}"]
+    for key, arms in d["bounds"].items():
+        for arm, by_seed in arms.items():
+            vals = [math.log(v) for v in by_seed.values()]
+            if vals:
+                results.append(f"RESULT {d['sweep']}_{arm}_{key.replace(':', '')}_bound_nats_mean="
+                               f"{_fmt(sum(vals) / len(vals))}")
+    rows = [("date", f"{day} (the commit of the results)"), ("commit of the run", src.notes[0] if src.notes else
+                                                              "not in the raw files"),
+            ("raw files committed in", f"`{h}` ({day})"),
+            ("machine", f"{desc} (not in the raw files: the run's documented setting)"),
+            ("fresh seeds", ", ".join(str(s) for s in d["seeds"])),
+            ("verdict (the primary contrast)", d["summary"])]
+    loads = [p for p in src.raw if p.endswith("load.log")]
+    if loads:
+        rows.append(("load", _load_summary(loads[0])))
+    report = [("#" + line) if line.startswith("## ") else line
+              for line in (ROOT / next(p for p in src.raw if p.endswith("confirm.md"))).read_text().strip().splitlines()]
+    sections = [("The confirmation's own report (confirm.md, as the sweep wrote it)", report)]
+    for p in src.raw:
+        if p.endswith("trials.md"):
+            sections.append((f"Search trials ({Path(p).name})", (ROOT / p).read_text().strip().splitlines()))
+    if len(src.notes) > 1:
+        sections.insert(0, ("Notes", list(src.notes[1:])))
+    return Record(day, slug, src.topic, rows, src.command, results, src.raw, sections)
+
+
 BUILDERS: dict[str, Callable[[Source], Record]] = {"gpu_check": from_gpu_check, "log": from_log,
-                                                  "study": from_study}
+                                                  "study": from_study, "confirm": from_confirm}
 
 
 def records() -> list[Record]:

@@ -187,7 +187,9 @@ def plot_confirmation(result: Any, out: Path) -> Path | None:
     ax.set_xlabel("d = bound(against) - bound(arm), nats/token\n(> 0: the arm is lower; 95% interval)")
     ax.set_title(f"paired over fresh seeds {plan.seeds}", fontsize=9)
     ax.grid(alpha=0.3, axis="x")
-    fig.suptitle(result.summary, fontsize=9)
+    import textwrap
+
+    fig.suptitle("\n".join(textwrap.wrap(result.summary, width=int(22 * fig.get_figwidth()))), fontsize=9)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
