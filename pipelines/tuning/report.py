@@ -189,7 +189,7 @@ def plot_confirmation(result: Any, out: Path) -> Path | None:
     ax.grid(alpha=0.3, axis="x")
     import textwrap
 
-    fig.suptitle("\n".join(textwrap.wrap(result.summary, width=int(22 * fig.get_figwidth()))), fontsize=9)
+    fig.suptitle("\n".join(textwrap.wrap(result.summary, width=int(12 * fig.get_figwidth()))), fontsize=9)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
