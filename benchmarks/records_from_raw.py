@@ -78,6 +78,14 @@ SOURCES: tuple[Source, ...] = (
                      "studies/testbed_sedd/results.csv", "studies/testbed_sedd/curves.png"),
            "study-testbed-sedd", machine="cpu: a 2-core CPU, two runs at a time",
            command="python -m pipelines.study studies/testbed_sedd.yaml"),
+    Source("confirm", tuple(f"benchmarks/runs/2026-12-06_cpu2_demo_confirm/{f}" for f in (
+        "confirm.json", "confirm.md", "confirm.csv", "confirm.png", "search.png", "trials.md")),
+           "tune-confirm-demo", machine="cpu2: a 2-core CPU shared with other work (load average 7-13), two trials "
+           "at a time",
+           command="python -m pipelines.prepare_data --source embedded && python -m pipelines.tune --space "
+                   "tune_spaces/demo.yaml --config configs/demo.yaml --confirm 3",
+           notes=("`ccf9137` (the search and the confirmation's runs; the report rewritten by a rerun of the same "
+                  "command at `b00843b`, which trained nothing)",)),
 )
 
 
