@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -442,8 +443,12 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] 
     # A killed node found dead by the GCS's health checks every second (default 3 s; 5 missed in a row), as the
     # autoscaler's cluster below: with the default, the node-loss test waited about 25 s doing nothing.
     system_config = {**LOCAL_SYSTEM_CONFIG, "health_check_period_ms": 1000}
-    saved_path = os.environ["PATH"]
+    saved_path, saved_tmp = os.environ["PATH"], os.environ.get("RAY_TMPDIR")
     os.environ["PATH"] = f"{BIN}{os.pathsep}{saved_path}"
+    # A temp folder of its own: a job's driver finds its cluster through <temp>/ray/ray_current_cluster, which
+    # names the cluster started last on the machine; with a shared /tmp/ray, a job of this cluster joined another
+    # test's cluster started meanwhile (and was refused its token).
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rc-", dir="/tmp")
     try:
         def start() -> tuple[Cluster, list, int]:
             dash = free_port()
@@ -472,6 +477,10 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] 
             cluster.shutdown()
     finally:
         os.environ["PATH"] = saved_path
+        if saved_tmp is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved_tmp
 
 
 @dataclass
