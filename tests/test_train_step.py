@@ -270,6 +270,36 @@ def test_the_loop_and_the_gpu_check_run_the_same_step(monkeypatch) -> None:
         assert not {"clip_grad_norm_", "AdamW", "no_sync", "set_requires_gradient_sync"} & calls, path.name
 
 
+STEP_OF_THEIR_OWN = {"backward", "clip_grad_norm_", "clip_grad_value_"}
+"""Calls only a training step makes (besides an optimiser's ``step``)."""
+KERNEL_TIMINGS = {("gpu_check.py", "flex_item")}
+"""(file, function) that call ``backward`` on something that is no training step: gpu_check times FlexAttention's
+kernel, forward and backward, against SDPA's (no optimiser, no loss)."""
+
+
+def test_every_benchmark_that_trains_runs_the_pipelines_step() -> None:
+    """No benchmark keeps a training step of its own: no ``.backward(``, gradient clipping or optimiser ``.step(``
+    outside ``TrainStep`` anywhere in ``benchmarks/`` (gpu_check's attention-kernel timing aside), and the ones
+    that time or run training steps build a ``TrainStep``."""
+    import ast
+
+    found, builders = [], set()
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for top in tree.body:  # each call under the top-level function or class it is in
+            name = getattr(top, "name", "<module>")
+            for call in (n for n in ast.walk(top) if isinstance(n, ast.Call)):
+                f = call.func
+                attr = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                if attr == "TrainStep":
+                    builders.add(path.name)
+                optimiser_step = attr == "step" and isinstance(f, ast.Attribute) and "opt" in ast.unparse(f.value)
+                if (attr in STEP_OF_THEIR_OWN or optimiser_step) and (path.name, name) not in KERNEL_TIMINGS:
+                    found.append(f"{path.name}:{call.lineno} {name}: {ast.unparse(f)}(")
+    assert not found, found
+    assert {"step_cost.py", "fast_sampling.py", "train_throughput.py", "gpu_check.py"} <= builders, builders
+
+
 @pytest.mark.parametrize("value, want", [("auto", "auto"), ("on", "on"), ("OFF", "off"), (True, "on"), (False, "off")])
 def test_the_compile_key(value: object, want: str) -> None:
     from pipelines.training.config import TrainConfig, flatten
