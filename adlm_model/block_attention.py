@@ -42,6 +42,7 @@ through SDPA with the dense mask elsewhere (FlexAttention unfused is slower, and
 ``on`` / ``off`` force it (tests, timings)."""
 
 _BLOCK_MASKS: dict[tuple[int, int, str], object] = {}
+_DENSE_MASKS: dict[tuple[int, int, str], torch.Tensor] = {}
 
 
 def block_diff_mask_mod(length: int, block_size: int):
@@ -56,10 +57,23 @@ def block_diff_mask_mod(length: int, block_size: int):
     return mask_mod
 
 
+def dense_block_mask(length: int, block_size: int, device: torch.device | str) -> torch.Tensor:
+    """``block_diff_mask``, built once per (length, block size, device) and reused by every pass. Built outside a
+    compiled region before the first compiled pass (``prepare_block_mask``): a compiled pass only reads it (built
+    inside the graph, inductor on a CPU fails on its index arithmetic: "A Boolean argument can only be used in Eq
+    and Ne", torch 2.13)."""
+    key = (length, block_size, str(torch.device(device)))
+    if key not in _DENSE_MASKS:
+        if len(_DENSE_MASKS) >= 16:
+            _DENSE_MASKS.clear()
+        _DENSE_MASKS[key] = block_diff_mask(length, block_size, device)
+    return _DENSE_MASKS[key]
+
+
 def flex_block_mask(length: int, block_size: int, device: torch.device | str):
     """FlexAttention's ``BlockMask`` of ``block_diff_mask``, built once per (length, block size, device). Called
-    outside a compiled region before the first compiled pass (``prepare_flex``), so that the compiled pass only
-    reads it."""
+    outside a compiled region before the first compiled pass (``prepare_block_mask``), so that the compiled pass
+    only reads it."""
     key = (length, block_size, str(torch.device(device)))
     if key not in _BLOCK_MASKS:
         from torch.nn.attention.flex_attention import create_block_mask
@@ -75,10 +89,13 @@ def uses_flex(device: torch.device) -> bool:
     return FLEX_ATTENTION == "on"
 
 
-def prepare_flex(length: int, block_size: int, device: torch.device) -> None:
-    """Build the block mask a compiled pass on ``device`` will read (nothing on a CPU under ``auto``)."""
+def prepare_block_mask(length: int, block_size: int, device: torch.device) -> None:
+    """Build the mask a compiled pass on ``device`` will read: FlexAttention's where it attends through it (on
+    CUDA under ``auto``), else the dense one."""
     if FLEX_ATTENTION == "on" or (FLEX_ATTENTION == "auto" and device.type == "cuda"):
         flex_block_mask(length, block_size, device)
+    else:
+        dense_block_mask(length, block_size, device)
 
 
 def block_diffusion_head(net: DiT, z_t: torch.Tensor, x0: torch.Tensor, sigma: torch.Tensor, block_size: int
@@ -89,7 +106,7 @@ def block_diffusion_head(net: DiT, z_t: torch.Tensor, x0: torch.Tensor, sigma: t
     if uses_flex(z_t.device):
         mask = flex_block_mask(length, block_size, z_t.device)
     else:
-        mask = block_diff_mask(length, block_size, z_t.device)
+        mask = dense_block_mask(length, block_size, z_t.device)
     pos = torch.arange(length, device=z_t.device).repeat(2)
     h = net.trunk(net.embed(torch.cat([z_t, x0], dim=1)), sigma, mask=mask, position_ids=pos)
     lin = net.output_layer.linear
@@ -105,4 +122,4 @@ def block_diffusion_pass(net: DiT, z_t: torch.Tensor, x0: torch.Tensor, sigma: t
 
 
 __all__ = ["FLEX_ATTENTION", "block_causal_mask", "block_diff_mask", "block_diff_mask_mod", "block_diffusion_head",
-           "block_diffusion_pass", "flex_block_mask", "prepare_flex"]
+           "block_diffusion_pass", "dense_block_mask", "flex_block_mask", "prepare_block_mask"]

@@ -133,8 +133,8 @@ def anchor_mask(x: torch.Tensor, attention_mask: torch.Tensor | None, tau: int, 
 
 def gamma_at(step: int | torch.Tensor, gamma: float, beta: float, horizon: int) -> float | torch.Tensor:
     """gamma_k = min(gamma, beta k / K) at optimiser step k, K = ``horizon`` (docs/design/method.md, section 2); a ramp of
-    gamma / beta * K steps. ``horizon`` 0: no ramp (gamma from the start). ``step`` a float64 tensor (a compiled
-    step, whose graph must not depend on the step's value): a float32 tensor equal to the float's rounding."""
+    gamma / beta * K steps. ``horizon`` 0: no ramp (gamma from the start). ``step`` a tensor (a compiled step,
+    whose graph must not depend on the step's value): a float32 tensor equal to the float's rounding."""
     if horizon <= 0:
         return gamma
     if isinstance(step, torch.Tensor):

@@ -7,10 +7,11 @@ last micro-batch only; then clipping, AdamW, the learning-rate schedule and the 
 
 Compilation. With ``compile`` the objective runs under ``torch.compile`` (static shapes). The noise is drawn
 before the compiled function and passed to it as tensors: a ``torch.Generator`` cannot enter a graph, and every
-draw from one inside it split the graph (eleven breaks an MDLM step). The step index enters as a tensor too (ADLM's
-anchor weight ramps with it), so every step reuses the first step's graph. A micro-batch of another shape than the
-first (a last partial batch) runs the eager objective instead of compiling a second graph. Only torch and
-``adlm_model`` are imported here: the GPU check runs this module on a machine that has nothing else.
+draw from one inside it split the graph (eleven breaks an MDLM step). The step index enters as an int64 tensor too
+(ADLM's anchor weight ramps with it), so every step reuses the first step's graph. BD3-LM's attention mask (dense,
+or FlexAttention's on CUDA) is built before the compiled function, which only reads it. A micro-batch of another
+shape than the first (a last partial batch) runs the eager objective instead of compiling a second graph. Only
+torch and ``adlm_model`` are imported here: the GPU check runs this module on a machine that has nothing else.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from .bd3lm import block_noise
-from .block_attention import prepare_flex
+from .block_attention import prepare_block_mask
 from .config import ModelConfig
 from .ema import EMA
 from .kinds import KINDS, compute_loss
@@ -62,8 +63,8 @@ class Objective(nn.Module):
 
     def draw(self, x: torch.Tensor, attention_mask: torch.Tensor | None, generator: torch.Generator | None,
              train: bool) -> Noise:
-        if KINDS[self.cfg.kind].block_diffusion:  # the FlexAttention mask is built outside any compiled region
-            prepare_flex(x.shape[1], self.cfg.block_size, x.device)
+        if KINDS[self.cfg.kind].block_diffusion:  # the attention mask is built outside any compiled region
+            prepare_block_mask(x.shape[1], self.cfg.block_size, x.device)
         return draw_noise(self.cfg, x, generator, train=train)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, noise: Noise,
@@ -140,7 +141,9 @@ class TrainStep:
         t0 = time.perf_counter()
         device = batches[0][0].device
         if self._k is None or self._k.device != device:
-            self._k = torch.zeros((), dtype=torch.float64, device=device)
+            # int64: dynamo takes a 0-dim float64 CPU tensor for a Python float, traces it as a symbolic float and
+            # then traces the whole objective again ("Restarting analysis": ADLM's anchor-weight ramp reads it).
+            self._k = torch.zeros((), dtype=torch.int64, device=device)
         self._k.fill_(step)  # a kernel argument, no host sync; the compiled graph reads it as an input
         accum = len(batches)
         self.opt.zero_grad(set_to_none=True)

@@ -78,6 +78,7 @@ from _util import result
 from adlm_model import build_model, compute_loss, preset, sample, unigram_entropy
 from adlm_model.samplers import check_sample_args, diffusion_sample, resolve_prefix
 from adlm_model.testbed import BOS_ID, EOS_ID, MASK_ID, Testbed, TestbedConfig
+from adlm_model.train_step import Objective, TrainStep
 
 PAPER_T = {"mdlm": 1024, "adlm": 4096}
 SELECTION_SEED, MEASUREMENT_SEED, TRUTH_SEED = 7, 100_007, 30_000_000
@@ -102,18 +103,19 @@ def _write_json(obj: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _adamw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor, step: int, lr: float,
-                horizon: int = 0) -> float:
-    """One AdamW step: ``lr`` after 20 warm-up steps, then (given a ``horizon``) a cosine to ``COSINE_FLOOR * lr``."""
+def _set_lr(opt: torch.optim.Optimizer, step: int, lr: float, horizon: int = 0) -> None:
+    """The learning rate of ``step``: ``lr`` after 20 warm-up steps, then (given a ``horizon``) a cosine to
+    ``COSINE_FLOOR * lr``."""
     f = COSINE_FLOOR  # (1 + f) / 2 and (1 - f) / 2 are exactly the 0.55 and 0.45 that format 3's models trained with
     decay = (1 + f) / 2 + (1 - f) / 2 * math.cos(math.pi * min(step / horizon, 1.0)) if horizon else 1.0
     for group in opt.param_groups:
         group["lr"] = lr * min(1.0, (step + 1) / 20) * decay
-    opt.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    return loss.item()
+
+
+def _trainer(objective: torch.nn.Module, model: torch.nn.Module, lr: float) -> TrainStep:
+    """The pipeline's step (``adlm_model.train_step.TrainStep``: the noise drawn from the caller's generator, the
+    objective, backward, clipping to 1, AdamW) on ``objective``; ``_set_lr`` sets each step's learning rate."""
+    return TrainStep(objective, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0), clip=1.0)
 
 
 def network_config(kind: str, tb: Testbed, hidden: int = 128, blocks: int = 2):
@@ -150,7 +152,8 @@ def train(kind: str, tb: Testbed, steps: int, workdir: Path, seed: int = 0, batc
             print(f"  {kind}: cached model {d.name} ({steps} steps)", flush=True)
             return model.eval(), cfg, meta
         model.to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        step_fn = _trainer(Objective(model, cfg), model, lr)
+        opt = step_fn.opt
         g = torch.Generator(device=device).manual_seed(seed)
         start, state_path = 0, d / "state.safetensors"
         info = json.loads((d / "state.json").read_text()) if (d / "state.json").is_file() else {}
@@ -172,9 +175,8 @@ def train(kind: str, tb: Testbed, steps: int, workdir: Path, seed: int = 0, batc
         model.train()
         t0, losses = time.perf_counter(), []
         for step, rows in zip(range(start, steps), step_rows(tb, batch, start, steps, loader_workers), strict=True):
-            x = rows.to(device)
-            loss = compute_loss(model, x, None, cfg, step=step, train=True, generator=g).loss
-            losses.append(_adamw_step(model, opt, loss, step, lr, horizon=steps))
+            _set_lr(opt, step, lr, horizon=steps)
+            losses.append(float(step_fn([(rows.to(device), None)], step=step, generator=g).loss))
             if (step + 1) % 100 == 0:
                 print(f"  {kind} step {step + 1}/{steps} loss {statistics.fmean(losses[-100:]):.4f} (mean of the last "
                       f"100; {time.perf_counter() - t0:.0f} s)", flush=True)
@@ -213,7 +215,9 @@ def distill(kind: str, teacher: torch.nn.Module, cfg, tb: Testbed, workdir: Path
     end like ``train``; each round's student is cached by the hash of the chain of recipes that made it (a rerun
     skips the rounds done). Returns ``[(student's sampling steps, student)]``, one per round, on the CPU;
     ``device``: where the rounds train (as ``train``'s, not part of the key)."""
-    from adlm_model.distill import round_dt, sdtt_objective, student_steps
+    from adlm_model.distill import student_steps
+    from pipelines.training.config import DistillSection
+    from pipelines.training.distill import DistillLoss, Teacher
 
     t0_steps = tb.length
     out, current, chain = [], teacher.eval(), teacher_key
@@ -235,14 +239,15 @@ def distill(kind: str, teacher: torch.nn.Module, cfg, tb: Testbed, workdir: Path
                 student.load_state_dict(current.state_dict())
                 student.to(device).train()
                 current.to(device)
-                opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
+                section = DistillSection(rounds=rounds, steps_per_round=steps_per_round, teacher_steps=t0_steps,
+                                         substeps=substeps)
+                step_fn = _trainer(DistillLoss(student, cfg, Teacher(current, r), section), student, lr)
                 g = torch.Generator(device=device).manual_seed(seed * 1000 + r)
                 t0, losses = time.perf_counter(), []
                 for step in range(steps_per_round):
                     x = tb.sample(batch, seed=5_000_000 + r * steps_per_round + step).to(device)
-                    loss = sdtt_objective(student, current, x, None, cfg, dt=round_dt(t0_steps, r, substeps),
-                                          substeps=substeps, generator=g).loss
-                    losses.append(_adamw_step(student, opt, loss, step, lr))
+                    _set_lr(step_fn.opt, step, lr)
+                    losses.append(float(step_fn([(x, None)], step=step, generator=g).loss))
                     if (step + 1) % 100 == 0:
                         print(f"  {kind} SDTT round {r + 1}/{rounds} step {step + 1}/{steps_per_round} divergence "
                               f"{statistics.fmean(losses[-100:]):.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)

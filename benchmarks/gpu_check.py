@@ -1,5 +1,6 @@
 """The GPU check: the training step of every kind measured against a plain transformer in the same run, with the
-correctness of the bf16 step, the samplers' cached paths and the sampling speed; ``RESULT name=value`` lines and
+correctness of the bf16 step, of BD3-LM's compiled step (FlexAttention) against its eager one (the dense mask), of
+the samplers' cached paths, and the sampling speed; ``RESULT name=value`` lines and
 ``DIR/gpu_check.json``. ``--help`` lists the options, ``--list`` the items and their RESULT names.
 
 The kinds train through the pipeline's own step (``adlm_model.train_step.TrainStep``: the objective compiled with
@@ -60,7 +61,7 @@ from adlm_model.config import ModelConfig  # noqa: E402
 from adlm_model.flops import objective_flops  # noqa: E402
 from adlm_model.kinds import KINDS, count_parameters  # noqa: E402
 from adlm_model.losses import LossOutput  # noqa: E402
-from adlm_model.train_step import Objective, TrainStep, fused_adamw, lr_schedule  # noqa: E402
+from adlm_model.train_step import Objective, TrainStep, draw_noise, fused_adamw, lr_schedule  # noqa: E402
 
 KINDS = {k: v for k, v in KINDS.items() if not v.sample_only}  # the trained kinds (SSD-LM is sample-only)
 TRAINED = tuple(k for k, v in KINDS.items() if v.train_objective is not None)
@@ -75,6 +76,12 @@ DATASHEET_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0),
 
 LOSS_REL_TOL = 0.01
 GRAD_COSINE_MIN = 0.995
+COMPILED_LOSS_REL_TOL = 1e-5
+COMPILED_GRAD_COSINE_MIN = 0.9999
+COMPILED_GRAD_MAX_REL_TOL = 1e-3
+"""The compiled BD3-LM objective against the eager one, both float32 without TF32 (``correct_compiled``): the
+difference is rounding (inductor on a CPU: at most 2.3e-7 of the loss, 7e-7 of the largest gradient); a
+miscompiled FlexAttention (its inputs' layout, torch 2.13 on a CPU) put the loss 5.7e-5 to 4.5e-4 off."""
 SAMPLER_OPTIONS = {"mdlm", "remdm-loop"}
 """Default samplers whose networks the confidence sampler's dual cache applies to (MDLM-style bidirectional DiTs)."""
 
@@ -222,21 +229,32 @@ def free_memory(ctx: Ctx) -> None:
 # Correctness
 
 
-def correct_bf16(ctx: Ctx, kind: str) -> dict[str, Any]:
-    """The training step (``TrainStep``, eager) under bf16 autocast against float32 on one fixed batch and noise
-    draw, on a network with random weights (std 0.02, the zero-initialised layers included; LayerNorm weights 1):
-    loss and gradients finite, ``|loss_bf16 / loss_fp32 - 1| <= LOSS_REL_TOL``, their cosine
-    ``>= GRAD_COSINE_MIN``, the parameters and a second loss finite after the step. Float32 without TF32."""
+def correctness_network(ctx: Ctx, kind: str) -> tuple[ModelConfig, nn.Module]:
+    """The correctness items' network (``--tiny``: the micro one, on the CPU) with random weights, std 0.02, the
+    zero-initialised layers included; LayerNorm weights 1 (drawn around 0 they would scale the residual stream
+    down to nothing)."""
     cfg = ctx.train_config(kind, dropout=0.0)
     if ctx.args.tiny:
         cfg = cfg.replace(**{k: v for k, v in ctx.sizes.micro.items() if k != "dropout"})
     torch.manual_seed(0)
     base = randomize(build_model(cfg), std=0.02)
-    # LayerNorm weights drawn around 0 would scale the residual stream down to nothing; keep them at 1.
     with torch.no_grad():
         for name, p in base.named_parameters():
             if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("norm_final.weight"):
                 p.fill_(1.0)
+    return cfg, base
+
+
+def flat_grads(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None])
+
+
+def correct_bf16(ctx: Ctx, kind: str) -> dict[str, Any]:
+    """The training step (``TrainStep``, eager) under bf16 autocast against float32 on one fixed batch and noise
+    draw, on a network with random weights (std 0.02, the zero-initialised layers included; LayerNorm weights 1):
+    loss and gradients finite, ``|loss_bf16 / loss_fp32 - 1| <= LOSS_REL_TOL``, their cosine
+    ``>= GRAD_COSINE_MIN``, the parameters and a second loss finite after the step. Float32 without TF32."""
+    cfg, base = correctness_network(ctx, kind)
     x = random_rows(cfg, ctx.sizes.correct_rows, ctx.device)
     grads: dict[str, torch.Tensor] = {}
     losses: dict[str, float] = {}
@@ -250,7 +268,7 @@ def correct_bf16(ctx: Ctx, kind: str) -> dict[str, Any]:
             out = step([(x, None)], step=1, generator=ctx.gen(1))
         losses[dtype] = float(out.loss)
         # The gradients as clipped (one factor for every parameter: their cosine is that of the raw ones).
-        grads[dtype] = torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None])
+        grads[dtype] = flat_grads(model)
         if dtype == "bf16":
             params_finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
             with torch.no_grad(), step.autocast(ctx.device):
@@ -267,6 +285,70 @@ def correct_bf16(ctx: Ctx, kind: str) -> dict[str, Any]:
               "finite": finite, "params_finite_after_step": params_finite, "rows": ctx.sizes.correct_rows,
               "seq_len": cfg.seq_len, "parameters": count_parameters(base),
               "tolerances": {"loss_rel": LOSS_REL_TOL, "grad_cosine_min": GRAD_COSINE_MIN}}
+    if not ok:
+        raise CheckFailed(json.dumps({"results": res, "detail": detail}))
+    return {"results": res, "detail": detail}
+
+
+@contextlib.contextmanager
+def flex_attention(mode: str) -> Iterator[None]:
+    """BD3-LM's training pass through FlexAttention (``on``) or the dense mask (``off``) for the block."""
+    old, flex.FLEX_ATTENTION = flex.FLEX_ATTENTION, mode
+    try:
+        yield
+    finally:
+        flex.FLEX_ATTENTION = old
+
+
+def compiled_figures(loss_c: float, loss_e: float, g_c: torch.Tensor, g_e: torch.Tensor, kind: str
+                     ) -> tuple[bool, dict[str, Any]]:
+    """The pass rule of ``correct_compiled``: the loss's relative difference, the gradients' cosine and their largest
+    difference over the largest eager gradient entry, each within its tolerance, everything finite."""
+    rel = abs(loss_c / loss_e - 1.0)
+    cos = float(F.cosine_similarity(g_c.double(), g_e.double(), dim=0))
+    max_rel = float((g_c - g_e).abs().max() / g_e.abs().max())
+    ok = (all(math.isfinite(v) for v in (loss_c, loss_e, rel, cos, max_rel)) and rel <= COMPILED_LOSS_REL_TOL
+          and cos >= COMPILED_GRAD_COSINE_MIN and max_rel <= COMPILED_GRAD_MAX_REL_TOL)
+    return ok, {f"correct_compiled_ok_{kind}": int(ok), f"correct_compiled_loss_rel_diff_{kind}": rel,
+                f"correct_compiled_grad_cosine_{kind}": cos, f"correct_compiled_grad_max_rel_diff_{kind}": max_rel}
+
+
+def correct_compiled(ctx: Ctx, kind: str = "bd3lm") -> dict[str, Any]:
+    """The compiled training step against the eager one on one batch and noise draw (``correct_bf16``'s network),
+    both float32 without TF32, the gradients unclipped: BD3-LM's attention through FlexAttention compiled (what
+    ``scaling.compile: auto`` trains with on CUDA) against the dense mask eager. Pass rule: ``compiled_figures``.
+    On a CPU (``--tiny``), where FlexAttention has no backward, the loss goes through FlexAttention compiled
+    forward only and the gradients through the dense mask compiled."""
+    cfg, base = correctness_network(ctx, kind)
+    x = random_rows(cfg, ctx.sizes.correct_rows, ctx.device)
+
+    def step(compiled: bool, mode: str) -> tuple[float, torch.Tensor]:
+        model = copy.deepcopy(base).to(ctx.device).train()
+        st = TrainStep(Objective(model, cfg), model, fused_adamw(model.parameters(), lr=0.0, fused=False), clip=0.0,
+                       compile=compiled, backend=ctx.args.compile_backend)
+        with flex_attention(mode), matmul_precision("highest"):
+            loss = float(st([(x, None)], step=1, generator=ctx.gen(1)).loss)
+        return loss, flat_grads(model)
+
+    loss_e, g_e = step(False, "off")
+    if ctx.cuda:
+        loss_c, g_c = step(True, "on")
+        paths = "FlexAttention compiled, forward and backward"
+    else:
+        _, g_c = step(True, "off")
+        objective = Objective(copy.deepcopy(base).to(ctx.device).train(), cfg)
+        noise = draw_noise(cfg, x, ctx.gen(1))  # TrainStep's own draw from the same seed
+        with flex_attention("on"), matmul_precision("highest"), torch.no_grad():
+            flex.prepare_block_mask(cfg.seq_len, cfg.block_size, ctx.device)
+            fn = torch.compile(objective, backend=ctx.args.compile_backend, dynamic=False)
+            loss_c = float(fn(x, None, noise, torch.ones((), dtype=torch.int64, device=ctx.device), True).loss)
+        paths = "loss: FlexAttention compiled, forward; gradients: the dense mask compiled"
+    ok, res = compiled_figures(loss_c, loss_e, g_c, g_e, kind)
+    detail = {"loss_compiled": loss_c, "loss_eager": loss_e, "compiled": paths, "eager": "the dense mask",
+              "compile_backend": ctx.args.compile_backend, "rows": ctx.sizes.correct_rows, "seq_len": cfg.seq_len,
+              "block_size": cfg.block_size, "parameters": count_parameters(base),
+              "tolerances": {"loss_rel": COMPILED_LOSS_REL_TOL, "grad_cosine_min": COMPILED_GRAD_COSINE_MIN,
+                             "grad_max_rel": COMPILED_GRAD_MAX_REL_TOL}}
     if not ok:
         raise CheckFailed(json.dumps({"results": res, "detail": detail}))
     return {"results": res, "detail": detail}
@@ -1024,6 +1106,10 @@ def _items() -> list[Item]:
                            f"train_compile_s_compiled_{k}", f"train_over_anchor_{k}", f"train_goal_met_{k}"),
                           need_s=60))
     if "bd3lm" in TRAINED:
+        items.append(Item("correct_compiled_bd3lm", correct_compiled,
+                          ("correct_compiled_ok_bd3lm", "correct_compiled_loss_rel_diff_bd3lm",
+                           "correct_compiled_grad_cosine_bd3lm", "correct_compiled_grad_max_rel_diff_bd3lm"),
+                          need_s=60))
         items.append(Item("flex_bd3lm", flex_item, ("flex_ms_bd3lm", "dense_ms_bd3lm", "flex_speedup_bd3lm",
                                                     "flex_max_abs_diff_bd3lm"), need_s=15))
     for k in TRAINED:

@@ -58,8 +58,9 @@ os.environ.pop("ADLM_WORKDIR", None)
 LONGEST_FIRST = ("test_cluster.py", "test_journey.py", "test_train.py", "test_tune.py", "test_recipes.py",
                  "test_tracking_outage.py", "test_mlflow_postgres.py", "test_prepare_cluster.py",
                  "test_fast_sampling_bench.py", "test_prepare_data.py", "test_metrics.py",
-                 "test_model_core.py", "test_study.py", "test_mlflow_server.py", "test_cluster_parts.py",
-                 "test_serving.py", "test_lm_eval.py", "test_promotion.py", "test_evaluate.py", "test_placement.py",
+                 "test_model_core.py", "test_train_step.py", "test_study.py", "test_mlflow_server.py",
+                 "test_cluster_parts.py", "test_serving.py", "test_lm_eval.py", "test_promotion.py", "test_evaluate.py",
+                 "test_placement.py",
                  "test_encoder.py", "test_distill_pipeline.py", "test_gpu_check.py", "test_serve_load.py",
                  "test_import_pipeline.py", "test_hf_export.py")
 

@@ -49,25 +49,26 @@ def test_training_is_seeded_cached_and_resumes_exactly(bench, tmp_path, monkeypa
     w, _, _ = bench.train("mdlm", tb, 6, tmp_path / "w", checkpoint_every=3, loader_workers=2)
     assert all(torch.equal(x, y) for x, y in zip(_weights(a), _weights(w), strict=True))
     assert meta["done"] and len(list((tmp_path / "a").iterdir())) == 1
-    # A second call reuses the cached model (no training: the loss is never computed).
+    # A second call reuses the cached model (no training: no step is taken).
     calls = []
-    real = bench.compute_loss
-    monkeypatch.setattr(bench, "compute_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = bench.TrainStep.__call__  # the pipeline's step, which the benchmark trains with
+    monkeypatch.setattr(bench.TrainStep, "__call__", lambda self, b, **k: calls.append(1) or real(self, b, **k))
     c, _, _ = bench.train("mdlm", tb, 6, tmp_path / "a", checkpoint_every=3)
     assert not calls and all(torch.equal(x, y) for x, y in zip(_weights(a), _weights(c), strict=True))
 
     # Killed at step 5 (after the checkpoint at 3), then rerun: resumes at 3 and ends with the same weights.
-    def dies(*args, step=0, **kw):
+    def dies(self, batches, *, step, **kw):
         if step == 4:
             raise KeyboardInterrupt
-        return real(*args, step=step, **kw)
+        return real(self, batches, step=step, **kw)
 
-    monkeypatch.setattr(bench, "compute_loss", dies)
+    monkeypatch.setattr(bench.TrainStep, "__call__", dies)
     with pytest.raises(KeyboardInterrupt):
         bench.train("mdlm", tb, 6, tmp_path / "killed", checkpoint_every=3)
     (run,) = (tmp_path / "killed").iterdir()
     assert (run / "state.safetensors").is_file() and not (run / "meta.json").exists()
-    monkeypatch.setattr(bench, "compute_loss", lambda *a, step=0, **k: calls.append(step) or real(*a, step=step, **k))
+    monkeypatch.setattr(bench.TrainStep, "__call__",
+                        lambda self, b, *, step, **k: calls.append(step) or real(self, b, step=step, **k))
     d, _, _ = bench.train("mdlm", tb, 6, tmp_path / "killed", checkpoint_every=3, loader_workers=1)
     assert calls == [3, 4, 5]  # resumed with the rows drawn ahead from step 3 on
     assert all(torch.equal(x, y) for x, y in zip(_weights(a), _weights(d), strict=True))

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import load_script
 
@@ -73,7 +74,7 @@ def test_the_tiny_cpu_run_passes_and_prints_every_result_name(tmp_path: Path) ->
         else:
             assert value != "nan", name
     for name in results:
-        if name.startswith(("correct_bf16_ok_", "sampler_equal_")):
+        if name.startswith(("correct_bf16_ok_", "correct_compiled_ok_", "sampler_equal_")):
             assert results[name] == "1", name
         if name.startswith("train_graph_breaks_") or name == "anchor_graph_breaks":  # one graph a compiled step
             assert results[name] == "0", name
@@ -139,6 +140,23 @@ def test_bad_arguments_fail_in_one_line(argv: list[str], message: str, tmp_path:
 ])
 def test_the_batch_search(limit: int, cap: int, want: int, tried: list[int]) -> None:
     assert gpu_check.largest_batch(lambda b: b <= limit, 8, cap) == (want, tried)
+
+
+def test_the_compiled_step_check_fails_on_a_miscompiled_step() -> None:
+    """``correct_compiled``'s pass rule: rounding passes; the loss off as far as a miscompiled FlexAttention put it
+    (5.7e-5 and 4.5e-4 on a CPU), a gradient entry off by 1% of the largest, or gradients pointing elsewhere fail,
+    and so does a non-finite loss."""
+    g = torch.randn(1000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rounding = g * (1 + 1e-7)
+    assert gpu_check.compiled_figures(3.0 * (1 + 1e-6), 3.0, rounding, g, "bd3lm")[0]
+    one_entry = g.clone()
+    one_entry[7] += 0.01 * g.abs().max()
+    turned = g + 0.02 * torch.randn(1000, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for loss, grads in ((3.0 * (1 + 5.7e-5), g), (3.0 * (1 - 4.5e-4), g), (3.0, one_entry), (3.0, turned),
+                        (math.nan, g)):
+        ok, res = gpu_check.compiled_figures(loss, 3.0, grads, g, "bd3lm")
+        assert not ok and res["correct_compiled_ok_bd3lm"] == 0, res
+    assert set(res) == {n for n in gpu_check.RESULT_NAMES if n.startswith("correct_compiled_")}
 
 
 def test_the_datasheet_peaks_by_gpu_name() -> None:
