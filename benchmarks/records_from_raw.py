@@ -86,6 +86,25 @@ SOURCES: tuple[Source, ...] = (
                    "tune_spaces/demo.yaml --config configs/demo.yaml --confirm 3",
            notes=("`ccf9137` (the search and the confirmation's runs; the report rewritten by a rerun of the same "
                   "command at `b00843b`, which trained nothing)",)),
+    Source("confirm", tuple(f"studies/testbed_tuned/{f}" for f in (
+        "confirm.json", "confirm.md", "confirm.csv", "confirm.png", "search-adlm.png", "search-mdlm.png",
+        "trials-adlm.md", "trials-mdlm.md", "load.log")),
+           "study-testbed-tuned", machine="cpu2: a 2-core CPU shared with other work, two runs at a time, the "
+           "study's processes at nice -2",
+           command="python -m pipelines.prepare_data --source testbed && python -m pipelines.tune --space "
+                   "tune_spaces/testbed_tuned.yaml",
+           notes=("`8e74e8c` (the pre-registration commit: the space and its hypothesis; every run of the study, "
+                  "searches and confirmation, from a checkout of it; the confirmation was interrupted once and resumed by "
+                  "rerunning the same command, its finished runs kept)",
+                  "load.log samples the load from 20:51 UTC, while the confirmation's runs trained; the searches "
+                  "before it were not sampled.",
+                  "The MDLM arm's seed 1 stalled: its bound fell to 18.3 PPL by step 1,800, then stayed between "
+                  "17.6 and 18.9 to step 4,800 (the other four seeds: 13.6 to 14.1 at 4,800). It is a real run of "
+                  "the tuned setting (learning rate 3.7e-3, no warm-up) and stays in every number.",
+                  "Step budgets: ASHA let ADLM's search train 6,200 steps and MDLM's 4,400 (10 trials each); the "
+                  "space's sizing comment (written before the run) expected about 4,000 an arm.",
+                  "Two of the ADLM winner's three settings sit at the edge of the searched range (tau = 8, the "
+                  "largest value offered; the learning rate 1.25e-3 near the lower bound 1e-3).")),
 )
 
 
