@@ -168,3 +168,25 @@ def test_device_map_and_bfloat16_loads(tmp_path, one_torch_thread) -> None:
         half = AutoModelForMaskedLM.from_pretrained(d, trust_remote_code=True, dtype=torch.bfloat16)
         got = half(z).logits
     assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want, atol=0.1 * want.abs().max().item())
+
+
+OLD_EXPORT = Path(__file__).parent / "fixtures" / "export-v0"
+"""An ADLM export written by ``save_pretrained`` before ``adlm_model`` was cut into subpackages (commit 988c98b:
+the package's flat modules copied as they were), with a 320-entry BPE trained on the embedded corpus;
+``export-v0.expected.safetensors`` holds a batch ``z`` and the logits that code gave for it."""
+
+
+def test_an_export_written_by_an_earlier_version_still_loads(one_torch_thread) -> None:
+    """Both readers of an export (``load_pretrained`` and ``transformers`` with the folder's own code) load the old
+    folder with no key missing, and give the logits it was written with, bit for bit."""
+    from safetensors.torch import load_file
+
+    expected = load_file(str(OLD_EXPORT.parent / "export-v0.expected.safetensors"))
+    ours, cfg, meta = load_pretrained(OLD_EXPORT)
+    assert cfg.kind == "adlm" and "fixture" in meta
+    hf = _hf(OLD_EXPORT)
+    z = expected["z"]
+    with torch.no_grad():
+        want = ours.denoiser_logits(z, torch.zeros(len(z)))
+        got = hf(input_ids=z).logits
+    assert torch.equal(want, expected["logits"]) and torch.equal(got, expected["logits"])
