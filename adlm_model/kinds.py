@@ -16,15 +16,18 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .ar_sampling import ar_sample, ar_window_sample
-from .bd3lm import bd3lm_objective, sample_blocks
-from .confidence import OPTIONS as CONFIDENCE_OPTIONS
-from .confidence import check_options as check_confidence_options
-from .confidence import confidence_sample
+from .baselines.bd3lm import bd3lm_objective, sample_blocks
+from .baselines.sedd import SEDD, sedd_objective, sedd_sample
+from .baselines.ssdlm import OPTIONS as SSDLM_OPTIONS
+from .baselines.ssdlm import SSDLM, network_calls, ssd_sample
 from .config import KIND_TABLE, MODEL_KINDS, ModelConfig
-from .losses import LossOutput, adlm_objective, ar_objective, mdlm_objective
-from .models import ADLM, AR, MDLM
-from .samplers import (
+from .nn.models import ADLM, AR, MDLM
+from .objectives.losses import LossOutput, adlm_objective, ar_objective, mdlm_objective
+from .sampling.ar_sampling import ar_sample, ar_window_sample
+from .sampling.confidence import OPTIONS as CONFIDENCE_OPTIONS
+from .sampling.confidence import check_options as check_confidence_options
+from .sampling.confidence import confidence_sample
+from .sampling.samplers import (
     Progress,
     ReMDMLoop,
     SamplerError,
@@ -33,9 +36,6 @@ from .samplers import (
     reject_unknown,
     resolve_prefix,
 )
-from .sedd import SEDD, sedd_objective, sedd_sample
-from .ssdlm import OPTIONS as SSDLM_OPTIONS
-from .ssdlm import SSDLM, network_calls, ssd_sample
 
 Objective = Callable[..., LossOutput]
 """``(model, x, attention_mask, cfg, *, step, t, generator, z_t) -> LossOutput``; ``t`` with ``z_t``: the noise drawn
@@ -73,7 +73,7 @@ class ModelKind:
     """Runs block by block (``ModelConfig.block_size`` applies: block-diffusion attention in the bound and the
     continuation likelihood, the block sampler generates any length): BD3-LM."""
     distillable: bool = False
-    """SDTT can distil its ancestral sampler (``adlm_model.distill``: masked diffusion over the whole row)."""
+    """SDTT can distil its ancestral sampler (``adlm_model.train.distill``: masked diffusion over the whole row)."""
     sample_only: str = ""
     """Non-empty: the kind is imported and sampled, never trained, and has no likelihood here; the line says so
     (training, tuning, studies and distillation refuse the kind with it, and so do the likelihood suites)."""

@@ -3,7 +3,7 @@ correctness of the bf16 step, of BD3-LM's compiled step (FlexAttention) against 
 the samplers' cached paths, and the sampling speed; ``RESULT name=value`` lines and
 ``DIR/gpu_check.json``. ``--help`` lists the options, ``--list`` the items and their RESULT names.
 
-The kinds train through the pipeline's own step (``adlm_model.train_step.TrainStep``: the objective compiled with
+The kinds train through the pipeline's own step (``adlm_model.train.train_step.TrainStep``: the objective compiled with
 the noise drawn outside it, bf16 autocast, fused AdamW, clipping, EMA). The anchor is a GPT-2-small-shaped
 transformer written here (pre-LN, fused qkv, SDPA, tied embeddings, bidirectional, the whole model compiled) at
 each kind's length and batch; ``train_over_anchor_<kind>`` is the kind's achieved FLOP/s over the anchor's, both
@@ -55,13 +55,13 @@ import torch.nn.functional as F  # noqa: E402
 from _record import add_argument, recording  # noqa: E402
 
 from adlm_model import EMA, build_model, compute_loss, preset, sample  # noqa: E402
-from adlm_model import block_attention as flex  # noqa: E402
-from adlm_model.attention import flash_available  # noqa: E402
 from adlm_model.config import ModelConfig  # noqa: E402
-from adlm_model.flops import objective_flops  # noqa: E402
 from adlm_model.kinds import KINDS, count_parameters  # noqa: E402
-from adlm_model.losses import LossOutput  # noqa: E402
-from adlm_model.train_step import Objective, TrainStep, draw_noise, fused_adamw, lr_schedule  # noqa: E402
+from adlm_model.nn import block_attention as flex  # noqa: E402
+from adlm_model.nn.attention import flash_available  # noqa: E402
+from adlm_model.objectives.losses import LossOutput  # noqa: E402
+from adlm_model.train.flops import objective_flops  # noqa: E402
+from adlm_model.train.train_step import Objective, TrainStep, draw_noise, fused_adamw, lr_schedule  # noqa: E402
 
 KINDS = {k: v for k, v in KINDS.items() if not v.sample_only}  # the trained kinds (SSD-LM is sample-only)
 TRAINED = tuple(k for k, v in KINDS.items() if v.train_objective is not None)
@@ -465,7 +465,7 @@ def attention_item(ctx: Ctx) -> dict[str, Any]:
         detail[f"train_{kind}"] = ops
         del model
     if "ar" in KINDS:
-        from adlm_model.backbone import KVCache
+        from adlm_model.nn.backbone import KVCache
 
         cfg = ctx.train_config("ar")
         model = build_model(cfg).to(ctx.device).eval()
@@ -977,7 +977,7 @@ SAMPLE_RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "confidence": ("mdlm", "confidence", {"threshold": 0.9, "kv_cache": "dual"}),
     "bd3lm_kv": ("bd3lm", "bd3lm", {"kv_cache": True}),
     "ar_kv": ("ar", "ar", {"cache": True}),
-    # The KV-cached steps again with SDPA free to choose cuDNN (adlm_model.attention.CACHED_STEP_BACKENDS = None),
+    # The KV-cached steps again with SDPA free to choose cuDNN (adlm_model.nn.attention.CACHED_STEP_BACKENDS = None),
     # which builds a graph for every new key length.
     "ar_kv_with_cudnn": ("ar", "ar", {"cache": True}),
     "bd3lm_kv_with_cudnn": ("bd3lm", "bd3lm", {"kv_cache": True}),
@@ -998,7 +998,7 @@ def sample_item(ctx: Ctx, which: str) -> dict[str, Any]:
         opts["bos_id"] = 0
     @contextlib.contextmanager
     def backends() -> Iterator[None]:  # a fresh one each time: generator-based managers are single-use
-        from adlm_model import attention
+        from adlm_model.nn import attention
 
         saved = attention.CACHED_STEP_BACKENDS
         if which.endswith("_with_cudnn"):

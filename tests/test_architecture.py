@@ -102,6 +102,57 @@ def test_no_import_circle() -> None:
     assert not cycles, "circles between packages: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+MODEL_LAYERS = ("config", "nn", "objectives", "sampling", "baselines", "kinds", "train", "interop", "inference",
+                "testbed")
+"""``adlm_model``'s top-level modules and subpackages in the order they may import each other: each only those
+before it (docs/design/architecture.md says the same)."""
+
+
+def test_the_model_package_is_layered() -> None:
+    """``adlm_model``'s subpackages import only the layers before them (``MODEL_LAYERS``): the networks know nothing
+    of objectives, the samplers nothing of the kinds table, the kinds table nothing of training, files or text."""
+    graph = _graph()
+    units = {n.split(".")[1] for n in graph if n.startswith("adlm_model.")}
+    assert units == set(MODEL_LAYERS), f"adlm_model's units are {sorted(units)}: name each in MODEL_LAYERS"
+    wrong = []
+    for n, targets in graph.items():
+        if not n.startswith("adlm_model."):
+            continue
+        here = MODEL_LAYERS.index(n.split(".")[1])
+        for t in targets:
+            if t.startswith("adlm_model.") and MODEL_LAYERS.index(t.split(".")[1]) > here:
+                wrong.append(f"{n} -> {t}")
+    assert not wrong, "imports of a later layer of adlm_model: " + "; ".join(sorted(wrong))
+
+
+def test_no_module_imports_another_subpackages_private_names() -> None:
+    """A ``_name`` is its subpackage's own: a module of another subpackage (or of ``pipelines``) that imports one
+    ties itself to what its owner may change freely. Make it public or move the code."""
+    def unit(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    found = []
+    for name, path in MODULES.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join([*base, node.module] if node.module else base)
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] not in PACKAGES:
+                continue
+            for a in node.names:
+                target = f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod
+                private = any(p.startswith("_") and not p.startswith("__") for p in [a.name, *target.split(".")])
+                if private and unit(target) != unit(name):
+                    found.append(f"{name}:{node.lineno} from {mod} import {a.name}")
+    assert not found, "private names imported across subpackages: " + "; ".join(found)
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     state: dict[str, int] = {}
     stack: list[str] = []
@@ -294,3 +345,25 @@ def test_no_kind_name_is_compared_outside_the_kinds_table() -> None:
                 if any(names(s) for s in sides) and any("kind" in ast.unparse(s) for s in sides if not names(s)):
                     found.append(f"{name}:{node.lineno} ({ast.unparse(node)})")
     assert not found, "a kind compared by name: read its row of adlm_model.kinds.KINDS instead: " + ", ".join(found)
+
+
+PUBLIC_API = (
+    "ADLM", "AR", "BlockSample", "CheckpointError", "ClipSearchResult", "ConfigError", "EMA", "Generation",
+    "GenerationError", "GenerationRequest", "InfillLayout", "KINDS", "LogLinearSchedule", "LossOutput", "MDLM",
+    "MODEL_KINDS", "ModelConfig", "NaturalTestbed", "PRESETS", "ReMDMLoop", "SAMPLERS", "SEDD", "SamplerError",
+    "SpecialTokens", "TextGenerator", "__version__", "anchor_mask", "antithetic_times", "bd3lm_objective",
+    "block_diff_mask", "build_model", "clip_intervals", "compute_loss", "count_parameters", "gamma_at", "infill",
+    "load_checkpoint", "load_generator", "load_pretrained", "load_state", "mask_tokens", "model_kind", "nucleus",
+    "plan_infill", "preset", "sample", "sample_blocks", "sample_categorical", "save_checkpoint", "save_pretrained",
+    "save_state", "search_clipped_schedule", "sedd_from_reference", "sedd_objective", "subs_log_probs", "subs_nll",
+    "transition_probs", "unigram_entropy",
+)
+"""``from adlm_model import ...``: what users and the docs import, the same whichever module holds each name."""
+
+
+def test_the_public_api_stays_what_users_import() -> None:
+    import adlm_model
+
+    assert sorted(adlm_model.__all__) == sorted(PUBLIC_API)
+    missing = [n for n in PUBLIC_API if not hasattr(adlm_model, n)]
+    assert not missing, f"adlm_model.__all__ names what the package does not have: {missing}"

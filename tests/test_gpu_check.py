@@ -26,7 +26,7 @@ from tests.conftest import load_script
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 ALLOWED = {"torch", "numpy", "safetensors", "tokenizers", "flash_attn", "yaml"}
-"""What the GPU machine's image has (flash_attn: optional, imported in a try by adlm_model.attention; yaml: PyYAML,
+"""What the GPU machine's image has (flash_attn: optional, imported in a try by adlm_model.nn.attention; yaml: PyYAML,
 which its transformers requires, read only when a SEDD training run is imported)."""
 BENCHMARK_MODULES = {"_record"}
 """The benchmarks' own standard-library modules the script imports (they travel with the repository)."""

@@ -21,7 +21,7 @@ import importlib.util, json, sys
 import pipelines
 out = {"file": pipelines.__file__,
        "deleted": importlib.util.find_spec("pipelines.import_model") is not None,
-       "deleted_model": importlib.util.find_spec("adlm_model.modeling_adlm") is not None,
+       "deleted_model": importlib.util.find_spec("adlm_model.interop.modeling_adlm") is not None,
        "hook": any(hasattr(sys.modules.get(getattr(f, "__module__", "") or ""), "MAPPING") for f in sys.meta_path)}
 try:
     from pipelines import _added

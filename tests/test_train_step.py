@@ -1,4 +1,4 @@
-"""The training step of every kind (``adlm_model/train_step.py``): compiled by inductor with 0 graph breaks, one
+"""The training step of every kind (``adlm_model/train/train_step.py``): compiled by inductor with 0 graph breaks, one
 trace and no recompiles across steps, equal to the eager step (BD3-LM's FlexAttention pass too); the vocabulary
 losses fused over row chunks equal to the losses through the whole logits; BD3-LM's FlexAttention mask equal to its
 dense mask; a last partial batch never reaches the compiled objective; the training loop and the GPU check run the
@@ -13,9 +13,9 @@ import torch
 
 from adlm_model import build_model, preset
 from adlm_model.kinds import KINDS, compute_loss
-from adlm_model.losses import materialised_logits
-from adlm_model.train_step import Objective, TrainStep, draw_noise, fused_adamw
-from adlm_model.vocab_loss import full_linear_loss, linear_loss, logits_loss
+from adlm_model.objectives.losses import materialised_logits
+from adlm_model.objectives.vocab_loss import full_linear_loss, linear_loss, logits_loss
+from adlm_model.train.train_step import Objective, TrainStep, draw_noise, fused_adamw
 from tests.conftest import ROOT, load_script
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -132,7 +132,7 @@ def test_the_compiled_step_is_one_graph_equal_to_the_eager_step(kind: str) -> No
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
-    from adlm_model import block_attention as ba
+    from adlm_model.nn import block_attention as ba
 
     torch._dynamo.reset()
     counters.clear()
@@ -163,7 +163,7 @@ def test_bd3lm_compiled_through_flex_attention_equals_the_eager_dense_objective(
     eager objective with the dense mask, on the same batch and noise: the same loss (forward only: FlexAttention
     has no backward on a CPU; the gradients of the compiled dense pass are the test above's). Fed the rotary
     output's transposed views, the compiled kernel's loss was 4.5e-4 relative off (a block's output by 0.35)."""
-    from adlm_model import block_attention as ba
+    from adlm_model.nn import block_attention as ba
 
     torch._dynamo.reset()
     cfg = preset("tiny", kind="bd3lm", **TOY)
@@ -213,7 +213,7 @@ def test_the_noise_is_the_objectives_own_draw() -> None:
 def test_bd3lm_flex_attention_equals_the_dense_mask() -> None:
     """The FlexAttention ``BlockMask`` of the training pass over ``[x_t ; x_0]`` gives the dense mask's logits
     (forward only: FlexAttention has no backward on a CPU; on CUDA it runs compiled, ``gpu_check`` times it)."""
-    from adlm_model import block_attention as ba
+    from adlm_model.nn import block_attention as ba
 
     cfg = preset("tiny", kind="bd3lm", **TOY)
     model = _randomised(cfg).eval()

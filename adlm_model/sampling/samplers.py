@@ -53,9 +53,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .config import ModelConfig
-from .losses import conditioning_sigma, suppress_mask
-from .schedule import LogLinearSchedule
+from ..config import ModelConfig
+from ..objectives.losses import conditioning_sigma, suppress_mask
+from ..objectives.schedule import LogLinearSchedule
 
 T_MIN = 1e-5
 """Last time of the sampling grid: ``linspace(1, T_MIN, T + 1)`` (docs/design/method.md, section 4)."""
@@ -302,7 +302,7 @@ def _sigma(cfg: ModelConfig, t: float, n: int, device: torch.device) -> torch.Te
     return conditioning_sigma(cfg, LogLinearSchedule(cfg.noise_eps), torch.full((n,), t, device=device))
 
 
-class _RowCache:
+class RowCache:
     """``p_x0`` per batch row with a validity flag; ``use=False`` recomputes every row every time."""
 
     def __init__(self, fn: Callable[[torch.Tensor, float, torch.Tensor | None], torch.Tensor], batch: int,
@@ -366,7 +366,7 @@ def diffusion_sample(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, k
     def p_x0(z: torch.Tensor, t: float, rows: torch.Tensor | None) -> torch.Tensor:
         return subs_probs(fn(z, _sigma(cfg, t, z.shape[0], device)), z, m, nucleus_p)
 
-    rc = _RowCache(p_x0, b, cache and not cfg.conditions_on_time, device)
+    rc = RowCache(p_x0, b, cache and not cfg.conditions_on_time, device)
     ts = torch.linspace(1.0, T_MIN, steps + 1, dtype=torch.float64).tolist()
     dt = (1.0 - T_MIN) / steps
     for i in range(steps):

@@ -35,22 +35,22 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .backbone import DiT, KVCache
-from .block_attention import block_causal_mask, block_diff_mask, block_diffusion_head, block_diffusion_pass
-from .config import ModelConfig
-from .losses import LossOutput, conditioning_sigma, head_loss, subs_nll, valid_positions
-from .samplers import (
+from ..config import ModelConfig
+from ..nn.backbone import DiT, KVCache
+from ..nn.block_attention import block_causal_mask, block_diff_mask, block_diffusion_head, block_diffusion_pass
+from ..objectives.losses import LossOutput, conditioning_sigma, head_loss, subs_nll, valid_positions
+from ..objectives.schedule import LogLinearSchedule, mask_tokens
+from ..sampling.samplers import (
     T_MIN,
     Progress,
+    RowCache,
     SamplerError,
-    _RowCache,
     denoiser_fn,
     diffusion_step,
     mask_probabilities,
     subs_probs,
     unigram_entropy,
 )
-from .schedule import LogLinearSchedule, mask_tokens
 
 # --------------------------------------------------------------------------------------------
 # The network pass (masks and the pass itself: block_attention)
@@ -414,7 +414,7 @@ def sample_blocks(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, keep
         def p_x0(z: torch.Tensor, t: float, rows: torch.Tensor | None, s0: int = s0) -> torch.Tensor:
             return subs_probs(ctxt.logits(z, s0, sigma_at(t, z.shape[0]), rows), z, m, nucleus_p)
 
-        rc = _RowCache(p_x0, batch, cache and not cfg.conditions_on_time, device)
+        rc = RowCache(p_x0, batch, cache and not cfg.conditions_on_time, device)
         t_last = ts[0]
         for i in range(steps):
             if not bool((blk == m).any()):

@@ -45,8 +45,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ModelConfig
-from .samplers import SamplerError
+from ..config import ModelConfig
+from ..sampling.samplers import SamplerError
 
 LAYER_NORM_EPS = 1e-5
 """RoBERTa's LayerNorm epsilon (``layer_norm_eps``)."""

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .backbone import KVCache
-from .config import ModelConfig
-from .losses import suppress_mask
+from ..config import ModelConfig
+from ..nn.backbone import KVCache
+from ..objectives.losses import suppress_mask
 from .samplers import Progress, SamplerError, nucleus, sample_categorical
 
 

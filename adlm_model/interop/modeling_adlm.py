@@ -1,6 +1,6 @@
 """The ``transformers`` model of an exported ADLM-pipeline model (``AutoModelForMaskedLM`` of the export folder).
 
-Shipped into the export folder (``adlm_model.pretrained``) with ``configuration_adlm.py`` and copies of the
+Shipped into the export folder (``adlm_model.interop.pretrained``) with ``configuration_adlm.py`` and copies of the
 network's own modules (``config``, ``attention``, ``backbone``, ``models``, ``block_attention``): the network
 ``transformers`` runs is this package's, line for line, not a second implementation. ``transformers`` follows
 the relative imports and copies them into its module cache; they import only ``torch``.
@@ -12,7 +12,7 @@ the relative imports and copies them into its module cache; they import only ``t
 (docs/design/method.md, section 1; the reference Hub models return the same):
 
 - MDLM, ADLM: ``(B, L, width)`` denoiser logits of ``z_t = input_ids`` (ADLM: the composed network
-  ``psi(phi(z_t))``, fused in eval mode as ``adlm_model.models.ADLM.denoiser_logits``);
+  ``psi(phi(z_t))``, fused in eval mode as ``adlm_model.nn.models.ADLM.denoiser_logits``);
 - AR: ``(B, L, width)`` next-token logits under causal attention (``timesteps`` unused);
 - BD3-LM: as its reference Hub model, ``input_ids`` is ``x_t ++ x_0`` (``(B, 2L)``, the training pass under the
   block-diffusion mask) and the logits are the ``x_t`` half's ``(B, L, width)``; with ``sample_mode=True`` it is
@@ -34,17 +34,17 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
-from .backbone import Rotary
-from .block_attention import block_causal_mask, block_diffusion_pass
-from .config import KIND_TABLE
+from ..config import KIND_TABLE
+from ..nn.backbone import Rotary
+from ..nn.block_attention import block_causal_mask, block_diffusion_pass
+from ..nn.models import ADLM, AR, MDLM
 from .configuration_adlm import AdlmConfig
-from .models import ADLM, AR, MDLM
 
 NETWORKS: dict[str, type[nn.Module]] = {"mdlm": MDLM, "adlm": ADLM, "ar": AR, "bd3lm": MDLM, "sedd": MDLM}
 """The network of each kind, with the parameters of ``adlm_model.kinds.KINDS``'s (a test checks the names and
 shapes agree); ``kinds`` itself pulls in the samplers and objectives, which the network does not need. SEDD's
 score network is MDLM's DiT: its logits here are the raw output ``o`` (log-score = ``o - log(e^sigma - 1) -
-log(V - 1)``, 0 at the input token: ``adlm_model/sedd.py``)."""
+log(V - 1)``, 0 at the input token: ``adlm_model/baselines/sedd.py``)."""
 
 
 class AdlmForMaskedLM(PreTrainedModel):

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .backbone import DiT
+from ..nn.backbone import DiT
 
 KV_MODES = ("off", "prefix", "dual")
 """``off``: no approximate cache (every step a full pass); ``prefix``/``dual``: module docstring."""

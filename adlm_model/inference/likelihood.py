@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .config import KIND_TABLE, ModelConfig
-from .losses import subs_nll, suppress_mask
+from ..config import KIND_TABLE, ModelConfig
+from ..objectives.losses import subs_nll, suppress_mask
 
 MASK_DRAWS = ("plain", "antithetic", "stratified")
 NLLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -142,12 +142,12 @@ def elbo_draws(nll_fn: NLLFn, x: torch.Tensor, scored: torch.Tensor, mask_id: in
 def model_nll_fn(model: nn.Module, cfg: ModelConfig) -> NLLFn:
     """``nll_fn`` of a diffusion model: SUBS NLL of its denoiser (ADLM through the fused projection), BD3-LM
     with its block-diffusion attention over ``[z ; x]`` (clean earlier blocks)."""
-    from .bd3lm import block_diffusion_logits
-    from .samplers import denoiser_fn
+    from ..baselines.bd3lm import block_diffusion_logits
+    from ..sampling.samplers import denoiser_fn
 
     zeros = lambda z: torch.zeros(z.shape[0], device=z.device)  # noqa: E731 - sigma: the learned constant
     if hasattr(model, "log_score"):  # SEDD: its score entropy, the network at the masked fraction's sigma
-        from .sedd import continuation_fns
+        from ..baselines.sedd import continuation_fns
 
         return continuation_fns(model, cfg)[0]
     if cfg.conditions_on_time:
@@ -202,12 +202,12 @@ def greedy_matches(nll_logits_fn: Callable[[torch.Tensor, torch.Tensor], torch.T
 
 def model_logp_fn(model: nn.Module, cfg: ModelConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``(z, x) -> log p(. | z)`` (N, L, V), mask column excluded: what ``greedy_matches`` reads."""
-    from .bd3lm import block_diffusion_logits
-    from .samplers import denoiser_fn
+    from ..baselines.bd3lm import block_diffusion_logits
+    from ..sampling.samplers import denoiser_fn
 
     zeros = lambda z: torch.zeros(z.shape[0], device=z.device)  # noqa: E731
     if hasattr(model, "log_score"):
-        from .sedd import continuation_fns
+        from ..baselines.sedd import continuation_fns
 
         return continuation_fns(model, cfg)[1]
     if KIND_TABLE[cfg.kind].block_diffusion:

@@ -40,14 +40,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .checkpoint import CheckpointError, load_checkpoint
-from .confidence import OPTIONS as CONFIDENCE_OPTIONS
-from .confidence import check_options
-from .config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig
+from ..interop.checkpoint import CheckpointError, load_checkpoint
+from ..kinds import count_parameters, get_sampler, model_kind
+from ..sampling.confidence import OPTIONS as CONFIDENCE_OPTIONS
+from ..sampling.confidence import check_options
+from ..sampling.samplers import Progress, SamplerError, check_sample_args
 from .infill import infill, plan_infill
-from .kinds import count_parameters, get_sampler, model_kind
 from .limits import RequestLimits
-from .samplers import Progress, SamplerError, check_sample_args
 
 SPECIAL_TOKENS_FILE = "special_tokens.json"
 """``{"bos_id", "eos_id", "pad_id", "mask_id"}`` beside the checkpoint of a registered model."""
@@ -305,7 +305,7 @@ class TextGenerator:
                            network_calls=calls) for comp in completions]
 
     def limits(self, environ: Mapping[str, str] | None = None) -> RequestLimits:
-        """What one request to this model may cost (``adlm_model.limits``; ``ADLM_MAX_*`` from ``environ``,
+        """What one request to this model may cost (``adlm_model.inference.limits``; ``ADLM_MAX_*`` from ``environ``,
         default the process environment): the served model's limits and, unless lifted, the CLI's."""
         any_length = get_sampler(model_kind(self.cfg.kind).default_sampler).any_length
         return RequestLimits.for_model(self.cfg.seq_len, any_length=any_length, environ=environ)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -29,16 +30,30 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .checkpoint import CheckpointError, _atomic_json, _atomic_safetensors, load_checkpoint
-from .config import ModelConfig
-from .kinds import model_kind
+from ..config import ModelConfig
+from ..kinds import model_kind
+from .checkpoint import CheckpointError, atomic_json, atomic_safetensors, load_checkpoint
 
 PRETRAINED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 MODEL_TYPE = "adlm"
-HF_CODE = ("configuration_adlm.py", "modeling_adlm.py", "config.py", "attention.py", "backbone.py", "models.py",
-           "block_attention.py")
-"""The modules an export ships for ``transformers``: the two wrappers and the network's own modules (torch only),
-copied from this package; ``transformers`` follows their relative imports."""
+HF_SOURCES = {"configuration_adlm.py": "interop/configuration_adlm.py", "modeling_adlm.py": "interop/modeling_adlm.py",
+              "config.py": "config.py", "attention.py": "nn/attention.py", "backbone.py": "nn/backbone.py",
+              "models.py": "nn/models.py", "block_attention.py": "nn/block_attention.py"}
+"""The modules an export ships for ``transformers``, by their name in the folder: the two wrappers and the network's
+own modules (torch only), each the file of this package at the path given (relative to the package)."""
+HF_CODE = tuple(HF_SOURCES)
+"""The export folder's code files: one flat folder, the same names as the exports of the flat package had."""
+_RELATIVE_IMPORT = re.compile(r"^(\s*)from \.+(?:\w+\.)*(\w+) import ", re.M)
+
+
+def shipped_code(name: str) -> str:
+    """The text of ``name`` (one of ``HF_CODE``) as an export ships it: this package's module with each relative
+    import flattened (``from ..nn.backbone import x`` -> ``from .backbone import x``), since ``transformers`` loads
+    the shipped files side by side in one folder and follows their relative imports there."""
+    text = (Path(__file__).parents[1] / HF_SOURCES[name]).read_text()
+    return _RELATIVE_IMPORT.sub(r"\1from .\2 import ", text)
+
+
 KIND_FIELDS = ("diffusion", "anchored", "adaln", "skips_bos", "time_conditioned", "block_diffusion")
 """The ``kinds.ModelKind`` fields an export's config.json carries for its shipped network (``kind_fields``)."""
 AUTO_MAP = {"AutoConfig": "configuration_adlm.AdlmConfig", "AutoModelForMaskedLM": "modeling_adlm.AdlmForMaskedLM"}
@@ -56,10 +71,10 @@ def save_pretrained(directory: str | os.PathLike, model: nn.Module, cfg: ModelCo
     d.mkdir(parents=True, exist_ok=True)
     state = model.state_dict()
     dtypes = {str(v.dtype).removeprefix("torch.") for v in state.values() if v.is_floating_point()}
-    _atomic_safetensors(d / "model.safetensors", state, metadata={"format": "pt"})
+    atomic_safetensors(d / "model.safetensors", state, metadata={"format": "pt"})
     shutil.copyfile(tokenizer_json, d / "tokenizer.json")
     for name in HF_CODE:
-        shutil.copyfile(Path(__file__).with_name(name), d / name)
+        (d / name).write_text(shipped_code(name))
     config = {
         "model_type": MODEL_TYPE,
         "architectures": ["AdlmForMaskedLM"],
@@ -73,7 +88,7 @@ def save_pretrained(directory: str | os.PathLike, model: nn.Module, cfg: ModelCo
         "kind_fields": {f: getattr(model_kind(cfg.kind), f) for f in KIND_FIELDS},
         "meta": meta or {},
     }
-    _atomic_json(d / "config.json", config)
+    atomic_json(d / "config.json", config)
     return d
 
 
@@ -95,4 +110,5 @@ def load_pretrained(directory: str | os.PathLike, *, map_location: str | torch.d
     return model.eval(), cfg, meta
 
 
-__all__ = ["AUTO_MAP", "HF_CODE", "MODEL_TYPE", "PRETRAINED_FILES", "load_pretrained", "save_pretrained"]
+__all__ = ["AUTO_MAP", "HF_CODE", "HF_SOURCES", "MODEL_TYPE", "PRETRAINED_FILES", "load_pretrained", "save_pretrained",
+           "shipped_code"]

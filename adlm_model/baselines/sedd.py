@@ -44,12 +44,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import losses
-from .config import ModelConfig
-from .losses import LossOutput, masked_noise, valid_positions
-from .models import _dit
-from .samplers import T_MIN, Progress, SamplerError, nucleus, sample_categorical
-from .schedule import LogLinearSchedule
+from ..config import ModelConfig
+from ..nn.models import config_dit
+from ..objectives import losses
+from ..objectives.losses import LossOutput, masked_noise, valid_positions
+from ..objectives.schedule import LogLinearSchedule
+from ..sampling.samplers import T_MIN, Progress, SamplerError, nucleus, sample_categorical
 
 PREDICTORS = ("euler", "analytic")
 
@@ -70,7 +70,7 @@ class SEDD(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.backbone = _dit(cfg, cfg.n_blocks)
+        self.backbone = config_dit(cfg, cfg.n_blocks)
 
     def denoiser_logits(self, z_t: torch.Tensor, sigma: torch.Tensor, **kw: Any) -> torch.Tensor:
         """The raw output ``o`` for the conditioning ``sigma`` (the caller's ``conditioning_sigma``): SUBS on it

@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .config import ModelConfig
-from .losses import LossOutput, conditioning_sigma, masked_noise, suppress_mask, valid_positions
-from .samplers import T_MIN, denoiser_fn, sample_categorical
-from .schedule import LogLinearSchedule
+from ..config import ModelConfig
+from ..objectives.losses import LossOutput, conditioning_sigma, masked_noise, suppress_mask, valid_positions
+from ..objectives.schedule import LogLinearSchedule
+from ..sampling.samplers import T_MIN, denoiser_fn, sample_categorical
 
 DIVERGENCES = ("kl-bwd", "kl-fwd", "tvd", "mse")
 """``kl-bwd``: KL(student || teacher), the reference's default; ``kl-fwd``: KL(teacher || student); ``tvd``: total

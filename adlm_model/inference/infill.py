@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .config import KIND_TABLE, ModelConfig
-from .kinds import check_sampler_kind, check_sampler_options, model_kind, sample
-from .samplers import Progress, SamplerError
+from ..config import KIND_TABLE, ModelConfig
+from ..kinds import check_sampler_kind, check_sampler_options, model_kind, sample
+from ..sampling.samplers import Progress, SamplerError
 
 
 @dataclass(frozen=True)

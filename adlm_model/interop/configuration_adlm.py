@@ -1,6 +1,6 @@
 """The ``transformers`` configuration of an exported ADLM-pipeline model (``AutoConfig`` of the export folder).
 
-Not imported by ``adlm_model`` itself: ``adlm_model.pretrained`` ships this file, ``modeling_adlm.py`` and
+Not imported by ``adlm_model`` itself: ``adlm_model.interop.pretrained`` ships this file, ``modeling_adlm.py`` and
 the network's modules into an export folder, and ``transformers`` imports them from there
 (``trust_remote_code=True``; ``auto_map`` in ``config.json``). Besides ``modeling_adlm`` it is the only module
 here that imports ``transformers``.
@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from .config import KIND_TABLE, ModelConfig
+from ..config import KIND_TABLE, ModelConfig
 
 
 class AdlmConfig(PretrainedConfig):

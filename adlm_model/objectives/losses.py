@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .schedule import LogLinearSchedule, antithetic_times, mask_tokens
 from .vocab_loss import full_linear_loss, linear_loss, logits_loss
 

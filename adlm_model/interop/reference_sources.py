@@ -1,7 +1,7 @@
 """Reading the released checkpoints (``reference_layouts``' sources): what a file or folder holds, as a
 :class:`Source`, with no code of the checkpoint run.
 
-:func:`read_source` takes a Lightning ``.ckpt`` (through :mod:`adlm_model.safe_pickle`: never plain pickle), a
+:func:`read_source` takes a Lightning ``.ckpt`` (through :mod:`adlm_model.interop.safe_pickle`: never plain pickle), a
 Hub-layout folder (``config.json`` + safetensors, a sharded index, or a ``pytorch_model.bin``; remote code is never
 run), a SEDD training run (its folder: the hydra ``.hydra/config.yaml`` and the training state
 ``checkpoints-meta/checkpoint.pth``, or a state file inside it), a bare state dict, or this project's own export

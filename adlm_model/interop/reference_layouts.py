@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..config import ConfigError, ModelConfig
+from ..kinds import build_model
 from .checkpoint import oversized
-from .config import ConfigError, ModelConfig
-from .kinds import build_model
 from .reference_sources import PICKLE_SUFFIXES, ImportRefused, Source, normalise_key, read_source
 from .sedd_layout import PREFIXES as SEDD_PREFIXES
 from .sedd_layout import sedd_config

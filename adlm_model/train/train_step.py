@@ -26,12 +26,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .bd3lm import block_noise
-from .block_attention import prepare_block_mask
-from .config import ModelConfig
+from ..baselines.bd3lm import block_noise
+from ..config import ModelConfig
+from ..kinds import KINDS, compute_loss
+from ..nn.block_attention import prepare_block_mask
+from ..objectives.losses import LossOutput, masked_noise
 from .ema import EMA
-from .kinds import KINDS, compute_loss
-from .losses import LossOutput, masked_noise
 
 Noise = tuple[torch.Tensor | None, torch.Tensor | None]
 """``(t, z_t)`` of one micro-batch (both None for a kind without noise: AR)."""

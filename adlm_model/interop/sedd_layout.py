@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig
 
 PREFIXES = ("module.", "score_model.")
 """Wrappers a saved state dict may carry (DDP; a training state's attribute name)."""
@@ -81,7 +81,7 @@ def sedd_from_reference(state: Mapping[str, torch.Tensor], config: Mapping[str, 
                         ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(ModelConfig, state dict) of our ``sedd`` kind for a reference SEDD's state dict and run config; the state
     dict loads with ``strict=True`` into ``build_model(cfg)`` (a missing or unexpected name is a ConfigError)."""
-    from .kinds import build_model
+    from ..kinds import build_model
 
     cfg = sedd_config(config, **overrides)
     mapped = sedd_state_dict(state)

@@ -28,8 +28,8 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from .config import ConfigError, ModelConfig
-from .kinds import build_model, count_parameters
+from ..config import ConfigError, ModelConfig
+from ..kinds import build_model, count_parameters
 
 CHECKED_FIELDS = ("kind", "vocab_size", "mask_id", "seq_len")
 
@@ -38,13 +38,15 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, damaged or does not fit what the caller expects."""
 
 
-def _atomic_json(path: Path, obj: Any) -> None:
+def atomic_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` through a temporary file: a reader sees the old file or the new one."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
     os.replace(tmp, path)
 
 
-def _atomic_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+def atomic_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` (on the CPU, contiguous) as safetensors to ``path`` through a temporary file."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
     os.replace(tmp, path)
@@ -55,10 +57,10 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, cfg: ModelCo
     """Write weights, EMA weights and config to ``directory``; returns the directory."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    _atomic_safetensors(d / "model.safetensors", model.state_dict())
+    atomic_safetensors(d / "model.safetensors", model.state_dict())
     if ema_state is not None:
-        _atomic_safetensors(d / "ema.safetensors", ema_state)
-    _atomic_json(d / "config.json", {"model": cfg.to_dict(), "meta": meta or {}})
+        atomic_safetensors(d / "ema.safetensors", ema_state)
+    atomic_json(d / "config.json", {"model": cfg.to_dict(), "meta": meta or {}})
     return d
 
 
@@ -214,8 +216,8 @@ def save_state(directory: str | os.PathLike, state: Any, name: str = "state") ->
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tensors, skeleton = flatten_state(state)
-    _atomic_safetensors(d / f"{name}.safetensors", tensors)
-    _atomic_json(d / f"{name}.json", skeleton)
+    atomic_safetensors(d / f"{name}.safetensors", tensors)
+    atomic_json(d / f"{name}.json", skeleton)
 
 
 def load_state(directory: str | os.PathLike, name: str = "state") -> Any:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .testbed import (
+from .language import (
     BOS_ID,
     CHUNK,
     EOS_ID,
@@ -134,7 +134,7 @@ class NaturalTestbed(Testbed):
         return out.index_copy_(1, self._last, g.index_select(1, self._first) @ self.successor.T)
 
     def token_names(self) -> list[str]:
-        from .testbed import SPECIAL_NAMES
+        from .language import SPECIAL_NAMES
 
         return list(SPECIAL_NAMES) + [f"c{i:02d}" for i in range(self.config.content_vocab)]
 

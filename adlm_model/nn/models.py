@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..config import ModelConfig
 from .backbone import DiT
-from .config import ModelConfig
 
 
-def _dit(cfg: ModelConfig, n_blocks: int, **kw) -> DiT:
+def config_dit(cfg: ModelConfig, n_blocks: int, **kw) -> DiT:
+    """A DiT of ``n_blocks`` blocks at ``cfg``'s sizes (width, hidden, heads, conditioning, adaLN)."""
     return DiT(width=cfg.width, hidden=cfg.hidden, heads=cfg.heads, n_blocks=n_blocks, cond_dim=cfg.cond_dim,
                mlp_ratio=cfg.mlp_ratio, dropout=cfg.dropout, adaln=cfg.uses_adaln, **kw)
 
@@ -31,7 +32,7 @@ class MDLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.backbone = _dit(cfg, cfg.n_blocks)
+        self.backbone = config_dit(cfg, cfg.n_blocks)
 
     def denoiser_logits(self, z_t: torch.Tensor, sigma: torch.Tensor, **kw) -> torch.Tensor:
         return self.backbone(z_t, sigma, **kw)
@@ -46,8 +47,8 @@ class ADLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.anchor = _dit(cfg, cfg.n_blocks)
-        self.denoiser = _dit(cfg, cfg.denoiser_blocks, input_mode="dense", input_width=cfg.width)
+        self.anchor = config_dit(cfg, cfg.n_blocks)
+        self.denoiser = config_dit(cfg, cfg.denoiser_blocks, input_mode="dense", input_width=cfg.width)
         if cfg.anchor_init_std > 0:  # drawn last: a zero start (the default) leaves every other draw as it was
             nn.init.normal_(self.anchor.output_layer.linear.weight, std=cfg.anchor_init_std)
         self._fused: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
@@ -112,7 +113,7 @@ class AR(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.backbone = _dit(cfg, cfg.n_blocks, causal=True)
+        self.backbone = config_dit(cfg, cfg.n_blocks, causal=True)
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor | None = None, **kw) -> torch.Tensor:
         if sigma is None:

@@ -33,11 +33,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..config import ModelConfig
+from ..objectives.losses import conditioning_sigma, suppress_mask
+from ..objectives.schedule import LogLinearSchedule
 from .block_cache import KV_MODES, cached_logits, networks, new_caches
-from .config import ModelConfig
-from .losses import conditioning_sigma, suppress_mask
 from .samplers import T_MIN, Progress, SamplerError, denoiser_fn, nucleus, sample_categorical
-from .schedule import LogLinearSchedule
 
 DEFAULT_THRESHOLD = 0.9
 """Fast-dLLM's reference threshold."""
