@@ -247,7 +247,7 @@ def test_a_registered_version_is_an_mlflow_model(registry) -> None:
     pyfunc = spec["flavors"]["python_function"]
     assert pyfunc["loader_module"] == "mlflow.pyfunc.loaders.code_model"  # models-from-code, not a pickle
     assert not list(root.rglob("*.pkl")) and not list(root.rglob("*.pickle"))
-    assert (root / "code" / "adlm_model" / "textgen.py").is_file() and not (root / "code" / "pipelines").exists()
+    assert (root / "code" / "adlm_model" / "inference" / "textgen.py").is_file() and not (root / "code" / "pipelines").exists()
     # No enforced input schema (MLflow's drops unknown columns silently); the typed request fields are metadata.
     assert not spec["signature"].get("inputs")
     fields = spec["metadata"]["request_fields"]

@@ -49,7 +49,7 @@ def _copy(dest: Path, guard: bool) -> Path:
     for pkg in ("pipelines", "adlm_model"):
         shutil.copytree(ROOT / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     (dest / "pipelines" / "import_model.py").unlink()
-    (dest / "adlm_model" / "modeling_adlm.py").unlink()  # the package never imports it (an export's file)
+    (dest / "adlm_model" / "interop" / "modeling_adlm.py").unlink()  # the package never imports it (an export's file)
     (dest / "pipelines" / "_added.py").write_text('MARK = "submitted"\n')
     if not guard:  # the package's __init__ as it was before the fix
         init = (dest / "pipelines" / "__init__.py").read_text()
