@@ -153,6 +153,26 @@ def test_no_module_imports_another_subpackages_private_names() -> None:
     assert not found, "private names imported across subpackages: " + "; ".join(found)
 
 
+def test_the_layer_and_private_name_checks_see_a_crossing(tmp_path: Path) -> None:
+    """A network module importing the kinds table is a layer crossed backwards; a baseline importing a sampler's
+    ``_name`` a private name crossing subpackages; a sampler importing it from its own subpackage is neither."""
+    up, private, own = tmp_path / "up.py", tmp_path / "private.py", tmp_path / "own.py"
+    up.write_text("def f():\n    from adlm_model.kinds import KINDS\n")
+    private.write_text("from ..sampling.samplers import _sigma\n")
+    own.write_text("from .samplers import _sigma\n")
+    saved = dict(MODULES)
+    try:
+        MODULES.update({"adlm_model.nn.up": up, "adlm_model.baselines.private": private, "adlm_model.sampling.own": own})
+        with pytest.raises(AssertionError, match=r"later layer of adlm_model: adlm_model\.nn\.up -> adlm_model\.kinds\n"):
+            test_the_model_package_is_layered()
+        with pytest.raises(AssertionError, match=r"imported across subpackages: adlm_model\.baselines\.private:1 from "
+                                                 r"adlm_model\.sampling\.samplers import _sigma\n"):
+            test_no_module_imports_another_subpackages_private_names()
+    finally:
+        MODULES.clear()
+        MODULES.update(saved)
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     state: dict[str, int] = {}
     stack: list[str] = []
