@@ -46,7 +46,7 @@ from .nn.models import ADLM, AR, MDLM
 from .objectives.losses import LossOutput, anchor_mask, gamma_at, subs_log_probs, subs_nll
 from .objectives.schedule import LogLinearSchedule, antithetic_times, mask_tokens
 from .sampling.samplers import ReMDMLoop, SamplerError, nucleus, sample_categorical, transition_probs, unigram_entropy
-from .testbed.natural import NaturalTestbed  # registers the natural testbed preset with testbed.Testbed
+from .testbed.natural import NaturalTestbed  # registers the natural preset with testbed.language.Testbed
 from .train.ema import EMA
 
 __version__ = "0.1.0"

@@ -22,7 +22,7 @@ standard error. All token ids are the MODEL's ids (what the shards hold): ``<pad
 content symbols follow, then the anchor symbols (``vocab_size`` ids in all; the mask id lies inside).
 
 That is the ``anchored`` preset (the default). ``preset = "natural"`` is another language, as exact, with natural
-text's confidence profile (``testbed_natural.py``, which registers itself in ``PRESET_CLASSES``); ``Testbed(config)``
+text's confidence profile (``natural.py``, which registers itself in ``PRESET_CLASSES``); ``Testbed(config)``
 builds whichever the config names."""
 
 from __future__ import annotations
@@ -89,12 +89,12 @@ class TestbedConfig:
     entropy_rows: int = 30000
     """Generated rows whose exact log-probabilities estimate the entropy (standard error well below 0.1%)."""
     preset: str = "anchored"
-    """``anchored`` (module docstring) or ``natural`` (testbed_natural.py, with the four fields below)."""
+    """``anchored`` (module docstring) or ``natural`` (natural.py, with the four fields below)."""
     n_words: int = 512
     max_word_len: int = 4
     word_length_decay: float = 0.5
     word_concentration: float = 0.03
-    """``natural``: its lexicon, spellings and word chain (testbed_natural.py). These defaults (with 256 symbols)
+    """``natural``: its lexicon, spellings and word chain (natural.py). These defaults (with 256 symbols)
     match a real LM's next-token confidence profile (benchmarks/testbed_calibration.py)."""
 
     def validate(self) -> TestbedConfig:
