@@ -29,20 +29,28 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+def _from_module(name: str, path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` in module ``name`` (file ``path``) reads from."""
+    if not node.level:
+        return node.module or ""
+    base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def _unit(name: str) -> str:
+    """The package a module counts under: ``adlm_model.nn``, ``pipelines.training``, ``adlm_model.kinds``."""
+    return ".".join(name.split(".")[:2])
+
+
 def _imports(name: str, path: Path) -> set[str]:
     """Project modules that ``name`` imports anywhere in its file (top level and inside functions)."""
-    is_pkg = path.name == "__init__.py"
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".") if is_pkg else name.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                mod = ".".join([*base, node.module] if node.module else base)
-            else:
-                mod = node.module or ""
+            mod = _from_module(name, path, node)
             # `from pkg import sub` imports the submodule when there is one
             targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod for a in node.names]
         else:
@@ -92,12 +100,9 @@ def test_no_import_circle() -> None:
     cycles = _cycles(graph)
     assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
 
-    def unit(name: str) -> str:
-        return ".".join(name.split(".")[:2])
-
     packages: dict[str, set[str]] = {}
     for n, targets in graph.items():
-        packages.setdefault(unit(n), set()).update(unit(t) for t in targets if unit(t) != unit(n))
+        packages.setdefault(_unit(n), set()).update(_unit(t) for t in targets if _unit(t) != _unit(n))
     cycles = _cycles(packages)
     assert not cycles, "circles between packages: " + "; ".join(" -> ".join(c) for c in cycles)
 
@@ -128,27 +133,18 @@ def test_the_model_package_is_layered() -> None:
 def test_no_module_imports_another_subpackages_private_names() -> None:
     """A ``_name`` is its subpackage's own: a module of another subpackage (or of ``pipelines``) that imports one
     ties itself to what its owner may change freely. Make it public or move the code."""
-    def unit(name: str) -> str:
-        return ".".join(name.split(".")[:2])
-
     found = []
     for name, path in MODULES.items():
-        is_pkg = path.name == "__init__.py"
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            if node.level:
-                base = name.split(".") if is_pkg else name.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                mod = ".".join([*base, node.module] if node.module else base)
-            else:
-                mod = node.module or ""
+            mod = _from_module(name, path, node)
             if mod.split(".")[0] not in PACKAGES:
                 continue
             for a in node.names:
                 target = f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod
                 private = any(p.startswith("_") and not p.startswith("__") for p in [a.name, *target.split(".")])
-                if private and unit(target) != unit(name):
+                if private and _unit(target) != _unit(name):
                     found.append(f"{name}:{node.lineno} from {mod} import {a.name}")
     assert not found, "private names imported across subpackages: " + "; ".join(found)
 
