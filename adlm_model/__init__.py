@@ -2,21 +2,23 @@
 
 No Ray or MLflow here; ``pipelines/`` orchestrates. See docs/design/method.md for the specification.
 
-One concept a file: ``config`` (typed configs, presets), ``schedule`` (noise schedule, times),
-``attention`` (flash-attn / SDPA), ``backbone`` (the DiT), ``models`` (MDLM, ADLM, AR networks),
-``losses`` (SUBS, NELBO, ANELBO, AR NLL), ``vocab_loss`` (those losses fused with the vocabulary projection,
-without the float32 logits), ``train_step`` (the optimiser step training and the GPU check run), ``samplers`` (MDLM, ReMDM-loop, AR), ``bd3lm`` (block
-diffusion), ``sedd`` (SEDD: the score network, its score-entropy loss and predictors), ``sedd_layout`` (the SEDD
-reference's released layout mapped to ours), ``kinds`` (the table of model kinds and samplers: ``build_model``,
-``compute_loss``, ``sample``), ``block_attention`` (BD3-LM's masks and pass), ``ema``, ``checkpoint`` (safetensors +
-JSON), ``infill`` (prompt / suffix infilling at the token level), ``textgen`` (text in, text out: what
-``pipelines.generate`` and the served model run; uses ``tokenizers``), ``pretrained`` (the Hugging Face-style
-export folder). ``configuration_adlm`` and ``modeling_adlm`` are the ``transformers`` wrappers an export ships
-beside the network's modules: ``transformers`` imports them from the folder; this package never does.
-``testbed`` / ``testbed_natural``: the ground-truth languages (anchored and natural presets).
+A subpackage a concept, each importing only those listed before it (a test keeps it so):
+
+- ``config`` (typed configs, presets) and ``nn`` (the networks: attention, the DiT, BD3-LM's block attention,
+  MDLM / ADLM / AR), torch only: an export ships them;
+- ``objectives`` (noise schedule, SUBS / NELBO / ANELBO / AR NLL, the fused vocabulary loss);
+- ``sampling`` (the token-level samplers: MDLM, ReMDM-loop, AR, confidence decoding, their caches);
+- ``baselines`` (BD3-LM, SEDD, SSD-LM: network, objective and sampler in one module each);
+- ``kinds`` (the table of model kinds and samplers: ``build_model``, ``compute_loss``, ``sample``);
+- ``train`` (the training step, EMA, FLOPs, self-distillation), ``interop`` (checkpoints, the Hugging Face-style
+  export and its ``transformers`` wrappers, the released references' layouts and the safe unpickler),
+  ``inference`` (text generation, infilling, request limits, likelihoods);
+- ``testbed`` (the ground-truth synthetic languages).
+
+The names below are the public API; the modules are reached by their paths (``adlm_model.sampling.samplers``).
 """
 
-from .bd3lm import (
+from .baselines.bd3lm import (
     BlockSample,
     ClipSearchResult,
     bd3lm_objective,
@@ -25,20 +27,27 @@ from .bd3lm import (
     sample_blocks,
     search_clipped_schedule,
 )
-from .checkpoint import CheckpointError, load_checkpoint, load_state, save_checkpoint, save_state
+from .baselines.sedd import SEDD, sedd_objective
 from .config import MODEL_KINDS, PRESETS, ConfigError, ModelConfig, preset
-from .ema import EMA
-from .infill import InfillLayout, infill, plan_infill
+from .inference.infill import InfillLayout, infill, plan_infill
+from .inference.textgen import (
+    Generation,
+    GenerationError,
+    GenerationRequest,
+    SpecialTokens,
+    TextGenerator,
+    load_generator,
+)
+from .interop.checkpoint import CheckpointError, load_checkpoint, load_state, save_checkpoint, save_state
+from .interop.pretrained import load_pretrained, save_pretrained
+from .interop.sedd_layout import sedd_from_reference
 from .kinds import KINDS, SAMPLERS, build_model, compute_loss, count_parameters, model_kind, sample
-from .losses import LossOutput, anchor_mask, gamma_at, subs_log_probs, subs_nll
-from .models import ADLM, AR, MDLM
-from .pretrained import load_pretrained, save_pretrained
-from .samplers import ReMDMLoop, SamplerError, nucleus, sample_categorical, transition_probs, unigram_entropy
-from .schedule import LogLinearSchedule, antithetic_times, mask_tokens
-from .sedd import SEDD, sedd_objective
-from .sedd_layout import sedd_from_reference
-from .testbed_natural import NaturalTestbed  # registers the natural testbed preset with testbed.Testbed
-from .textgen import Generation, GenerationError, GenerationRequest, SpecialTokens, TextGenerator, load_generator
+from .nn.models import ADLM, AR, MDLM
+from .objectives.losses import LossOutput, anchor_mask, gamma_at, subs_log_probs, subs_nll
+from .objectives.schedule import LogLinearSchedule, antithetic_times, mask_tokens
+from .sampling.samplers import ReMDMLoop, SamplerError, nucleus, sample_categorical, transition_probs, unigram_entropy
+from .testbed.natural import NaturalTestbed  # registers the natural preset with testbed.language.Testbed
+from .train.ema import EMA
 
 __version__ = "0.1.0"
 

@@ -16,15 +16,18 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .ar_sampling import ar_sample, ar_window_sample
-from .bd3lm import bd3lm_objective, sample_blocks
-from .confidence import OPTIONS as CONFIDENCE_OPTIONS
-from .confidence import check_options as check_confidence_options
-from .confidence import confidence_sample
+from .baselines.bd3lm import bd3lm_objective, sample_blocks
+from .baselines.sedd import SEDD, sedd_objective, sedd_sample
+from .baselines.ssdlm import OPTIONS as SSDLM_OPTIONS
+from .baselines.ssdlm import SSDLM, network_calls, ssd_sample
 from .config import KIND_TABLE, MODEL_KINDS, ModelConfig
-from .losses import LossOutput, adlm_objective, ar_objective, mdlm_objective
-from .models import ADLM, AR, MDLM
-from .samplers import (
+from .nn.models import ADLM, AR, MDLM
+from .objectives.losses import LossOutput, adlm_objective, ar_objective, mdlm_objective
+from .sampling.ar_sampling import ar_sample, ar_window_sample
+from .sampling.confidence import OPTIONS as CONFIDENCE_OPTIONS
+from .sampling.confidence import check_options as check_confidence_options
+from .sampling.confidence import confidence_sample
+from .sampling.samplers import (
     Progress,
     ReMDMLoop,
     SamplerError,
@@ -33,9 +36,6 @@ from .samplers import (
     reject_unknown,
     resolve_prefix,
 )
-from .sedd import SEDD, sedd_objective, sedd_sample
-from .ssdlm import OPTIONS as SSDLM_OPTIONS
-from .ssdlm import SSDLM, network_calls, ssd_sample
 
 Objective = Callable[..., LossOutput]
 """``(model, x, attention_mask, cfg, *, step, t, generator, z_t) -> LossOutput``; ``t`` with ``z_t``: the noise drawn
@@ -73,7 +73,7 @@ class ModelKind:
     """Runs block by block (``ModelConfig.block_size`` applies: block-diffusion attention in the bound and the
     continuation likelihood, the block sampler generates any length): BD3-LM."""
     distillable: bool = False
-    """SDTT can distil its ancestral sampler (``adlm_model.distill``: masked diffusion over the whole row)."""
+    """SDTT can distil its ancestral sampler (``adlm_model.train.distill``: masked diffusion over the whole row)."""
     sample_only: str = ""
     """Non-empty: the kind is imported and sampled, never trained, and has no likelihood here; the line says so
     (training, tuning, studies and distillation refuse the kind with it, and so do the likelihood suites)."""
@@ -141,8 +141,8 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
               block_diffusion=True),
     # SEDD: the same DiT, time-conditioned, read as a score; its loss (the score entropy) is its bound too.
     ModelKind("sedd", SEDD, _sedd, _sedd, "sedd-analytic", time_conditioned=True),
-    # SSD-LM: the released RoBERTa simplex-diffusion network (ssdlm.py), sampled block by block; no training, no
-    # likelihood (Gaussian diffusion on the logit simplex has no bound here), its own sampler only.
+    # SSD-LM: the released RoBERTa simplex-diffusion network (baselines/ssdlm.py), sampled block by block; no
+    # training, no likelihood (Gaussian diffusion on the logit simplex has no bound here), its own sampler only.
     ModelKind("ssdlm", SSDLM, _sample_only, _sample_only, "ssdlm", adaln=False, samplers=("ssdlm",),
               bos_before_prompt=False, prompt_space=True,
               sample_only="training SSD-LM is out of scope (sample-only: import the released model with python -m "
@@ -263,7 +263,8 @@ block-causal attention and KV cache (ADLM's two networks do not)."""
 SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     Sampler("mdlm", _mdlm_sampler),
     Sampler("remdm-loop", _remdm, ("eta", "t_on", "t_off", "alpha_on")),
-    # Confidence-threshold parallel decoding with the approximate KV cache (confidence.py, block_cache.py).
+    # Confidence-threshold parallel decoding with the approximate KV cache (sampling/confidence.py,
+    # sampling/block_cache.py).
     Sampler("confidence", _confidence_sampler, CONFIDENCE_OPTIONS, steps=False),
     Sampler("ar", _ar_sampler, ("bos_id",), diffusion=False, steps=False),
     # AR past the model's context in a sliding window (the BD3-LM paper's arbitrary-length AR samples).
@@ -271,11 +272,11 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
             calls=lambda length, steps, options: length),
     Sampler("bd3lm", _bd3lm_sampler, ("block_size", "kv_cache", "context", "eos_id", "entropy_threshold",
                                       "entropy_window", "pad_id", "bos_id"), any_length=True, kinds=BLOCK_KINDS),
-    # SEDD's predictors with the final denoising step (sedd.py); they read the score, so SEDD models only.
+    # SEDD's predictors with the final denoising step (baselines/sedd.py); they read the score, so SEDD models only.
     Sampler("sedd-euler", _sedd_euler, kinds=("sedd",)),
     Sampler("sedd-analytic", _sedd_analytic, kinds=("sedd",)),
-    # SSD-LM's decoding (ssdlm.py): blocks left to right, T steps of simplex diffusion each, so it takes a prompt
-    # and no suffix as AR does (diffusion=False) and runs on SSD-LM's network only.
+    # SSD-LM's decoding (baselines/ssdlm.py): blocks left to right, T steps of simplex diffusion each, so it takes a
+    # prompt and no suffix as AR does (diffusion=False) and runs on SSD-LM's network only.
     Sampler("ssdlm", ssd_sample, SSDLM_OPTIONS, diffusion=False, any_length=True, kinds=("ssdlm",),
             calls=network_calls),
 )}
@@ -333,9 +334,9 @@ def sample(model: nn.Module, cfg: ModelConfig, *, batch_size: int, length: int, 
     """Generate token ids ``(batch_size, length)`` (docs/design/method.md, section 4).
 
     - ``sampler``: ``mdlm`` (ancestral), ``remdm-loop``, ``confidence`` (threshold parallel decoding, blocks
-      and the approximate KV cache: ``confidence.py``), ``ar``, ``ar-window`` (AR past its context), ``bd3lm``
-      (block by block), ``sedd-euler`` and ``sedd-analytic`` (SEDD's predictors, ``sedd.py``), ``ssdlm`` (SSD-LM's
-      simplex diffusion block by block, on its own network only: ``ssdlm.py``). An
+      and the approximate KV cache: ``sampling/confidence.py``), ``ar``, ``ar-window`` (AR past its context),
+      ``bd3lm`` (block by block), ``sedd-euler`` and ``sedd-analytic`` (SEDD's predictors, ``baselines/sedd.py``),
+      ``ssdlm`` (SSD-LM's simplex diffusion block by block, on its own network only: ``baselines/ssdlm.py``). An
       ADLM model runs the diffusion samplers on its composed network (fused projection).
     - ``steps``: ``T`` of the diffusion grid (per block for ``bd3lm``; ignored by ``ar``, which
       takes one step per token).

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from adlm_model.testbed import Testbed
+from adlm_model.testbed.language import Testbed
 
 SEED_BASE = 1000
 """Step ``s``'s rows are ``sample(batch, seed=SEED_BASE + s)``: every earlier model was trained on these."""

@@ -35,7 +35,7 @@ from _record import add_argument, recording
 from _util import result
 
 from adlm_model import build_model, preset, sample
-from adlm_model.testbed import BOS_ID, EOS_ID, MASK_ID, Testbed, TestbedConfig
+from adlm_model.testbed.language import BOS_ID, EOS_ID, MASK_ID, Testbed, TestbedConfig
 
 
 def small_model(kind: str, vocab: int, length: int) -> tuple[torch.nn.Module, object]:

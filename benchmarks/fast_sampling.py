@@ -1,6 +1,6 @@
 """Fast sampling measured against the truth: speed against exact NLL on the ground-truth testbed.
 
-Trains (or reuses, from ``--workdir``) a small MDLM and a small ADLM on each testbed preset (``adlm_model.testbed``:
+Trains (or reuses, from ``--workdir``) a small MDLM and a small ADLM on each testbed preset (``adlm_model.testbed.language``:
 synthetic languages whose ``log p(row)`` is exact; ``natural``, calibrated to natural text's confidence, and
 ``anchored``), then draws rows of the testbed's length (BOS and EOS given, the ``L - 2`` positions between
 generated; nucleus off, so the samplers' own error is measured) with:
@@ -76,9 +76,9 @@ from _testbed_rows import step_rows
 from _util import result
 
 from adlm_model import build_model, compute_loss, preset, sample, unigram_entropy
-from adlm_model.samplers import check_sample_args, diffusion_sample, resolve_prefix
-from adlm_model.testbed import BOS_ID, EOS_ID, MASK_ID, Testbed, TestbedConfig
-from adlm_model.train_step import Objective, TrainStep
+from adlm_model.sampling.samplers import check_sample_args, diffusion_sample, resolve_prefix
+from adlm_model.testbed.language import BOS_ID, EOS_ID, MASK_ID, Testbed, TestbedConfig
+from adlm_model.train.train_step import Objective, TrainStep
 
 PAPER_T = {"mdlm": 1024, "adlm": 4096}
 SELECTION_SEED, MEASUREMENT_SEED, TRUTH_SEED = 7, 100_007, 30_000_000
@@ -113,7 +113,7 @@ def _set_lr(opt: torch.optim.Optimizer, step: int, lr: float, horizon: int = 0) 
 
 
 def _trainer(objective: torch.nn.Module, model: torch.nn.Module, lr: float) -> TrainStep:
-    """The pipeline's step (``adlm_model.train_step.TrainStep``: the noise drawn from the caller's generator, the
+    """The pipeline's step (``adlm_model.train.train_step.TrainStep``: the noise drawn from the caller's generator, the
     objective, backward, clipping to 1, AdamW) on ``objective``; ``_set_lr`` sets each step's learning rate."""
     return TrainStep(objective, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0), clip=1.0)
 
@@ -208,14 +208,14 @@ DISTILL_FORMAT = 1
 def distill(kind: str, teacher: torch.nn.Module, cfg, tb: Testbed, workdir: Path, teacher_key: str, *, rounds: int,
             steps_per_round: int, lr: float = 1e-4, batch: int = 32, seed: int = 0,
             substeps: int = 2, device: str = "cpu") -> list[tuple[int, torch.nn.Module]]:
-    """Self-distillation through time (``adlm_model.distill``, docs/design/method.md, section 4) from ``teacher`` at ``T0 = L``
+    """Self-distillation through time (``adlm_model.train.distill``, docs/design/method.md, section 4) from ``teacher`` at ``T0 = L``
     sampling steps: round ``r``'s student starts from the weights of round ``r - 1``'s (the teacher's first) and
     learns to take in one step what that model takes in ``substeps`` steps of size ``dt_r``; it then becomes the
     teacher. For ADLM the composed network is the student (anchor network and denoiser both learn). Seeded end to
     end like ``train``; each round's student is cached by the hash of the chain of recipes that made it (a rerun
     skips the rounds done). Returns ``[(student's sampling steps, student)]``, one per round, on the CPU;
     ``device``: where the rounds train (as ``train``'s, not part of the key)."""
-    from adlm_model.distill import student_steps
+    from adlm_model.train.distill import student_steps
     from pipelines.training.config import DistillSection
     from pipelines.training.distill import DistillLoss, Teacher
 
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                    "benchmarks/gpu_fast_sampling.sh trains on a GPU)")
     p.add_argument("--presets", default="natural,anchored", help="testbed presets (default natural,anchored)")
     p.add_argument("--natural", action="append", default=[], metavar="KEY=VALUE",
-                   help="a field of the natural preset (adlm_model.testbed.TestbedConfig), e.g. n_words=128")
+                   help="a field of the natural preset (adlm_model.testbed.language.TestbedConfig), e.g. n_words=128")
     p.add_argument("--seed", type=int, default=0, help="training seed (weights, noise); the data rows are fixed")
     p.add_argument("--hidden", type=int, default=128, help="the models' width (default 128; part of the cache key)")
     p.add_argument("--blocks", type=int, default=2,

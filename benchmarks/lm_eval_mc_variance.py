@@ -1,6 +1,6 @@
-"""How much the mask-count draws of the adapter's Monte Carlo ELBO cut its variance (adlm_model/likelihood.py).
+"""How much the mask-count draws of the adapter's Monte Carlo ELBO cut its variance (adlm_model/inference/likelihood.py).
 
-On the testbed (adlm_model/testbed.py: a synthetic language with exact conditionals, used as an oracle
+On the testbed (adlm_model/testbed/language.py: a synthetic language with exact conditionals, used as an oracle
 denoiser), the log-likelihood of continuations given their context is estimated ``--repeats`` times with
 ``--samples`` draws each, for plain, antithetic and stratified mask counts. Printed per scheme: the spread of
 the estimates over repeats (their true standard error), the mean reported standard error (is it honest?) and
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from adlm_model.likelihood import MASK_DRAWS, ContinuationScorer
-from adlm_model.testbed import BOS_ID, MASK_ID, Testbed, TestbedConfig
+from adlm_model.inference.likelihood import MASK_DRAWS, ContinuationScorer
+from adlm_model.testbed.language import BOS_ID, MASK_ID, Testbed, TestbedConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -1,6 +1,6 @@
 """Training step cost of ADLM, MDLM and AR, run by hand.
 
-The pipeline's own optimiser step (``adlm_model.train_step.TrainStep``: the noise drawn from a generator, the
+The pipeline's own optimiser step (``adlm_model.train.train_step.TrainStep``: the noise drawn from a generator, the
 objective, backward, clipping, AdamW, the learning-rate schedule and the EMA, built from the recipe's defaults;
 compiled where ``scaling.compile`` says, bf16 autocast on CUDA) at the ``tiny`` and ``small`` configs (L = 128 on
 CPU): step time, tokens/s, analytical FLOPs per token. The kinds are interleaved: each of ``--repeats`` rounds
@@ -42,7 +42,7 @@ from _util import matmul_flops, result
 from adlm_model import EMA, build_model, preset
 from adlm_model.config import ModelConfig
 from adlm_model.kinds import parameter_count
-from adlm_model.train_step import Objective, TrainStep
+from adlm_model.train.train_step import Objective, TrainStep
 from pipelines.training.config import TrainConfig
 from pipelines.training.optim import build_optimizer, build_schedule
 

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _record import add_argument, recording
 from _util import result
 
-from adlm_model.testbed import MASK_ID, Testbed, TestbedConfig
+from adlm_model.testbed.language import MASK_ID, Testbed, TestbedConfig
 
 BINS = (0.0, 0.1, 0.5, 1.0, 2.0, 3.0, 4.0, float("inf"))
 """Entropy histogram bins (nats)."""

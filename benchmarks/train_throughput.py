@@ -14,7 +14,7 @@ with ``--threads`` torch threads:
   holds every CPU starves Ray Data: its read tasks never start); those tasks then share the physical cores with
   the worker, a cost of the Ray loop that is counted here. Validation and the checkpoint happen only
   at the last step, after the last window.
-- Plain PyTorch: the same step (``adlm_model.train_step.TrainStep``: the objective, AdamW, the warm-up
+- Plain PyTorch: the same step (``adlm_model.train.train_step.TrainStep``: the objective, AdamW, the warm-up
   schedule, global-norm clipping, the EMA) in this one process, no Ray, no MLflow: same model config and
   seed, same micro-batch and accumulation, batches read from the same Parquet shards with pyarrow
   (``iter_batches``, in shard order), ``torch.set_num_threads(--threads)``.
@@ -60,7 +60,7 @@ from _record import add_argument, recording  # noqa: E402
 from _util import result  # noqa: E402
 
 from adlm_model import EMA, build_model  # noqa: E402
-from adlm_model.train_step import Objective, TrainStep  # noqa: E402
+from adlm_model.train.train_step import Objective, TrainStep  # noqa: E402
 from pipelines.training.config import TrainConfig, load_config  # noqa: E402
 from pipelines.training.optim import build_optimizer, build_schedule  # noqa: E402
 

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(args: argparse.Namespace) -> int:
-    from adlm_model.checkpoint import read_config
+    from adlm_model.interop.checkpoint import read_config
     from pipelines.data.prepare import PrepareConfig, prepare
     from pipelines.evaluation.config import EvalConfig
     from pipelines.evaluation.run import evaluate_model

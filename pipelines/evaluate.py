@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from adlm_model.checkpoint import CheckpointError
     from adlm_model.config import ConfigError
+    from adlm_model.interop.checkpoint import CheckpointError
     from pipelines.data.manifest import DataMismatchError, ManifestError
     from pipelines.data.tokenizer import TokenizerError
     from pipelines.evaluation.eval_lm import EvalLMError

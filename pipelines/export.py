@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from adlm_model.checkpoint import CheckpointError
     from adlm_model.config import ConfigError
+    from adlm_model.interop.checkpoint import CheckpointError
     from pipelines.cli import run_command
     from pipelines.data.tokenizer import TokenizerError
     from pipelines.registry import RegistryError

@@ -15,7 +15,7 @@ The text stops at the first EOS the model generated (``--keep-going``: it does n
 
 Infilling (``--suffix``) works with the diffusion kinds (MDLM, ADLM: both sides seen at every step) and
 block-wise with BD3-LM (which also generates beyond the training length); an AR model continues a prompt.
-The machinery is ``pipelines/serving/generate.py``; generation itself is ``adlm_model.textgen``, the code
+The machinery is ``pipelines/serving/generate.py``; generation itself is ``adlm_model.inference.textgen``, the code
 the served MLflow model runs, so the same settings and seed give the same text.
 """
 
@@ -26,7 +26,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from adlm_model.textgen import (
+from adlm_model.inference.textgen import (
     DEFAULT_LENGTH,
     DEFAULT_NUCLEUS_P,
     DEFAULT_STEPS,
@@ -90,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from adlm_model.checkpoint import CheckpointError
     from adlm_model.config import ConfigError
-    from adlm_model.textgen import GenerationError
+    from adlm_model.inference.textgen import GenerationError
+    from adlm_model.interop.checkpoint import CheckpointError
     from pipelines.cli import run_command
     from pipelines.data.tokenizer import TokenizerError
     from pipelines.registry import RegistryError
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from adlm_model.limits import LimitError
+    from adlm_model.inference.limits import LimitError
     from pipelines.cli import CommandError
     from pipelines.serving.generate import as_json_rows, open_generator, run_generation
 

@@ -9,7 +9,7 @@ version, like a trained one (docs/usage/released-models.md).
     python -m pipelines.import_model checkpoints/mdlm.ckpt --inspect          # key tree, shapes, hyper-parameters
 
 Nothing of the checkpoint runs: config.json and safetensors are read directly (never the Hub's remote code), a
-pickle goes through ``adlm_model.safe_pickle``. The layout is mapped by ``adlm_model.reference_layouts`` (one
+pickle goes through ``adlm_model.interop.safe_pickle``. The layout is mapped by ``adlm_model.interop.reference_layouts`` (one
 family per table entry) onto our network, completely or not at all; the version holds the checkpoint folder in
 our layout plus the tokenizer the model was trained with (GPT-2 with the mask appended for OWT,
 bert-base-uncased for LM1B, or ``--tokenizer``), tagged with the source, revision, the sha256 of the files read,
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from adlm_model.reference_layouts import FAMILIES
+    from adlm_model.interop.reference_layouts import FAMILIES
 
     p = argparse.ArgumentParser(
         prog="python -m pipelines.import_model", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -54,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from adlm_model.checkpoint import CheckpointError
     from adlm_model.config import ConfigError
-    from adlm_model.safe_pickle import UnsafePickleError
+    from adlm_model.interop.checkpoint import CheckpointError
+    from adlm_model.interop.safe_pickle import UnsafePickleError
     from pipelines.cli import run_command
     from pipelines.registry import RegistryError
     from pipelines.serving.importing import ImportInputError

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import adlm_model
-from adlm_model.textgen import SPECIAL_TOKENS_FILE
+from adlm_model.inference.textgen import SPECIAL_TOKENS_FILE
 
 CODE_FILE = Path(__file__).parent / "serving" / "pyfunc_model.py"
 """The model's code (models-from-code)."""
@@ -51,7 +51,7 @@ class ModelPackagingError(ValueError):
 REQUEST_FIELDS = {"prompt": "string", "suffix": "string", "length": "integer", "steps": "integer",
                   "sampler": "string", "nucleus_p": "double", "seed": "integer", "threshold": "double",
                   "block": "integer", "refresh": "integer", "kv_cache": "string", "stop_at_eos": "boolean"}
-"""The request fields of the served model and their types (``adlm_model.textgen.GenerationRequest`` without
+"""The request fields of the served model and their types (``adlm_model.inference.textgen.GenerationRequest`` without
 ``num_samples``), recorded in the MLmodel's ``metadata.request_fields``; ``prompt`` is the only required one."""
 
 
@@ -60,7 +60,7 @@ def signature() -> Any:
     ``settings``, ``network_calls``. No input schema on purpose: MLflow enforces one by dropping the columns it
     does not name before the model sees them, so a misspelt field (``lenght``) would be answered with the
     default instead of refused. The request fields and their types are ``REQUEST_FIELDS`` (the MLmodel's
-    metadata), checked by ``adlm_model.textgen`` (integers, ranges, unknown fields) and ``adlm_model.limits``."""
+    metadata), checked by ``adlm_model.inference.textgen`` (integers, ranges, unknown fields) and ``adlm_model.inference.limits``."""
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, Schema
 
@@ -78,7 +78,7 @@ def pip_requirements() -> list[str]:
 
 def stage_checkpoint(src: Path, dst: Path) -> Path:
     """Copy the checkpoint files the model serves into ``dst`` and add ``special_tokens.json``."""
-    from adlm_model.checkpoint import read_config
+    from adlm_model.interop.checkpoint import read_config
     from pipelines.data.tokenizer import TokenizerError, load_tokenizer
 
     missing = [f for f in ("config.json", "model.safetensors") if not (src / f).is_file()]

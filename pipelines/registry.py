@@ -2,7 +2,7 @@
 
 Contract shared by training, tuning, evaluation and serving:
 
-- Training logs its exported checkpoint folder (``adlm_model.checkpoint`` layout: ``config.json``,
+- Training logs its exported checkpoint folder (``adlm_model.interop.checkpoint`` layout: ``config.json``,
   ``model.safetensors``, ``ema.safetensors``, ``tokenizer.json``) as the run artifact ``checkpoint``.
 - ``register_checkpoint`` turns it into an MLflow Model logged into that run (pyfunc, models-from-code:
   ``pipelines.mlflow_model``) and registers that model as a new version, with the run id, tags

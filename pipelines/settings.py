@@ -5,7 +5,7 @@ number setting below, and ``$ADLM_FAULT``, before a command does any work (``pip
 ``ADLM_PLACEMENT_TIMEOUT_S=abc`` is refused at once instead of in a traceback, or after minutes of work, and
 ``ADLM_MAX_WORK=nan`` cannot turn a limit off (every comparison with NaN is false).
 
-The served model reads its ``ADLM_MAX_*`` limits itself (``adlm_model.limits``: the model's code imports nothing of
+The served model reads its ``ADLM_MAX_*`` limits itself (``adlm_model.inference.limits``: the model's code imports nothing of
 ``pipelines``), with the same rules and the same wording.
 """
 

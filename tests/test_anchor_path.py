@@ -9,9 +9,9 @@ import torch
 
 from adlm_model import preset
 from adlm_model.kinds import build_model, compute_loss
-from adlm_model.losses import anchor_mask
-from adlm_model.schedule import mask_tokens
-from adlm_model.testbed import MASK_ID, Testbed, TestbedConfig
+from adlm_model.objectives.losses import anchor_mask
+from adlm_model.objectives.schedule import mask_tokens
+from adlm_model.testbed.language import MASK_ID, Testbed, TestbedConfig
 
 STEPS = 150
 

@@ -29,20 +29,28 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+def _from_module(name: str, path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` in module ``name`` (file ``path``) reads from."""
+    if not node.level:
+        return node.module or ""
+    base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def _unit(name: str) -> str:
+    """The package a module counts under: ``adlm_model.nn``, ``pipelines.training``, ``adlm_model.kinds``."""
+    return ".".join(name.split(".")[:2])
+
+
 def _imports(name: str, path: Path) -> set[str]:
     """Project modules that ``name`` imports anywhere in its file (top level and inside functions)."""
-    is_pkg = path.name == "__init__.py"
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".") if is_pkg else name.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                mod = ".".join([*base, node.module] if node.module else base)
-            else:
-                mod = node.module or ""
+            mod = _from_module(name, path, node)
             # `from pkg import sub` imports the submodule when there is one
             targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod for a in node.names]
         else:
@@ -92,14 +100,73 @@ def test_no_import_circle() -> None:
     cycles = _cycles(graph)
     assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
 
-    def unit(name: str) -> str:
-        return ".".join(name.split(".")[:2])
-
     packages: dict[str, set[str]] = {}
     for n, targets in graph.items():
-        packages.setdefault(unit(n), set()).update(unit(t) for t in targets if unit(t) != unit(n))
+        packages.setdefault(_unit(n), set()).update(_unit(t) for t in targets if _unit(t) != _unit(n))
     cycles = _cycles(packages)
     assert not cycles, "circles between packages: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+MODEL_LAYERS = ("config", "nn", "objectives", "sampling", "baselines", "kinds", "train", "interop", "inference",
+                "testbed")
+"""``adlm_model``'s top-level modules and subpackages in the order they may import each other: each only those
+before it (docs/design/architecture.md says the same)."""
+
+
+def test_the_model_package_is_layered() -> None:
+    """``adlm_model``'s subpackages import only the layers before them (``MODEL_LAYERS``): the networks know nothing
+    of objectives, the samplers nothing of the kinds table, the kinds table nothing of training, files or text."""
+    graph = _graph()
+    units = {n.split(".")[1] for n in graph if n.startswith("adlm_model.")}
+    assert units == set(MODEL_LAYERS), f"adlm_model's units are {sorted(units)}: name each in MODEL_LAYERS"
+    wrong = []
+    for n, targets in graph.items():
+        if not n.startswith("adlm_model."):
+            continue
+        here = MODEL_LAYERS.index(n.split(".")[1])
+        for t in targets:
+            if t.startswith("adlm_model.") and MODEL_LAYERS.index(t.split(".")[1]) > here:
+                wrong.append(f"{n} -> {t}")
+    assert not wrong, "imports of a later layer of adlm_model: " + "; ".join(sorted(wrong))
+
+
+def test_no_module_imports_another_subpackages_private_names() -> None:
+    """A ``_name`` is its subpackage's own: a module of another subpackage (or of ``pipelines``) that imports one
+    ties itself to what its owner may change freely. Make it public or move the code."""
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            mod = _from_module(name, path, node)
+            if mod.split(".")[0] not in PACKAGES:
+                continue
+            for a in node.names:
+                target = f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod
+                private = any(p.startswith("_") and not p.startswith("__") for p in [a.name, *target.split(".")])
+                if private and _unit(target) != _unit(name):
+                    found.append(f"{name}:{node.lineno} from {mod} import {a.name}")
+    assert not found, "private names imported across subpackages: " + "; ".join(found)
+
+
+def test_the_layer_and_private_name_checks_see_a_crossing(tmp_path: Path) -> None:
+    """A network module importing the kinds table is a layer crossed backwards; a baseline importing a sampler's
+    ``_name`` a private name crossing subpackages; a sampler importing it from its own subpackage is neither."""
+    up, private, own = tmp_path / "up.py", tmp_path / "private.py", tmp_path / "own.py"
+    up.write_text("def f():\n    from adlm_model.kinds import KINDS\n")
+    private.write_text("from ..sampling.samplers import _sigma\n")
+    own.write_text("from .samplers import _sigma\n")
+    saved = dict(MODULES)
+    try:
+        MODULES.update({"adlm_model.nn.up": up, "adlm_model.baselines.private": private, "adlm_model.sampling.own": own})
+        with pytest.raises(AssertionError, match=r"later layer of adlm_model: adlm_model\.nn\.up -> adlm_model\.kinds\n"):
+            test_the_model_package_is_layered()
+        with pytest.raises(AssertionError, match=r"imported across subpackages: adlm_model\.baselines\.private:1 from "
+                                                 r"adlm_model\.sampling\.samplers import _sigma\n"):
+            test_no_module_imports_another_subpackages_private_names()
+    finally:
+        MODULES.clear()
+        MODULES.update(saved)
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -294,3 +361,25 @@ def test_no_kind_name_is_compared_outside_the_kinds_table() -> None:
                 if any(names(s) for s in sides) and any("kind" in ast.unparse(s) for s in sides if not names(s)):
                     found.append(f"{name}:{node.lineno} ({ast.unparse(node)})")
     assert not found, "a kind compared by name: read its row of adlm_model.kinds.KINDS instead: " + ", ".join(found)
+
+
+PUBLIC_API = (
+    "ADLM", "AR", "BlockSample", "CheckpointError", "ClipSearchResult", "ConfigError", "EMA", "Generation",
+    "GenerationError", "GenerationRequest", "InfillLayout", "KINDS", "LogLinearSchedule", "LossOutput", "MDLM",
+    "MODEL_KINDS", "ModelConfig", "NaturalTestbed", "PRESETS", "ReMDMLoop", "SAMPLERS", "SEDD", "SamplerError",
+    "SpecialTokens", "TextGenerator", "__version__", "anchor_mask", "antithetic_times", "bd3lm_objective",
+    "block_diff_mask", "build_model", "clip_intervals", "compute_loss", "count_parameters", "gamma_at", "infill",
+    "load_checkpoint", "load_generator", "load_pretrained", "load_state", "mask_tokens", "model_kind", "nucleus",
+    "plan_infill", "preset", "sample", "sample_blocks", "sample_categorical", "save_checkpoint", "save_pretrained",
+    "save_state", "search_clipped_schedule", "sedd_from_reference", "sedd_objective", "subs_log_probs", "subs_nll",
+    "transition_probs", "unigram_entropy",
+)
+"""``from adlm_model import ...``: what users and the docs import, the same whichever module holds each name."""
+
+
+def test_the_public_api_stays_what_users_import() -> None:
+    import adlm_model
+
+    assert sorted(adlm_model.__all__) == sorted(PUBLIC_API)
+    missing = [n for n in PUBLIC_API if not hasattr(adlm_model, n)]
+    assert not missing, f"adlm_model.__all__ names what the package does not have: {missing}"

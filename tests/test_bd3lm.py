@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from adlm_model import compute_loss, sample
-from adlm_model.bd3lm import (
+from adlm_model.baselines.bd3lm import (
     BlockContext,
     bd3lm_objective,
     block_diff_mask,
@@ -16,7 +16,7 @@ from adlm_model.bd3lm import (
     sample_blocks,
     search_clipped_schedule,
 )
-from adlm_model.losses import mdlm_objective
+from adlm_model.objectives.losses import mdlm_objective
 from tests.support_models import M, V, gen, micro, randomized
 
 L = 24
@@ -195,7 +195,7 @@ def test_clip_grid_and_variance_search() -> None:
 
 def test_training_draws_block_times_from_the_searched_interval_and_evaluation_from_all() -> None:
     """The loop's search result becomes the training objective's interval; the bound stays on [eps, 1]."""
-    from adlm_model.bd3lm import clip_bounds
+    from adlm_model.baselines.bd3lm import clip_bounds
 
     cfg = micro("bd3lm")
     trained = cfg.replace(clip_low=0.45, clip_high=0.95)
@@ -204,7 +204,7 @@ def test_training_draws_block_times_from_the_searched_interval_and_evaluation_fr
     model = randomized(cfg)
     x = torch.randint(0, V, (3, L), generator=gen(2))
     seen: list[torch.Tensor] = []
-    import adlm_model.bd3lm as bd3
+    import adlm_model.baselines.bd3lm as bd3
 
     original = bd3.block_times
 

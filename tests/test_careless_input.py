@@ -62,9 +62,9 @@ def test_a_bad_setting_is_one_line_before_any_work(command: str, argv: list[str]
 
 
 def test_the_served_limits_refuse_what_would_turn_them_off() -> None:
-    """``adlm_model.limits`` (the served model reads them itself): a NaN compares false with everything, so
+    """``adlm_model.inference.limits`` (the served model reads them itself): a NaN compares false with everything, so
     ``ADLM_MAX_WORK=nan`` let every request through."""
-    from adlm_model.limits import LimitError, RequestLimits
+    from adlm_model.inference.limits import LimitError, RequestLimits
 
     for value in ("nan", "inf", "-inf", "abc"):
         with pytest.raises(LimitError, match="ADLM_MAX_WORK.*is not a finite number"):

@@ -288,7 +288,7 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
     import mlflow
     import ray
 
-    from adlm_model.checkpoint import load_state
+    from adlm_model.interop.checkpoint import load_state
     from pipelines.data.manifest import read_manifest
     from pipelines.runtime import NODE_KIND_LABEL
     from pipelines.storage import download_dir, upload_dir

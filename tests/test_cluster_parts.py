@@ -168,7 +168,7 @@ def test_a_best_checkpoint_cut_short_mid_upload_is_never_registered(tiny_data, t
     import mlflow
     from safetensors.torch import load_file
 
-    from adlm_model.checkpoint import read_config
+    from adlm_model.interop.checkpoint import read_config
     from pipelines.training.checkpoints import BEST, best_checkpoint
     from tests.support_data import TINY_MODEL, data_overrides, set_args
 

@@ -1,4 +1,4 @@
-"""SDTT's objective (adlm_model/distill.py): zero when a one-step teacher is the student, a gradient to every
+"""SDTT's objective (adlm_model/train/distill.py): zero when a one-step teacher is the student, a gradient to every
 student parameter (ADLM: anchor network and denoiser), a target fixed by the generator's seed."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from adlm_model.distill import divergence, round_dt, sdtt_objective, student_steps, teacher_target
-from adlm_model.schedule import mask_tokens
+from adlm_model.objectives.schedule import mask_tokens
+from adlm_model.train.distill import divergence, round_dt, sdtt_objective, student_steps, teacher_target
 from tests.support_models import L, M, V, gen, micro, randomized
 
 

@@ -89,7 +89,7 @@ def test_a_distilled_mdlm_and_adlm_are_versions_with_their_teacher_and_step_coun
     dts = dict(_history(uri, env["full"].run_id, "distill/dt"))
     assert dts[4] == pytest.approx(2 * dts[1]) and dts[1] == pytest.approx((1 - 1e-5) / 8)
     # Generation's default step count is the version's (textgen reads the checkpoint's sampler_steps).
-    from adlm_model.textgen import DEFAULT_STEPS, TextGenerator
+    from adlm_model.inference.textgen import DEFAULT_STEPS, TextGenerator
 
     assert TextGenerator.default_steps_of(meta) == 2 and TextGenerator.default_steps_of({}) == DEFAULT_STEPS
 

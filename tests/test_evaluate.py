@@ -275,7 +275,7 @@ def test_a_metric_registered_in_one_place_reaches_the_plan_run_report_tags_and_g
     assert float(tags["toy_score"]) == pytest.approx(r.metrics["toy_score"], rel=1e-5)
     assert tags["toy.settings"] == "seed=0" and "val_ppl" in tags
     assert mlflow.MlflowClient(tracking).get_run(r.run_id).data.metrics["toy_score"] == pytest.approx(r.metrics["toy_score"])
-    from adlm_model.checkpoint import read_config
+    from adlm_model.interop.checkpoint import read_config
     from pipelines.orchestration.summary import summary_markdown as pipeline_summary
     from pipelines.serving.export import _Source, model_card
 

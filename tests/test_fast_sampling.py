@@ -1,4 +1,4 @@
-"""Confidence-threshold parallel decoding and the approximate KV cache (adlm_model/confidence.py, block_cache.py):
+"""Confidence-threshold parallel decoding and the approximate KV cache (adlm_model/sampling/confidence.py, block_cache.py):
 refresh 1 is the exact sampler token for token, the threshold's extremes cost L calls and one call, a partial
 pass on an unchanged row equals the full pass, and bad settings fail in one line before any network call."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from adlm_model import sample
-from adlm_model.block_cache import cached_logits, new_caches
-from adlm_model.samplers import SamplerError
+from adlm_model.sampling.block_cache import cached_logits, new_caches
+from adlm_model.sampling.samplers import SamplerError
 from tests.support_models import L, gen, micro, randomized
 
 
@@ -148,7 +148,7 @@ def test_the_ancestral_final_step_draws_or_takes_the_argmax(kind: str, monkeypat
     argmax, and the two differ at no more positions than it filled (the grid's draws are the same). The grid is
     cut at t = 0.5 here so that half the positions are still masked at its end (at the real 1e-5, about one in
     100,000 is)."""
-    from adlm_model import samplers
+    from adlm_model.sampling import samplers
 
     cfg = micro(kind)
     model = randomized(cfg)

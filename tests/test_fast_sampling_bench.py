@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from adlm_model.testbed import Testbed, TestbedConfig
+from adlm_model.testbed.language import Testbed, TestbedConfig
 from tests.conftest import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "fast_sampling.py"
@@ -269,8 +269,8 @@ def test_the_baseline_draws_its_final_step(bench, monkeypatch):
     100,000 (T_MIN = 1e-5), too rare to see in a test's rows, so the call itself is checked: every ancestral draw
     of the benchmark (baseline, paper-T, students, teacher) asks the sampler for ``final="draw"``, and gives the
     rows of that call."""
-    from adlm_model.samplers import diffusion_sample, resolve_prefix
-    from adlm_model.testbed import BOS_ID, EOS_ID, MASK_ID
+    from adlm_model.sampling.samplers import diffusion_sample, resolve_prefix
+    from adlm_model.testbed.language import BOS_ID, EOS_ID, MASK_ID
     from tests.support_models import randomized
 
     tb = Testbed(TestbedConfig(length=8, seed=1))

@@ -50,8 +50,8 @@ def _moments(cells: list[list[float]]) -> torch.Tensor:
 def test_the_clipped_schedule_is_the_interval_of_least_variance() -> None:
     """Pooled moments (count, sum, sum of squares) of known per-block losses: the choice is the interval whose
     cells vary least, and the reported variances are the unbiased sample variances."""
-    from adlm_model.bd3lm import choose_clip
-    from adlm_model.samplers import SamplerError
+    from adlm_model.baselines.bd3lm import choose_clip
+    from adlm_model.sampling.samplers import SamplerError
 
     intervals = [(1e-3, 1.0), (0.3, 0.8), (0.5, 0.6)]
     cells = [[1.0, 9.0, 2.0, 14.0], [4.0, 5.0, 4.5, 5.5], [3.0, 7.0, 3.0, 7.0]]

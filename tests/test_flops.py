@@ -1,4 +1,4 @@
-"""adlm_model.flops counts attention on CPU too: QK^T and AV of every block, forward and backward, so that
+"""adlm_model.train.flops counts attention on CPU too: QK^T and AV of every block, forward and backward, so that
 equal-FLOPs budgets weigh sequence length as the kernels do."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from adlm_model import preset
-from adlm_model.flops import training_flops_per_row
+from adlm_model.train.flops import training_flops_per_row
 
 
 def _cfg(kind: str, seq_len: int = 32):

@@ -45,7 +45,7 @@ def test_the_model_cores_bound_on_cuda_is_the_cpus(kind: str) -> None:
 def test_a_bf16_training_step_on_cuda_lowers_the_loss(kind: str) -> None:
     """Autocast bf16 (the GPU recipes' scaling.bf16), attention through flash-attn when importable, else SDPA:
     finite gradients, and ten AdamW steps on one batch (one fixed noise draw) lower its loss."""
-    from adlm_model.attention import flash_available
+    from adlm_model.nn.attention import flash_available
 
     cfg = micro(kind, hidden=64, heads=2)
     torch.manual_seed(0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import importlib
 import json
 import math
 import os
@@ -25,11 +26,13 @@ from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+PARTS = sorted((ROOT / "benchmarks" / "gpu_check_parts").glob("*.py"))
+"""The script's items by family: they travel with it."""
 ALLOWED = {"torch", "numpy", "safetensors", "tokenizers", "flash_attn", "yaml"}
-"""What the GPU machine's image has (flash_attn: optional, imported in a try by adlm_model.attention; yaml: PyYAML,
+"""What the GPU machine's image has (flash_attn: optional, imported in a try by adlm_model.nn.attention; yaml: PyYAML,
 which its transformers requires, read only when a SEDD training run is imported)."""
-BENCHMARK_MODULES = {"_record"}
-"""The benchmarks' own standard-library modules the script imports (they travel with the repository)."""
+BENCHMARK_MODULES = {"_record", "gpu_check_parts"}
+"""The benchmarks' own modules the script imports: the record helper and its items (they travel with the repository)."""
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the in-process runs (the subprocess: --threads 1)
 
@@ -38,6 +41,9 @@ NAN_ON_CPU = ("datasheet", "peak_mem")
 
 
 gpu_check = load_script(SCRIPT, "gpu_check", register=True)  # its dataclasses look their module up there
+# its items by family (benchmarks/gpu_check_parts/), importable once the script has put benchmarks/ on the path
+correctness, hardware, training = (importlib.import_module(f"gpu_check_parts.{m}")
+                                   for m in ("correctness", "hardware", "training"))
 
 
 def _results(stdout: str) -> dict[str, str]:
@@ -63,8 +69,9 @@ def test_the_tiny_cpu_run_passes_and_prints_every_result_name(tmp_path: Path) ->
                           capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # Under the import hook (below): every adlm_model module imported, nothing refused, in the run either.
-    n_modules = len([p for p in (ROOT / "adlm_model").glob("*.py")
-                     if p.name != "__init__.py" and p.stem not in EXPORT_WRAPPERS])
+    # (pkgutil walks the subpackages too: each counts as a module, its __init__)
+    n_modules = len([p for p in (ROOT / "adlm_model").rglob("*.py")
+                     if p != ROOT / "adlm_model" / "__init__.py" and p.stem not in EXPORT_WRAPPERS])
     assert f"imported {n_modules} modules" in proc.stderr and "refused []" in proc.stderr
     results = _results(proc.stdout)
     assert list(results) == list(gpu_check.RESULT_NAMES)
@@ -139,7 +146,7 @@ def test_bad_arguments_fail_in_one_line(argv: list[str], message: str, tmp_path:
     (4, 512, 0, [8]),                           # not even the first
 ])
 def test_the_batch_search(limit: int, cap: int, want: int, tried: list[int]) -> None:
-    assert gpu_check.largest_batch(lambda b: b <= limit, 8, cap) == (want, tried)
+    assert training.largest_batch(lambda b: b <= limit, 8, cap) == (want, tried)
 
 
 def test_the_compiled_step_check_fails_on_a_miscompiled_step() -> None:
@@ -148,22 +155,22 @@ def test_the_compiled_step_check_fails_on_a_miscompiled_step() -> None:
     and so does a non-finite loss."""
     g = torch.randn(1000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     rounding = g * (1 + 1e-7)
-    assert gpu_check.compiled_figures(3.0 * (1 + 1e-6), 3.0, rounding, g, "bd3lm")[0]
+    assert correctness.compiled_figures(3.0 * (1 + 1e-6), 3.0, rounding, g, "bd3lm")[0]
     one_entry = g.clone()
     one_entry[7] += 0.01 * g.abs().max()
     turned = g + 0.02 * torch.randn(1000, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     for loss, grads in ((3.0 * (1 + 5.7e-5), g), (3.0 * (1 - 4.5e-4), g), (3.0, one_entry), (3.0, turned),
                         (math.nan, g)):
-        ok, res = gpu_check.compiled_figures(loss, 3.0, grads, g, "bd3lm")
+        ok, res = correctness.compiled_figures(loss, 3.0, grads, g, "bd3lm")
         assert not ok and res["correct_compiled_ok_bd3lm"] == 0, res
     assert set(res) == {n for n in gpu_check.RESULT_NAMES if n.startswith("correct_compiled_")}
 
 
 def test_the_datasheet_peaks_by_gpu_name() -> None:
-    assert gpu_check.datasheet_tflops("NVIDIA H100 80GB HBM3") == 989.0
-    assert gpu_check.datasheet_tflops("NVIDIA H100 PCIe") == 756.0
-    assert gpu_check.datasheet_tflops("NVIDIA H200") == 989.0
-    assert gpu_check.datasheet_tflops("Tesla T4") is None
+    assert hardware.datasheet_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert hardware.datasheet_tflops("NVIDIA H100 PCIe") == 756.0
+    assert hardware.datasheet_tflops("NVIDIA H200") == 989.0
+    assert hardware.datasheet_tflops("Tesla T4") is None
     assert math.isnan(float(gpu_check.fmt(math.nan)))
 
 
@@ -185,10 +192,10 @@ def test_adlm_model_and_gpu_check_import_only_what_the_gpu_machine_has() -> None
     """Every import statement, at module level or inside a function (a lazy import would fail only when the
     GPU run reaches it): the standard library, the allowed packages, and (gpu_check.py) adlm_model."""
     bad = {}
-    files = [*sorted((ROOT / "adlm_model").rglob("*.py")), SCRIPT]
+    files = [*sorted((ROOT / "adlm_model").rglob("*.py")), SCRIPT, *PARTS]
     for path in files:
         extra = _top_level_imports(path) - ALLOWED - set(sys.stdlib_module_names) - {"adlm_model", "__future__"}
-        if path == SCRIPT:
+        if path == SCRIPT or path in PARTS:
             extra -= BENCHMARK_MODULES
         if path.stem in EXPORT_WRAPPERS:  # transformers imports them from an export folder (the GPU machine has it)
             extra -= {"transformers"}
@@ -286,12 +293,14 @@ def test_the_gpu_page_names_what_exists() -> None:
 
     page = (ROOT / "docs" / "operations" / "gpu.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", page, re.S)
-    assert _top_level_imports(SCRIPT) - set(sys.stdlib_module_names) - ALLOWED == {"adlm_model"} | BENCHMARK_MODULES
+    imported = set().union(*(_top_level_imports(p) for p in (SCRIPT, *PARTS)))
+    assert imported - set(sys.stdlib_module_names) - ALLOWED == {"adlm_model"} | BENCHMARK_MODULES
     commands = [line.split("#")[0] for b in blocks for line in b.replace("\\\n", " ").splitlines()
                 if "gpu_check.py " in line and "python" in line]
     assert len(commands) >= 3 and any("--only" in c for c in commands) and any("--resume" in c for c in commands)
-    archive = next(line for b in blocks for line in b.splitlines() if line.startswith("git archive"))
-    assert {"adlm_model", "benchmarks/gpu_check.py", "benchmarks/_record.py"} <= set(shlex.split(archive))
+    archive = next(line for b in blocks for line in b.replace("\\\n", " ").splitlines() if line.startswith("git archive"))
+    assert {"adlm_model", "benchmarks/gpu_check.py", "benchmarks/gpu_check_parts", "benchmarks/_record.py"} <= \
+        set(shlex.split(archive))
     for line in commands:
         argv = shlex.split(line.replace("$OUT", "out"))
         args = gpu_check.parse_args(argv[argv.index("benchmarks/gpu_check.py") + 1:])
@@ -309,7 +318,7 @@ def test_a_timed_run_out_of_memory_steps_down_to_a_batch_that_fitted(tmp_path: P
     error itself past the search's two steps."""
     import torch
 
-    real_step, calls = gpu_check.Trainer.step, {"n": 0}
+    real_step, calls = training.Trainer.step, {"n": 0}
 
     def step(self, x):
         if x.shape[0] == 2:
@@ -318,7 +327,7 @@ def test_a_timed_run_out_of_memory_steps_down_to_a_batch_that_fitted(tmp_path: P
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.27 GiB.")
         return real_step(self, x)
 
-    monkeypatch.setattr(gpu_check.Trainer, "step", step)
+    monkeypatch.setattr(training.Trainer, "step", step)
     assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--only", "train_mdlm"]) == 0
     results = _results(capsys.readouterr().out)
     item = json.loads((tmp_path / "gpu_check.json").read_text())["items"]["train_mdlm"]

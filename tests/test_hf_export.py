@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from adlm_model.bd3lm import block_causal_mask, block_diffusion_logits
+from adlm_model.baselines.bd3lm import block_causal_mask, block_diffusion_logits
 from adlm_model.config import ModelConfig
+from adlm_model.interop.pretrained import HF_CODE, HF_SOURCES, load_pretrained, save_pretrained, shipped_code
 from adlm_model.kinds import KINDS
-from adlm_model.pretrained import HF_CODE, load_pretrained, save_pretrained
 from tests.support_models import micro, randomized
 
 SPECIALS = {"bos_id": 1, "eos_id": 2, "pad_id": 3, "mask_id": 48}
@@ -120,25 +120,31 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path, one_torch_thread) -> None:
 
 
 def test_the_shipped_code_is_the_packages_and_imports_only_torch() -> None:
-    """The export ships this package's network modules, not a second copy: each imports torch, the standard
-    library and its shipped neighbours (the two wrappers also transformers); the wrappers' networks are the
-    kinds table's."""
+    """The export ships this package's network modules, not a second copy: each file is its module with the
+    relative imports flattened (the folder is flat), imports torch, the standard library and its shipped neighbours
+    (the two wrappers also transformers); the wrappers' networks are the kinds table's."""
     import adlm_model
-    from adlm_model.modeling_adlm import NETWORKS
+    from adlm_model.interop.modeling_adlm import NETWORKS
 
     pkg = Path(adlm_model.__file__).parent
+    assert set(HF_CODE) == {Path(s).name for s in HF_SOURCES.values()}  # the folder's names are the modules' names
     for name in HF_CODE:
         allowed = {"torch", "__future__", *sys.stdlib_module_names}
         if name in ("configuration_adlm.py", "modeling_adlm.py"):
             allowed.add("transformers")
-        tree = ast.parse((pkg / name).read_text())
+        source, shipped = (pkg / HF_SOURCES[name]).read_text(), shipped_code(name)
+        # the same code but for the import lines: nothing else of the module is rewritten
+        changed = [(a, b) for a, b in zip(source.splitlines(), shipped.splitlines(), strict=True) if a != b]
+        assert all(a.lstrip().startswith("from .") and b.lstrip().startswith("from .") for a, b in changed), changed
+        tree = ast.parse(shipped)
         # an import inside try/except is optional (attention.py's flash-attn): transformers' check skips it too
         optional = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) for b in t.body for n in ast.walk(b)}
         for node in ast.walk(tree):
             if id(node) in optional:
                 continue
             if isinstance(node, ast.ImportFrom) and node.level:
-                assert f"{node.module}.py" in HF_CODE, f"{name} imports .{node.module}, which is not shipped"
+                assert node.level == 1 and f"{node.module}.py" in HF_CODE, \
+                    f"{name} imports {'.' * node.level}{node.module}, which is not a shipped neighbour"
             elif isinstance(node, ast.Import | ast.ImportFrom):
                 mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
                 bad = [m for m in mods if m.split(".")[0] not in allowed]
@@ -168,3 +174,25 @@ def test_device_map_and_bfloat16_loads(tmp_path, one_torch_thread) -> None:
         half = AutoModelForMaskedLM.from_pretrained(d, trust_remote_code=True, dtype=torch.bfloat16)
         got = half(z).logits
     assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want, atol=0.1 * want.abs().max().item())
+
+
+OLD_EXPORT = Path(__file__).parent / "fixtures" / "export-v0"
+"""An ADLM export written by ``save_pretrained`` before ``adlm_model`` was cut into subpackages (commit 988c98b:
+the package's flat modules copied as they were), with a 320-entry BPE trained on the embedded corpus;
+``export-v0.expected.safetensors`` holds a batch ``z`` and the logits that code gave for it."""
+
+
+def test_an_export_written_by_an_earlier_version_still_loads(one_torch_thread) -> None:
+    """Both readers of an export (``load_pretrained`` and ``transformers`` with the folder's own code) load the old
+    folder with no key missing, and give the logits it was written with, bit for bit."""
+    from safetensors.torch import load_file
+
+    expected = load_file(str(OLD_EXPORT.parent / "export-v0.expected.safetensors"))
+    ours, cfg, meta = load_pretrained(OLD_EXPORT)
+    assert cfg.kind == "adlm" and "fixture" in meta
+    hf = _hf(OLD_EXPORT)
+    z = expected["z"]
+    with torch.no_grad():
+        want = ours.denoiser_logits(z, torch.zeros(len(z)))
+        got = hf(input_ids=z).logits
+    assert torch.equal(want, expected["logits"]) and torch.equal(got, expected["logits"])

@@ -16,12 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from adlm_model import reference_layouts as rl
-from adlm_model.bd3lm import block_diffusion_logits, block_nelbo
+from adlm_model.baselines.bd3lm import block_diffusion_logits, block_nelbo
 from adlm_model.config import ModelConfig
+from adlm_model.interop import reference_layouts as rl
+from adlm_model.interop.safe_pickle import UnsafePickleError, load_pickled, resolve_global
 from adlm_model.kinds import KINDS, build_model
-from adlm_model.losses import mdlm_objective, suppress_mask
-from adlm_model.safe_pickle import UnsafePickleError, load_pickled, resolve_global
+from adlm_model.objectives.losses import mdlm_objective, suppress_mask
 
 FIXTURES = Path(__file__).parent / "fixtures" / "reference"
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -302,7 +302,7 @@ def test_inspect_prints_tree_and_hyper_parameters(tmp_path: Path, capsys: pytest
 def test_exported_version_reimports_to_the_same_weights(kind: str, tmp_path: Path, one_torch_thread) -> None:
     """Our own Hub layout (python -m pipelines.export's folder, model_type adlm) is a source too: an exported
     MDLM-family checkpoint re-imports bit for bit, with its tokenizer."""
-    from adlm_model.checkpoint import save_checkpoint
+    from adlm_model.interop.checkpoint import save_checkpoint
     from pipelines.serving.export import export_model
     from pipelines.serving.importing import _tokenizer
 
@@ -352,8 +352,8 @@ def test_sedd_hub_layout_equals_reference(tmp_path: Path, one_torch_thread) -> N
     """SEDD's Hub layout (louaaron/sedd-*: the run config as config.json, the SEDD module's bare keys in
     model.safetensors), written from the SEDD fixture the reference made, imports as the sedd kind with the
     reference's log-scores and loss (tests/fixtures/reference/sedd/provenance.json)."""
-    from adlm_model.schedule import LogLinearSchedule
-    from adlm_model.sedd import sedd_objective
+    from adlm_model.baselines.sedd import sedd_objective
+    from adlm_model.objectives.schedule import LogLinearSchedule
 
     ref_dir = FIXTURES / "sedd"
     prov = json.loads((ref_dir / "provenance.json").read_text())
@@ -392,7 +392,7 @@ def _sedd_reference_order(key: str) -> tuple:
 
 
 def _assert_sedd_equals_reference(model: torch.nn.Module, cfg: ModelConfig) -> None:
-    from adlm_model.schedule import LogLinearSchedule
+    from adlm_model.objectives.schedule import LogLinearSchedule
 
     exp = load_file(str(FIXTURES / "sedd" / "outputs.safetensors"))
     with torch.no_grad():

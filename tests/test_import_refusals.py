@@ -1,4 +1,4 @@
-"""The importer's refusals (``python -m pipelines.import_model``, ``adlm_model.safe_pickle``): a pickle cannot make
+"""The importer's refusals (``python -m pipelines.import_model``, ``adlm_model.interop.safe_pickle``): a pickle cannot make
 the loader allocate by a number it states, hand numpy anything but plain number data, nest its hyper-parameters
 without bound or slip a Python 2 name past its checks; an empty, truncated or corrupt file, parts of the wrong type,
 a --family its folder contradicts, a vocabulary its config and weights disagree on, a name or alias the registry
@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from adlm_model.safe_pickle import UnsafePickleError, load_pickled, resolve_global
+from adlm_model.interop.safe_pickle import UnsafePickleError, load_pickled, resolve_global
 from tests.test_import_reference import FIXTURES, _sedd_reference_order
 
 
@@ -225,7 +225,7 @@ def test_a_compressed_record_is_refused_before_it_is_inflated(tmp_path: Path) ->
 def test_python2_names_are_mapped_before_the_checks(tmp_path: Path) -> None:
     """``commands.Popen`` (Python 2's name of ``subprocess.Popen``) is read as pickle reads it, then refused (it
     passed as an inert stand-in before); the builtins old pickles name (``__builtin__.long``) still resolve."""
-    from adlm_model.safe_pickle import compat_name
+    from adlm_model.interop.safe_pickle import compat_name
 
     assert compat_name("commands", "Popen") == ("subprocess", "Popen")
     f = tmp_path / "py2.ckpt"

@@ -1,4 +1,4 @@
-"""The lm-eval adapter (pipelines/evaluation/lm_eval_*.py, adlm_model/likelihood.py): exact AR log-likelihoods,
+"""The lm-eval adapter (pipelines/evaluation/lm_eval_*.py, adlm_model/inference/likelihood.py): exact AR log-likelihoods,
 a Monte Carlo ELBO that converges to the exact conditional log-probability under an exact denoiser, the
 offline tasks end to end through the harness (our suite and the harness's CLI), one-line errors before any
 model loads."""
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from adlm_model import build_model
-from adlm_model.likelihood import ContinuationScorer, combine, mask_counts
+from adlm_model.inference.likelihood import ContinuationScorer, combine, mask_counts
 from pipelines.evaluate import main
 from pipelines.evaluation.config import EvalConfig
 from pipelines.evaluation.run import evaluate_model
@@ -305,7 +305,7 @@ def test_on_the_testbed_the_adapter_converges_to_the_exact_conditional_within_it
     """The adapter's scorer with the testbed's exact conditionals as the denoiser (an oracle: docs/design/method.md
     section 1's any-order property makes every ordering exact) gives log p(continuation | context) of the
     generator within its reported standard error, and the error shrinks as 1/sqrt(samples)."""
-    from adlm_model.testbed import BOS_ID, MASK_ID, Testbed, TestbedConfig
+    from adlm_model.testbed.language import BOS_ID, MASK_ID, Testbed, TestbedConfig
 
     tb = Testbed(TestbedConfig(length=24))
 

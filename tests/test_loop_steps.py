@@ -136,7 +136,7 @@ def test_a_checkpoint_resumes_the_run_bit_for_bit(tmp_path: Path) -> None:
 def test_bd3lm_trains_on_the_interval_its_search_chose() -> None:
     """``search_clip`` (the loop's step at each validation) picks an interval of the reference grid and the
     next optimiser steps draw every block's time from it; before any search, from the full schedule."""
-    import adlm_model.bd3lm as bd3
+    import adlm_model.baselines.bd3lm as bd3
     from pipelines.training.loop import optimiser_step, search_clip
     from pipelines.training.worker import set_training_clip
 
@@ -188,7 +188,7 @@ def test_a_validation_step_reads_the_ema_bound_and_keeps_only_a_better_best(tmp_
     fixed noise draw), and becomes ``<run_dir>/best`` only when it beats the run's best so far."""
     import math
 
-    from adlm_model.checkpoint import read_config
+    from adlm_model.interop.checkpoint import read_config
     from pipelines.training.checkpoints import best_checkpoint
     from pipelines.training.loop import optimiser_step, validate, validation_step
 

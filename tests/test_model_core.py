@@ -26,7 +26,7 @@ from adlm_model import (
     subs_log_probs,
     subs_nll,
 )
-from adlm_model.losses import adlm_objective, mdlm_objective, suppress_mask
+from adlm_model.objectives.losses import adlm_objective, mdlm_objective, suppress_mask
 from tests.support_models import L, M, V, gen, micro, randomized
 
 # Tiny models: one intra-op thread is nearly as fast as two here and leaves the other core to the rest of the suite.

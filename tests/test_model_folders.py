@@ -58,8 +58,8 @@ def test_a_damaged_or_edited_export_folder_is_one_line(folders, tmp_path, capsys
     folder likewise."""
     import torch
 
-    import adlm_model.checkpoint as checkpoint
-    import adlm_model.reference_layouts as layouts
+    import adlm_model.interop.checkpoint as checkpoint
+    import adlm_model.interop.reference_layouts as layouts
     from pipelines.generate import main as generate
     from pipelines.import_model import main as import_model
 
@@ -117,7 +117,7 @@ def test_a_device_or_text_that_cannot_be_used_is_refused_before_the_model_is_rea
 def test_export_force_replaces_only_what_an_export_writes(folders, tmp_path, capsys) -> None:
     """--force over an earlier export replaces the export's files and keeps every other one (it deleted the
     user's file beside a config.json saying model_type adlm); --out under a file is one line, nothing written."""
-    from adlm_model.pretrained import load_pretrained
+    from adlm_model.interop.pretrained import load_pretrained
     from pipelines.export import main as export
     from pipelines.serving.export import EXPORT_FILES
 

@@ -36,7 +36,7 @@ def test_recipe_names_what_its_source_produces(recipe: Path) -> None:
     cfg = load_config(recipe)
     assert cfg.data.source, f"{recipe.name}: name the data source (data.source) it is for"
     if cfg.data.source == "testbed":  # generated: the default language's ids and length
-        from adlm_model.testbed import MASK_ID, Testbed
+        from adlm_model.testbed.language import MASK_ID, Testbed
 
         tb = Testbed()
         assert (cfg.model.vocab_size, cfg.model.mask_id, cfg.model.seq_len) == (tb.vocab_size, MASK_ID, tb.length)

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from adlm_model import sample
-from adlm_model.samplers import (
+from adlm_model.sampling.samplers import (
     ReMDMLoop,
     SamplerError,
     diffusion_step,
@@ -197,7 +197,7 @@ def test_ar_kv_cache_equals_uncached() -> None:
                   cache=c, prefix=torch.tensor([1, 2, 3])) for c in (True, False)]
     assert torch.equal(out[0], out[1])
     # and the logits agree: one cached step against the full recomputation
-    from adlm_model.backbone import KVCache
+    from adlm_model.nn.backbone import KVCache
 
     x = out[0]
     kv = KVCache()

@@ -1,4 +1,4 @@
-"""SEDD (adlm_model/sedd.py): equal to the reference's scores, loss and predictor steps on a committed fixture; its bound
+"""SEDD (adlm_model/baselines/sedd.py): equal to the reference's scores, loss and predictor steps on a committed fixture; its bound
 with the exact score on the testbed is the exact NLL (and above it when the score is off); its samplers with the exact
 score draw the language."""
 
@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import load_file
 
 from adlm_model import ModelConfig, build_model, compute_loss, sample
+from adlm_model.baselines.sedd import expm1_sigma, jump_weights, rate_sigma, sedd_objective, sedd_step
 from adlm_model.config import ConfigError
-from adlm_model.losses import mdlm_objective
-from adlm_model.schedule import LogLinearSchedule
-from adlm_model.sedd import expm1_sigma, jump_weights, rate_sigma, sedd_objective, sedd_step
-from adlm_model.sedd_layout import sedd_from_reference
-from adlm_model.testbed import MASK_ID, OracleDenoiser, Testbed, TestbedConfig
+from adlm_model.interop.sedd_layout import sedd_from_reference
+from adlm_model.objectives.losses import mdlm_objective
+from adlm_model.objectives.schedule import LogLinearSchedule
+from adlm_model.testbed.language import MASK_ID, OracleDenoiser, Testbed, TestbedConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 FIXTURE = Path(__file__).parent / "fixtures" / "reference" / "sedd"
@@ -185,7 +185,7 @@ def test_continuation_likelihood_reads_the_score_entropy():
     """The lm-eval adapter's per-token term for SEDD (likelihood.model_nll_fn): with the exact score it is the exact
     -log p(x^l | z) at every masked position, whatever sigma the masked fraction gives; a score whose total rate is
     off pays Z - 1 - log Z on top. Its greedy log-probabilities are the normalised score."""
-    from adlm_model.likelihood import model_logp_fn, model_nll_fn
+    from adlm_model.inference.likelihood import model_logp_fn, model_nll_fn
 
     tb = Testbed(TestbedConfig(length=10, content_vocab=6, n_classes=3, n_states=3, seed=6))
     cfg = ModelConfig(kind="sedd", vocab_size=tb.vocab_size, mask_id=MASK_ID, seq_len=tb.length, hidden=8, heads=2)

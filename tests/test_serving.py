@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from adlm_model import GenerationError, TextGenerator, infill, load_checkpoint, load_pretrained, sample
-from adlm_model.samplers import SamplerError
-from adlm_model.textgen import GenerationRequest
+from adlm_model.inference.textgen import GenerationRequest
+from adlm_model.sampling.samplers import SamplerError
 from tests.support_cluster import http_ok, invocations, models_serve
 from tests.support_eval import make_data, register, save_ckpt, tiny_config, train_tiny
 
@@ -247,7 +247,7 @@ def test_a_registered_version_is_an_mlflow_model(registry) -> None:
     pyfunc = spec["flavors"]["python_function"]
     assert pyfunc["loader_module"] == "mlflow.pyfunc.loaders.code_model"  # models-from-code, not a pickle
     assert not list(root.rglob("*.pkl")) and not list(root.rglob("*.pickle"))
-    assert (root / "code" / "adlm_model" / "textgen.py").is_file() and not (root / "code" / "pipelines").exists()
+    assert (root / "code" / "adlm_model" / "inference" / "textgen.py").is_file() and not (root / "code" / "pipelines").exists()
     # No enforced input schema (MLflow's drops unknown columns silently); the typed request fields are metadata.
     assert not spec["signature"].get("inputs")
     fields = spec["metadata"]["request_fields"]
@@ -393,7 +393,7 @@ def test_the_served_model_loads_its_weights_on_the_first_request_and_keeps_them(
     import mlflow
     import pandas as pd
 
-    from adlm_model.textgen import TextGenerator
+    from adlm_model.inference.textgen import TextGenerator
 
     loads: list[str] = []
     original = TextGenerator.from_dir.__func__
@@ -462,7 +462,7 @@ def test_generate_cli_help_and_bad_input_exit_codes(registry, capsys, monkeypatc
 
 
 def test_export_reloads_bit_for_bit_and_its_card_lists_the_registry_figures(registry, tmp_path, capsys) -> None:
-    from adlm_model.pretrained import HF_CODE, PRETRAINED_FILES
+    from adlm_model.interop.pretrained import HF_CODE, PRETRAINED_FILES
     from pipelines.evaluation.suites import figures as described
     from pipelines.export import main as export
     from pipelines.registry import get_version, resolve_model

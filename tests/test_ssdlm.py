@@ -30,7 +30,7 @@ def meta() -> dict:
 
 @pytest.fixture(scope="module")
 def net():
-    from adlm_model import reference_layouts as rl
+    from adlm_model.interop import reference_layouts as rl
     from pipelines.data.tokenizer import bpe_from_files
 
     src = rl.read_source(HUB)
@@ -78,7 +78,7 @@ def test_the_released_layout_is_read_exactly_and_gives_the_references_logits(net
 
 @pytest.mark.parametrize("projection", ["multihot", "sampling"])
 def test_fed_the_references_noise_one_block_takes_its_every_step(net, ref, meta, projection: str) -> None:
-    from adlm_model.ssdlm import decode_block
+    from adlm_model.baselines.ssdlm import decode_block
 
     model, *_ = net
     replay = Replay(ref[f"{projection}.noise"], ref["sampling.selected"] if projection == "sampling" else None)
@@ -112,7 +112,7 @@ def test_the_references_seed_gives_its_tokens(net, ref, meta, projection: str) -
 def test_whole_blocks_are_drawn_and_each_block_sees_the_last_context_tokens(net, monkeypatch) -> None:
     """A length that is no multiple of B keeps the first tokens of whole blocks (the same draws as the longer
     request); each block sees the last ``context`` tokens before it, the first one BOS alone given no prompt."""
-    import adlm_model.ssdlm as ssdlm
+    import adlm_model.baselines.ssdlm as ssdlm
     from adlm_model import sample
 
     model, cfg, tok, _ = net
@@ -136,8 +136,8 @@ def test_whole_blocks_are_drawn_and_each_block_sees_the_last_context_tokens(net,
 
 def test_bad_settings_and_other_kinds_are_refused_in_one_line(net) -> None:
     from adlm_model import ModelConfig, build_model, sample
-    from adlm_model.infill import plan_infill
-    from adlm_model.samplers import SamplerError
+    from adlm_model.inference.infill import plan_infill
+    from adlm_model.sampling.samplers import SamplerError
 
     model, cfg, tok, _ = net
     g = torch.Generator().manual_seed(0)

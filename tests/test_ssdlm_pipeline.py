@@ -55,7 +55,7 @@ def test_the_hubs_pickled_files_give_the_same_weights_and_a_missing_tokenizer_is
     restricted unpickler; without vocab.json + merges.txt the import says what to pass, before any write."""
     from safetensors.torch import load_file
 
-    from adlm_model import reference_layouts as rl
+    from adlm_model.interop import reference_layouts as rl
     from pipelines.serving.importing import ImportInputError, import_model
 
     d = tmp_path / "bin"
@@ -94,8 +94,8 @@ def test_generate_conditions_on_the_prompt_alone_as_the_reference(imported, caps
     blocks with the previous block as the context (the BD3-LM paper's runs) give the reference's ten tokens."""
     import torch
 
-    from adlm_model.infill import infill
-    from adlm_model.textgen import TextGenerator
+    from adlm_model.inference.infill import infill
+    from adlm_model.inference.textgen import TextGenerator
     from pipelines.generate import main as generate
     from pipelines.registry import resolve_model
 

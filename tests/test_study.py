@@ -36,7 +36,7 @@ def test_summary_statistics_on_known_values() -> None:
 def test_flops_count_follows_the_networks() -> None:
     """Counted FLOPs grow with the blocks; ADLM's anchor + denoiser cost more than MDLM's N blocks and
     BD3-LM's x_t (+) x_0 sequence roughly doubles the block work."""
-    from adlm_model.flops import training_flops_per_row
+    from adlm_model.train.flops import training_flops_per_row
 
     base = dict(vocab_size=256, mask_id=2, seq_len=32, hidden=64, heads=2, n_blocks=2, denoiser_blocks=1,
                 cond_dim=32, dropout=0.0)
@@ -85,7 +85,7 @@ def test_the_shipped_study_validates_and_puts_the_flops_in_the_blocks() -> None:
     assert plan.flops_step["adlm"] == spec.steps and 1.6 * spec.steps <= plan.flops_step["mdlm"] <= 1.8 * spec.steps
     # The blocks carry most of MDLM's FLOPs: remove them and most of the count goes.
     cfg = plan.configs["mdlm"].model
-    from adlm_model.flops import training_flops_per_row
+    from adlm_model.train.flops import training_flops_per_row
 
     no_blocks = training_flops_per_row(ModelConfig(**{**cfg.__dict__, "n_blocks": 1})) * 2 - \
         training_flops_per_row(cfg)  # the vocabulary-projection part: f(1) - (f(2) - f(1))

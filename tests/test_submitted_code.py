@@ -21,7 +21,7 @@ import importlib.util, json, sys
 import pipelines
 out = {"file": pipelines.__file__,
        "deleted": importlib.util.find_spec("pipelines.import_model") is not None,
-       "deleted_model": importlib.util.find_spec("adlm_model.modeling_adlm") is not None,
+       "deleted_model": importlib.util.find_spec("adlm_model.interop.modeling_adlm") is not None,
        "hook": any(hasattr(sys.modules.get(getattr(f, "__module__", "") or ""), "MAPPING") for f in sys.meta_path)}
 try:
     from pipelines import _added
@@ -49,7 +49,7 @@ def _copy(dest: Path, guard: bool) -> Path:
     for pkg in ("pipelines", "adlm_model"):
         shutil.copytree(ROOT / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     (dest / "pipelines" / "import_model.py").unlink()
-    (dest / "adlm_model" / "modeling_adlm.py").unlink()  # the package never imports it (an export's file)
+    (dest / "adlm_model" / "interop" / "modeling_adlm.py").unlink()  # the package never imports it (an export's file)
     (dest / "pipelines" / "_added.py").write_text('MARK = "submitted"\n')
     if not guard:  # the package's __init__ as it was before the fix
         init = (dest / "pipelines" / "__init__.py").read_text()

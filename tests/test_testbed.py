@@ -1,4 +1,4 @@
-"""The ground-truth testbed (adlm_model/testbed.py): its exact quantities against brute-force enumeration of the
+"""The ground-truth testbed (adlm_model/testbed/language.py): its exact quantities against brute-force enumeration of the
 generative process on tiny languages, the sampler against those probabilities, the recorded entropy against
 fresh rows, determinism, and the oracle denoiser under MDLM's NELBO (docs/design/method.md, section 1)."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from adlm_model import ModelConfig
-from adlm_model.losses import mdlm_objective
-from adlm_model.testbed import BOS_ID, EOS_ID, MASK_ID, OracleDenoiser, Testbed, TestbedConfig, TestbedError
+from adlm_model.objectives.losses import mdlm_objective
+from adlm_model.testbed.language import BOS_ID, EOS_ID, MASK_ID, OracleDenoiser, Testbed, TestbedConfig, TestbedError
 
 TINY = dict(length=5, content_vocab=3, n_classes=2, n_states=2, anchors_per_class=1, max_anchors=1,
             anchor_rate=0.3, transition_concentration=0.5, emission_concentration=0.5, seed=3)

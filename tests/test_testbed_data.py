@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from adlm_model import ModelConfig
-from adlm_model.testbed import Testbed, TestbedConfig
+from adlm_model.testbed.language import Testbed, TestbedConfig
 from pipelines.data.manifest import read_manifest
 from pipelines.data.plan import PrepareError
 from pipelines.data.prepare import PrepareConfig, prepare

@@ -1,4 +1,4 @@
-"""The natural testbed preset (adlm_model/testbed_natural.py): its exact quantities against brute-force enumeration
+"""The natural testbed preset (adlm_model/testbed/natural.py): its exact quantities against brute-force enumeration
 of its generative process (word chain, spellings, cut at the row's end, typos) on a tiny language, the sampler
 against those probabilities, and the confidence profile it is built for (later pieces of a word nearly certain)."""
 
@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
-from adlm_model.testbed import BOS_ID, EOS_ID, MASK_ID, Testbed, TestbedConfig, TestbedError
-from adlm_model.testbed_natural import NaturalTestbed
+from adlm_model.testbed.language import BOS_ID, EOS_ID, MASK_ID, Testbed, TestbedConfig, TestbedError
+from adlm_model.testbed.natural import NaturalTestbed
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

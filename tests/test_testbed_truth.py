@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from adlm_model import ModelConfig
-from adlm_model.testbed import BOS_ID, Testbed, TestbedConfig
+from adlm_model.testbed.language import BOS_ID, Testbed, TestbedConfig
 from pipelines.data.prepare import PrepareConfig, prepare
 from pipelines.data.reader import read_rows
 from pipelines.evaluation.config import EvalConfig

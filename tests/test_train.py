@@ -330,7 +330,7 @@ def test_the_registered_checkpoint_is_the_best_by_validation_not_the_last(tiny_d
 
 def test_bd3lm_training_searches_its_clipped_schedule_and_keeps_it_across_a_resume(tiny_data: Path,
                                                                                    workdir: Path) -> None:
-    from adlm_model.checkpoint import load_state
+    from adlm_model.interop.checkpoint import load_state
 
     uri = os.environ["MLFLOW_TRACKING_URI"]
     sets = ["model.kind=bd3lm", "model.block_size=4", "run.val_every=2", "run.ckpt_every=2", "scaling.num_workers=0",

@@ -1,4 +1,4 @@
-"""The training step of every kind (``adlm_model/train_step.py``): compiled by inductor with 0 graph breaks, one
+"""The training step of every kind (``adlm_model/train/train_step.py``): compiled by inductor with 0 graph breaks, one
 trace and no recompiles across steps, equal to the eager step (BD3-LM's FlexAttention pass too); the vocabulary
 losses fused over row chunks equal to the losses through the whole logits; BD3-LM's FlexAttention mask equal to its
 dense mask; a last partial batch never reaches the compiled objective; the training loop and the GPU check run the
@@ -13,9 +13,9 @@ import torch
 
 from adlm_model import build_model, preset
 from adlm_model.kinds import KINDS, compute_loss
-from adlm_model.losses import materialised_logits
-from adlm_model.train_step import Objective, TrainStep, draw_noise, fused_adamw
-from adlm_model.vocab_loss import full_linear_loss, linear_loss, logits_loss
+from adlm_model.objectives.losses import materialised_logits
+from adlm_model.objectives.vocab_loss import full_linear_loss, linear_loss, logits_loss
+from adlm_model.train.train_step import Objective, TrainStep, draw_noise, fused_adamw
 from tests.conftest import ROOT, load_script
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -132,7 +132,7 @@ def test_the_compiled_step_is_one_graph_equal_to_the_eager_step(kind: str) -> No
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
-    from adlm_model import block_attention as ba
+    from adlm_model.nn import block_attention as ba
 
     torch._dynamo.reset()
     counters.clear()
@@ -163,7 +163,7 @@ def test_bd3lm_compiled_through_flex_attention_equals_the_eager_dense_objective(
     eager objective with the dense mask, on the same batch and noise: the same loss (forward only: FlexAttention
     has no backward on a CPU; the gradients of the compiled dense pass are the test above's). Fed the rotary
     output's transposed views, the compiled kernel's loss was 4.5e-4 relative off (a block's output by 0.35)."""
-    from adlm_model import block_attention as ba
+    from adlm_model.nn import block_attention as ba
 
     torch._dynamo.reset()
     cfg = preset("tiny", kind="bd3lm", **TOY)
@@ -213,7 +213,7 @@ def test_the_noise_is_the_objectives_own_draw() -> None:
 def test_bd3lm_flex_attention_equals_the_dense_mask() -> None:
     """The FlexAttention ``BlockMask`` of the training pass over ``[x_t ; x_0]`` gives the dense mask's logits
     (forward only: FlexAttention has no backward on a CPU; on CUDA it runs compiled, ``gpu_check`` times it)."""
-    from adlm_model import block_attention as ba
+    from adlm_model.nn import block_attention as ba
 
     cfg = preset("tiny", kind="bd3lm", **TOY)
     model = _randomised(cfg).eval()
@@ -259,12 +259,16 @@ def test_the_loop_and_the_gpu_check_run_the_same_step(monkeypatch) -> None:
     w = _worker(_cfg("mdlm"))
     optimiser_step(w, _stream(w, 4))
     gpu_check = load_script(ROOT / "benchmarks" / "gpu_check.py", "gpu_check", register=True)
+    from gpu_check_parts.context import TINY, Ctx, random_rows  # its items (the script put benchmarks/ on the path)
+    from gpu_check_parts.training import Trainer
+
     args = gpu_check.parse_args(["--device", "cpu", "--tiny"])
-    ctx = gpu_check.Ctx(args=args, device=torch.device("cpu"), sizes=gpu_check.TINY, t0=0.0)
-    tr = gpu_check.Trainer(ctx, ctx.train_config("mdlm"))
-    tr.step(gpu_check.random_rows(tr.cfg, 1, ctx.device))
+    ctx = Ctx(args=args, device=torch.device("cpu"), sizes=TINY, t0=0.0)
+    tr = Trainer(ctx, ctx.train_config("mdlm"))
+    tr.step(random_rows(tr.cfg, 1, ctx.device))
     assert seen == ["Objective", "Objective"]
-    for path in (ROOT / "benchmarks" / "gpu_check.py", ROOT / "pipelines" / "training" / "loop.py"):
+    parts = sorted((ROOT / "benchmarks" / "gpu_check_parts").glob("*.py"))
+    for path in (ROOT / "benchmarks" / "gpu_check.py", *parts, ROOT / "pipelines" / "training" / "loop.py"):
         calls = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
                  for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)}
         assert not {"clip_grad_norm_", "AdamW", "no_sync", "set_requires_gradient_sync"} & calls, path.name
@@ -272,7 +276,7 @@ def test_the_loop_and_the_gpu_check_run_the_same_step(monkeypatch) -> None:
 
 STEP_OF_THEIR_OWN = {"backward", "clip_grad_norm_", "clip_grad_value_"}
 """Calls only a training step makes (besides an optimiser's ``step``)."""
-KERNEL_TIMINGS = {("gpu_check.py", "flex_item")}
+KERNEL_TIMINGS = {("gpu_check_parts/training.py", "flex_item")}
 """(file, function) that call ``backward`` on something that is no training step: gpu_check times FlexAttention's
 kernel, forward and backward, against SDPA's (no optimiser, no loss)."""
 
@@ -284,7 +288,9 @@ def test_every_benchmark_that_trains_runs_the_pipelines_step() -> None:
     import ast
 
     found, builders = [], set()
-    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+    bench = ROOT / "benchmarks"
+    for path in sorted([*bench.glob("*.py"), *bench.glob("gpu_check_parts/*.py")]):
+        rel = path.relative_to(bench).as_posix()
         tree = ast.parse(path.read_text())
         for top in tree.body:  # each call under the top-level function or class it is in
             name = getattr(top, "name", "<module>")
@@ -292,12 +298,13 @@ def test_every_benchmark_that_trains_runs_the_pipelines_step() -> None:
                 f = call.func
                 attr = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
                 if attr == "TrainStep":
-                    builders.add(path.name)
+                    builders.add(rel)
                 optimiser_step = attr == "step" and isinstance(f, ast.Attribute) and "opt" in ast.unparse(f.value)
-                if (attr in STEP_OF_THEIR_OWN or optimiser_step) and (path.name, name) not in KERNEL_TIMINGS:
-                    found.append(f"{path.name}:{call.lineno} {name}: {ast.unparse(f)}(")
+                if (attr in STEP_OF_THEIR_OWN or optimiser_step) and (rel, name) not in KERNEL_TIMINGS:
+                    found.append(f"{rel}:{call.lineno} {name}: {ast.unparse(f)}(")
     assert not found, found
-    assert {"step_cost.py", "fast_sampling.py", "train_throughput.py", "gpu_check.py"} <= builders, builders
+    assert {"step_cost.py", "fast_sampling.py", "train_throughput.py", "gpu_check_parts/training.py"} <= builders, \
+        builders
 
 
 @pytest.mark.parametrize("value, want", [("auto", "auto"), ("on", "on"), ("OFF", "off"), (True, "on"), (False, "off")])

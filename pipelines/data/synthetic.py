@@ -1,4 +1,4 @@
-"""The ``testbed`` source: shards of the ground-truth synthetic language (``adlm_model.testbed``), with its exact
+"""The ``testbed`` source: shards of the ground-truth synthetic language (``adlm_model.testbed.language``), with its exact
 entropy and floors in every split's manifest.
 
     python -m pipelines.prepare_data --source testbed --out work/data/testbed
@@ -6,7 +6,7 @@ entropy and floors in every split's manifest.
     python -m pipelines.prepare_data --source testbed --testbed preset=natural --out work/data/natural
 
 ``--testbed preset=natural`` picks the language with natural text's confidence profile
-(``adlm_model.testbed_natural``; its own defaults, e.g. 256 symbols); the default is the anchored one.
+(``adlm_model.testbed.natural``; its own defaults, e.g. 256 symbols); the default is the anchored one.
 Rows are drawn from the language itself (no text, no tokenisation, no Ray): shard ``k`` of split ``s`` holds
 ``Testbed.sample(rows, derive_seed(seed, s, k))``, so the same options give byte-identical shards on every
 machine. The output has the layout of every corpus: ``OUT/tokenizer.json`` (a word-level tokenizer over the
@@ -49,7 +49,7 @@ def is_testbed(cfg: PrepareConfig) -> bool:
 def testbed_options(cfg: PrepareConfig) -> tuple[dict[str, Any], dict[str, int]]:
     """(TestbedConfig fields, rows per split) from ``cfg.testbed`` (``KEY=VALUE`` strings or a mapping) and
     ``--length``; PrepareError naming a bad key or value."""
-    from adlm_model.testbed import TestbedConfig, TestbedError
+    from adlm_model.testbed.language import TestbedConfig, TestbedError
 
     raw = cfg.testbed or {}
     if isinstance(raw, (list, tuple)):
@@ -92,7 +92,7 @@ def testbed_tokenizer(names: list[str]) -> str:
 
 
 def _check_tokenizer(info: TokenizerInfo) -> None:
-    from adlm_model.testbed import BOS_ID, EOS_ID, MASK_ID, PAD_ID
+    from adlm_model.testbed.language import BOS_ID, EOS_ID, MASK_ID, PAD_ID
 
     got = (info.bos_id, info.eos_id, info.pad_id, info.mask_id)
     if got != (BOS_ID, EOS_ID, PAD_ID, MASK_ID):
@@ -101,7 +101,7 @@ def _check_tokenizer(info: TokenizerInfo) -> None:
 
 def prepare_testbed(cfg: PrepareConfig) -> dict[str, Manifest]:
     """Write the testbed's splits (module docstring); returns ``{split: Manifest}``."""
-    from adlm_model.testbed import Testbed, TestbedConfig
+    from adlm_model.testbed.language import Testbed, TestbedConfig
 
     fields, rows = testbed_options(cfg)
     splits = list(cfg.split or SPLITS)

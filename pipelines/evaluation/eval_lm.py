@@ -164,7 +164,7 @@ def check_eval_lm(spec: str, *, tracking_uri: str | None = None) -> str:
         mv = get_version(spec, tracking_uri)
         require_causal((mv.tags or {}).get("kind", "ar"), f"eval LM {spec}")
     elif kind == "checkpoint":
-        from adlm_model.checkpoint import read_config
+        from adlm_model.interop.checkpoint import read_config
 
         cfg, _ = read_config(spec)
         require_causal(cfg.kind, f"eval LM checkpoint {spec}")
@@ -291,8 +291,8 @@ def _from_hf_dir(path_or_name: str, name: str, device: torch.device, dtype: torc
 
 
 def _from_checkpoint(path: Path, name: str, device: torch.device) -> EvalLM:
-    from adlm_model.checkpoint import load_checkpoint
-    from adlm_model.losses import suppress_mask
+    from adlm_model.interop.checkpoint import load_checkpoint
+    from adlm_model.objectives.losses import suppress_mask
 
     model, cfg, meta = load_checkpoint(path, map_location=device)
     require_causal(cfg.kind, f"eval LM {name}")  # the weights' own config: a registry tag may be missing or wrong

@@ -69,7 +69,7 @@ def load_eval_model(model: str, settings: JobSettings) -> tuple[Any, Any, dict[s
     """(model in eval mode, ModelConfig, meta) of ``model`` (a ``models:/`` URI or a checkpoint location),
     resolved on this node (``registry.resolve_model_ref``: downloaded into this node's cache) and kept per process:
     a Ray worker reuses it across tasks."""
-    from adlm_model.checkpoint import load_checkpoint
+    from adlm_model.interop.checkpoint import load_checkpoint
     from pipelines.registry import resolve_model_ref
 
     dev = _device(settings.cfg.device)

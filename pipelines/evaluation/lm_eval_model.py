@@ -1,7 +1,7 @@
 """The project's models on EleutherAI's lm-evaluation-harness: an ``lm_eval.api.model.LM`` registered as ``adlm``.
 
 Any model reference the pipeline takes (``models:/adlm@champion``, ``models:/adlm/3``, a checkpoint folder or
-object-store location, an export) and every kind (docs/design/method.md, sections 1-3; ``adlm_model.likelihood``):
+object-store location, an export) and every kind (docs/design/method.md, sections 1-3; ``adlm_model.inference.likelihood``):
 
 - ``loglikelihood``: exact for AR; for MDLM, ADLM and BD3-LM the Monte Carlo ELBO of the continuation given
   the clean context (only the continuation is masked; ``mc_samples`` draws a request, ``mask_draws`` plain,
@@ -32,8 +32,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
+from adlm_model.inference.likelihood import MASK_DRAWS, ContinuationScorer, LikelihoodError, check_draws
 from adlm_model.kinds import model_kind
-from adlm_model.likelihood import MASK_DRAWS, ContinuationScorer, LikelihoodError, check_draws
 from pipelines.evaluation.config import EvalError
 from pipelines.seeds import derive_seed
 
@@ -97,7 +97,7 @@ class AdapterSettings:
                 raise EvalError(f"lm-eval adapter: {msg}")
         if self.sampler != "auto":
             from adlm_model.kinds import check_sampler_options
-            from adlm_model.samplers import SamplerError
+            from adlm_model.sampling.samplers import SamplerError
 
             try:
                 check_sampler_options(self.sampler, dict(self.sampler_kwargs))
@@ -135,7 +135,7 @@ class ADLMEvalLM(LM):
         if str(settings.get("batch_size", "")).startswith("auto"):
             settings.pop("batch_size")  # the harness's automatic batch size: ours is a setting
         self.settings = AdapterSettings.from_kwargs(settings).validate()
-        from adlm_model.checkpoint import load_checkpoint
+        from adlm_model.interop.checkpoint import load_checkpoint
         from pipelines.evaluation.eval_lm import checkpoint_tokenizer, resolve_device
         from pipelines.registry import resolve_model_ref
 
@@ -166,7 +166,7 @@ class ADLMEvalLM(LM):
                             "evaluate its samples with --suite gen_ppl or entropy")
         if s.sampler != "auto":  # a sampler that does not run on this kind: one line now, not at the first request
             from adlm_model.kinds import check_sampler_kind
-            from adlm_model.samplers import SamplerError
+            from adlm_model.sampling.samplers import SamplerError
 
             try:
                 check_sampler_kind(s.sampler, self.cfg.kind)
@@ -179,7 +179,7 @@ class ADLMEvalLM(LM):
 
     # -- the model ------------------------------------------------------------------------------------
     def _scorer(self) -> ContinuationScorer:
-        from adlm_model.likelihood import model_logp_fn, model_nll_fn
+        from adlm_model.inference.likelihood import model_logp_fn, model_nll_fn
 
         s, cfg = self.settings, self.cfg
         common = dict(seq_len=cfg.seq_len, mask_id=cfg.mask_id, bos_id=self.tok.bos_id, samples=s.mc_samples,
@@ -267,7 +267,7 @@ class ADLMEvalLM(LM):
         return out
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        from adlm_model.infill import infill
+        from adlm_model.inference.infill import infill
         from adlm_model.kinds import get_sampler
         from pipelines.evaluation.config import resolve_sampler, sampler_options
 

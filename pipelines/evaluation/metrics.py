@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from adlm_model.samplers import unigram_entropy
+from adlm_model.sampling.samplers import unigram_entropy
 
 GEN_PPL_MAX_TOKENS = 1024
 """docs/design/method.md, section 6: samples are truncated to 1024 evaluation-LM tokens (or the LM's maximum)."""
@@ -69,7 +69,7 @@ class PooledNLL:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Unigram entropy (one definition, in adlm_model.samplers: BD3-LM's stop rule uses it too).
+# Unigram entropy (one definition, in adlm_model.sampling.samplers: BD3-LM's stop rule uses it too).
 
 
 def mean_unigram_entropy(samples: Iterable[Sequence[int] | np.ndarray | torch.Tensor]) -> float:

@@ -83,7 +83,7 @@ def plan_evaluation(model: str, suite: str | Sequence[str], cfg: EvalConfig, *, 
                     tracking_uri: str | None = None) -> Plan:
     """Every check that can fail on bad input, before any weights are loaded or Ray starts: the settings, each
     suite's model-free checks, then the model and each suite's checks against it (``suites.Suite.plan``)."""
-    from adlm_model.checkpoint import read_config
+    from adlm_model.interop.checkpoint import read_config
     from pipelines.tracking import require_server, resolve_tracking_uri
 
     cfg.validate()

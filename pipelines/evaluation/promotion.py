@@ -220,7 +220,7 @@ class _Stager:
 
     # -- the stages ---------------------------------------------------------------------------------------
     def process(self, version: str) -> StageOutcome:
-        from adlm_model.checkpoint import CheckpointError
+        from adlm_model.interop.checkpoint import CheckpointError
         from pipelines.data.manifest import DataMismatchError, ManifestError
         from pipelines.data.tokenizer import TokenizerError
         from pipelines.evaluation.eval_lm import EvalLMError

@@ -7,7 +7,7 @@ Suites (one table: ``evaluation/suites.py``; every metric has exactly the defini
   on how batches are spread over workers), optionally ``t_draws`` draws per sequence, tokens pooled
   exactly (float64 sums). AR models report their exact NLL perplexity.
 - ``zero_shot``: the same over every prepared zero-shot set (``zero_shot=``), one table.
-- ``generate``: ``num_samples`` samples with any sampler of ``adlm_model.samplers``; ids and decoded texts
+- ``generate``: ``num_samples`` samples with any sampler of ``adlm_model.sampling.samplers``; ids and decoded texts
   are saved as ``samples.jsonl`` with the settings; the mean unigram entropy is always reported.
 - ``gen_ppl``: an evaluation causal LM (``eval_lm=``: ``gpt2-large`` by default; ``smollm2`` offline; a
   local model; an AR checkpoint) scores the decoded samples; reported with entropy, sampler, T, p, count.

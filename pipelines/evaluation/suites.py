@@ -346,7 +346,7 @@ def _zero_shot_tags(result: Any, cfg: EvalConfig) -> dict[str, str]:
 
 def _plan_generate(plan: Any) -> None:
     from adlm_model.kinds import check_sampler_kind, check_sampler_options
-    from adlm_model.samplers import SamplerError
+    from adlm_model.sampling.samplers import SamplerError
     from pipelines.evaluation.config import resolve_sampler, sampler_options, sampling_steps
     from pipelines.evaluation.eval_lm import checkpoint_tokenizer
 
@@ -595,7 +595,7 @@ def _plan_long(plan: Any) -> None:
     """The sampler of ``generate`` (resolved here when that suite is not chosen), which must fit the model and, past
     the model's context, generate any length."""
     from adlm_model.kinds import KINDS, SAMPLERS, check_sampler_kind, check_sampler_options, sampler_fits
-    from adlm_model.samplers import SamplerError
+    from adlm_model.sampling.samplers import SamplerError
     from pipelines.evaluation.config import resolve_sampler, sampler_options, sampling_steps
     from pipelines.evaluation.eval_lm import checkpoint_tokenizer
 

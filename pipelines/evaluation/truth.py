@@ -1,4 +1,4 @@
-"""Evaluation against the truth, wherever the data is the ground-truth testbed (``adlm_model.testbed``).
+"""Evaluation against the truth, wherever the data is the ground-truth testbed (``adlm_model.testbed.language``).
 
 A prepared testbed split carries its language in ``manifest.truth`` (``pipelines.data.synthetic``): the exact
 entropy per token, the floors and the config that rebuilds the language. Then two readings replace guesswork:
@@ -76,8 +76,8 @@ def samples_vs_truth(ids: np.ndarray, truth: dict[str, Any], reference_rows: int
     samples' length is not the language's."""
     import torch
 
-    from adlm_model.samplers import unigram_entropy
-    from adlm_model.testbed import Testbed
+    from adlm_model.sampling.samplers import unigram_entropy
+    from adlm_model.testbed.language import Testbed
 
     tb = Testbed.from_dict(truth["config"])
     ids = np.asarray(ids)

@@ -5,5 +5,5 @@ How a checkpoint becomes the MLflow Model every registered version is lives besi
 package). Here: ``pyfunc_model`` (that model's code,
 models-from-code: what ``mlflow.pyfunc.load_model`` and ``mlflow models serve`` run), ``generate`` (the
 ``python -m pipelines.generate`` machinery) and ``export`` (the Hugging Face-style folder and its model card).
-Text in, text out is ``adlm_model.textgen``: the served model and the CLI run the same code.
+Text in, text out is ``adlm_model.inference.textgen``: the served model and the CLI run the same code.
 """

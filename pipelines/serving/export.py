@@ -1,6 +1,6 @@
 """The machinery of ``python -m pipelines.export``: a registered version as a Hugging Face-style folder.
 
-``export_model(uri, out)`` writes (``adlm_model.pretrained`` layout):
+``export_model(uri, out)`` writes (``adlm_model.interop.pretrained`` layout):
 
 - ``config.json``: the ``ModelConfig``, the special token ids and the provenance (registered model, version,
   run id, the version's tags, the checkpoint's own meta: step, run name, data manifest hash, training config);
@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import adlm_model
-from adlm_model.checkpoint import CheckpointError, load_checkpoint
+from adlm_model.interop.checkpoint import CheckpointError, load_checkpoint
+from adlm_model.interop.pretrained import HF_CODE, PRETRAINED_FILES, load_pretrained, save_pretrained
 from adlm_model.kinds import count_parameters, model_kind
-from adlm_model.pretrained import HF_CODE, PRETRAINED_FILES, load_pretrained, save_pretrained
 from pipelines.registry import ModelRef
 
 log = logging.getLogger("adlm.export")
@@ -135,7 +135,7 @@ def _move_into(staged: Path, dst: Path) -> None:
 def _is_export(d: Path) -> bool:
     import json
 
-    from adlm_model.pretrained import MODEL_TYPE
+    from adlm_model.interop.pretrained import MODEL_TYPE
 
     try:
         return d.is_dir() and json.loads((d / "config.json").read_text()).get("model_type") == MODEL_TYPE

@@ -9,7 +9,7 @@
 
 The special ids come from the folder (``special_tokens.json`` of a registered version, ``*_token_id`` of an
 export) or, for a bare training checkpoint, from its ``tokenizer.json`` through ``pipelines.data.tokenizer``
-(the same resolution the registered model recorded). Generation itself is ``adlm_model.textgen``: the
+(the same resolution the registered model recorded). Generation itself is ``adlm_model.inference.textgen``: the
 served model runs the same code, so the same request and seed give the same text.
 """
 
@@ -21,7 +21,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from adlm_model.textgen import Generation, GenerationRequest, SpecialTokens, TextGenerator, read_special_tokens
+from adlm_model.inference.textgen import (
+    Generation,
+    GenerationRequest,
+    SpecialTokens,
+    TextGenerator,
+    read_special_tokens,
+)
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ def progress_bar(enabled: bool) -> tuple[Callable[[int, int], None], Callable[[]
 def run_generation(loaded: LoadedModel, request: GenerationRequest, *, progress: bool = True,
                    limits: bool = True) -> list[Generation]:
     """Check ``request`` (one line on bad input, before any network call) and, with ``limits``, its cost against
-    the served model's limits (``adlm_model.limits``: ``LimitError``), then generate."""
+    the served model's limits (``adlm_model.inference.limits``: ``LimitError``), then generate."""
     gen = loaded.generator
     if limits:
         gen.limits().check_text(None, len(request.prompt) + len(request.suffix))  # before the text is tokenized

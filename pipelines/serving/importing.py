@@ -1,5 +1,5 @@
 """The machinery of ``python -m pipelines.import_model`` (docs/usage/released-models.md): fetch the source (a Hub id
-through ``huggingface_hub``, an object store, a local path), read it with ``adlm_model.reference_layouts`` (no
+through ``huggingface_hub``, an object store, a local path), read it with ``adlm_model.interop.reference_layouts`` (no
 code of the checkpoint runs), pick the tokenizer the model was trained with, and register the mapped weights as a
 version like a trained one (``registry.register_checkpoint``), tagged with its provenance. Every refusal is one
 line, raised before anything is written to the registry."""
@@ -23,7 +23,7 @@ HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "RE
 beside them (SSD-LM's ``embed_sum_layer.pt``, ``timestep_layer.pt``, RoBERTa's ``vocab.json`` / ``merges.txt``)."""
 HUB_PICKLE_FILES = ["pytorch_model.bin"]
 """Downloaded only when a Hub folder has no safetensors (older ``PyTorchModelHubMixin`` releases and older uploads
-such as xhan77/ssdlm saved this), read through ``adlm_model.safe_pickle``."""
+such as xhan77/ssdlm saved this), read through ``adlm_model.interop.safe_pickle``."""
 PATH_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors", ".json", ".yaml")
 # The tokenizer a released model was trained with, by its embedding width (vocabulary + appended mask).
 DEFAULT_TOKENIZERS = {50258: "gpt2", 30522: "bert-base-uncased"}
@@ -168,7 +168,7 @@ def _tokenizer(spec: str | None, src: Any, width: int, local: Path, fam: Any = N
 
 
 def inspect_lines(src: Any, fam: Any | None, files: list[Path]) -> list[str]:
-    from adlm_model.reference_layouts import key_tree
+    from adlm_model.interop.reference_layouts import key_tree
 
     lines = [f"layout: {src.layout}; files: {', '.join(str(f) for f in files)}",
              f"family: {fam.name if fam else 'not recognised'}"
@@ -189,8 +189,8 @@ def import_model(source: str, *, name: str | None = None, revision: str | None =
     """Import ``source``; returns what was registered (or, with ``inspect``, what was read: ``lines`` is the key
     tree, shapes and hyper-parameters, which the command prints). Raises ImportInputError /
     ImportRefused / UnsafePickleError (one line each) before any registry write."""
-    from adlm_model import reference_layouts as rl
-    from adlm_model.checkpoint import save_checkpoint
+    from adlm_model.interop import reference_layouts as rl
+    from adlm_model.interop.checkpoint import save_checkpoint
     from adlm_model.kinds import parameter_count
     from pipelines.registry import check_names
 

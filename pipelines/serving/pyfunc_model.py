@@ -8,14 +8,14 @@ model's ``requirements.txt``.
 - Input: a DataFrame, one row per request (``pipelines.mlflow_model.REQUEST_FIELDS``): ``prompt``, and optionally
   ``suffix``, ``length``, ``steps``, ``sampler``, ``nucleus_p``, ``seed``, the confidence sampler's
   ``threshold``, ``block``, ``refresh``, ``kv_cache``, and ``stop_at_eos``; a missing value takes
-  ``adlm_model.textgen``'s default. A field the model does not know is refused with the known ones listed
+  ``adlm_model.inference.textgen``'s default. A field the model does not know is refused with the known ones listed
   (the model has no enforced input schema because MLflow's drops unknown columns silently: a typo such as
   ``lenght`` would be answered with the default length).
 - Output: one row per input row: ``text`` (starts with the prompt, ends with the suffix; the completion
   stops at the first EOS unless ``stop_at_eos`` is false, and shows no special token), ``completion``,
   ``new_tokens``, ``seconds``, ``seed``, ``sampler``, ``steps``, ``settings`` (JSON: every setting used) and
   ``network_calls``.
-- Every row is validated, and the request's cost bounded (``adlm_model.limits``: ``ADLM_MAX_STEPS``,
+- Every row is validated, and the request's cost bounded (``adlm_model.inference.limits``: ``ADLM_MAX_STEPS``,
   ``ADLM_MAX_LENGTH``, ``ADLM_MAX_ROWS``, ``ADLM_MAX_WORK``; ``ADLM_MAX_CHARS`` before the text is tokenized),
   before any row is generated; a bad row or a
   request over a limit raises ``RequestError`` (an ``MlflowException`` with ``INVALID_PARAMETER_VALUE``), which
@@ -119,8 +119,8 @@ class ADLMTextModel(mlflow.pyfunc.PythonModel):
 
     # model_input is hinted pd.DataFrame, a hint MLflow derives no schema from: the signature validates.
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
-        from adlm_model.limits import LimitError
-        from adlm_model.textgen import load_generator
+        from adlm_model.inference.limits import LimitError
+        from adlm_model.inference.textgen import load_generator
 
         gen = load_generator(self.checkpoint, self.device)
         rows = _rows(model_input)

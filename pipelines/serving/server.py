@@ -140,8 +140,8 @@ FORMAT_KEYS = ("dataframe_records", "dataframe_split", "inputs", "instances", "p
 def known_words() -> frozenset[str]:
     """The server's own vocabulary, which a message may name though a request sent it too: the request fields, the
     formats' keys, the samplers and the cache modes (a message naming ``length`` echoes nothing of the client's)."""
-    from adlm_model.confidence import KV_MODES
     from adlm_model.kinds import SAMPLERS
+    from adlm_model.sampling.confidence import KV_MODES
     from pipelines.mlflow_model import REQUEST_FIELDS
 
     return frozenset([*REQUEST_FIELDS, "num_samples", *FORMAT_KEYS, *SAMPLERS, *KV_MODES])

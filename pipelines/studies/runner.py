@@ -3,7 +3,7 @@
 What happens, in order:
 
 1. The study file and every arm's recipe are checked (one-line errors) and each arm's training FLOPs per
-   optimiser step are counted on its real network (``adlm_model.flops``), all before Ray starts.
+   optimiser step are counted on its real network (``adlm_model.train.flops``), all before Ray starts.
 2. The budgets. *Equal steps*: every arm's validation bound at ``steps``. *Equal FLOPs*: the budget is what
    ``flops_reference`` spends in ``steps`` steps; an arm that is cheaper per step trains on to that budget
    (rounded to its nearest validation), and its bound is read there. One run per (arm, seed) gives both
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from adlm_model.config import ConfigError
-from adlm_model.flops import training_flops_per_row
 from adlm_model.kinds import parameter_count
+from adlm_model.train.flops import training_flops_per_row
 from pipelines.logs import get_logger
 from pipelines.storage import join, resolve_workdir, write_text
 from pipelines.studies.comparisons import compare, comparisons_markdown, excess_curves, truth_markdown

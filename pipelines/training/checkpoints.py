@@ -1,6 +1,6 @@
 """Training checkpoints: what a worker writes and reads back, and what the driver finds and exports.
 
-A training checkpoint is an ``adlm_model.checkpoint`` folder (``config.json`` with the full training
+A training checkpoint is an ``adlm_model.interop.checkpoint`` folder (``config.json`` with the full training
 config in its meta, ``model.safetensors``, ``ema.safetensors``, ``tokenizer.json``) plus the trainer
 state (``trainer_state.{json,safetensors}``: optimiser, scheduler, step, data position) and one RNG
 file per rank (``rng_rank<r>.{json,safetensors}``). safetensors + JSON only, never a pickle.
@@ -201,7 +201,7 @@ def load_weights_and_optimizer(d: Path, raw: Any, ema: Any, opt: Any, fsdp: bool
     state (step, scheduler, data position, world)."""
     from safetensors.torch import load_file
 
-    from adlm_model.checkpoint import load_state
+    from adlm_model.interop.checkpoint import load_state
 
     state = load_state(d, TRAINER_STATE)
     model_sd = load_file(str(d / "model.safetensors"))

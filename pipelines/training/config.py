@@ -216,7 +216,7 @@ class TrainConfig:
     ema: float = 0.9999
     """EMA decay of the weights used for validation, checkpoints and sampling (reference 0.9999)."""
     ema_warmup: bool = True
-    """The references' EMA warm-up, ``min(ema, (1 + n) / (10 + n))`` at update ``n`` (``adlm_model.ema``)."""
+    """The references' EMA warm-up, ``min(ema, (1 + n) / (10 + n))`` at update ``n`` (``adlm_model.train.ema``)."""
     mlflow: MLflowSection = field(default_factory=MLflowSection)
     distill: DistillSection = field(default_factory=DistillSection)
 
@@ -290,8 +290,8 @@ class TrainConfig:
         return self
 
     def _validate_distill(self, need: Any) -> None:
-        from adlm_model.distill import DIVERGENCES
         from adlm_model.kinds import KINDS
+        from adlm_model.train.distill import DIVERGENCES
 
         d = self.distill
         can = [k.name for k in KINDS.values() if k.distillable]

@@ -1,4 +1,4 @@
-"""Self-distillation through time as a training recipe mode (the ``distill:`` section; ``adlm_model/distill.py``
+"""Self-distillation through time as a training recipe mode (the ``distill:`` section; ``adlm_model/train/distill.py``
 holds the objective).
 
 A distillation run is a training run whose student starts from the teacher version's EMA weights (``run.init``
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from adlm_model import compute_loss
-from adlm_model.checkpoint import load_state, save_state
-from adlm_model.distill import round_dt, sdtt_objective, student_steps
-from adlm_model.losses import LossOutput
+from adlm_model.interop.checkpoint import load_state, save_state
+from adlm_model.objectives.losses import LossOutput
+from adlm_model.train.distill import round_dt, sdtt_objective, student_steps
 from pipelines.logs import get_logger
 
 log = get_logger(__name__)
@@ -43,7 +43,7 @@ class Teacher:
 
 
 class DistillLoss(torch.nn.Module):
-    """``adlm_model.train_step.Objective``'s counterpart for a distillation run: SDTT's loss in training, the
+    """``adlm_model.train.train_step.Objective``'s counterpart for a distillation run: SDTT's loss in training, the
     student's NELBO bound in validation (the same figure every run reports)."""
 
     def __init__(self, model: torch.nn.Module, cfg: Any, teacher: Teacher, section: Any) -> None:

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from adlm_model.checkpoint import load_checkpoint, read_config
 from adlm_model.config import ConfigError, ModelConfig
+from adlm_model.interop.checkpoint import load_checkpoint, read_config
 from pipelines.logs import get_logger
 from pipelines.training.config import TrainConfig
 

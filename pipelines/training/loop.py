@@ -35,9 +35,9 @@ from typing import Any
 import torch
 
 from adlm_model import gamma_at
-from adlm_model.checkpoint import save_checkpoint, save_state
+from adlm_model.interop.checkpoint import save_checkpoint, save_state
 from adlm_model.kinds import model_kind
-from adlm_model.losses import LossOutput
+from adlm_model.objectives.losses import LossOutput
 from pipelines.data.reader import read_subset
 from pipelines.logs import get_logger
 from pipelines.seeds import TRAIN_DATA_ORDER, TRAIN_VALIDATION, derive_seed
@@ -99,7 +99,7 @@ def to_device(b: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.T
 
 
 def optimiser_step(w: Worker, stream: Iterator[tuple[int, int, dict[str, torch.Tensor]]]) -> None:
-    """One optimiser step (``adlm_model.train_step.TrainStep``: ``accumulation`` micro-batches, gradient sync on
+    """One optimiser step (``adlm_model.train.train_step.TrainStep``: ``accumulation`` micro-batches, gradient sync on
     the last only, clipping, AdamW, the schedule, the EMA) on the next micro-batches of ``stream``, all copied to
     the device before the first runs; its figures go into the log window. gamma_k uses this step's index k
     (docs/design/method.md, section 2)."""
@@ -207,7 +207,7 @@ def search_clip(w: Worker, rows: dict[str, torch.Tensor]) -> tuple[float, float]
     first ``run.clip_search_batches`` validation micro-batches of every worker (EMA weights, common random
     numbers), pool the moments of the per-block mean loss over workers, take the interval of lowest variance,
     and train on it until the next search."""
-    from adlm_model.bd3lm import block_loss_moments, choose_clip, clip_intervals
+    from adlm_model.baselines.bd3lm import block_loss_moments, choose_clip, clip_intervals
 
     cfg, micro = w.cfg, w.cfg.batch.micro_batch
     intervals = clip_intervals(eps=cfg.model.sampling_eps)
@@ -238,9 +238,9 @@ def _write_weights(w: Worker, directory: Path, model_sd: dict | None, ema_sd: di
         meta.update(version_facts(cfg))
     save_checkpoint(directory, w.raw, cfg.model, ema_state=ema_sd, meta=meta)
     if model_sd is not None:
-        from adlm_model.checkpoint import _atomic_safetensors
+        from adlm_model.interop.checkpoint import atomic_safetensors
 
-        _atomic_safetensors(directory / "model.safetensors", model_sd)
+        atomic_safetensors(directory / "model.safetensors", model_sd)
     if lc.tokenizer_path:
         (directory / "tokenizer.json").write_bytes(read_bytes(lc.tokenizer_path))
 
@@ -262,7 +262,7 @@ def keep_if_best(w: Worker, ppl: float) -> bool:
 
 def write_checkpoint(w: Worker, directory: Path, metrics: dict[str, Any]) -> None:
     """All ranks write into one checkpoint folder: rank 0 the weights and trainer state, every rank its
-    RNG streams. safetensors + JSON only (``adlm_model.checkpoint``)."""
+    RNG streams. safetensors + JSON only (``adlm_model.interop.checkpoint``)."""
     model_sd, ema_sd, opt_sd = gather_state(w.raw, w.ema, w.opt, w.fsdp)
     if w.rank == 0:
         _write_weights(w, directory, model_sd, ema_sd, {"val_ppl": metrics.get("val_ppl"), "checkpoint": "latest"})

@@ -1,11 +1,11 @@
 """The optimiser and the learning-rate schedule of the reference recipe (docs/design/method.md, section 7), from the recipe's
-``optim`` section; the step that uses them is ``adlm_model.train_step``."""
+``optim`` section; the step that uses them is ``adlm_model.train.train_step``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from adlm_model.train_step import fused_adamw, lr_factor, lr_schedule
+from adlm_model.train.train_step import fused_adamw, lr_factor, lr_schedule
 from pipelines.training.config import OptimSection
 
 

@@ -19,10 +19,10 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from adlm_model import EMA, build_model
-from adlm_model.backbone import DiTBlock
-from adlm_model.checkpoint import load_state
-from adlm_model.losses import LossOutput
-from adlm_model.train_step import Objective, TrainStep
+from adlm_model.interop.checkpoint import load_state
+from adlm_model.nn.backbone import DiTBlock
+from adlm_model.objectives.losses import LossOutput
+from adlm_model.train.train_step import Objective, TrainStep
 from pipelines.logs import get_logger
 from pipelines.seeds import TRAIN_DROPOUT, TRAIN_NOISE, derive_seed
 from pipelines.storage import (
@@ -130,7 +130,7 @@ class Worker:
     net: torch.nn.Module
     """The objective (``objective``), wrapped in DDP or sharded by FSDP when distributed: what validation calls."""
     objective: torch.nn.Module
-    """``adlm_model.train_step.Objective`` (a distillation's ``DistillLoss``): draws the noise, computes the loss."""
+    """``adlm_model.train.train_step.Objective`` (a distillation's ``DistillLoss``): draws the noise, computes the loss."""
     train_step: TrainStep
     """The optimiser step (compiled objective, accumulation, clipping, AdamW, schedule, EMA)."""
     ema: EMA

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from adlm_model.config import ConfigError
-from adlm_model.flops import training_flops_per_row
 from adlm_model.kinds import model_kind
+from adlm_model.train.flops import training_flops_per_row
 from pipelines.logs import get_logger
 from pipelines.studies.comparisons import nats
 from pipelines.studies.grid import RunPlan, TrialContext, fit_grid, history, trained

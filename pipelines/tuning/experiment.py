@@ -78,9 +78,9 @@ def step_seconds(raw: dict[str, Any], repeats: int = 3) -> float | None:
     recipe or one too large to time on this machine in a few seconds."""
     import torch
 
-    from adlm_model.flops import training_flops_per_row
     from adlm_model.kinds import build_model
-    from adlm_model.train_step import Objective, TrainStep
+    from adlm_model.train.flops import training_flops_per_row
+    from adlm_model.train.train_step import Objective, TrainStep
     from pipelines.training.config import TrainConfig
     from pipelines.training.optim import build_optimizer
 
@@ -116,7 +116,7 @@ def _validation_s(raw: dict[str, Any], per_step: float) -> float:
 
 def check_lines(tp: TunePlan, timed: bool = True) -> list[str]:
     """What ``--check`` prints: the searches' and the confirmation's sizes and, timed here, their cost."""
-    from adlm_model.flops import training_flops_per_row
+    from adlm_model.train.flops import training_flops_per_row
     from pipelines.tuning.confirm import search_steps
 
     lines = []
