@@ -21,7 +21,7 @@ import importlib.util, json, sys
 import pipelines
 out = {"file": pipelines.__file__,
        "deleted": importlib.util.find_spec("pipelines.import_model") is not None,
-       "deleted_model": importlib.util.find_spec("adlm_model.interop.modeling_adlm") is not None,
+       "deleted_model": importlib.util.find_spec("adlm_model.testbed") is not None,
        "hook": any(hasattr(sys.modules.get(getattr(f, "__module__", "") or ""), "MAPPING") for f in sys.meta_path)}
 try:
     from pipelines import _added
@@ -49,7 +49,12 @@ def _copy(dest: Path, guard: bool) -> Path:
     for pkg in ("pipelines", "adlm_model"):
         shutil.copytree(ROOT / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     (dest / "pipelines" / "import_model.py").unlink()
-    (dest / "adlm_model" / "interop" / "modeling_adlm.py").unlink()  # the package never imports it (an export's file)
+    # A whole subpackage deleted, and the package's import of it: the hook maps a package's immediate children
+    # (a module nested deeper is looked up in its parent's folder, the copy's), so this is what it could supply.
+    shutil.rmtree(dest / "adlm_model" / "testbed")
+    init = dest / "adlm_model" / "__init__.py"
+    lines = init.read_text().splitlines(keepends=True)
+    init.write_text("".join(line for line in lines if not line.startswith("from .testbed")))
     (dest / "pipelines" / "_added.py").write_text('MARK = "submitted"\n')
     if not guard:  # the package's __init__ as it was before the fix
         init = (dest / "pipelines" / "__init__.py").read_text()
