@@ -305,7 +305,7 @@ def from_confirm(src: Source) -> Record:
               for line in (ROOT / next(p for p in src.raw if p.endswith("confirm.md"))).read_text().strip().splitlines()]
     sections = [("The confirmation's own report (confirm.md, as the sweep wrote it)", report)]
     for p in src.raw:
-        if p.endswith("trials.md"):
+        if Path(p).match("trials*.md"):  # trials.md, or one a searched arm (trials-<arm>.md)
             sections.append((f"Search trials ({Path(p).name})", (ROOT / p).read_text().strip().splitlines()))
     if len(src.notes) > 1:
         sections.insert(0, ("Notes", list(src.notes[1:])))
