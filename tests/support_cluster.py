@@ -148,12 +148,7 @@ class MLflowServer:
     def stop(self) -> None:
         if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        stop_group(self.proc, grace=30)
         self.proc = None
 
 
@@ -268,15 +263,15 @@ def models_serve(model_uri: str, log: Path, cwd: Path, timeout: float = 120.0) -
         stop_group(proc)  # mlflow and its uvicorn worker
 
 
-def stop_group(proc: subprocess.Popen) -> None:
+def stop_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
     """Stop a process started with ``start_new_session=True`` and everything in its group: SIGTERM, then SIGKILL
-    if it lingers 20 s (a server and its workers)."""
+    if it lingers ``grace`` seconds (a server and its workers)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         if proc.poll() is not None:
             return
         try:
             os.killpg(proc.pid, sig)
-            proc.wait(timeout=20)
+            proc.wait(timeout=grace)
         except ProcessLookupError:
             return
         except subprocess.TimeoutExpired:
@@ -438,18 +433,16 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] 
     one (as on one machine) garbage-collect each other's job working directories."""
     from ray.cluster_utils import Cluster
 
-    from pipelines.runtime import LOCAL_SYSTEM_CONFIG  # idle workers reused, as in a local Ray
+    from pipelines.runtime import LOCAL_SYSTEM_CONFIG, environ  # idle workers reused, as in a local Ray
 
     # A killed node found dead by the GCS's health checks every second (default 3 s; 5 missed in a row), as the
     # autoscaler's cluster below: with the default, the node-loss test waited about 25 s doing nothing.
     system_config = {**LOCAL_SYSTEM_CONFIG, "health_check_period_ms": 1000}
-    saved_path, saved_tmp = os.environ["PATH"], os.environ.get("RAY_TMPDIR")
-    os.environ["PATH"] = f"{BIN}{os.pathsep}{saved_path}"
     # A temp folder of its own: a job's driver finds its cluster through <temp>/ray/ray_current_cluster, which
     # names the cluster started last on the machine; with a shared /tmp/ray, a job of this cluster joined another
     # test's cluster started meanwhile (and was refused its token).
-    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rc-", dir="/tmp")
-    try:
+    with environ({"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+                  "RAY_TMPDIR": tempfile.mkdtemp(prefix="rc-", dir="/tmp")}):
         def start() -> tuple[Cluster, list, int]:
             dash = free_port()
             before, cluster = _children(), None
@@ -475,12 +468,6 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] 
             yield RayCluster(cluster, cluster.address, f"http://127.0.0.1:{dash}", workers)
         finally:
             cluster.shutdown()
-    finally:
-        os.environ["PATH"] = saved_path
-        if saved_tmp is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = saved_tmp
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 from adlm_model import GenerationError, TextGenerator, infill, load_checkpoint, load_pretrained, sample
 from adlm_model.inference.textgen import GenerationRequest
 from adlm_model.sampling.samplers import SamplerError
-from tests.support_cluster import http_ok, invocations, models_serve
+from tests.support_cluster import http_ok, invocations, models_serve, stop_group
 from tests.support_eval import make_data, register, save_ckpt, tiny_config, train_tiny
 
 PROMPT, SUFFIX = "In the beginning God", " and the earth."
@@ -707,7 +707,6 @@ def test_pipelines_serve_starts_without_the_venv_on_path_and_limits_the_body(reg
     """``python -m pipelines.serve`` started by the venv's interpreter from a shell whose PATH lacks the venv
     (where ``mlflow models serve`` fails with ``uvicorn: not found``): it serves, refuses a body over
     ``--max-body-bytes`` with 413 in one short line, and answers a good request with text."""
-    import signal
     import subprocess
     import time
     import urllib.error
@@ -739,12 +738,7 @@ def test_pipelines_serve_starts_without_the_venv_on_path_and_limits_the_body(reg
         status, body = invocations(url, {"dataframe_records": [{"prompt": PROMPT, "length": 4, "steps": 4}]})
         assert status == 200 and body["predictions"][0]["text"].startswith(PROMPT), body
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc)
 
 
 # --------------------------------------------------------------------------------------------------------
