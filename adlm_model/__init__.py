@@ -5,8 +5,8 @@ No Ray or MLflow here; ``pipelines/`` orchestrates. See docs/design/method.md fo
 A subpackage a concept, each importing only those listed before it (a test keeps it so):
 
 - ``config`` (typed configs, presets) and ``nn`` (the networks: attention, the DiT, BD3-LM's block attention,
-  MDLM / ADLM / AR), torch only: an export ships them;
-- ``objectives`` (noise schedule, SUBS / NELBO / ANELBO / AR NLL, the fused vocabulary loss);
+  MDLM / ADLM / AR / A2R), torch only: an export ships them;
+- ``objectives`` (noise schedule, SUBS / NELBO / ANELBO / AR NLL / A2R's anchored NLL, the fused vocabulary loss);
 - ``sampling`` (the token-level samplers: MDLM, ReMDM-loop, AR, confidence decoding, their caches);
 - ``baselines`` (BD3-LM, SEDD, SSD-LM: network, objective and sampler in one module each);
 - ``kinds`` (the table of model kinds and samplers: ``build_model``, ``compute_loss``, ``sample``);
@@ -42,7 +42,7 @@ from .interop.checkpoint import CheckpointError, load_checkpoint, load_state, sa
 from .interop.pretrained import load_pretrained, save_pretrained
 from .interop.sedd_layout import sedd_from_reference
 from .kinds import KINDS, SAMPLERS, build_model, compute_loss, count_parameters, model_kind, sample
-from .nn.models import ADLM, AR, MDLM
+from .nn.models import A2R, ADLM, AR, MDLM
 from .objectives.losses import LossOutput, anchor_mask, gamma_at, subs_log_probs, subs_nll
 from .objectives.schedule import LogLinearSchedule, antithetic_times, mask_tokens
 from .sampling.samplers import ReMDMLoop, SamplerError, nucleus, sample_categorical, transition_probs, unigram_entropy
@@ -52,7 +52,7 @@ from .train.ema import EMA
 __version__ = "0.1.0"
 
 __all__ = [
-    "ADLM", "AR", "EMA", "KINDS", "MDLM", "MODEL_KINDS", "NaturalTestbed", "PRESETS", "SAMPLERS", "BlockSample", "CheckpointError",
+    "A2R", "ADLM", "AR", "EMA", "KINDS", "MDLM", "MODEL_KINDS", "NaturalTestbed", "PRESETS", "SAMPLERS", "BlockSample", "CheckpointError",
     "ClipSearchResult", "ConfigError", "Generation", "GenerationError", "GenerationRequest", "InfillLayout",
     "LogLinearSchedule", "LossOutput", "ModelConfig", "ReMDMLoop", "SEDD", "SamplerError", "SpecialTokens", "TextGenerator",
     "__version__", "anchor_mask", "antithetic_times", "bd3lm_objective", "block_diff_mask", "build_model",

@@ -1,6 +1,6 @@
 """Typed, validated configuration of the models (docs/design/method.md, sections 1-3, 7).
 
-One dataclass describes every model kind (``mdlm``, ``adlm``, ``ar``, ``bd3lm``); the fields that
+One dataclass describes every model kind (``mdlm``, ``adlm``, ``ar``, ``a2r``, ``bd3lm``, ...); the fields that
 only one kind uses say so in their docstring. Presets: ``tiny`` (CPU tests and the demo),
 ``small`` (the paper's) and ``medium``.
 """
@@ -15,7 +15,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-MODEL_KINDS = ("mdlm", "adlm", "ar", "bd3lm", "sedd", "ssdlm")
+MODEL_KINDS = ("mdlm", "adlm", "ar", "bd3lm", "sedd", "ssdlm", "a2r")
+
+
+ANCHOR_TARGETS = ("next_anchor", "next_token")
+"""A2R's anchor targets (``ModelConfig.anchor_target``)."""
 
 
 class ConfigError(ValueError):
@@ -28,7 +32,8 @@ class ModelConfig:
 
     kind: str = "adlm"
     """Model kind: ``mdlm``, ``adlm`` (anchor + denoiser), ``ar`` (causal), ``bd3lm`` (blocks), ``sedd`` (score
-    entropy, docs/design/method.md, section 8's baseline) or ``ssdlm`` (SSD-LM's released network, imported to sample only)."""
+    entropy, docs/design/method.md, section 8's baseline), ``ssdlm`` (SSD-LM's released network, imported to sample
+    only) or ``a2r`` (anchored autoregressive: a causal anchor network + a lightweight AR model)."""
     vocab_size: int = 50257
     """Tokenizer vocabulary size (GPT-2: 50257, bert-base-uncased: 30522)."""
     mask_id: int = 50257
@@ -40,9 +45,10 @@ class ModelConfig:
     heads: int = 12
     """Attention heads."""
     n_blocks: int = 12
-    """Blocks of the backbone; for ADLM, of the anchor network."""
+    """Blocks of the backbone; for ADLM and A2R, of the anchor network."""
     denoiser_blocks: int = 6
-    """ADLM only: blocks of the denoiser (the paper uses ``n_blocks // 2``)."""
+    """ADLM: blocks of the denoiser (the paper uses ``n_blocks // 2``); A2R: blocks of the lightweight AR model
+    (half the anchor's by default, as ADLM's denoiser)."""
     cond_dim: int = 128
     """Width of the timestep (sigma) conditioning vector that drives adaLN."""
     mlp_ratio: int = 4
@@ -53,19 +59,27 @@ class ModelConfig:
     """Feed sigma(t) to adaLN. Off (the ADLM reference) feeds sigma = 0: a learned constant. None: the kind's
     reference (SEDD: on, its DiT is time-conditioned; the others: off)."""
     gamma: float = 3e-3
-    """ADLM only: the anchor loss weight gamma (docs/design/method.md, section 2)."""
+    """ADLM and A2R: the anchor loss weight gamma (docs/design/method.md, sections 2 and 3)."""
     tau: int = 5
-    """ADLM only: a token is an anchor when it occurs at most tau times in its own sequence."""
+    """ADLM and A2R: a token is an anchor when it occurs at most tau times in its own sequence."""
     gamma_beta: float = 1.0
-    """ADLM only: beta of the ramp gamma_k = min(gamma, beta k / K) (reference 1): the anchor weight reaches gamma
+    """ADLM and A2R: beta of the ramp gamma_k = min(gamma, beta k / K) (reference 1): the anchor weight reaches gamma
     after gamma / beta * K steps, so a larger gamma ramps longer (docs/design/method.md, section 2)."""
     gamma_horizon: int = 0
-    """ADLM only: K of the ramp. 0: the training run's max_steps (the reference); training fills it in. Set
+    """ADLM and A2R: K of the ramp. 0: the training run's max_steps (the reference); training fills it in. Set
     explicitly it keeps a ramp fixed across runs of different lengths."""
     anchor_init_std: float = 0.0
-    """ADLM only: standard deviation of the anchor network's output-layer weights at initialisation. 0 (the paper's,
-    the DiT convention for a final layer): zero, so the anchor logits start at 0 everywhere and the denoiser sees
-    the same input at every position until that layer learns; > 0 (e.g. 0.02): N(0, std) weights, zero bias."""
+    """ADLM and A2R: standard deviation of the anchor network's output-layer weights at initialisation. 0 (the
+    paper's, the DiT convention for a final layer): zero, so the anchor logits start at 0 everywhere and the denoiser
+    sees the same input at every position until that layer learns; > 0 (e.g. 0.02): N(0, std) weights, zero bias."""
+    anchor_target: str = "next_anchor"
+    """A2R only: what the anchor network predicts at position l (docs/design/method.md, section 3). ``next_anchor``:
+    the next anchor token after l, x^j at the first j > l with a^j = 1 (no anchor loss at l when none follows);
+    ``next_token``: x^{l+1}, only where it is an anchor."""
+    ar_token_embedding: bool = True
+    """A2R only: the AR model embeds its own input tokens and adds the projected anchor logits to them. False:
+    its input is the projected anchor logits alone, as ADLM's denoiser's (it still sees the context, through the
+    anchor logits)."""
     block_size: int = 4
     """BD3-LM only: block size b (divides ``seq_len``)."""
     noise_eps: float = 1e-3
@@ -119,7 +133,10 @@ class ModelConfig:
         need(self.hidden % self.heads == 0, f"hidden {self.hidden} must be divisible by heads {self.heads}")
         need(self.head_dim % 2 == 0, f"head_dim {self.head_dim} must be even for rotary embeddings")
         need(self.n_blocks >= 1, f"n_blocks must be >= 1, got {self.n_blocks}")
-        need(not _kind(self.kind).anchored or self.denoiser_blocks >= 1, "ADLM needs denoiser_blocks >= 1")
+        need(not _kind(self.kind).anchored or self.denoiser_blocks >= 1,
+             f"{self.kind.upper()} needs denoiser_blocks >= 1 (the second network's blocks)")
+        need(self.anchor_target in ANCHOR_TARGETS,
+             f"anchor_target must be one of {', '.join(ANCHOR_TARGETS)}, got {self.anchor_target!r}")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         need(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
         need(self.tau >= 0, f"tau must be >= 0, got {self.tau}")

@@ -21,8 +21,8 @@ from .baselines.sedd import SEDD, sedd_objective, sedd_sample
 from .baselines.ssdlm import OPTIONS as SSDLM_OPTIONS
 from .baselines.ssdlm import SSDLM, network_calls, ssd_sample
 from .config import KIND_TABLE, MODEL_KINDS, ModelConfig
-from .nn.models import ADLM, AR, MDLM
-from .objectives.losses import LossOutput, adlm_objective, ar_objective, mdlm_objective
+from .nn.models import A2R, ADLM, AR, MDLM
+from .objectives.losses import LossOutput, a2r_objective, adlm_objective, ar_objective, mdlm_objective
 from .sampling.ar_sampling import ar_sample, ar_window_sample
 from .sampling.confidence import OPTIONS as CONFIDENCE_OPTIONS
 from .sampling.confidence import check_options as check_confidence_options
@@ -110,6 +110,11 @@ def _ar(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: 
     return ar_objective(model, x, am, cfg)
 
 
+def _a2r_train(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
+               t: torch.Tensor | None = None, generator: Gen = None, z_t: torch.Tensor | None = None) -> LossOutput:
+    return a2r_objective(model, x, am, cfg, step=step)
+
+
 def _sedd(model: nn.Module, x: torch.Tensor, am: Mask, cfg: ModelConfig, *, step: int = 0,
           t: torch.Tensor | None = None, generator: Gen = None, z_t: torch.Tensor | None = None) -> LossOutput:
     return sedd_objective(model, x, am, cfg, t=t, z_t=z_t, generator=generator)
@@ -147,6 +152,10 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
               bos_before_prompt=False, prompt_space=True,
               sample_only="training SSD-LM is out of scope (sample-only: import the released model with python -m "
                           "pipelines.import_model xhan77/ssdlm, then generate or evaluate its samples)"),
+    # A2R: a causal anchor network feeding a lightweight AR model (nn/models.py); trained with the next-token NLL
+    # plus the anchor term, evaluated with the exact NLL of the composed network (AR's objective on its head), sampled
+    # by the AR samplers with one KV cache through both networks.
+    ModelKind("a2r", A2R, _a2r_train, _ar, "ar", anchored=True, diffusion=False, adaln=False),
 )}
 assert tuple(KINDS) == MODEL_KINDS, "config.MODEL_KINDS and the KINDS table must list the same kinds"
 KIND_TABLE.update(KINDS)  # ModelConfig's per-kind defaults read the table through config (no import circle)

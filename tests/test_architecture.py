@@ -107,7 +107,7 @@ def test_no_import_circle() -> None:
     assert not cycles, "circles between packages: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-MODEL_LAYERS = ("config", "nn", "objectives", "sampling", "baselines", "kinds", "train", "interop", "inference",
+MODEL_LAYERS = ("compat", "config", "nn", "objectives", "sampling", "baselines", "kinds", "train", "interop", "inference",
                 "testbed")
 """``adlm_model``'s top-level modules and subpackages in the order they may import each other: each only those
 before it (docs/design/architecture.md says the same)."""
@@ -364,7 +364,7 @@ def test_no_kind_name_is_compared_outside_the_kinds_table() -> None:
 
 
 PUBLIC_API = (
-    "ADLM", "AR", "BlockSample", "CheckpointError", "ClipSearchResult", "ConfigError", "EMA", "Generation",
+    "A2R", "ADLM", "AR", "BlockSample", "CheckpointError", "ClipSearchResult", "ConfigError", "EMA", "Generation",
     "GenerationError", "GenerationRequest", "InfillLayout", "KINDS", "LogLinearSchedule", "LossOutput", "MDLM",
     "MODEL_KINDS", "ModelConfig", "NaturalTestbed", "PRESETS", "ReMDMLoop", "SAMPLERS", "SEDD", "SamplerError",
     "SpecialTokens", "TextGenerator", "__version__", "anchor_mask", "antithetic_times", "bd3lm_objective",

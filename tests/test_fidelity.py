@@ -13,12 +13,12 @@ from adlm_model.config import MODEL_KINDS, ModelConfig
 @pytest.mark.parametrize("kind", MODEL_KINDS)
 def test_only_anchored_versions_carry_gamma_and_tau(kind: str) -> None:
     """An MDLM, AR or BD3-LM version has no anchor loss to describe: tagging it with gamma/tau would put it in
-    a gamma/tau comparison it does not belong to."""
+    a gamma/tau comparison it does not belong to; ADLM and A2R train with the anchor term."""
     from pipelines.registry import training_tags
 
     tags = training_tags(ModelConfig(kind=kind, gamma=0.01, tau=7), run_name="r")
     assert tags["kind"] == kind and tags["run_name"] == "r"
-    if kind == "adlm":
+    if kind in ("adlm", "a2r"):
         assert (tags["gamma"], tags["tau"]) == (0.01, 7)
     else:
         assert "gamma" not in tags and "tau" not in tags
@@ -32,7 +32,7 @@ def test_the_paper_profile_holds_the_references_evaluation_settings() -> None:
     p = eval_profile("paper")
     assert p.profile == "paper" and p.sampler == "auto"
     steps = {k: p.steps_by_kind.get(k, p.steps) for k in MODEL_KINDS}
-    assert steps == {"mdlm": 1024, "adlm": 4096, "ar": 1024, "bd3lm": 1024, "sedd": 1024, "ssdlm": 1000}
+    assert steps == {"mdlm": 1024, "adlm": 4096, "ar": 1024, "bd3lm": 1024, "sedd": 1024, "ssdlm": 1000, "a2r": 1024}
     assert resolve_sampler(p.sampler, "sedd") == "sedd-analytic"  # the SEDD reference's run_sample predictor
     assert resolve_sampler(p.sampler, "adlm") == resolve_sampler(p.sampler, "mdlm") == "remdm-loop"
     assert (p.nucleus_p, p.num_samples, p.eval_lm, p.mauve_featurizer) == (0.9, 5000, "gpt2-large", "gpt2-large")

@@ -37,10 +37,11 @@ from transformers.modeling_outputs import MaskedLMOutput
 from ..config import KIND_TABLE
 from ..nn.backbone import Rotary
 from ..nn.block_attention import block_causal_mask, block_diffusion_pass
-from ..nn.models import ADLM, AR, MDLM
+from ..nn.models import A2R, ADLM, AR, MDLM
 from .configuration_adlm import AdlmConfig
 
-NETWORKS: dict[str, type[nn.Module]] = {"mdlm": MDLM, "adlm": ADLM, "ar": AR, "bd3lm": MDLM, "sedd": MDLM}
+NETWORKS: dict[str, type[nn.Module]] = {"mdlm": MDLM, "adlm": ADLM, "ar": AR, "bd3lm": MDLM, "sedd": MDLM,
+                                       "a2r": A2R}
 """The network of each kind, with the parameters of ``adlm_model.kinds.KINDS``'s (a test checks the names and
 shapes agree); ``kinds`` itself pulls in the samplers and objectives, which the network does not need. SEDD's
 score network is MDLM's DiT: its logits here are the raw output ``o`` (log-score = ``o - log(e^sigma - 1) -

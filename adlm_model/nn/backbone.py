@@ -260,13 +260,15 @@ class DiT(nn.Module):
     def trunk(self, x: torch.Tensor, sigma: torch.Tensor, *, mask: torch.Tensor | None = None,
               cache: KVCache | None = None, cache_mode: str = "read", position_offset: int | None = None,
               causal: bool | None = None, position_ids: torch.Tensor | None = None,
-              cache_append: int | None = None) -> torch.Tensor:
+              cache_append: int | None = None, cache_layer: int = 0) -> torch.Tensor:
         """Embedded input -> the final modulated hidden state (the output layer is affine in it).
 
         Rotary positions: ``position_ids`` (1-D, one per input position) when given, else
         ``position_offset + arange(L)`` with the offset defaulting to the cache length. With a
         ``cache``, ``cache_append`` leading positions join it (default: all with ``cache_mode='append'``,
         none with ``'read'``); every position attends to the cache and, per ``mask``, to the others.
+        ``cache_layer``: the cache's layer of this network's first block (the networks of a composed model, A2R's
+        anchor and AR model, keep their keys and values in one cache, one after the other).
         """
         c = F.silu(self.sigma_map(sigma)) if self.sigma_map is not None else None
         if position_ids is not None:
@@ -276,10 +278,10 @@ class DiT(nn.Module):
                 position_offset = cache.length if cache is not None else 0
             rope = self.rotary(x.shape[1], position_offset, x.device)
         if cache is not None:
-            cache.ensure(len(self.blocks))
+            cache.ensure(cache_layer + len(self.blocks))
         causal = self.causal if causal is None else causal
         for i, block in enumerate(self.blocks):
-            x = block(x, c, rope, causal=causal, mask=mask, cache=cache, layer=i)
+            x = block(x, c, rope, causal=causal, mask=mask, cache=cache, layer=cache_layer + i)
         if cache is not None:
             cache.n += x.shape[1] if cache_append is None and cache_mode == "append" else (cache_append or 0)
         return self.output_layer.modulated(x, c)

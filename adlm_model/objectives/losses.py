@@ -1,4 +1,5 @@
-"""Objectives: SUBS, the MDLM NELBO, ADLM's ANELBO, and the AR NLL (docs/design/method.md, sections 1-3).
+"""Objectives: SUBS, the MDLM NELBO, ADLM's ANELBO, the AR NLL and A2R's anchored NLL (docs/design/method.md,
+sections 1-3).
 
 Every objective returns per-batch *sums* and token counts (``LossOutput``) besides the mean it
 backpropagates, so that perplexity pools exactly across batches and workers:
@@ -28,11 +29,12 @@ class LossOutput:
     n_tokens: torch.Tensor
     """Number of non-pad tokens the sum runs over."""
     anchor_sum: torch.Tensor | None = None
-    """ADLM: sum over tokens of w(t) a^l (-log softmax(y_phi)^l[x^l]), detached (before gamma_k)."""
+    """ADLM: sum over tokens of w(t) a^l (-log softmax(y_phi)^l[x^l]), detached (before gamma_k); A2R: the anchor
+    network's cross-entropy summed over the positions that have an anchor target."""
     n_anchor: torch.Tensor | None = None
-    """ADLM: number of anchor tokens (a^l = 1) in the batch."""
+    """ADLM: number of anchor tokens (a^l = 1) in the batch; A2R: of positions with an anchor target."""
     gamma_k: float | torch.Tensor | None = None
-    """ADLM: anchor weight at this step."""
+    """ADLM, A2R: anchor weight at this step."""
 
 
 FUSED_VOCABULARY = True
@@ -218,3 +220,54 @@ def ar_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor
     total = head_loss((h[:, :-1], weight, bias), x[:, 1:], valid, exclude=cfg.mask_id)
     n = valid.sum()
     return LossOutput(loss=total / n.clamp(min=1), nll_sum=total.detach().double(), n_tokens=n)
+
+
+def anchor_targets(x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A2R's anchor network targets (docs/design/method.md, section 3): (the target token at each position (B, L),
+    whether the position has one (B, L)), both from the anchor mask a (``anchor_mask``, pads never anchors).
+
+    ``next_anchor`` (``ModelConfig.anchor_target``): at l, x^j for the first j > l with a^j = 1, none where no
+    anchor follows; ``next_token``: x^{l+1} where a^{l+1} = 1. Vectorised: a reversed running minimum of the anchor
+    positions, no Python loop.
+    """
+    valid = valid_positions(x, attention_mask)
+    a = anchor_mask(x, attention_mask, cfg.tau, cfg.width) & valid
+    length = x.shape[1]
+    following = torch.zeros_like(a)  # a^{l+1}
+    following[:, :-1] = a[:, 1:]
+    if cfg.anchor_target == "next_token":
+        target = torch.cat([x[:, 1:], x[:, -1:]], dim=1)
+        return target, following & valid
+    pos = torch.arange(length, device=x.device).expand_as(x)
+    idx = torch.where(a, pos, torch.full_like(pos, length))
+    after = torch.cat([idx[:, 1:], torch.full_like(idx[:, :1], length)], dim=1)  # anchor positions > l
+    nxt = after.flip(1).cummin(1).values.flip(1)
+    return x.gather(1, nxt.clamp(max=length - 1)), (nxt < length) & valid
+
+
+def a2r_objective(model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cfg: ModelConfig,
+                  *, step: int | torch.Tensor = 0, **_: object) -> LossOutput:
+    """A2R's training loss (docs/design/method.md, section 3): the AR model's next-token NLL plus gamma_k times the
+    anchor network's cross-entropy at the positions with an anchor target (``anchor_targets``), per token
+
+    -log p_psi(x^{l+1} | y_phi(x^{<=l})) - gamma_k h^l log softmax(y_phi(x^{<=l}))[x^{j(l)}]
+
+    divided by the next-token targets. ``nll_sum`` is the NLL alone: the exact bound evaluation reports
+    (``ar_objective`` on the composed network). The anchor logits feed the AR model, so they exist; their
+    log-softmax is taken chunk by chunk (``vocab_loss.logits_loss``), the AR model's through its fused head.
+    """
+    target, has = anchor_targets(x, attention_mask, cfg)
+    anchor_logits, (h, weight, bias) = model.train_heads(x)
+    valid = valid_positions(x, attention_mask)[:, 1:]  # position 0 is no next-token target
+    nll = head_loss((h[:, :-1], weight, bias), x[:, 1:], valid, exclude=cfg.mask_id)
+    if FUSED_VOCABULARY:
+        anchor = logits_loss(anchor_logits, target, has)
+    else:
+        lf = anchor_logits.float()
+        anchor = (has * (torch.logsumexp(lf, -1) - lf.gather(-1, target[..., None]).squeeze(-1))).sum()
+    g = gamma_at(step, cfg.gamma, cfg.gamma_beta, cfg.gamma_horizon)
+    n = valid.sum()
+    total = nll + g * anchor
+    return LossOutput(loss=total / n.clamp(min=1), nll_sum=nll.detach().double(), n_tokens=n,
+                      anchor_sum=anchor.detach().double(), n_anchor=has.sum(), gamma_k=g)

@@ -1,8 +1,9 @@
 """Training FLOPs of one optimiser step, counted on the real network (for equal-compute comparisons).
 
 Counting beats a formula here: the kinds differ in ways a ``6 N D`` rule misses (ADLM runs an anchor of
-``n_blocks`` and a denoiser of ``denoiser_blocks`` with a second vocabulary projection in between; BD3-LM
-trains on ``x_t (+) x_0``, twice the sequence; the AR baseline has no adaLN). ``torch.utils.flop_counter``
+``n_blocks`` and a denoiser of ``denoiser_blocks`` with a second vocabulary projection in between, and A2R the
+same two causal networks with its projection ``Linear(width -> hidden)``, the AR model's output over the ``L - 1``
+next-token targets; BD3-LM trains on ``x_t (+) x_0``, twice the sequence; the AR baseline has no adaLN). ``torch.utils.flop_counter``
 counts the matmuls of one forward and backward pass of the training objective, the operations that carry the
 cost; elementwise work is left out, as in every published FLOP figure.
 
