@@ -33,6 +33,7 @@ FLAG_EXTRAS: dict[str, dict[str, Any]] = {
     "engine": {"choices": ENGINES},
     "hub_mirror": {"metavar": "DIR|URI"},
     "testbed": {"metavar": "KEY=VALUE"},
+    "reasoning": {"metavar": "KEY=VALUE"},
 }
 """What a flag needs beyond its field's name, type, default and docstring (``PrepareConfig``, the one place each
 option is documented): the choices and placeholders of the help."""
@@ -40,7 +41,7 @@ option is documented): the choices and placeholders of the help."""
 
 def add_config_flags(p: argparse.ArgumentParser) -> None:
     """One ``--flag`` a field of ``PrepareConfig`` (``text_field``: ``--text-field``), typed by its annotation, with
-    its default and its docstring as the help. Lists and ``testbed`` repeat (``--source a --source b``); a
+    its default and its docstring as the help. Lists, ``testbed`` and ``reasoning`` repeat (``--source a --source b``); a
     ``bool | None`` is ``--x/--no-x``."""
     docs = descriptions(PrepareConfig)
     hints = typing.get_type_hints(PrepareConfig)

@@ -134,6 +134,10 @@ class PrepareConfig:
     """The ``testbed`` source only: ``TestbedConfig`` fields (``preset=natural``: the language with natural text's
     confidence) and rows per split (``train_rows``, ...), as a mapping or ``KEY=VALUE`` strings
     (``pipelines.data.synthetic``)."""
+    reasoning: Any = None
+    """The reasoning sources (``prosqa``, ``prontoqa``, ``gsm8k``, or local files with ``task=...``): rows per
+    split, seed, generator knobs, ``names=PATH`` (a name inventory), as a mapping or ``KEY=VALUE`` strings
+    (``pipelines.data.reasoning.source``)."""
 
     def __post_init__(self) -> None:
         # One source or split given as a word (a study file's ``source: embedded``) is a list of one.

@@ -390,6 +390,10 @@ def prepare(config: PrepareConfig | None = None, *, shutdown_ray: bool = False) 
 
     if is_testbed(cfg):  # generated, not read: no tokenisation, no Ray
         return prepare_testbed(cfg)
+    from pipelines.data.reasoning.source import is_reasoning, prepare_reasoning
+
+    if is_reasoning(cfg):  # rows kept as rows (their layout changes with the stage): no packing, no Ray
+        return prepare_reasoning(cfg)
     t0 = time.time()
     plan = make_plan(cfg)
     if cfg.overwrite:

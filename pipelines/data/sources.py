@@ -90,8 +90,10 @@ EMBEDDED = NamedSource("embedded", "", None, {s: s for s in ("train", "validatio
 """The offline demo corpus; its default tokenizer is an 8,192-entry BPE trained on its train split."""
 EMBEDDED_TOKENIZER_VOCAB = 8192
 
-KNOWN_SOURCES = ("embedded", *NAMED_SOURCES, "testbed")
-"""``testbed``: the ground-truth synthetic language, generated rather than read (``pipelines.data.synthetic``)."""
+KNOWN_SOURCES = ("embedded", *NAMED_SOURCES, "testbed", "prosqa", "prontoqa", "gsm8k")
+"""``testbed``: the ground-truth synthetic language, generated rather than read (``pipelines.data.synthetic``);
+``prosqa``, ``prontoqa``, ``gsm8k``: reasoning tasks as question/steps/answer rows
+(``pipelines.data.reasoning.source``)."""
 
 
 # ----------------------------------------------------------------------------------------------------------
