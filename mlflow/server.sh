@@ -107,7 +107,7 @@ esac
 #   upgrade; a store that does not answer yet is left to MLflow, which retries the connection;
 # - upgrade: what `mlflow db upgrade <uri>` does (an empty database gets the whole schema), then exit.
 command -v mlflow >/dev/null || {
-  echo "mlflow/server.sh: no mlflow command on PATH: activate the project's environment (pip install -e '.[server]')" >&2
+  echo "mlflow/server.sh: no mlflow command on PATH: activate the project's environment (pip install -c requirements.lock -e '.[server]')" >&2
   exit 2; }
 py="$(dirname "$(command -v mlflow)")/python"  # the interpreter of that mlflow, whatever python is first on PATH
 [ -x "$py" ] || py=python
@@ -126,7 +126,7 @@ for what, uri in (("the store", store), ("the users' store", auth)):
             url = make_url(uri)
             url.get_dialect().import_dbapi()
         except ImportError as e:
-            fix = "pip install -e '.[server]'" if scheme.startswith("postgresql") else "install it"
+            fix = "pip install -c requirements.lock -e '.[server]'" if scheme.startswith("postgresql") else "install it"
             sys.exit(f"{me}: {what} ({scheme}://) needs the Python module {e.name!r}: {fix}")
         except Exception as e:  # noqa: BLE001 - never a traceback (nor the URI, which holds a password)
             sys.exit(f"{me}: {what}'s URI ({scheme}://...) is not a database URI SQLAlchemy can use ({type(e).__name__})")

@@ -29,6 +29,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from pipelines.compat import ray as compat_ray
+
 PROJECT_LOGGER = "adlm"
 # Chatty at INFO on every call (connection pools, artifact listings, Ray's start-up banners).
 THIRD_PARTY = ("ray", "mlflow", "urllib3", "botocore", "boto3", "s3transfer", "filelock", "fsspec", "httpx",
@@ -224,9 +226,7 @@ class WorkerOutput:
                 elif node and NODE_ALERT.search(line):
                     self._print(f"WARNING ray ({data['pid']}): {line.strip()}")
         if ray_bars:
-            from ray._private.worker import print_worker_logs
-
-            print_worker_logs({**data, "lines": ray_bars}, self.stream)
+            compat_ray.print_worker_logs({**data, "lines": ray_bars}, self.stream)
 
     @contextlib.contextmanager
     def track(self, run: str, total: int, start: int = 0) -> Iterator[None]:
@@ -254,9 +254,9 @@ def route_worker_output(verbosity_: int | None = None, stream: Any = None) -> Wo
     its own name, so ``ray.shutdown`` removes it as it would Ray's; a later ``ray.init`` (with Ray's printer
     again) is routed by calling this again. Returns the printer, or None where Ray's own is kept."""
     global _ROUTED
-    import ray._private.worker as ray_worker
+    ray_worker = compat_ray.worker_module()
 
-    if (verbosity() if verbosity_ is None else verbosity_) > 0 or ray_worker.global_worker.mode != ray_worker.SCRIPT_MODE:
+    if (verbosity() if verbosity_ is None else verbosity_) > 0 or not compat_ray.driver_is_script():
         return None
     dispatcher = ray_worker.global_worker_stdstream_dispatcher
     _ROUTED = WorkerOutput(stream)
@@ -290,9 +290,7 @@ def _ray_messages(print_: Any) -> Any:
 
 def routed() -> WorkerOutput | None:
     """This driver's ``WorkerOutput`` while Ray's workers print through it, else None."""
-    import ray._private.worker as ray_worker
-
-    handlers = list(ray_worker.global_worker_stdstream_dispatcher.handlers)
+    handlers = list(compat_ray.worker_module().global_worker_stdstream_dispatcher.handlers)
     return _ROUTED if _ROUTED is not None and any(h is _ROUTED for _, h in handlers) else None
 
 

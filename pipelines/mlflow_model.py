@@ -30,6 +30,7 @@ from typing import Any
 
 import adlm_model
 from adlm_model.inference.textgen import SPECIAL_TOKENS_FILE
+from pipelines.compat import mlflow as compat_mlflow
 
 CODE_FILE = Path(__file__).parent / "serving" / "pyfunc_model.py"
 """The model's code (models-from-code)."""
@@ -121,9 +122,8 @@ def using_tracking_uri(tracking_uri: str) -> Iterator[None]:
     Restored by hand: ``mlflow.set_tracking_uri(None)`` would also delete a ``MLFLOW_TRACKING_URI`` that the
     user's environment set."""
     import mlflow
-    from mlflow.tracking._tracking_service import utils
 
-    old_global, old_env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    old_global, old_env = compat_mlflow.global_tracking_uri(), os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(tracking_uri)
     try:
         yield

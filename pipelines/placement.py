@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pipelines.compat import ray as compat_ray
 from pipelines.logs import get_logger
 
 log = get_logger(__name__)
@@ -242,25 +243,21 @@ def release_orphaned_groups() -> list[str]:
     trial group still reserved after the job ended). Nothing can use a group whose creator is gone (its workers die
     with it): removing it is safe while other work runs."""
     import ray
-    from ray._private.state import state
-    from ray.core.generated import gcs_pb2
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     if not ray.is_initialized():
         return []
     job = ray.get_runtime_context().get_job_id()
     released = []
-    accessor = state._connect_and_get_accessor()
-    for raw in accessor.get_placement_group_table():
-        pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
-        if (pg.state == gcs_pb2.PlacementGroupTableData.REMOVED or pg.is_detached or pg.creator_job_id.hex() != job
-                or not pg.creator_actor_id or ray.ActorID(pg.creator_actor_id).is_nil()):
+    for pg in compat_ray.placement_groups():
+        if (pg.removed or pg.detached or pg.creator_job_hex != job
+                or not pg.creator_actor or ray.ActorID(pg.creator_actor).is_nil()):
             continue  # removed, detached, another job's, or the driver's own
-        creator = state.actor_table(pg.creator_actor_id.hex())
-        if creator and creator.get("State") != "DEAD":
+        state = compat_ray.actor_state(pg.creator_actor.hex())
+        if state is not None and state != "DEAD":
             continue
-        remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
-        released.append(pg.placement_group_id.hex())
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.id)))
+        released.append(pg.id.hex())
     if released:
         log.warning(f"released {len(released)} placement group(s) left reserved by dead actors of this job "
                     f"({', '.join(r[:12] for r in released)}): Ray keeps them until the job ends")
@@ -304,11 +301,8 @@ def node_types(cluster: dict[str, Any]) -> list[dict[str, float]]:
 def unplaceable(demands: list[dict[str, float]], nodes: list[dict[str, float]]) -> list[dict[str, float]]:
     """The demands that fit on none of ``nodes`` together (Ray's autoscaler's bin packing:
     ``resource_demand_scheduler.get_bin_pack_residual``, what it leaves unfulfilled); zero amounts left out."""
-    from ray.autoscaler._private.resource_demand_scheduler import get_bin_pack_residual
-
     clean = [{k: v for k, v in d.items() if v} for d in demands]
-    residual, _ = get_bin_pack_residual(nodes, [d for d in clean if d])
-    return residual
+    return compat_ray.bin_pack_residual(nodes, [d for d in clean if d])
 
 
 def fit_concurrency(cfg: Any, trial: dict[str, float], wanted: int, nodes: list[dict[str, float]]) -> int:
@@ -377,9 +371,7 @@ def without_autoscaler(report: bytes | str | None) -> bool:
 
 def autoscaling_report() -> bytes | None:
     """The connected cluster's monitor report (what ``ray status`` reads), None if there is none."""
-    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
-
-    return _internal_kv_get(AUTOSCALING_STATUS_KEY) if _internal_kv_initialized() else None
+    return compat_ray.internal_kv_get(AUTOSCALING_STATUS_KEY)
 
 
 def own_ray() -> bool:

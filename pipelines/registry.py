@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 import re
 import shutil
 import tempfile
@@ -104,24 +105,52 @@ def register_checkpoint(run_id: str, name: str, tags: dict[str, Any], *, trackin
     return mv
 
 
+# MLflow's documented rules for registered model names and aliases (docs: "Registered model aliases"), checked
+# here rather than through MLflow's private validators, whose names change between releases (3.18 renamed them).
+# tests/test_registry_names.py holds these rules against what a real registry accepts and refuses.
+ALIAS_PATTERN = re.compile(r"[\w\-]*")
+VERSION_ALIAS = re.compile(r"[vV]\d+")
+MAX_ALIAS_LENGTH = 255
+
+
+def name_problem(name: str) -> str | None:
+    """Why MLflow refuses ``name`` as a registered model name, or None: empty, ``/`` or ``:`` in it, or a path
+    that normalises to another name (MLflow may store a name as a file path)."""
+    if not name or not name.strip():
+        return "Missing value for required parameter 'name'."
+    if "/" in name or ":" in name:
+        return f"Invalid model name '{name}'. Names cannot contain '/' or ':'."
+    norm = posixpath.normpath(name)
+    if norm != name or norm == "." or norm.startswith(".."):
+        return f"Invalid model name '{name}': it would resolve to {norm!r} when treated as a file name."
+    return None
+
+
+def alias_problem(alias: str) -> str | None:
+    """Why MLflow refuses ``alias`` as a registered model alias, or None: empty, characters other than
+    alphanumerics, ``_`` and ``-``, over 255 characters, or reserved (``latest`` in any case, ``v<digits>``)."""
+    if not alias:
+        return "Registered model alias name cannot be empty."
+    if not ALIAS_PATTERN.fullmatch(alias):
+        return (f"Invalid alias name: '{alias}'. Names may only contain alphanumerics, underscores (_), "
+                "and dashes (-).")
+    if len(alias) > MAX_ALIAS_LENGTH:
+        return f"Registered model alias name exceeds the maximum length of {MAX_ALIAS_LENGTH} characters."
+    if alias.lower() == "latest":
+        return "'latest' alias name (case insensitive) is reserved."
+    if VERSION_ALIAS.fullmatch(alias):
+        return f"Version alias name '{alias}' is reserved."
+    return None
+
+
 def check_names(name: str | None, aliases: Sequence[str] = ()) -> None:
     """RegistryError (one line) unless ``name`` is a registered model name and each of ``aliases`` an alias MLflow
     accepts: checked before any work, not found when the version is created (with its files already logged)."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.utils.validation import (
-        _validate_model_alias_name,
-        _validate_model_alias_name_reserved,
-        _validate_model_name,
-    )
-
-    for flag, value, checks in ([("--name", name, (_validate_model_name,))] if name is not None else []) + [
-            ("--alias", a, (_validate_model_alias_name, _validate_model_alias_name_reserved)) for a in aliases]:
-        try:
-            for check in checks:
-                check(value)
-        except MlflowException as e:
-            first = e.message.strip().splitlines()[0][:200] if e.message.strip() else f"{value!r} is not accepted"
-            raise RegistryError(f"{flag}: {first}") from None
+    problems = [("--name", name_problem(name))] if name is not None else []
+    problems += [("--alias", alias_problem(a)) for a in aliases]
+    for flag, problem in problems:
+        if problem:
+            raise RegistryError(f"{flag}: {problem[:200]}")
 
 
 def registered_version(name: str, run_id: str, step: int, *, tracking_uri: str | None = None) -> Any:

@@ -111,9 +111,9 @@ def _no_leaked_tracking_uri() -> None:
     import sys
 
     if "mlflow" in sys.modules:
-        from mlflow.tracking._tracking_service import utils
+        from pipelines.compat.mlflow import forget_global_tracking_uri
 
-        utils._tracking_uri = None
+        forget_global_tracking_uri()
 
 
 def start_session_ray() -> None:

@@ -915,7 +915,7 @@ def autoscaling_cluster(env: dict[str, str], token: str, log: Path, without: tup
     import tempfile
 
     import yaml
-    from ray._private.services import get_node_ip_address
+    from ray.util import get_node_ip_address
 
     from pipelines.runtime import LOCAL_SYSTEM_CONFIG
 

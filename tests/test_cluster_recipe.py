@@ -70,7 +70,10 @@ def _provision(aws: dict, out: Path, **extra: str) -> int:
 
 def _bootstrap(cfg: dict) -> dict:
     # Private modules of Ray: checked with ray==2.60.0, the version pyproject.toml pins.
+    # private: Ray's cluster launcher's config checks and AWS bootstrap have no public API
     from ray.autoscaler._private.aws.config import bootstrap_aws
+
+    # private: Ray's cluster launcher's config checks and AWS bootstrap have no public API
     from ray.autoscaler._private.util import prepare_config, validate_config
 
     cfg = prepare_config(copy.deepcopy(cfg))
@@ -124,6 +127,7 @@ def test_without_the_pre_created_group_ray_would_open_ssh_to_everyone(aws: dict,
 
 
 def test_every_node_type_keeps_its_pinned_gpu_driver_ami(aws: dict, booted: dict) -> None:
+    # private: Ray's cluster launcher's config checks and AWS bootstrap have no public API
     from ray.autoscaler._private.aws.config import DEFAULT_AMI
 
     for name, node in booted["boot"]["available_node_types"].items():
@@ -267,6 +271,8 @@ def test_every_request_rays_node_provider_sends_is_one_the_head_policy_allows(aw
     instance type, a launch without the cluster's tag on its volumes and interfaces, and terminating an instance
     outside the cluster are recorded too, and denied."""
     import boto3
+
+    # private: Ray's cluster launcher's config checks and AWS bootstrap have no public API
     from ray.autoscaler._private.aws.node_provider import AWSNodeProvider
     from ray.autoscaler.tags import TAG_RAY_NODE_KIND, TAG_RAY_NODE_STATUS, TAG_RAY_USER_NODE_TYPE
 

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _validate(cfg: dict) -> None:
     # A private module of Ray: checked with ray==2.60.0, the version pyproject.toml pins.
+    # private: the launcher's config checks and `ray job submit`'s exclude matcher have no public API
     from ray.autoscaler._private.util import prepare_config, validate_config
 
     validate_config(prepare_config(copy.deepcopy(cfg)))
@@ -123,6 +124,7 @@ def _allowed(policy: dict, action: str, resource: str, context: dict | None = No
 
 def _ray_ec2_actions() -> set[str]:
     """The EC2 API calls of Ray 2.60's AWS node provider (what the head's autoscaler makes), read from its source."""
+    # private: the launcher's config checks and `ray job submit`'s exclude matcher have no public API
     import ray.autoscaler._private.aws.node_provider as np
 
     src = Path(np.__file__).read_text()
@@ -296,6 +298,7 @@ def test_runtime_env_excludes_heavy_folders_and_no_project_file() -> None:
     ``data`` also drops ``pipelines/data``, and a job on a node without the project installed cannot import it."""
     import subprocess
 
+    # private: the launcher's config checks and `ray job submit`'s exclude matcher have no public API
     from ray._private.runtime_env.packaging import _get_excludes  # the matcher `ray job submit` uses
 
     env = yaml.safe_load((ROOT / "runtime_env.yaml").read_text())

@@ -14,7 +14,10 @@ def _gpu_nodes_for_cpu_work(cluster: dict) -> list[tuple[int, dict[str, float]]]
     type: every recipe's CPU-only bundles, 100 of each pending, with each count of ``cpu_worker`` nodes up."""
     from functools import partial
 
+    # private: the autoscaler's scheduler and KubeRay config reader have no public API
     from ray.autoscaler._private.node_provider_availability_tracker import NodeAvailabilitySummary
+
+    # private: the autoscaler's scheduler and KubeRay config reader have no public API
     from ray.autoscaler._private.resource_demand_scheduler import _default_utilization_scorer, get_nodes_for
 
     from pipelines.placement import run_demand
@@ -79,6 +82,7 @@ def test_node_types_say_what_they_are_for_and_cpu_work_selects_against_gpu_nodes
     """Every GPU node type and group carries the label ``adlm.io/node-kind=gpu``, every other one ``cpu``, on both
     launchers (cluster.yaml; the RayCluster, labels as Ray's KubeRay autoscaler reads them); the CPU-work selector
     excludes exactly the GPU ones; KubeRay runs the label-aware v2 autoscaler."""
+    # private: the autoscaler's scheduler and KubeRay config reader have no public API
     from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
 
     from pipelines.runtime import GPU_NODE_KIND, NODE_KIND_LABEL, cpu_work_selector
@@ -102,6 +106,7 @@ def test_cpu_only_work_never_makes_the_v2_autoscaler_launch_a_gpu_node() -> None
     the cluster still has room; the rest waits for a CPU pod). The controls: the same demand without the selector,
     and the autoscaler launches GPU nodes for it; on cluster.yaml, also with ``cpu_worker`` capped below the cluster
     (4 of 12)."""
+    # private: the autoscaler's scheduler and KubeRay config reader have no public API
     from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
 
     from pipelines.runtime import cpu_work_selector

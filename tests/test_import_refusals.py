@@ -34,6 +34,8 @@ class _Allocates:
 
 def _allocating() -> dict[str, _Allocates]:
     import numpy as np
+
+    # private: the names numpy's pickles carry, needed to write the fixtures
     from numpy._core.multiarray import _reconstruct
 
     return {"bytearray(1 GiB)": _Allocates(bytearray, 1 << 30), "bytes(1 GiB)": _Allocates(bytes, 1 << 30),
@@ -88,6 +90,8 @@ class _Built(_Allocates):
 def _hostile_numpy() -> dict[str, tuple[object, str]]:
     """numpy objects a file of a few hundred bytes can name, each with the words of its refusal."""
     import numpy as np
+
+    # private: the names numpy's pickles carry, needed to write the fixtures
     from numpy._core.multiarray import _reconstruct, scalar
 
     def array(shape, dtype, data):  # numpy's placeholder, then the state it is given

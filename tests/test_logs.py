@@ -139,6 +139,7 @@ def test_a_ray_workers_noise_stays_off_the_drivers_console_but_its_warning_arriv
         import logging
         import sys
 
+        # private: the handler Ray installs on its loggers, checked for what it prints
         from ray._private.log import PlainRayHandler
 
         from pipelines.logs import get_logger, worker_console

@@ -92,6 +92,8 @@ def _wait(what: str, check: Callable[[], object], timeout: float, poll: float = 
 def test_the_recipe_serves_from_postgresql_with_artifacts_in_s3_and_users_authenticated(
         pg_tracking: TrackingStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import requests
+
+    # private: MLflow has no public reader of its newest schema revision
     from mlflow.store.db.utils import _get_latest_schema_revision
 
     stack = pg_tracking
@@ -412,6 +414,8 @@ def test_a_sweep_and_a_training_run_lose_nothing_through_a_database_outage_and_a
 def test_a_store_of_the_previous_mlflow_is_refused_then_upgraded_by_the_recipe_and_served(
         pg_tracking: TrackingStack, tmp_path: Path) -> None:
     import mlflow
+
+    # private: MLflow has no public reader of its newest schema revision
     from mlflow.store.db.utils import _get_latest_schema_revision
 
     from tests.fixtures.mlflow_old_store import CONTENT

@@ -99,7 +99,7 @@ def test_the_server_recipe_names_a_missing_store_driver_in_one_line_and_no_passw
                        timeout=60)
     assert r.returncode == 2 and "hunter2" not in r.stdout + r.stderr, r.stderr
     assert r.stderr.strip().splitlines() == ["mlflow/server.sh: the store (postgresql+pg8000://) needs the Python "
-                                             "module 'pg8000': pip install -e '.[server]'"]
+                                             "module 'pg8000': pip install -c requirements.lock -e '.[server]'"]
 
 
 @pytest.mark.slow

@@ -129,12 +129,14 @@ def test_the_compiled_step_is_one_graph_equal_to_the_eager_step(kind: str) -> No
     both steps (no recompile as the step index and the noise change; ADLM ramps its anchor weight, and a step index
     traced as a Python float made dynamo trace the objective twice), and the loss and the gradients the eager
     step's within float32 rounding (inductor fuses and reorders: about 1e-6 relative here)."""
+    # private: torch has no public counter of compiled frames and graphs
     from torch._dynamo.testing import CompileCounterWithBackend
-    from torch._dynamo.utils import counters
 
+    from adlm_model.compat.torch import dynamo_counters
     from adlm_model.nn import block_attention as ba
 
-    torch._dynamo.reset()
+    counters = dynamo_counters()
+    torch.compiler.reset()
     counters.clear()
     cfg = preset("tiny", kind=kind, **TOY, **(RAMP if KINDS[kind].anchored else {}))
     base = _randomised(cfg)
@@ -165,7 +167,7 @@ def test_bd3lm_compiled_through_flex_attention_equals_the_eager_dense_objective(
     output's transposed views, the compiled kernel's loss was 4.5e-4 relative off (a block's output by 0.35)."""
     from adlm_model.nn import block_attention as ba
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     cfg = preset("tiny", kind="bd3lm", **TOY)
     objective = Objective(_randomised(cfg), cfg)
     x = _rows(cfg, 4)
@@ -182,9 +184,10 @@ def test_bd3lm_compiled_through_flex_attention_equals_the_eager_dense_objective(
 
 
 def test_a_last_partial_batch_runs_eager_and_compiles_nothing() -> None:
+    # private: torch has no public counter of compiled frames and graphs
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     cfg = preset("tiny", kind="mdlm", **TOY)
     cnt = CompileCounterWithBackend("eager")  # dynamo alone: what recompiles is decided there
     st = _step(cfg, _randomised(cfg), True, cnt)
@@ -347,7 +350,7 @@ def test_the_loop_logs_the_first_compiled_step_once() -> None:
         def emit(self, record: logging.LogRecord) -> None:
             self.lines.append(record.getMessage())
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     w = _worker(_cfg("mdlm", "model.dropout=0.0"))
     w.train_step = TrainStep(w.objective, w.raw, w.opt, sched=w.sched, ema=w.ema, clip=1.0, compile=True,
                              backend="eager")

@@ -33,7 +33,6 @@ Nothing outside the allowlist is ever imported, so loading cannot run code of th
 
 from __future__ import annotations
 
-import _compat_pickle
 import codecs
 import collections
 import math
@@ -46,6 +45,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from ..compat.stdlib import python2_name
+from ..compat.torch import rebuild_functions
 
 # Modules whose names are refused outright (even CapWords ones): what a planted pickle reaches for.
 DENIED_MODULES = frozenset({
@@ -106,9 +108,7 @@ def _np(mod: str, name: str) -> Any:
 ALLOWED: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("collections", "defaultdict"): collections.defaultdict,
-    ("torch._utils", "_rebuild_tensor"): torch._utils._rebuild_tensor,
-    ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
-    ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,
+    **rebuild_functions(),
     ("torch", "Size"): torch.Size,
     ("torch", "device"): torch.device,
     ("_codecs", "encode"): _latin1,
@@ -270,9 +270,7 @@ def _scalar(found: Any) -> Any:
 def compat_name(module: str, name: str) -> tuple[str, str]:
     """``module.name`` as pickle reads a Python 2 name (``_compat_pickle``: ``commands.Popen`` ->
     ``subprocess.Popen``, ``__builtin__.long`` -> ``builtins.int``)."""
-    if (module, name) in _compat_pickle.NAME_MAPPING:
-        return _compat_pickle.NAME_MAPPING[(module, name)]
-    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+    return python2_name(module, name)
 
 
 def resolve_global(module: str, name: str) -> Any:
@@ -307,7 +305,7 @@ def _storage_bytes(saved_id: Any) -> tuple[Any, int] | None:
         return None
     key, numel = saved_id[2], saved_id[4]
     try:
-        size = torch._utils._element_size(saved_id[1].dtype)
+        size = saved_id[1].dtype.itemsize
     except (AttributeError, TypeError, RuntimeError):
         return None
     return (key, numel * size) if isinstance(numel, int) else None

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
+from ..compat.torch import foreach_lerp_
+
 
 def warmup_decay(decay: float, n: int) -> float:
     """The decay applied at update ``n`` (1-based): ``min(decay, (1 + n) / (10 + n))``."""
@@ -47,7 +49,7 @@ class EMA:
         pairs = [(self.shadow[name], p.detach()) for name, p in model.named_parameters() if name in self.shadow]
         shadows, params = [s for s, _ in pairs], [p for _, p in pairs]
         if all(type(s) is torch.Tensor for s in shadows):  # one fused update (plain tensors; not FSDP's DTensors)
-            torch._foreach_lerp_(shadows, params, 1.0 - d)
+            foreach_lerp_(shadows, params, 1.0 - d)
             return
         for s, p in pairs:
             s.lerp_(p, 1.0 - d)

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from adlm_model import EMA, build_model
+from adlm_model.compat.torch import dynamo_counters
 from adlm_model.config import ModelConfig
 from adlm_model.kinds import count_parameters
 from adlm_model.nn import block_attention as flex
@@ -132,9 +133,7 @@ class Trainer:
 def graph_breaks() -> tuple[int, dict[str, int]]:
     """Dynamo's graph breaks so far, in all and by reason (its counters: a private API, so -1 when absent)."""
     try:
-        from torch._dynamo.utils import counters
-
-        reasons = dict(counters["graph_break"])
+        reasons = dict(dynamo_counters()["graph_break"])
     except Exception:  # noqa: BLE001 - diagnostics only
         return -1, {}
     return sum(reasons.values()), reasons

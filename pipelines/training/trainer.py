@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from adlm_model.config import ConfigError
+from pipelines.compat import ray as compat_ray
 from pipelines.faults import fault
 from pipelines.logs import first_line, get_logger, quiet_ray_data, run_progress, verbosity, worker_console
 from pipelines.placement import check_run
@@ -195,9 +196,7 @@ def _in_tune() -> bool:
 
     if "ray.tune" not in sys.modules:
         return False
-    from ray.tune.trainable.trainable_fn_utils import _in_tune_session
-
-    return _in_tune_session()
+    return compat_ray.in_tune_trial()
 
 
 def _tune_trial_cpus() -> float | None:

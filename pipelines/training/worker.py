@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from adlm_model import EMA, build_model
+from adlm_model.compat.torch import register_dataclass
 from adlm_model.interop.checkpoint import load_state
 from adlm_model.nn.backbone import DiTBlock
 from adlm_model.objectives.losses import LossOutput
@@ -40,7 +40,7 @@ log = get_logger(__name__)
 
 # DDP and FSDP find the tensors of a module's output by flattening it: make LossOutput's fields visible.
 with contextlib.suppress(ValueError):  # already registered (a re-import)
-    pytree.register_dataclass(LossOutput)
+    register_dataclass(LossOutput)
 
 
 @dataclass

@@ -13,7 +13,10 @@ The autoscaler's monitor loads it as ``provider: {type: external, module: adlm_f
 
 from __future__ import annotations
 
+# private: Ray's fake multi-node provider exists only as a private module
 import ray._private.parameter as parameter
+
+# private: Ray's fake multi-node provider exists only as a private module
 from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
 
 
