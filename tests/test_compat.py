@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from adlm_model.compat import MissingPrivateAPI, PrivateName
+from adlm_model.compat import PrivateName
 
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("adlm_model", "pipelines", "benchmarks")
@@ -121,13 +121,26 @@ def test_every_adapter_is_listed() -> None:
     assert found == set(ADAPTERS)
 
 
-def test_a_missing_private_name_says_which_adapter_to_update() -> None:
-    gone = PrivateName("mlflow.utils.validation", "_validate_model_alias_name", "a validator", "pipelines/compat/x.py")
-    with pytest.raises(MissingPrivateAPI) as e:
+@pytest.mark.parametrize("where", ["adlm_model", "pipelines"])
+def test_a_missing_private_name_says_which_adapter_to_update(where: str) -> None:
+    """Both packages' ``PrivateName`` (``pipelines.compat`` keeps its own so that it imports no torch)."""
+    compat = importlib.import_module(f"{where}.compat")
+    gone = compat.PrivateName("mlflow.utils.validation", "_validate_model_alias_name", "a validator",
+                              "pipelines/compat/x.py")
+    with pytest.raises(compat.MissingPrivateAPI) as e:
         gone.load()
     msg = str(e.value)
     assert "mlflow.utils.validation._validate_model_alias_name is not in the installed mlflow 3." in msg, msg
     assert "update pipelines/compat/x.py" in msg and "\n" not in msg
+
+
+def test_the_pipelines_adapters_import_no_torch() -> None:
+    """A command's ``--help`` and the data stage import ``pipelines.logs``, and so its Ray adapter: no torch there."""
+    import subprocess
+
+    code = "import sys, pipelines.logs, pipelines.compat.ray, pipelines.compat.mlflow; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False"
 
 
 def test_the_foreach_fallback_equals_the_fused_update(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from adlm_model.compat import PrivateName
+from pipelines.compat import PrivateName
 
 TRACKING_UTILS = PrivateName("mlflow.tracking._tracking_service", "utils", "the process-wide tracking URI set "
                              "by mlflow.set_tracking_uri has no public reader apart from the environment variable it "

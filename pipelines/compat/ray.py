@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from adlm_model.compat import PrivateName
+from pipelines.compat import PrivateName
 
 _HERE = "pipelines/compat/ray.py"
 TUNE_SESSION = PrivateName("ray.tune.trainable.trainable_fn_utils", "_in_tune_session", "Ray has no public test "
