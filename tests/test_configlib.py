@@ -158,7 +158,7 @@ def test_set_values_keep_the_command_line_conventions() -> None:
 def test_set_help_is_the_field_descriptions() -> None:
     text = settings_help(EvalConfig, "EvalConfig")
     assert "  t_draws (default 1): Draws of ``t`` per sequence (>1 lowers the variance of the bound;" in text
-    assert configlib.descriptions(ModelConfig)["tau"].startswith("ADLM only: a token is an anchor")
+    assert configlib.descriptions(ModelConfig)["tau"].startswith("ADLM and A2R: a token is an anchor")
     assert "import ast" not in (ROOT / "pipelines" / "configlib.py").read_text()
 
 

@@ -80,7 +80,7 @@ def test_transformers_loads_every_kind_with_our_logits(tmp_path, kind, one_torch
             got = hf(torch.cat([z, x0], dim=1)).logits
             mask = block_causal_mask(cfg.seq_len, cfg.block_size)
             assert torch.equal(hf(x0, sample_mode=True).logits, ours.backbone(x0, zeros, mask=mask))
-        elif kind == "ar":
+        elif not KINDS[kind].diffusion:  # AR, A2R: next-token logits
             want, got = ours(z), hf(input_ids=z).logits
         elif cfg.conditions_on_time:  # SEDD: the raw score-network output at the sigma given
             sigma = torch.tensor([0.3, 1.2])

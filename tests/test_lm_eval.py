@@ -109,23 +109,27 @@ def art(tmp_path_factory):
 
     rows, _ = read_rows(str(data / "train"))
     out = {"root": root, "data": data, "tok": tok}
-    for kind, steps in (("ar", 30), ("mdlm", 30)):
+    for kind, steps in (("ar", 30), ("mdlm", 30), ("a2r", 30)):
         cfg = tiny_config(tok, kind)
         model, ema = train_tiny(cfg, rows, steps)
         out[kind] = save_ckpt(root / f"ck-{kind}", model, cfg, ema, tok_path, data, step=steps)
     return out
 
 
-def test_ar_loglikelihood_is_the_direct_sum_of_token_log_probabilities(art):
+@pytest.mark.parametrize("kind", ["ar", "a2r"])
+def test_ar_loglikelihood_is_the_direct_sum_of_token_log_probabilities(art, kind: str):
+    """AR and A2R (exact likelihoods): each continuation's log-likelihood is the sum of its tokens' next-token
+    log-probabilities from one pass of the network."""
     from lm_eval.api.instance import Instance
 
     from adlm_model import load_checkpoint
     from pipelines.evaluation.lm_eval_model import ADLMEvalLM
 
-    lm = ADLMEvalLM(pretrained=str(art["ar"]))
+    lm = ADLMEvalLM(pretrained=str(art[kind]))
     pairs = [("In the beginning God created", " the heaven and the earth."), ("And God said, Let there", " be light")]
     got = lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)], disable_tqdm=True)
-    model, cfg, _ = load_checkpoint(art["ar"])
+    model, cfg, _ = load_checkpoint(art[kind])
+    assert cfg.kind == kind
     tok = art["tok"]
     for (ctx, cont), (ll, greedy) in zip(pairs, got, strict=True):
         c, y = tok.encode([ctx])[0], tok.encode([ctx + cont])[0][len(tok.encode([ctx])[0]):]

@@ -41,7 +41,7 @@ def art(tmp_path_factory, one_torch_thread):
     data, tok, tok_path = make_data(root)
     rows, _ = read_rows(str(data / "train"))
     out = {"root": root, "data": data, "tok": tok}
-    for kind, steps in (("mdlm", 40), ("adlm", 20), ("ar", 40), ("bd3lm", 20)):
+    for kind, steps in (("mdlm", 40), ("adlm", 20), ("ar", 40), ("bd3lm", 20), ("a2r", 20)):
         cfg = tiny_config(tok, kind)
         model, ema = train_tiny(cfg, rows, steps)
         out[kind] = save_ckpt(root / f"ck-{kind}", model, cfg, ema, tok_path, data, step=steps)
@@ -118,17 +118,17 @@ def test_block_sampler_generates_beyond_the_training_length(art) -> None:
         gen.check(gen.request(prompt=PROMPT, length=n, sampler="mdlm"))
 
 
-@pytest.mark.parametrize("kind", ["mdlm", "adlm", "ar", "bd3lm"])
+@pytest.mark.parametrize("kind", ["mdlm", "adlm", "ar", "bd3lm", "a2r"])
 def test_text_starts_with_the_prompt_and_ends_with_the_suffix(art, kind) -> None:
     gen = _generator(art, kind)
-    suffix = "" if kind == "ar" else SUFFIX
+    suffix = "" if kind in ("ar", "a2r") else SUFFIX  # a causal model continues a prompt only
     req = gen.request(prompt=PROMPT, suffix=suffix, length=10, steps=8, seed=5, num_samples=2)
     outs = gen.generate(req)
     assert len(outs) == 2
     for o in outs:
         assert o.text.startswith(PROMPT) and o.text.endswith(suffix) and o.new_tokens == 10 and o.seconds > 0
         assert o.text == PROMPT + o.completion + suffix and o.seed == 5
-        assert o.sampler == {"ar": "ar", "bd3lm": "bd3lm"}.get(kind, "remdm-loop")
+        assert o.sampler == {"ar": "ar", "a2r": "ar", "bd3lm": "bd3lm"}.get(kind, "remdm-loop")
     # The same seed gives the same texts; the batch is one generator, so its two samples differ.
     assert [o.text for o in gen.generate(req)] == [o.text for o in outs]
     assert outs[0].text != outs[1].text
@@ -189,7 +189,7 @@ def test_confidence_settings_reach_the_sampler_and_come_back_with_the_text(art, 
                                     seed=3))[0].network_calls == 1
 
 
-@pytest.mark.parametrize("kind", ["mdlm", "ar", "bd3lm"])
+@pytest.mark.parametrize("kind", ["mdlm", "ar", "bd3lm", "a2r"])
 def test_steps_and_network_calls_are_what_the_sampler_ran(art, kind) -> None:
     """Counted forward passes, not a setting echoed: AR one per new token (its KV cache: the prompt's pass gives
     the first), the diffusion samplers at most T + 1 (a row that did not change reuses its p_x0), bd3lm per
@@ -201,7 +201,7 @@ def test_steps_and_network_calls_are_what_the_sampler_ran(art, kind) -> None:
         out = gen.generate(gen.request(prompt="In the", length=6, steps=5, seed=2))[0]
     finally:
         handle.remove()
-    if kind == "ar":  # the AR network is the model itself: its calls are seen here
+    if kind in ("ar", "a2r"):  # the network (A2R: both, in one call) is the model itself: its calls are seen here
         assert out.network_calls == len(calls) == out.steps == 6 and "steps" not in out.settings
     else:
         assert out.steps == 5 and out.settings["steps"] == 5

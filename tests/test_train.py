@@ -350,6 +350,35 @@ def test_bd3lm_training_searches_its_clipped_schedule_and_keeps_it_across_a_resu
     assert state["ema_updates"] == 8
 
 
+def test_a2r_trains_with_its_anchor_term_resumes_registers_and_generates(tiny_data: Path, workdir: Path) -> None:
+    """The anchored AR kind through the training stage: the anchor term, its weight and both networks' gradient
+    norms are logged, the validation PPL is the exact one (finite, below the uniform's), a rerun resumes the run,
+    the registered version carries gamma and tau, and its checkpoint generates with the AR sampler."""
+    import mlflow
+
+    from pipelines.serving.generate import open_generator
+
+    uri = os.environ["MLFLOW_TRACKING_URI"]
+    sets = ["model.kind=a2r", "model.tau=2", "model.gamma=0.5", "run.val_every=2", "run.ckpt_every=2",
+            "scaling.num_workers=0"]
+    res = train_mod.train(_cfg(tiny_data, "anchored-ar", "run.max_steps=4", *sets), register=False)
+    anchor = _history(uri, res.run_id, "train/anchor_loss")
+    assert [s for s, _ in anchor] == [1, 2, 3, 4] and all(v > 0 for _, v in anchor)
+    # The ramp min(gamma, k / K) at the steps k = 0..3 taken, K the run's max_steps (4)
+    assert [v for _, v in _history(uri, res.run_id, "train/gamma_k")] == [0.0, 0.25, 0.5, 0.5]
+    assert _history(uri, res.run_id, "train/grad_norm_ar") and _history(uri, res.run_id, "train/grad_norm_anchor")
+    res2 = train_mod.train(_cfg(tiny_data, "anchored-ar", "run.max_steps=6", *sets))
+    assert res2.run_id == res.run_id and res2.step == 6
+    val = _history(uri, res.run_id, "val/ppl")
+    cfg = load_config(ROOT / "configs" / "demo.yaml", [*data_overrides(tiny_data), *TINY_MODEL])
+    assert [s for s, _ in val] == [2, 4, 6] and all(1.0 < v < cfg.model.vocab_size for _, v in val)
+    mv = mlflow.MlflowClient(uri).get_model_version("adlm", res2.registered_version)
+    assert (mv.tags["kind"], float(mv.tags["gamma"]), int(mv.tags["tau"])) == ("a2r", 0.5, 2)
+    gen = open_generator(f"models:/adlm/{res2.registered_version}").generator
+    out = gen.generate(gen.request(prompt="In the", length=5, seed=1))[0]
+    assert out.sampler == "ar" and out.new_tokens == 5 and out.network_calls == 5 and out.text.startswith("In the")
+
+
 def test_a_run_started_from_a_version_begins_with_its_ema_weights_and_records_the_lineage(
         tiny_data: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """run.init (--init): a BD3-LM run starts from an MDLM version (the paper's fine-tuning; one network). Its

@@ -29,13 +29,15 @@ SPACES = sorted((ROOT / "tune_spaces").glob("*.yaml"))
 
 def test_every_shipped_space_validates_against_its_recipe() -> None:
     assert {p.name for p in SPACES} >= {"demo.yaml", "gamma_tau.yaml"}
-    recipes = {"demo.yaml": "demo.yaml", "gamma_tau.yaml": "owt_adlm_small.yaml"}
+    recipes = {"demo.yaml": "demo.yaml", "gamma_tau.yaml": "owt_adlm_small.yaml",
+               "a2r_gamma_tau.yaml": "owt_a2r_small.yaml"}
     for path in SPACES:
         space = load_space(path)
         assert {p.name for p in space.params} >= {"gamma", "tau"}
         recipe = ROOT / space.config if space.config else ROOT / "configs" / recipes.get(path.name, "demo.yaml")
         plan = plan_sweep(space, recipe, check_data=False)
-        assert plan.base.model.kind == "adlm" and plan.max_t <= plan.base.run.max_steps
+        assert plan.base.model.kind == ("a2r" if path.name.startswith("a2r") else "adlm")
+        assert plan.max_t <= plan.base.run.max_steps
         # The YAML form round-trips (the trial actors re-parse it).
         assert parse_space(space.to_raw(), str(path)) == space
 

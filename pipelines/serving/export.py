@@ -164,7 +164,8 @@ def model_card(src: _Source, cfg: Any, meta: dict[str, Any], parameters: int) ->
                                               f"MLflow run `{src.run_id}`)." if src.name else f"`{src.uri}`."), "",
              "## Model", "", "| field | value |", "|---|---|", f"| kind | {cfg.kind} |",
              f"| parameters | {parameters:,} |", f"| hidden size, heads | {cfg.hidden}, {cfg.heads} |",
-             f"| blocks | {cfg.n_blocks}" + (f" (anchor) + {cfg.denoiser_blocks} (denoiser)" if kind.anchored else "")
+             f"| blocks | {cfg.n_blocks}" + (f" (anchor) + {cfg.denoiser_blocks} "
+                                             f"({'denoiser' if kind.diffusion else 'AR model'})" if kind.anchored else "")
              + " |", f"| context (training length) | {cfg.seq_len} tokens |",
              f"| vocabulary | {cfg.vocab_size} (mask id {cfg.mask_id}) |",
              f"| default sampler | {kind.default_sampler} |"]
