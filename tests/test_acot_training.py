@@ -1,0 +1,196 @@
+"""Anchored chain-of-thought fine-tuning's schedule: the stages of each arm, the optimiser reset at a stage switch,
+greedy decoding (the cached decoding equals recomputing, no ``[ANT]`` or marker is emitted, a row stops at its
+EOS), the kept checkpoint (the best validation accuracy of the last stage), and the loop learning a toy task
+above chance."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from adlm_model.config import ModelConfig
+from adlm_model.kinds import build_model
+from adlm_model.sampling.greedy import greedy_decode
+from adlm_model.train.stages import ARMS, EpochRecord, Stage, StagedFineTuning, arm_stages, coconut_stages
+from pipelines.data.reasoning.layout import Markers, collate, lay_out
+
+MK = Markers(bos=1, eos=2, pad=0, boa=3, eoa=4, ant=5, answer=(6,))
+VOCAB = 24
+TOY_ROWS = 192
+TOY_EPOCHS = 4
+
+
+def tiny(seed: int = 0, seq_len: int = 24) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(kind="ar", vocab_size=VOCAB, mask_id=VOCAB, seq_len=seq_len, hidden=32, heads=2, n_blocks=2,
+                      cond_dim=16, dropout=0.0)
+    return build_model(cfg)
+
+
+def test_stages_of_the_arms() -> None:
+    assert [(s.n_ant, s.removed_steps) for s in coconut_stages(3, 5, remove_steps=True)] == [
+        (0, 0), (1, 1), (2, 2), (3, 3)]
+    assert [s.removed_steps for s in coconut_stages(2, 3)] == [0, 0, 0]  # GSM8K and ProntoQA keep the trace
+    assert arm_stages("acot", 2, 3) == arm_stages("pause_as_thought", 2, 3) == coconut_stages(2, 3)
+    assert arm_stages("pause", 6, 5) == [Stage(0, 6, 0, 35)]  # six pause tokens, the schedule's 35 epochs
+    assert arm_stages("cot", 6, 5) == arm_stages("no_cot", 6, 5) == [Stage(0, 0, 0, 35)]
+    assert not ARMS["no_cot"].cot and not ARMS["pause"].cot and ARMS["acot"].anchors
+    assert not ARMS["pause_as_thought"].anchors
+    with pytest.raises(ValueError, match="unknown arm"):
+        arm_stages("latent", 2, 3)
+
+
+def _toy_rows(n: int, seed: int) -> list[tuple[list[int], list[list[int]], list[int], list[int]]]:
+    """Questions of three tokens; the trace's one step is the first token, the answer the second, the anchor
+    the first (chance: 1/8)."""
+    g = torch.Generator().manual_seed(seed)
+    qs = torch.randint(8, 16, (n, 3), generator=g).tolist()
+    return [(q, [[q[0]]], [q[1]], [q[0]]) for q in qs]
+
+
+def _batch(rows: list, stage: Stage) -> dict[str, torch.Tensor]:
+    laid = [lay_out(q, s, a, an, MK, stage.n_ant, removed_steps=stage.removed_steps) for q, s, a, an in rows]
+    return {k: torch.as_tensor(v) for k, v in collate(laid, MK.pad).items()}
+
+
+def _adamw(params: object) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)  # type: ignore[arg-type]
+
+
+def test_stage_switch_resets_the_optimizer(one_torch_thread: None) -> None:
+    model = tiny()
+    stages = coconut_stages(1, 1, remove_steps=True)
+    ft = StagedFineTuning(model, stages, _adamw, anchor_weight=1.0, exclude=VOCAB)
+    ft.begin_stage(stages[0])
+    for i in range(3):
+        ft.step([_batch(_toy_rows(8, i), stages[0])])
+    old = ft.optimizer
+    assert old is not None and len(old.state) > 0
+    old_state = copy.deepcopy(old.state_dict())
+    fresh = ft.begin_stage(stages[1])
+    assert fresh is not old and len(fresh.state) == 0
+    start = copy.deepcopy(model.state_dict())
+    batch = [_batch(_toy_rows(8, 9), stages[1])]
+    ft.step(batch)
+    after_switch = copy.deepcopy(model.state_dict())
+    # the same step from a brand-new optimiser gives the same weights
+    model.load_state_dict(start)
+    ref = StagedFineTuning(model, stages, _adamw, anchor_weight=1.0, exclude=VOCAB)
+    ref.begin_stage(stages[1])
+    ref.step(batch)
+    assert all(torch.equal(after_switch[k], v) for k, v in model.state_dict().items())
+    # and it differs from the step the old optimiser (its moments) would have taken: the test can fail
+    model.load_state_dict(start)
+    kept = _adamw(model.parameters())
+    kept.load_state_dict(old_state)
+    cont = StagedFineTuning(model, stages, lambda p: kept, anchor_weight=1.0, exclude=VOCAB)
+    cont.begin_stage(stages[1])
+    cont.step(batch)
+    assert not all(torch.equal(after_switch[k], v) for k, v in model.state_dict().items())
+
+
+def _recompute_greedy(model: torch.nn.Module, prompt: list[int], eos: int, max_new: int, banned: list[int]
+                      ) -> list[int]:
+    """Greedy decoding by recomputing the whole prefix each step (no cache): the reference."""
+    x, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_new):
+            logits = model(torch.tensor([x]))[0, -1].float()
+            logits[banned] = float("-inf")
+            t = int(logits.argmax())
+            out.append(t)
+            x.append(t)
+            if t == eos:
+                break
+    return out
+
+
+def test_greedy_decoding_suppresses_ant_and_stops_at_eos(one_torch_thread: None) -> None:
+    model = tiny(3, seq_len=32)
+    model.eval()
+    bias = model.backbone.output_layer.linear.bias
+    with torch.no_grad():  # a network whose favourite output is [ANT], EOS close behind a few tokens
+        bias[MK.ant] = 50.0
+        bias[MK.eos] = 1.5
+        model.backbone.output_layer.linear.weight.normal_(0, 0.5)
+    prompts = [[1, 9, 3, 5, 5, 4], [1, 10, 11, 3, 4], [1, 12, 13, 3, 4], [1, 14, 3, 5, 4], [1, 3, 4]]
+    raw = greedy_decode(model, prompts, eos_id=MK.eos, max_new=12)
+    assert all(MK.ant in r for r in raw)  # unsuppressed, the [ANT] output would be read as text
+    banned = [MK.ant, MK.boa, MK.eoa]
+    outs = greedy_decode(model, prompts, eos_id=MK.eos, max_new=12, suppress=banned, batch_size=2)
+    assert outs == [_recompute_greedy(model, p, MK.eos, 12, banned) for p in prompts]
+    assert not any(t in banned for r in outs for t in r)
+    stopped = [r for r in outs if r[-1] == MK.eos]
+    assert stopped and all(r.count(MK.eos) == 1 and len(r) < 12 for r in stopped)  # nothing after the EOS
+    assert any(len(r) == 12 and MK.eos not in r for r in outs)  # and the others run to max_new
+
+
+@dataclass
+class ToyRun:
+    history: list[EpochRecord]
+    snapshots: list[dict[str, torch.Tensor]]
+    result: object
+    model: torch.nn.Module
+    validate: object
+
+
+def _accuracy(model: torch.nn.Module, rows: list, stage: Stage) -> float:
+    """Exact match of the greedy answer (the tokens after ``###`` up to EOS) with the gold answer."""
+    laid = [lay_out(q, s, a, an, MK, stage.n_ant, removed_steps=stage.removed_steps) for q, s, a, an in rows]
+    outs = greedy_decode(model, [x.input_ids[:x.prompt_len] for x in laid], eos_id=MK.eos, max_new=6,
+                         suppress=(MK.ant, MK.boa, MK.eoa, MK.bos, MK.pad))
+    hits = 0
+    for (_, _, a, _), out in zip(rows, outs, strict=True):
+        tail = out[len(out) - 1 - out[::-1].index(MK.answer[0]):] if MK.answer[0] in out else []
+        hits += tail == [MK.answer[0], *a, MK.eos]
+    return hits / len(rows)
+
+
+@pytest.fixture(scope="module")
+def toy_run() -> ToyRun:
+    """The ACoT arm on the toy task, two stages (the second removes the step and adds an [ANT]), a few seconds."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = tiny(1)
+        stages = coconut_stages(1, TOY_EPOCHS, remove_steps=True)
+        train, val = _toy_rows(TOY_ROWS, 11), _toy_rows(128, 12)
+        ft = StagedFineTuning(model, stages, _adamw, anchor_weight=1.0, exclude=VOCAB)
+        snapshots: list[dict[str, torch.Tensor]] = []
+
+        def batches(stage: Stage, epoch: int):
+            for lo in range(0, len(train), 32):
+                yield [_batch(train[lo:lo + 32], stage)]
+
+        def validate(m: torch.nn.Module, stage: Stage) -> float:
+            return _accuracy(m, val, stage)
+
+        result = ft.run(batches, validate,
+                        lambda rec: snapshots.append({k: v.clone() for k, v in model.state_dict().items()}))
+        return ToyRun(result.history, snapshots, result, model, validate)
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_accuracy_rises_above_chance(toy_run: ToyRun) -> None:
+    accs = [r.accuracy for r in toy_run.history]
+    assert len(accs) == 2 * TOY_EPOCHS and toy_run.result.steps == 2 * TOY_EPOCHS * TOY_ROWS // 32
+    assert accs[0] < 0.125 < 0.25 < max(accs)  # chance 1/8 (the answer token is one of eight): above it twice
+    stage1 = toy_run.history[TOY_EPOCHS:]
+    assert stage1[-1].anchor_ce < stage1[0].anchor_ce  # the [ANT] outputs learn their anchors
+    assert all(r.anchor_ce != r.anchor_ce for r in toy_run.history[:TOY_EPOCHS])  # stage 0 has no [ANT]: NaN
+
+
+def test_best_accuracy_checkpoint_is_kept(toy_run: ToyRun) -> None:
+    hist, res = toy_run.history, toy_run.result
+    last = [i for i, r in enumerate(hist) if r.stage == 1]
+    best_i = max(last, key=lambda i: (hist[i].accuracy, -i))  # the first of the best (a tie keeps the earlier)
+    assert (res.best_stage, res.best_epoch, res.best_accuracy) == (1, hist[best_i].epoch, hist[best_i].accuracy)
+    assert not any(r.kept for r in hist[:TOY_EPOCHS])  # stage 0 is read with another layout: not eligible
+    assert all(torch.equal(res.best_state[k], v) for k, v in toy_run.snapshots[best_i].items())
+    model = copy.deepcopy(toy_run.model)
+    model.load_state_dict(res.best_state)
+    assert toy_run.validate(model, Stage(1, 1, 1, TOY_EPOCHS)) == res.best_accuracy  # the kept weights re-score the same
