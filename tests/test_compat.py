@@ -125,12 +125,12 @@ def test_every_adapter_is_listed() -> None:
 def test_a_missing_private_name_says_which_adapter_to_update(where: str) -> None:
     """Both packages' ``PrivateName`` (``pipelines.compat`` keeps its own so that it imports no torch)."""
     compat = importlib.import_module(f"{where}.compat")
-    gone = compat.PrivateName("mlflow.utils.validation", "_validate_model_alias_name", "a validator",
+    gone = compat.PrivateName("mlflow.utils.validation", "_validate_no_such_name", "a validator",
                               "pipelines/compat/x.py")
     with pytest.raises(compat.MissingPrivateAPI) as e:
         gone.load()
     msg = str(e.value)
-    assert "mlflow.utils.validation._validate_model_alias_name is not in the installed mlflow 3." in msg, msg
+    assert "mlflow.utils.validation._validate_no_such_name is not in the installed mlflow 3." in msg, msg
     assert "update pipelines/compat/x.py" in msg and "\n" not in msg
 
 
