@@ -11,9 +11,9 @@ A subpackage a concept, each importing only those listed before it (a test keeps
 - ``sampling`` (the token-level samplers: MDLM, ReMDM-loop, AR, confidence decoding, their caches);
 - ``baselines`` (BD3-LM, SEDD, SSD-LM: network, objective and sampler in one module each);
 - ``kinds`` (the table of model kinds and samplers: ``build_model``, ``compute_loss``, ``sample``);
-- ``train`` (the training step, EMA, FLOPs, self-distillation), ``interop`` (checkpoints, the Hugging Face-style
-  export and its ``transformers`` wrappers, the released references' layouts and the safe unpickler),
-  ``inference`` (text generation, infilling, request limits, likelihoods);
+- ``interop`` (checkpoints, the Hugging Face-style export and its ``transformers`` wrappers, the released
+  references' layouts and the safe unpickler), ``train`` (the training step, the plain loop, EMA, FLOPs,
+  self-distillation), ``inference`` (text generation, infilling, request limits, likelihoods);
 - ``testbed`` (the ground-truth synthetic languages).
 
 The names below are the public API; the modules are reached by their paths (``adlm_model.sampling.samplers``).

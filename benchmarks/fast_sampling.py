@@ -26,7 +26,8 @@ detectable speedup" with the interval): ``fast_sampling_speedup_at_5pct_<kind>``
 ``distilled_speedup_at_5pct_<kind>``, with ``fast_sampling_sample_excess_<kind>``. Everything is written to the
 frontier JSON (every row's ``log p``, every time), from which the figures are recomputed; a plot beside it.
 
-**Models close to the truth, reproducibly.** Training is seeded end to end: the initial weights
+**Models close to the truth, reproducibly.** Training is the plain loop's (``adlm_model/train/plain_loop.py``: the
+pipeline's step, no EMA, this benchmark's learning rate), seeded end to end: the initial weights
 (``torch.manual_seed`` before the model is built), every batch (``Testbed.sample(seed=1000 + step)``), the loss's
 noise (its own generator) and the thread count (one intra-op thread while training: reductions split over threads
 may round differently). A model is cached under ``--workdir`` by the hash of everything that determines it (kind,
@@ -57,6 +58,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import sys
 import time
@@ -76,9 +78,12 @@ from _testbed_rows import step_rows
 from _util import result
 
 from adlm_model import build_model, compute_loss, preset, sample, unigram_entropy
+from adlm_model.interop.checkpoint import read_config
 from adlm_model.sampling.samplers import check_sample_args, diffusion_sample, resolve_prefix
 from adlm_model.testbed.language import BOS_ID, EOS_ID, MASK_ID, Testbed, TestbedConfig
-from adlm_model.train.train_step import Objective, TrainStep
+from adlm_model.train.plain_loop import PlainConfig, Run, saved_step
+from adlm_model.train.plain_loop import train as plain_train
+from adlm_model.train.train_step import TrainStep
 
 PAPER_T = {"mdlm": 1024, "adlm": 4096}
 SELECTION_SEED, MEASUREMENT_SEED, TRUTH_SEED = 7, 100_007, 30_000_000
@@ -103,13 +108,18 @@ def _write_json(obj: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _set_lr(opt: torch.optim.Optimizer, step: int, lr: float, horizon: int = 0) -> None:
+def _lr(step: int, lr: float, horizon: int = 0) -> float:
     """The learning rate of ``step``: ``lr`` after 20 warm-up steps, then (given a ``horizon``) a cosine to
     ``COSINE_FLOOR * lr``."""
     f = COSINE_FLOOR  # (1 + f) / 2 and (1 - f) / 2 are exactly the 0.55 and 0.45 that format 3's models trained with
     decay = (1 + f) / 2 + (1 - f) / 2 * math.cos(math.pi * min(step / horizon, 1.0)) if horizon else 1.0
+    return lr * min(1.0, (step + 1) / 20) * decay
+
+
+def _set_lr(opt: torch.optim.Optimizer, step: int, lr: float, horizon: int = 0) -> None:
+    """``_lr`` of ``step`` set on every parameter group of ``opt``."""
     for group in opt.param_groups:
-        group["lr"] = lr * min(1.0, (step + 1) / 20) * decay
+        group["lr"] = _lr(step, lr, horizon)
 
 
 def _trainer(objective: torch.nn.Module, model: torch.nn.Module, lr: float) -> TrainStep:
@@ -151,51 +161,33 @@ def train(kind: str, tb: Testbed, steps: int, workdir: Path, seed: int = 0, batc
             model.load_state_dict(load_file(str(d / "model.safetensors")))
             print(f"  {kind}: cached model {d.name} ({steps} steps)", flush=True)
             return model.eval(), cfg, meta
-        model.to(device)
-        step_fn = _trainer(Objective(model, cfg), model, lr)
-        opt = step_fn.opt
-        g = torch.Generator(device=device).manual_seed(seed)
-        start, state_path = 0, d / "state.safetensors"
-        info = json.loads((d / "state.json").read_text()) if (d / "state.json").is_file() else {}
-        if info and info.get("device", "cpu") != device:  # a random stream does not carry across devices
-            print(f"  {kind}: {d.name}'s checkpoint is from {info.get('device', 'cpu')}: starting over", flush=True)
-            info = {}
-        if state_path.is_file() and info:
-            st = load_file(str(state_path))  # on the CPU: AdamW keeps its step counts there
-            model.load_state_dict({k[6:]: v for k, v in st.items() if k.startswith("model.")})
-            params = list(model.parameters())
-            opt.state.clear()
-            for i, p in enumerate(params):
-                if f"opt.{i}.exp_avg" in st:
-                    opt.state[p] = {"step": st[f"opt.{i}.step"], "exp_avg": st[f"opt.{i}.exp_avg"].to(device),
-                                    "exp_avg_sq": st[f"opt.{i}.exp_avg_sq"].to(device)}
-            g.set_state(st["generator"].cpu())
-            start = int(info["step"])
-            print(f"  {kind}: resuming {d.name} at step {start}/{steps}", flush=True)
-        model.train()
-        t0, losses = time.perf_counter(), []
-        for step, rows in zip(range(start, steps), step_rows(tb, batch, start, steps, loader_workers), strict=True):
-            _set_lr(opt, step, lr, horizon=steps)
-            losses.append(float(step_fn([(rows.to(device), None)], step=step, generator=g).loss))
-            if (step + 1) % 100 == 0:
-                print(f"  {kind} step {step + 1}/{steps} loss {statistics.fmean(losses[-100:]):.4f} (mean of the last "
-                      f"100; {time.perf_counter() - t0:.0f} s)", flush=True)
-            if (step + 1) % checkpoint_every == 0 and step + 1 < steps:
-                st = {f"model.{k}": v.detach().cpu().clone() for k, v in model.state_dict().items()}
-                for i, p in enumerate(model.parameters()):
-                    if p in opt.state:
-                        for name in ("step", "exp_avg", "exp_avg_sq"):
-                            st[f"opt.{i}.{name}"] = torch.as_tensor(opt.state[p][name]).cpu().clone()
-                st["generator"] = g.get_state()
-                _save_atomic(st, state_path)
-                _write_json({"step": step + 1, "device": device}, d / "state.json")
+        ckpt = d / "checkpoint"  # the plain loop's checkpoint: weights, AdamW's state, the loss generator, the step
+        done = saved_step(ckpt)
+        was = read_config(ckpt)[1].get("device", "cpu") if done is not None else None
+        if done is not None and was != torch.device(device).type:
+            print(f"  {kind}: {d.name}'s checkpoint is from {was}: starting over", flush=True)  # the loop starts over
+        elif done is not None:
+            print(f"  {kind}: resuming {d.name} at step {done}/{steps}", flush=True)
+        t0 = time.perf_counter()
+
+        def progress(run: Run) -> None:
+            if run.step % 100 == 0:
+                print(f"  {kind} step {run.step}/{steps} loss {statistics.fmean(run.losses[-100:]):.4f} (mean of the "
+                      f"last 100; {time.perf_counter() - t0:.0f} s)", flush=True)
+
+        # AdamW's foreach kernel: the updates of torch.optim.AdamW's default, which every cached model trained with.
+        run = plain_train(cfg, PlainConfig(max_steps=steps, lr=lr, weight_decay=0.0, fused=False,
+                                           lr_at=lambda step: _lr(step, lr, horizon=steps), clip=1.0, ema=None,
+                                           seed=seed, noise_seed=seed, device=device, out_dir=str(ckpt),
+                                           ckpt_every=checkpoint_every),
+                          lambda start: step_rows(tb, batch, start, steps, loader_workers), on_step=progress)
+        model, losses = run.model, run.losses
         model.cpu()
         _save_atomic({k: v.detach().clone() for k, v in model.state_dict().items()}, d / "model.safetensors")
         meta = {"done": True, "recipe": recipe, "key": key, "final_loss_mean_100": statistics.fmean(losses[-100:])
                 if losses else None, "trained_on": device, "seconds": round(time.perf_counter() - t0, 1)}
         _write_json(meta, d / "meta.json")
-        for f in (state_path, d / "state.json"):
-            f.unlink(missing_ok=True)
+        shutil.rmtree(ckpt, ignore_errors=True)
         return model.eval(), cfg, meta
     finally:
         torch.set_num_threads(threads)

@@ -107,7 +107,7 @@ def test_no_import_circle() -> None:
     assert not cycles, "circles between packages: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-MODEL_LAYERS = ("compat", "config", "nn", "objectives", "sampling", "baselines", "kinds", "train", "interop", "inference",
+MODEL_LAYERS = ("compat", "config", "nn", "objectives", "sampling", "baselines", "kinds", "interop", "train", "inference",
                 "testbed")
 """``adlm_model``'s top-level modules and subpackages in the order they may import each other: each only those
 before it (docs/design/architecture.md says the same)."""

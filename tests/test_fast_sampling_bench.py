@@ -66,7 +66,7 @@ def test_training_is_seeded_cached_and_resumes_exactly(bench, tmp_path, monkeypa
     with pytest.raises(KeyboardInterrupt):
         bench.train("mdlm", tb, 6, tmp_path / "killed", checkpoint_every=3)
     (run,) = (tmp_path / "killed").iterdir()
-    assert (run / "state.safetensors").is_file() and not (run / "meta.json").exists()
+    assert (run / "checkpoint" / "trainer_state.safetensors").is_file() and not (run / "meta.json").exists()
     monkeypatch.setattr(bench.TrainStep, "__call__",
                         lambda self, b, *, step, **k: calls.append(step) or real(self, b, step=step, **k))
     d, _, _ = bench.train("mdlm", tb, 6, tmp_path / "killed", checkpoint_every=3, loader_workers=1)

@@ -1,17 +1,26 @@
 """The training driver: plan, track, fit with Ray Train, export and register (docs/design/method.md, sections 2, 7).
 
-What ``train`` does, in order:
+``train`` runs these steps in order, each a function of one ``RunContext`` (the recipe, its data plan, the work
+directory, the tracking URI, the run folder, the latest checkpoint and the MLflow run id):
 
-1. The recipe is validated; both splits' manifests are read; the data must fit the model
-   (``training.data.plan_data``). All of this fails with one line before Ray starts.
-2. A ``run.init`` version is pinned and checked against the model (``training.init``; a fresh run only).
-   The MLflow run of this run name is found (run id from the latest checkpoint, else by the run-name
-   tag) or created; the full config and the data manifest hash are its params, ``init_from`` its lineage tag.
-3. A Ray Train ``TorchTrainer`` runs ``training.loop.train_loop_per_worker`` on ``scaling.num_workers``
-   workers (DDP: gloo on CPU, nccl on GPU; or FSDP), or in the driver process with ``num_workers: 0``.
-4. At the end the final EMA checkpoint is logged as the run artifact ``checkpoint`` and registered
-   (alias ``candidate``) as an MLflow Model logged into the run (``pipelines.registry``), with a
-   loss-curve plot.
+1. ``plan_run``: the recipe is validated; both splits' manifests are read; the data must fit the model
+   (``training.data.plan_data``); the run folder's latest checkpoint is found. All of this fails with one line
+   before Ray starts.
+2. ``check_resume``: that checkpoint must belong to this data and this kind of run; a ``run.init`` version is
+   pinned and checked against the model (``training.init``; a fresh run only).
+3. ``open_run``: the MLflow run of this run name is found (run id from the latest checkpoint, else by the
+   run-name tag) or created; the full config and the data manifest hash are its params, ``init_from`` its
+   lineage tag.
+4. ``_fit``: a Ray Train ``TorchTrainer`` runs ``training.loop.train_loop_per_worker`` on ``scaling.num_workers``
+   workers (DDP: gloo on CPU, nccl on GPU; or FSDP), or in the driver process with ``num_workers: 0``; a
+   finished run is not fitted again.
+5. ``choose_export``: the best checkpoint by validation bound (else the latest) is copied out.
+6. ``register_or_spool``: it is logged as the run artifact ``checkpoint`` and registered (alias ``candidate``)
+   as an MLflow Model logged into the run (``pipelines.registry``), with a loss-curve plot; with tracking
+   down, the metrics stay in the run's spool and the rerun registers.
+7. ``publish_export``: the checkpoint goes to ``<workdir>/checkpoints/<run name>``.
+
+The same model, objective and optimiser step without Ray or MLflow: ``adlm_model/train/plain_loop.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +30,6 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from adlm_model.config import ConfigError
@@ -30,7 +38,7 @@ from pipelines.faults import fault
 from pipelines.logs import first_line, get_logger, quiet_ray_data, run_progress, verbosity, worker_console
 from pipelines.placement import check_run
 from pipelines.runtime import cpu_work_selector, environ, init_ray, quiet_environment
-from pipelines.spool import SPOOL, send_spool
+from pipelines.spool import send_spool
 from pipelines.storage import (
     check_location,
     is_uri,
@@ -59,6 +67,7 @@ from pipelines.training.checkpoints import (
     latest_checkpoint,
 )
 from pipelines.training.config import TrainConfig, flatten
+from pipelines.training.context import Export, RunContext
 from pipelines.training.data import DataPlan, plan_data
 from pipelines.training.init import INIT_TAG, pin_init
 from pipelines.training.loop import TrialSession, train_loop_per_worker
@@ -107,21 +116,64 @@ class TrainResult:
     command's exit is then non-zero and this one line says how to finish it (rerun the same command)."""
 
 
-def open_run(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, prev_id: str | None, parent_run_id: str | None,
-             extra_tags: dict[str, str] | None, without: str | None) -> str | None:
-    """The MLflow run of this run name (the checkpoint's run id, else found by name, else created) with the
-    config as params; None when the tracking store is out (``without``: what the warning says goes on; refused
-    credentials raise ``TrackingAuthError``: ``best_effort``)."""
+def plan_run(cfg: TrainConfig, workdir: str | os.PathLike | None, tracking_uri: str | None,
+             parent_run_id: str | None = None, extra_tags: dict[str, str] | None = None) -> RunContext:
+    """The recipe validated, the work directory and tracking URI resolved (refused credentials fail here), both
+    splits checked against the model (``plan_data``) and the run's latest checkpoint found: every input error
+    before Ray starts."""
+    cfg.validate()
+    wd = resolve_workdir(workdir)
+    uri = tracking_uri or resolve_tracking_uri(wd)
+    tracking_reachable(uri)  # refused credentials (401/403) fail here in one line; an outage trains on
+    plan = plan_data(cfg, wd)
+    storage = storage_root(cfg, wd)
+    if is_uri(storage):
+        check_location(storage)
+    run_dir = join(storage, cfg.run.name)
+    prev = latest_checkpoint(run_dir)
+    prev_meta = json.loads(read_text(join(prev[1], "config.json"))).get("meta", {}) if prev else {}
+    return RunContext(cfg=cfg, plan=plan, workdir=wd, tracking_uri=uri, storage=storage, run_dir=run_dir, prev=prev,
+                      prev_meta=prev_meta, parent_run_id=parent_run_id, extra_tags=extra_tags)
+
+
+def check_resume(ctx: RunContext) -> RunContext:
+    """The run folder's checkpoint checked against the recipe (the same tokenizer, the same kind of run) and
+    ``run.init`` pinned (a fresh run only: a resume keeps its own lineage); returns the context with the pinned
+    recipe and whether the run is finished. Checkpoints deleted by hand are forgotten here, so that the run
+    resumes from what is left."""
+    cfg, prev, prev_meta, plan = ctx.cfg, ctx.prev, ctx.prev_meta, ctx.plan
+    if prev_meta.get("tokenizer_hash") and plan.tokenizer_hash and prev_meta["tokenizer_hash"] != plan.tokenizer_hash:
+        raise ConfigError(f"run {cfg.run.name!r} was trained on data of another tokenizer (hash "
+                          f"{prev_meta['tokenizer_hash'][:12]}) than data.train's ({plan.tokenizer_hash[:12]}); resume "
+                          "it on its own data or start a new run.name")
+    if prev and bool(cfg.distill.teacher) != bool(prev_meta.get("teacher")):  # a distillation resumes only one
+        raise ConfigError(f"run {cfg.run.name!r} holds a {'training' if cfg.distill.teacher else 'distillation'} "
+                          f"run (step {prev[0]}), not a {'distillation' if cfg.distill.teacher else 'training'}; "
+                          "give this one another run.name")
+    cfg = pin_init(cfg, prev_meta if prev else None, ctx.tracking_uri, plan.tokenizer_hash)
+    if cfg.distill.teacher:  # a distillation's teacher is the version its student started from, pinned
+        cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, teacher=cfg.run.init))
+    forget_missing_checkpoints(ctx.run_dir, prev, cfg.run.name)
+    # Inside a Tune trial a finished run's loop still runs: its report is the trial's result.
+    finished = prev is not None and prev[0] >= cfg.run.max_steps and not _in_tune()
+    return dataclasses.replace(ctx, cfg=cfg, finished=finished)
+
+
+def open_run(ctx: RunContext, prev_id: str | None, without: str | None) -> str | None:
+    """The MLflow run of this run name (``prev_id``, the checkpoint's run id, else found by name, else created)
+    with the config as params; None when the tracking store is out (``without``: what the warning says goes on;
+    refused credentials raise ``TrackingAuthError``: ``best_effort``)."""
     from pipelines.tracking import find_or_create_run, log_params_once
 
+    cfg, plan, uri = ctx.cfg, ctx.plan, ctx.tracking_uri
     run_id = None
     with best_effort(uri, without):  # a tracking outage must not stop training
         require_tracking(uri)  # a quick probe, not MLflow's 4 minutes of retries on a dead server
-        exp_id = ensure_experiment(cfg.mlflow.experiment, uri, wd)
-        tags = {"kind": cfg.model.kind, "data_manifest_hash": plan.manifest_hash, **(extra_tags or {}),
+        exp_id = ensure_experiment(cfg.mlflow.experiment, uri, ctx.workdir)
+        tags = {"kind": cfg.model.kind, "data_manifest_hash": plan.manifest_hash, **(ctx.extra_tags or {}),
                 **({INIT_TAG: cfg.run.init} if cfg.run.init else {})}
         run_id, _ = find_or_create_run(uri, exp_id, cfg.run.name, run_id=prev_id, tags=tags,
-                                       parent_run_id=parent_run_id)
+                                       parent_run_id=ctx.parent_run_id)
         from adlm_model.kinds import model_kind
 
         params = {**flatten(cfg.to_dict()), "data_manifest_hash": plan.manifest_hash,
@@ -133,8 +185,7 @@ def open_run(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, prev_id: str |
     return None
 
 
-def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_dir: str, run_id: str,
-                     local_export: Path, do_register: bool, tags: dict[str, Any]) -> str | None:
+def _finish_tracking(ctx: RunContext, export: Export, do_register: bool, tags: dict[str, Any]) -> str | None:
     """After training: the spooled metrics, the loss curve, the checkpoint artifact and the registered version
     (``tags``: its step, validation bound, which checkpoint it is, ...; reused when this step is already
     registered: a rerun registers nothing new). Returns the version; raises ``RegistrationError`` when
@@ -144,17 +195,17 @@ def _finish_tracking(cfg: TrainConfig, plan: DataPlan, uri: str, wd: str, run_di
     from pipelines.registry import register_checkpoint, registered_version, training_tags
     from pipelines.tracking import log_artifact_safely, plot_loss_curve
 
+    cfg, plan, uri, run_id, local_export = ctx.cfg, ctx.plan, ctx.tracking_uri, ctx.run_id, export.local_dir
     version = None
-    with best_effort(uri, f"the spooled metrics stay in {join(run_dir, SPOOL)} for the next command",
-                     stop_on_refusal=False):
-        sent = send_spool(uri, run_id, join(run_dir, SPOOL))
+    with best_effort(uri, f"the spooled metrics stay in {ctx.spool} for the next command", stop_on_refusal=False):
+        sent = send_spool(uri, run_id, ctx.spool)
         if sent:
             log.info(f"[{cfg.run.name}] sent {sent} metrics that waited in the spool")
     try:
         png = plot_loss_curve(uri, run_id, local_export.parent / "loss_curve.png")
         if png is not None:
             log_artifact_safely(uri, run_id, png, "plots")
-            write_bytes_atomic(join(wd, "plots", cfg.run.name, "loss_curve.png"), png.read_bytes())
+            write_bytes_atomic(join(ctx.workdir, "plots", cfg.run.name, "loss_curve.png"), png.read_bytes())
     except Exception as e:  # noqa: BLE001 - a plot must not fail a finished run
         log.warning(f"loss-curve plot failed: {e}")
     logged = log_artifact_safely(uri, run_id, local_export, "checkpoint")
@@ -208,29 +259,18 @@ def _tune_trial_cpus() -> float | None:
     return float(tune.get_context().get_trial_resources().required_resources.get("CPU", 1.0))
 
 
-def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, run_id: str | None, uri: str,
-         prev: tuple[int, str] | None, callbacks: list | None) -> dict[str, Any]:
-    """Train: a Ray Train ``TorchTrainer`` over the training split, or the loop in this process inside a Tune
-    trial (local mode). Returns the last metrics reported."""
-    import ray
+def training_dataset(cfg: TrainConfig, plan: DataPlan) -> Any:
+    """The training split as the Ray Dataset the workers stream: read from its manifest in at least two blocks a
+    worker, in a block order seeded by ``run.seed``, its order preserved (the driver's Ray Data context is set
+    for it: the order local mode reads). Ray must be running."""
     import ray.data
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
 
-    local_mode = cfg.scaling.num_workers == 0
-    # A local-mode run inside a Tune trial (a sweep's or a study's) trains in the trial's own process: no Ray Train
-    # worker group to start (about 20 CPU-seconds and 15 processes a run on 2 cores), the same numbers.
-    trial_cpus = _tune_trial_cpus() if local_mode else None
-
-    init_ray()
-    warn_if_node_local([*plan.train_uris[:1], storage, wd], "training reads or writes")
     # A CPU run is CPU work from end to end: its Ray Train workers and its Ray Data reads never go to a GPU node
     # (pipelines.runtime.cpu_work_selector). A GPU run's workers go where the GPUs are, and its reads may use any
     # node's CPUs, the GPU nodes' own included.
-    selector = None if cfg.scaling.use_gpu else cpu_work_selector()
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # deterministic order (the driver's context: local mode)
-    ctx.execution_options.label_selector = selector
+    ctx.execution_options.label_selector = _selector(cfg)
     ctx.enable_progress_bars = verbosity() > 0  # Ray Data's bars only with -v: the loop prints its own progress
     quiet_ray_data()
     # Ray Data's read_parquet samples the files in tasks of a whole CPU that no argument lowers (either datasource
@@ -239,23 +279,53 @@ def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, 
     # data.read_cpus and nothing else (pipelines.data.ray_source).
     from pipelines.data.ray_source import split_dataset
 
-    exec_opts = ray.data.ExecutionOptions(preserve_order=True, label_selector=selector)
-    train_ds = split_dataset(plan.train_manifest, plan.columns, blocks=max(len(plan.train_uris), 2 * cfg.world),
-                             num_cpus=cfg.data.read_cpus)
-    train_ds = train_ds.randomize_block_order(seed=cfg.run.seed)
+    ds = split_dataset(plan.train_manifest, plan.columns, blocks=max(len(plan.train_uris), 2 * cfg.world),
+                       num_cpus=cfg.data.read_cpus)
+    return ds.randomize_block_order(seed=cfg.run.seed)
 
+
+def _selector(cfg: TrainConfig) -> Any:
+    """The label selector of a run's Ray work: CPU nodes for a CPU run, none for a GPU run."""
+    return None if cfg.scaling.use_gpu else cpu_work_selector()
+
+
+def loop_config(ctx: RunContext, trial_cpus: float | None) -> LoopConfig:
+    """What the driver hands every worker: the recipe, the data's facts, the MLflow run, the run folder and the
+    checkpoint to resume from, the torch thread count and the fault switches."""
+    cfg, plan, run_dir = ctx.cfg, ctx.plan, ctx.run_dir
+    local_mode = cfg.scaling.num_workers == 0
     crash_at = fault("train.crash_at_step")
-    loop = LoopConfig(
-        cfg=cfg, run_id=run_id, tracking_uri=uri, val_split=plan.val_split, val_rows=plan.val_rows,
+    return LoopConfig(
+        cfg=cfg, run_id=ctx.run_id, tracking_uri=ctx.tracking_uri, val_split=plan.val_split, val_rows=plan.val_rows,
         manifest_hash=plan.manifest_hash, tokenizer_spec=plan.tokenizer_spec, tokenizer_path=plan.tokenizer_path,
         tokenizer_hash=plan.tokenizer_hash,
         # torch threads (scaling.threads, else) = the worker's CPUs rounded half up (0.5 -> 1, 1.5 -> 2); in local
         # mode the Tune trial's CPUs (a sweep's 0.01 -> 1), or every core outside a trial.
         threads=cfg.scaling.threads or max(1, int((cfg.scaling.cpus_per_worker if not local_mode else trial_cpus
                                                    or os.cpu_count() or 1) + 0.5)),
-        local_mode=local_mode, run_dir=run_dir, resume_dir=prev[1] if prev else None,
+        local_mode=local_mode, run_dir=run_dir, resume_dir=ctx.prev[1] if ctx.prev else None,
         crash_at_step=crash_at, crash_marker=join(run_dir, ".crashed_once") if crash_at is not None else None,
         crash_writing_best=fault("train.crash_writing_best"), step_pause_ms=fault("train.step_pause_ms"))
+
+
+def _fit(ctx: RunContext, callbacks: list | None) -> dict[str, Any]:
+    """Train: a Ray Train ``TorchTrainer`` over the training split, or the loop in this process inside a Tune
+    trial (local mode). Returns the last metrics reported."""
+    import ray.data
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    cfg, plan, run_dir, prev = ctx.cfg, ctx.plan, ctx.run_dir, ctx.prev
+    # A local-mode run inside a Tune trial (a sweep's or a study's) trains in the trial's own process: no Ray Train
+    # worker group to start (about 20 CPU-seconds and 15 processes a run on 2 cores), the same numbers.
+    trial_cpus = _tune_trial_cpus() if cfg.scaling.num_workers == 0 else None
+
+    init_ray()
+    warn_if_node_local([*plan.train_uris[:1], ctx.storage, ctx.workdir], "training reads or writes")
+    selector = _selector(cfg)
+    train_ds = training_dataset(cfg, plan)
+    exec_opts = ray.data.ExecutionOptions(preserve_order=True, label_selector=selector)
+    loop = loop_config(ctx, trial_cpus)
     trainer = None  # inside a Tune trial in local mode, the loop runs right here (TrialSession)
     if trial_cpus is None:
         trainer = TorchTrainer(
@@ -265,7 +335,7 @@ def _fit(cfg: TrainConfig, plan: DataPlan, wd: str, storage: str, run_dir: str, 
             scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
                                          resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
                                          label_selector=selector),
-            run_config=RunConfig(name=cfg.run.name, storage_path=storage,
+            run_config=RunConfig(name=cfg.run.name, storage_path=ctx.storage,
                                  failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
                                  checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.num_to_keep),
                                  callbacks=callbacks or None),
@@ -301,6 +371,66 @@ def _worker_loop(config: dict[str, Any]) -> None:
     train_loop_per_worker(config)
 
 
+def choose_export(ctx: RunContext) -> Export:
+    """The checkpoint the run exports and registers, copied here: its best by validation bound (docs/design/method.md,
+    section 7), else its latest; the latest stays in the run folder for resuming. A best cut short mid-upload is
+    never named (complete or None). A distillation exports its last round's student: the NELBO bound is not what
+    it was trained for."""
+    final = latest_checkpoint(ctx.run_dir)
+    if final is None:
+        raise TrainError(f"training run {ctx.name!r} finished without a checkpoint in {ctx.run_dir}")
+    best = best_checkpoint(ctx.run_dir) if not ctx.cfg.distill.teacher else None
+    source = best or final[1]
+    local = fetch_export(source, temp_dir("adlm-export-") / ctx.name)
+    meta = json.loads((local / "config.json").read_text()).get("meta", {})
+    return Export(final=final, source=source, local_dir=local, meta=meta, step=int(meta.get("step", final[0])),
+                  val_ppl=meta.get("val_ppl"), which="best" if best else "latest",
+                  lineage=meta.get(INIT_TAG) or ctx.cfg.run.init)
+
+
+def register_or_spool(ctx: RunContext, export: Export, do_register: bool) -> tuple[str | None, str | None]:
+    """After training: with tracking up, the spooled metrics sent, the artifacts logged and ``export`` registered
+    (``_finish_tracking``); with tracking down, everything left for the rerun. Returns (version, why the run is not
+    registered: one line saying how to finish it, or None)."""
+    version, unregistered = None, None
+    try:
+        if ctx.run_id is None:  # tracking was down at start: try again now that training is done
+            ctx.run_id = open_run(ctx, None, without=None)  # said below
+        reachable = ctx.run_id is not None and tracking_reachable(ctx.tracking_uri)
+    except TrackingAuthError as e:  # credentials revoked while training: the checkpoint is safe, say what to set
+        reachable, unregistered = False, str(e)
+    uri = redact_uri(ctx.tracking_uri)
+    if reachable:
+        try:
+            version = _finish_tracking(ctx, export, do_register, {
+                **(ctx.extra_tags or {}), "step": export.step, "val_ppl": export.val_ppl,
+                "final_step": export.final[0], "checkpoint": export.which,
+                **({INIT_TAG: export.lineage} if export.lineage else {}),
+                **{k: export.meta[k] for k in DISTILL_TAGS if k in export.meta}})
+        except RegistrationError as e:
+            unregistered = str(e)
+    elif unregistered is None:
+        unregistered = f"MLflow at {uri} is unreachable"
+        log.warning(f"MLflow at {uri} is unreachable: the run is trained (checkpoint {export.final[1]}) but its "
+                    f"metrics wait in {ctx.spool} and it is not registered; run the same command again once "
+                    "the tracking server is back: it trains nothing, sends the metrics and registers")
+    if unregistered and do_register:
+        unregistered = (f"run {ctx.name!r} is trained (best step {export.step}, in {ctx.run_dir}) but not registered: "
+                        f"{unregistered}; rerun the same command to register it (it trains nothing)")
+        log.warning(unregistered)
+    elif not do_register:
+        unregistered = None
+    return version, unregistered
+
+
+def publish_export(ctx: RunContext, export: Export) -> str:
+    """The exported checkpoint published to ``<workdir>/checkpoints/<run name>`` (local or a URI), its local copy
+    removed; returns where it is."""
+    out = publish_dir(export.local_dir, join(ctx.workdir, "checkpoints", ctx.name))
+    shutil.rmtree(export.local_dir.parent, ignore_errors=True)
+    return out
+
+
 def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
           callbacks: list | None = None, parent_run_id: str | None = None, extra_tags: dict[str, str] | None = None,
           register: bool | None = None) -> TrainResult:
@@ -309,110 +439,46 @@ def train(cfg: TrainConfig, *, workdir: str | os.PathLike | None = None, trackin
     Rerunning with the same ``run.name`` (and storage) resumes the run from its latest checkpoint.
     ``callbacks`` go to the trainer's ``RunConfig`` (e.g. Tune's ``TuneReportCallback``; a local-mode run inside a
     Tune trial has no trainer: it trains in the trial's process and reports to Tune itself);
-    ``parent_run_id`` nests the MLflow run (Tune trials).
+    ``parent_run_id`` nests the MLflow run (Tune trials). The steps, in order: ``plan_run``, ``check_resume``,
+    ``open_run``, ``_fit`` (nothing to fit for a finished run), ``choose_export``, ``register_or_spool``,
+    ``publish_export``.
     """
     quiet_environment()
-    cfg.validate()
-    wd = resolve_workdir(workdir)
-    uri = tracking_uri or resolve_tracking_uri(wd)
-    tracking_reachable(uri)  # refused credentials (401/403) fail here in one line; an outage trains on
-    plan = plan_data(cfg, wd)  # every data error before Ray starts
-    storage = storage_root(cfg, wd)
-    if is_uri(storage):
-        check_location(storage)
-    run_dir = join(storage, cfg.run.name)
-    prev = latest_checkpoint(run_dir)
-
-    # ---- MLflow: one run per run name, reopened on resume ----
-    prev_meta = json.loads(read_text(join(prev[1], "config.json"))).get("meta", {}) if prev else {}
-    if prev_meta.get("tokenizer_hash") and plan.tokenizer_hash and prev_meta["tokenizer_hash"] != plan.tokenizer_hash:
-        raise ConfigError(f"run {cfg.run.name!r} was trained on data of another tokenizer (hash "
-                          f"{prev_meta['tokenizer_hash'][:12]}) than data.train's ({plan.tokenizer_hash[:12]}); resume "
-                          "it on its own data or start a new run.name")
-    if prev and bool(cfg.distill.teacher) != bool(prev_meta.get("teacher")):  # a distillation resumes only one
-        raise ConfigError(f"run {cfg.run.name!r} holds a {'training' if cfg.distill.teacher else 'distillation'} "
-                          f"run (step {prev[0]}), not a {'distillation' if cfg.distill.teacher else 'training'}; "
-                          "give this one another run.name")
-    # Start from a version (run.init): pinned and checked before Ray starts; a resume keeps its own lineage.
-    cfg = pin_init(cfg, prev_meta if prev else None, uri, plan.tokenizer_hash)
-    if cfg.distill.teacher:  # a distillation's teacher is the version its student started from, pinned
-        cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, teacher=cfg.run.init))
-    finished = prev is not None and prev[0] >= cfg.run.max_steps and not _in_tune()
-    forget_missing_checkpoints(run_dir, prev, cfg.run.name)  # deleted by hand: resume from what is left, or say so
-    if not finished:  # a run that will train: what a Ray that will not grow cannot place fails here, in one line
+    ctx = check_resume(plan_run(cfg, workdir, tracking_uri, parent_run_id, extra_tags))
+    cfg, prev = ctx.cfg, ctx.prev
+    if not ctx.finished:  # a run that will train: what a Ray that will not grow cannot place fails here, in one line
         init_ray()
         check_run(cfg)
-    prev_id = prev_meta.get("mlflow_run_id")
-    run_id = open_run(cfg, plan, uri, wd, prev_id, parent_run_id, extra_tags,
-                      without=f"training without a run: the metrics wait in {join(run_dir, SPOOL)} and the next run "
-                              "of this command sends them and registers")
+    ctx.run_id = open_run(ctx, ctx.prev_meta.get("mlflow_run_id"),
+                          without=f"training without a run: the metrics wait in {ctx.spool} and the next run "
+                                  "of this command sends them and registers")
     # A Tune trial's run lines are detail (Tune's status table shows the trials): -v shows them.
     say = log.debug if _in_tune() else log.info
     say(f"[{cfg.run.name}] {cfg.model.kind} model, {cfg.world} worker(s) x micro-batch {cfg.batch.micro_batch} "
-        f"x accumulation {cfg.accumulation} = global batch {cfg.batch.global_batch}; data {plan.train_rows} "
-        f"train rows; storage {run_dir}; MLflow run {run_id} at {redact_uri(uri)}"
+        f"x accumulation {cfg.accumulation} = global batch {cfg.batch.global_batch}; data {ctx.plan.train_rows} "
+        f"train rows; storage {ctx.run_dir}; MLflow run {ctx.run_id} at {redact_uri(ctx.tracking_uri)}"
         + (f"; resuming from step {prev[0]}" if prev else ""))
 
-    if finished:
+    if ctx.finished:
         # A rerun of a finished run: nothing to train, so no Ray and no Ray Train worker group (20-30 s of start-up
         # on 2 cores; a job's second run on a cluster); its result is the final checkpoint's, validated at
-        # max_steps. The spooled metrics and the registration below are done as after any run. Inside a Tune trial
-        # the loop still runs: its report is the trial's result.
+        # max_steps. The spooled metrics and the registration below are done as after any run.
         log.info(f"[{cfg.run.name}] finished at step {prev[0]} (run.max_steps {cfg.run.max_steps}): nothing to train")
-        metrics: dict[str, Any] = {"step": prev[0], "val_ppl": prev_meta.get("val_ppl")}
+        metrics: dict[str, Any] = {"step": prev[0], "val_ppl": ctx.prev_meta.get("val_ppl")}
     else:
-        metrics = _fit(cfg, plan, wd, storage, run_dir, run_id, uri, prev, callbacks)
+        metrics = _fit(ctx, callbacks)
 
-    final = latest_checkpoint(run_dir)
-    if final is None:
-        raise TrainError(f"training run {cfg.run.name!r} finished without a checkpoint in {run_dir}")
-    # What the run exports and registers: its best checkpoint by validation bound (docs/design/method.md, section 7); the
-    # latest one stays in the run folder for resuming.
-    # A best cut short mid-upload is never named (complete or None). A distillation registers its last round's
-    # student: the NELBO bound is not what it was trained for.
-    best = best_checkpoint(run_dir) if not cfg.distill.teacher else None
-    chosen = best or final[1]
-    local_export = fetch_export(chosen, temp_dir("adlm-export-") / cfg.run.name)
-    chosen_meta = json.loads((local_export / "config.json").read_text()).get("meta", {})
-    best_step, best_val = int(chosen_meta.get("step", final[0])), chosen_meta.get("val_ppl")
-    which = "best" if best else "latest"
-    lineage = chosen_meta.get(INIT_TAG) or cfg.run.init  # what the registered weights started from
-    val_ppl = metrics.get("val_ppl", best_val if chosen == final[1] else None)
-
-    version = None
+    export = choose_export(ctx)
+    val_ppl = metrics.get("val_ppl", export.val_ppl if export.source == export.final[1] else None)
     do_register = cfg.mlflow.register if register is None else register
-    unregistered = None
-    try:
-        if run_id is None:  # tracking was down at start: try again now that training is done
-            run_id = open_run(cfg, plan, uri, wd, None, parent_run_id, extra_tags, without=None)  # said below
-        reachable = run_id is not None and tracking_reachable(uri)
-    except TrackingAuthError as e:  # credentials revoked while training: the checkpoint is safe, say what to set
-        reachable, unregistered = False, str(e)
-    if reachable:
-        try:
-            version = _finish_tracking(cfg, plan, uri, wd, run_dir, run_id, local_export, do_register, {
-                **(extra_tags or {}), "step": best_step, "val_ppl": best_val, "final_step": final[0],
-                "checkpoint": which, **({INIT_TAG: lineage} if lineage else {}),
-                **{k: chosen_meta[k] for k in DISTILL_TAGS if k in chosen_meta}})
-        except RegistrationError as e:
-            unregistered = str(e)
-    elif unregistered is None:
-        unregistered = f"MLflow at {redact_uri(uri)} is unreachable"
-        log.warning(f"MLflow at {redact_uri(uri)} is unreachable: the run is trained (checkpoint {final[1]}) but its "
-                    f"metrics wait in {join(run_dir, SPOOL)} and it is not registered; run the same command again once "
-                    "the tracking server is back: it trains nothing, sends the metrics and registers")
-    if unregistered and do_register:
-        unregistered = (f"run {cfg.run.name!r} is trained (best step {best_step}, in {run_dir}) but not registered: "
-                        f"{unregistered}; rerun the same command to register it (it trains nothing)")
-        log.warning(unregistered)
-    elif not do_register:
-        unregistered = None
-    export = publish_dir(local_export, join(wd, "checkpoints", cfg.run.name))
-    shutil.rmtree(local_export.parent, ignore_errors=True)
-    say(f"[{cfg.run.name}] done: step {final[0]}, validation PPL <= {_ppl(val_ppl)}; best step {best_step} (PPL <= "
-        f"{_ppl(best_val)}) exported to {export}"
+    version, unregistered = register_or_spool(ctx, export, do_register)
+    path = publish_export(ctx, export)
+    final_step = export.final[0]
+    say(f"[{cfg.run.name}] done: step {final_step}, validation PPL <= {_ppl(val_ppl)}; best step {export.step} (PPL <= "
+        f"{_ppl(export.val_ppl)}) exported to {path}"
         + (f", registered {cfg.mlflow.registered_model} v{version} @candidate" if version else ""))
-    return TrainResult(run_id=run_id or "", run_name=cfg.run.name, step=final[0], val_ppl=val_ppl,
-                       checkpoint_dir=export, registered_version=version,
+    return TrainResult(run_id=ctx.run_id or "", run_name=cfg.run.name, step=final_step, val_ppl=val_ppl,
+                       checkpoint_dir=path, registered_version=version,
                        model_name=cfg.mlflow.registered_model if version else None, metrics=metrics,
-                       best_step=best_step, best_val_ppl=best_val, checkpoint=which, unregistered=unregistered)
+                       best_step=export.step, best_val_ppl=export.val_ppl, checkpoint=export.which,
+                       unregistered=unregistered)
