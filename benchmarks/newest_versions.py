@@ -2,6 +2,7 @@
 
     python benchmarks/newest_versions.py --record        # what `make test-newest` runs
     python benchmarks/newest_versions.py --venv DIR --keep -- -k registry   # another folder, kept; pytest's arguments
+    python benchmarks/newest_versions.py --with 'mlflow[auth]==3.17.2' --record   # an older release in a range
 
 Builds a throwaway venv (``work/newest-venv`` by default, removed afterwards unless ``--keep``) the way
 ``make install`` does but without ``-c requirements.lock``: pip then takes the newest release inside each range.
@@ -42,15 +43,16 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=True, cwd=ROOT, **kw)
 
 
-def build(venv: Path) -> Path:
-    """A fresh venv with the newest versions pyproject.toml allows (the steps of ``make install``, no lock)."""
+def build(venv: Path, pins: list[str]) -> Path:
+    """A fresh venv with the newest versions pyproject.toml allows (the steps of ``make install``, no lock), but for
+    ``pins`` (requirements such as ``mlflow[auth]==3.17.2``: an older release still inside a range)."""
     shutil.rmtree(venv, ignore_errors=True)
     _run([sys.executable, "-m", "venv", str(venv)])
     py = venv / "bin" / "python"
     pip = [str(py), "-m", "pip", "install", "-q"]
     _run([*pip, "--upgrade", "pip"])
     _run([*pip, "torch==2.13.0"])
-    _run([*pip, "-e", ".[dev]"])
+    _run([*pip, "-e", ".[dev]", *pins])
     _run([*pip, "--no-deps", *NO_DEPS])
     return py
 
@@ -70,12 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--venv", default=str(ROOT / "work" / "newest-venv"), help="the throwaway venv's folder")
     ap.add_argument("--keep", action="store_true", help="keep the venv afterwards")
+    ap.add_argument("--with", dest="pins", action="append", default=[], metavar="REQ",
+                    help="also require REQ (e.g. 'mlflow[auth]==3.17.2': the oldest release a range allows)")
     ap.add_argument("pytest_args", nargs="*", help="after --: pytest's arguments (default: the not-slow tests)")
     add_argument(ap)
     args = ap.parse_args(argv)
     venv = Path(args.venv)
     with recording("newest-versions", args.record) as rec:
-        py = build(venv)
+        py = build(venv, args.pins)
+        if args.pins:
+            rec.note("Required beside pyproject.toml: " + ", ".join(f"`{p}`" for p in args.pins))
         newest, locked = freeze(py), read_lock()
         differ = sorted((n, locked.get(n, "-"), v) for n, v in newest.items() if locked.get(n) != v)
         table = ["| package | lock | newest |", "|---|---|---|", *(f"| {n} | {a} | {b} |" for n, a, b in differ)]
