@@ -6,6 +6,8 @@ At ``tiny`` (L = 128, 8,192-entry vocabulary, random weights): tokens/s of every
 - ``cached_over_uncached_speedup``: MDLM ancestral with T = 4L, batch 1, ``cache=True`` over
   ``cache=False`` (goal >= 3); ``remdm_cached_over_uncached_speedup`` the same for ReMDM-loop (its
   loop phase remasks tokens at most steps, so little is reusable);
+- ``ar_kv_over_recompute_speedup``, ``a2r_kv_over_recompute_speedup``: the ``ar`` sampler with its KV cache over
+  recomputing the prefix every token, on AR and on A2R (one cache through its anchor and AR model);
 - ``bd3_kv_over_recompute_speedup``: BD3-LM block sampling with the KV cache over recomputing
   the prefix, tiny with b = 16 at L = 1024 (64 blocks; goal >= 5);
 
@@ -14,7 +16,8 @@ and at ``small`` (the paper's sizes, GPT-2 vocabulary, L = 128, batch 1), one de
 - ``adlm_fused_speedup``: unfused ADLM time over fused (goal >= 1.35; FLOP ratio about 1.46);
 - ``adlm_over_mdlm_inference_ratio``: fused ADLM over MDLM (goal <= 1.42; FLOP ratio about 1.35).
 
-    python benchmarks/sampling.py [--repeats 3] [--skip-tiny] [--skip-bd3] [--skip-small] [--device cpu|cuda]
+    python benchmarks/sampling.py [--repeats 3] [--skip-tiny] [--causal-only] [--skip-bd3] [--skip-small]
+        [--device cpu|cuda]
 
 With ``--device cuda`` the ``small`` forward is also timed at L = 1024.
 """
@@ -61,10 +64,10 @@ def timed_runs(fns: dict[str, callable], repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def tiny_samplers(repeats: int, device: str) -> None:
+def tiny_samplers(repeats: int, device: str, causal_only: bool = False) -> None:
     length = 128
     models: dict[str, tuple[torch.nn.Module, ModelConfig]] = {}
-    for kind in ("mdlm", "adlm", "ar", "bd3lm"):
+    for kind in ("ar", "a2r") if causal_only else ("mdlm", "adlm", "ar", "bd3lm", "a2r"):
         cfg = preset("tiny", kind=kind, dropout=0.0, block_size=4)
         models[kind] = (randomize(build_model(cfg)).to(device), cfg)
 
@@ -80,24 +83,31 @@ def tiny_samplers(repeats: int, device: str) -> None:
 
     print(f"== tiny: L = {length}, batch 1, nucleus 0.9, T = 4L = {4 * length} (BD3-LM: T = 4 per block)",
           flush=True)
-    fns = {
+    causal = {
+        "ar kv-cache": run("ar", "ar", 1, bos_id=0),
+        "ar recompute": run("ar", "ar", 1, bos_id=0, cache=False),
+        "a2r kv-cache": run("a2r", "ar", 1, bos_id=0),
+        "a2r recompute": run("a2r", "ar", 1, bos_id=0, cache=False),
+    }
+    fns = causal if causal_only else {
         "mdlm cached": run("mdlm", "mdlm", 4 * length),
         "mdlm uncached": run("mdlm", "mdlm", 4 * length, cache=False),
         "remdm-loop cached": run("mdlm", "remdm-loop", 4 * length),
         "remdm-loop uncached": run("mdlm", "remdm-loop", 4 * length, cache=False),
         "adlm (mdlm sampler) cached": run("adlm", "mdlm", 4 * length),
         "adlm (remdm-loop) cached": run("adlm", "remdm-loop", 4 * length),
-        "ar kv-cache": run("ar", "ar", 1, bos_id=0),
-        "ar recompute": run("ar", "ar", 1, bos_id=0, cache=False),
+        **causal,
     }
     t = timed_runs(fns, repeats)
     for k, v in t.items():
         calls = fns[k].stats.get("network_calls")
         extra = f", {calls} network calls" if calls is not None else ""
         print(f"  {k:28s} {v:7.3f} s  {length / v:8.1f} tokens/s{extra}", flush=True)
-    result("cached_over_uncached_speedup", t["mdlm uncached"] / t["mdlm cached"])
-    result("remdm_cached_over_uncached_speedup", t["remdm-loop uncached"] / t["remdm-loop cached"])
+    if not causal_only:
+        result("cached_over_uncached_speedup", t["mdlm uncached"] / t["mdlm cached"])
+        result("remdm_cached_over_uncached_speedup", t["remdm-loop uncached"] / t["remdm-loop cached"])
     result("ar_kv_over_recompute_speedup", t["ar recompute"] / t["ar kv-cache"])
+    result("a2r_kv_over_recompute_speedup", t["a2r recompute"] / t["a2r kv-cache"])
 
 
 def bd3_blocks(repeats: int, device: str, length: int, block: int) -> None:
@@ -169,6 +179,8 @@ def main() -> None:
     ap.add_argument("--skip-small", action="store_true", help="skip the small-config forward timings")
     ap.add_argument("--skip-tiny", action="store_true", help="skip the tiny-config sampler timings")
     ap.add_argument("--skip-bd3", action="store_true", help="skip the BD3-LM KV-cache timing")
+    ap.add_argument("--causal-only", action="store_true",
+                    help="time only the causal samplers (AR, A2R) of the tiny section")
     ap.add_argument("--bd3-length", type=int, default=1024, help="BD3-LM sample length (default 1024)")
     ap.add_argument("--bd3-block", type=int, default=16, help="BD3-LM block size (default 16; >= 16 blocks)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="device (default cpu)")
@@ -186,7 +198,7 @@ def main() -> None:
 
 def measure(args: argparse.Namespace) -> None:
     if not args.skip_tiny:
-        tiny_samplers(args.repeats, args.device)
+        tiny_samplers(args.repeats, args.device, args.causal_only)
     if not args.skip_bd3:
         bd3_blocks(args.repeats, args.device, args.bd3_length, args.bd3_block)
     if not args.skip_small:

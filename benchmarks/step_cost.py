@@ -1,4 +1,4 @@
-"""Training step cost of ADLM, MDLM and AR, run by hand.
+"""Training step cost of ADLM, MDLM, AR and A2R, run by hand.
 
 The pipeline's own optimiser step (``adlm_model.train.train_step.TrainStep``: the noise drawn from a generator, the
 objective, backward, clipping, AdamW, the learning-rate schedule and the EMA, built from the recipe's defaults;
@@ -12,6 +12,10 @@ median over the rounds with its spread (the range over the median). Two goals, m
   their median). ADLM costs more by construction (6 extra blocks, and the anchor output projection plus the
   denoiser's dense input are two vocabulary-sized matmuls); the goal (<= 1.05) is that it executes as efficiently
   as MDLM.
+- ``a2r_step_ratio_over_flop_ratio``: the same reading of A2R against AR (``a2r_step_ratio_spread``): A2R runs a
+  causal anchor of ``n_blocks`` and an AR model of ``denoiser_blocks`` with the anchor's output layer and the
+  projection between them, two vocabulary-sized matmuls; the goal (<= 1.05) is that it executes as efficiently as
+  AR.
 - ``cpu_flop_utilisation``: achieved training FLOP/s of ADLM ``small`` over this machine's fp32 matmul FLOP/s
   (goal >= 0.5).
 
@@ -41,12 +45,12 @@ from _util import matmul_flops, result
 
 from adlm_model import EMA, build_model, preset
 from adlm_model.config import ModelConfig
-from adlm_model.kinds import parameter_count
+from adlm_model.kinds import model_kind, parameter_count
 from adlm_model.train.train_step import Objective, TrainStep
 from pipelines.training.config import TrainConfig
 from pipelines.training.optim import build_optimizer, build_schedule
 
-KINDS = ("mdlm", "adlm", "ar")
+KINDS = ("mdlm", "adlm", "ar", "a2r")
 BYTES_PER_PARAMETER = 4 * 5 * 1.5
 """float32 weights, gradients, AdamW's two moments and the EMA, and half as much again for the activations."""
 
@@ -56,8 +60,8 @@ def forward_macs_per_token(cfg: ModelConfig) -> float:
     h, L, w = cfg.hidden, cfg.seq_len, cfg.width
     block = 12 * h * h + 2 * L * h  # qkv 3h^2, out h^2, MLP 8h^2; QK^T and AV
     macs = cfg.n_blocks * block + h * w  # blocks + output projection (the embedding is a lookup)
-    if cfg.kind == "adlm":
-        macs += w * h + cfg.denoiser_blocks * block + h * w  # dense input, denoiser blocks, its output
+    if model_kind(cfg.kind).anchored:  # ADLM's denoiser, A2R's AR model: dense input, its blocks, its output
+        macs += w * h + cfg.denoiser_blocks * block + h * w
     return float(macs)
 
 
@@ -183,6 +187,13 @@ def measure(args: argparse.Namespace) -> None:
     result("adlm_over_mdlm_flop_ratio", flop_ratio)
     result("adlm_step_ratio_over_flop_ratio", time_ratio / flop_ratio)
     result("adlm_step_ratio_spread", spread(paired))
+    a2r_flops = flops[ref, "a2r"] / flops[ref, "ar"]
+    a2r_paired = [a / m for a, m in zip(times[ref, "a2r"], times[ref, "ar"], strict=True)]
+    print(f"{ref}: A2R/AR FLOP ratio {a2r_flops:.3f}, step-time ratio {statistics.median(a2r_paired):.3f} (median of "
+          f"the rounds; {', '.join(f'{p:.3f}' for p in a2r_paired)})")
+    result("a2r_over_ar_flop_ratio", a2r_flops)
+    result("a2r_step_ratio_over_flop_ratio", statistics.median(a2r_paired) / a2r_flops)
+    result("a2r_step_ratio_spread", spread(a2r_paired))
     achieved = flops[ref, "adlm"] * tokens / statistics.median(times[ref, "adlm"])
     result("gpu_mfu" if cuda else "cpu_flop_utilisation", achieved / peak)
 
