@@ -10,7 +10,7 @@ import pytest
 
 from pipelines.registry import RegistryError, alias_problem, check_names, name_problem
 
-NAMES = ["adlm", "my model", "a.b", "x-1_y", "", "  ", "a/b", "team:adlm", "..", ".", "a/../b", "./a"]
+NAMES = ["adlm", "a model", "a.b", "x-1_y", "", "  ", "a/b", "team:adlm", "..", ".", "a/../b", "./a"]
 ALIASES = ["champion", "candidate", "fast-1", "_x", "", "bad alias!", "a.b", "latest", "LATEST", "v3", "V12", "v",
            "version3", "x" * 255, "x" * 256]
 
