@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Recipe sections: model (a preset plus ModelConfig fields), data, optim, batch, run, scaling, "
                "failure, ema, ema_warmup, mlflow, distill (self-distillation of a version; python -m "
-               "pipelines.distill). --help-config lists every key with its type, default and description.\n\n"
+               "pipelines.distill), acot (anchored chain-of-thought fine-tuning of one arm on reasoning rows: "
+               "configs/acot_prosqa_cpu.yaml). --help-config lists every key with its type, default and description.\n\n"
                "Example:\n  python -m pipelines.train --config "
                "configs/demo.yaml --set run.max_steps=50 --set model.kind=mdlm --set run.name=demo-mdlm\n\nExit codes: 0 trained "
                "(and registered when mlflow.register); 1 training failed; 2 bad input, or credentials refused (the "
@@ -68,11 +69,17 @@ def _run(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
-    from pipelines.training.trainer import train
+    if cfg.acot.arm:  # anchored chain-of-thought fine-tuning on reasoning rows: its own staged loop
+        from pipelines.training.acot_run import finetune
 
-    res = train(cfg, workdir=args.workdir)
-    print(json.dumps({"run_id": res.run_id, "step": res.step, "val_ppl": res.val_ppl,
-                      "checkpoint_dir": str(res.checkpoint_dir), "registered_version": res.registered_version}))
+        res = finetune(cfg, workdir=args.workdir)
+        print(json.dumps(res.summary()))
+    else:
+        from pipelines.training.trainer import train
+
+        res = train(cfg, workdir=args.workdir)
+        print(json.dumps({"run_id": res.run_id, "step": res.step, "val_ppl": res.val_ppl,
+                          "checkpoint_dir": str(res.checkpoint_dir), "registered_version": res.registered_version}))
     if res.unregistered:  # trained, not registered: not a success a script may take for one
         print(f"error: {res.unregistered}", file=sys.stderr)
         return 3

@@ -6,7 +6,9 @@ above chance."""
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,3 +196,84 @@ def test_best_accuracy_checkpoint_is_kept(toy_run: ToyRun) -> None:
     model = copy.deepcopy(toy_run.model)
     model.load_state_dict(res.best_state)
     assert toy_run.validate(model, Stage(1, 1, 1, TOY_EPOCHS)) == res.best_accuracy  # the kept weights re-score the same
+
+
+# ---- the command: python -m pipelines.train with an acot recipe ---------------------------------------------
+
+RECIPE = "configs/acot_prosqa_cpu.yaml"
+
+
+@pytest.fixture(scope="module")
+def prosqa_work(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """A work directory with tiny ProsQA-like splits where the recipe expects them, and the recipe's model and
+    schedule scaled down to seconds (the vocabulary is the one these rows give)."""
+    from pipelines.data.manifest import read_manifest
+    from pipelines.prepare_data import main as prepare_main
+
+    wd = tmp_path_factory.mktemp("acot-work")
+    out = wd / "data" / "prosqa-cpu"
+    assert prepare_main(["--source", "prosqa", "--reasoning", "train_rows=48", "--reasoning", "validation_rows=12",
+                         "--reasoning", "nodes=8", "--reasoning", "min_path=2", "--split", "train", "--split",
+                         "validation", "--out", str(out), "-q"]) == 0
+    m = read_manifest(out / "train")
+    sets = [f"--set={s}" for s in (f"model.vocab_size={m.vocab_size}", "model.hidden=16", "model.n_blocks=1", "acot.max_ant=1",
+            "acot.epochs_per_stage=1", "batch.global_batch=16", "batch.micro_batch=8", "scaling.threads=1")]
+    return wd, sets
+
+
+def test_train_command_fine_tunes_and_registers_with_accuracy(prosqa_work: tuple[Path, list[str]],
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlflow
+
+    from adlm_model.interop.checkpoint import read_config
+    from pipelines.data.reasoning.answers import exact_match
+    from pipelines.tracking import client
+    from pipelines.train import main as train_main
+
+    wd, sets = prosqa_work
+    uri = f"sqlite:///{wd / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert train_main(["--config", RECIPE, "--workdir", str(wd), *sets, "-q"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["arm"] == "acot" and out["step"] == 2 * 3  # two stages, one epoch each, 48 rows / 16 a step
+    c = client(uri)
+    mv = c.get_model_version("acot-prosqa", out["registered_version"])
+    assert mv.tags["arm"] == "acot" and mv.tags["n_ant"] == "1" and mv.tags["task"] == "prosqa"
+    assert float(mv.tags["accuracy"]) == pytest.approx(out["accuracy"])
+    assert (mv.tags["correct"], mv.tags["total"]) == (str(out["correct"]), "12")
+    # the per-row answers: every validation row, their share of exact matches is the registered accuracy
+    local = mlflow.artifacts.download_artifacts(run_id=out["run_id"], artifact_path="answers/validation.jsonl",
+                                                tracking_uri=uri)
+    records = [json.loads(x) for x in Path(local).read_text().splitlines()]
+    assert len(records) == 12 and "###" not in "".join(r["predicted"] for r in records)
+    assert all(r["correct"] == exact_match(r["generated"], r["gold"]) for r in records)
+    assert sum(r["correct"] for r in records) / 12 == pytest.approx(out["accuracy"])
+    # the loss parts and the accuracy of each epoch, at the optimiser step the epoch ended
+    hist = {k: [(m.step, m.value) for m in c.get_metric_history(out["run_id"], k)]
+            for k in ("val_accuracy", "stage", "train_sft_nll", "train_anchor_ce")}
+    assert hist["stage"] == [(3, 0.0), (6, 1.0)] and len(hist["val_accuracy"]) == 2
+    assert [s for s, _ in hist["train_anchor_ce"]] == [6]  # stage 0 has no [ANT]: no anchor term logged
+    cfg, meta = read_config(Path(out["checkpoint_dir"]))
+    assert cfg.kind == "ar" and meta["arm"] == "acot" and meta["n_ant"] == 1 and meta["best_stage"] == 1
+
+
+@pytest.mark.parametrize(("sets", "says"), [
+    (["scaling.num_workers=2"], "set scaling.num_workers=0"),
+    (["acot.arm=latent"], "acot.arm 'latent'"),
+    (["model.kind=mdlm"], "set model.kind=ar"),
+    (["model.vocab_size=7"], "model.vocab_size="),
+    (["model.seq_len=32"], "set model.seq_len="),
+    (["data.train=data/nowhere/train"], "data.train"),
+])
+def test_bad_acot_input_is_one_line_before_any_work(prosqa_work: tuple[Path, list[str]], sets: list[str], says: str,
+                                                    capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipelines.train import main as train_main
+
+    wd, base = prosqa_work
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{wd / 'refused.db'}")
+    code = train_main(["--config", RECIPE, "--workdir", str(wd), *base, *[f"--set={s}" for s in sets]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
+    assert not (wd / "refused.db").exists()  # refused before the tracking store was touched

@@ -35,6 +35,14 @@ def test_recipe_names_what_its_source_produces(recipe: Path) -> None:
 
     cfg = load_config(recipe)
     assert cfg.data.source, f"{recipe.name}: name the data source (data.source) it is for"
+    if cfg.acot.arm:  # reasoning rows: the word-level vocabulary prepare_data gives the built-in names
+        from pipelines.data.reasoning import prosqa
+        from pipelines.data.reasoning.source import SPECIALS, SPLITS, word_tokenizer
+
+        vocab = yaml.safe_load(word_tokenizer(prosqa.generate(300, 0, prosqa.ProsQAConfig(nodes=10))))["model"]["vocab"]
+        assert (cfg.model.vocab_size, cfg.model.mask_id) == (len(vocab), SPECIALS.index("<mask>")), recipe.name
+        assert {Path(cfg.data.train).name, Path(cfg.data.validation).name} <= set(SPLITS)
+        return
     if cfg.data.source == "testbed":  # generated: the default language's ids and length
         from adlm_model.testbed.language import MASK_ID, Testbed
 
@@ -117,6 +125,20 @@ def test_recipe_runs_on_tiny_data_prepared_by_its_own_definition(recipe: Path, t
 
     raw = yaml.safe_load(recipe.read_text())
     cfg = load_config(recipe)
+    if cfg.acot.arm:  # a fine-tuning on reasoning rows: the recipe's rows (its comment's options), one short stage
+        from pipelines.prepare_data import main as prepare_main
+        from pipelines.training.acot_run import finetune
+
+        out = tmp_path / "work" / Path(cfg.data.train).parent
+        assert prepare_main(["--source", cfg.data.source, "--reasoning", "nodes=10", "--reasoning", "min_path=2",
+                             "--reasoning", "train_rows=300", "--reasoning", "validation_rows=4", "--split", "train", "--split", "validation", "--out", str(out),
+                             "-q"]) == 0
+        res = finetune(load_config(recipe, ["model.hidden=16", "model.n_blocks=1", "acot.max_ant=0",
+                                            "acot.epochs_per_stage=1", "mlflow.register=false",
+                                            f"run.name=recipe-{recipe.stem}"]),
+                       workdir=str(tmp_path / "work"), tracking_uri=prepared.tracking_uri)
+        assert res.total == 4 and 0 <= res.accuracy <= 1
+        return
     if cfg.data.source == "testbed":
         prepared.copy_to(tmp_path / "work" / Path(cfg.data.train).parent, ("testbed",), lambda out: prepare(
             PrepareConfig(source=["testbed"], out=str(out),

@@ -12,6 +12,7 @@ same on both sides.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -22,10 +23,10 @@ import torch.nn as nn
 
 from adlm_model.config import ConfigError
 from adlm_model.sampling.greedy import greedy_decode
-from adlm_model.train.stages import ARMS, Batch, Stage
+from adlm_model.train.stages import ARMS, SELECTS, Batch, Stage
 from pipelines.data.manifest import Manifest, ManifestError, read_manifest
 from pipelines.data.reasoning.answers import exact_match, extract_answer
-from pipelines.data.reasoning.layout import Laid, Markers, collate, lay_out
+from pipelines.data.reasoning.layout import ANCHOR_POSITIONS, Laid, Markers, collate, lay_out
 from pipelines.data.tokenizer import TokenizerInfo, load_tokenizer
 from pipelines.storage import read_bytes
 
@@ -161,3 +162,29 @@ def answer_accuracy(model: nn.Module, split: ReasoningSplit, stage: Stage, arm: 
         records.append(AnswerRecord(r["question"], extract_answer(gold), text, extract_answer(text),
                                     exact_match(text, gold)))
     return Accuracy(sum(x.correct for x in records), len(records), records)
+
+
+def validate_acot(cfg: Any) -> None:
+    """The ``acot`` section's checks that need no data (``TrainConfig.validate``); ConfigError with one line."""
+    from adlm_model.kinds import KINDS
+
+    a = cfg.acot
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    need(a.arm in ARMS, f"acot.arm {a.arm!r}: use one of {', '.join(ARMS)} (or leave it empty for ordinary training)")
+    need(a.max_ant >= 0 and a.epochs_per_stage >= 1, "acot.max_ant must be >= 0 and acot.epochs_per_stage >= 1")
+    need(not ARMS[a.arm].pauses or a.max_ant >= 1, f"acot.arm {a.arm} needs acot.max_ant >= 1 (its pause tokens)")
+    need(math.isfinite(a.anchor_weight) and a.anchor_weight >= 0, f"acot.anchor_weight must be >= 0, got {a.anchor_weight}")
+    need(a.anchor_position in ANCHOR_POSITIONS, f"acot.anchor_position must be one of {', '.join(ANCHOR_POSITIONS)}, "
+         f"got {a.anchor_position!r}")
+    need(a.select in SELECTS, f"acot.select must be one of {', '.join(SELECTS)}, got {a.select!r}")
+    need(a.max_new >= 0 and a.val_rows >= 0, "acot.max_new and acot.val_rows must be >= 0 (0: automatic, all)")
+    need(not KINDS[cfg.model.kind].diffusion, f"acot: model.kind {cfg.model.kind} is a diffusion kind; the answers "
+         "are decoded greedily by a causal network: set model.kind=ar")
+    need(cfg.scaling.num_workers == 0, f"acot: scaling.num_workers {cfg.scaling.num_workers}: the staged fine-tuning "
+         "runs in this process only (Ray Train workers are not wired for it); set scaling.num_workers=0")
+    need(not cfg.distill.teacher and not cfg.run.init, "acot: the fine-tuning starts from the seeded "
+         "initialisation; drop distill.teacher and run.init")

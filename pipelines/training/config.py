@@ -17,6 +17,7 @@ that lists the known ones.
     ema: 0.9999
     mlflow:  {experiment: adlm, registered_model: adlm, register: true}
     distill: {teacher: models:/adlm/3, rounds: 3, steps_per_round: 1000, teacher_steps: 1024}  # SDTT mode
+    acot:    {arm: acot, max_ant: 6, epochs_per_stage: 5, remove_steps: true, anchor_weight: 1.0}  # reasoning
 """
 
 from __future__ import annotations
@@ -195,9 +196,39 @@ class DistillSection:
     """``kl-bwd`` (KL(student || teacher), the reference's default), ``kl-fwd``, ``tvd`` or ``mse``."""
 
 
+@dataclass
+class AcotSection:
+    """Anchored chain-of-thought fine-tuning on reasoning rows (``pipelines/training/acot_run.py``; checked by ``acot.validate_acot``): set ``arm``
+    to make the run Coconut's staged fine-tuning of one arm on a reasoning split (``prepare_data --source
+    prosqa``), validated by greedy-decoding accuracy, its best checkpoint registered with that accuracy. The
+    optimiser is ``optim``'s AdamW at a constant ``optim.lr``, the batch ``batch``'s; ``run.max_steps`` is unused
+    (the schedule's epochs decide the length)."""
+
+    arm: str = ""
+    """``no_cot``, ``cot``, ``pause`` (pause tokens, no trace), ``pause_as_thought`` (the ACoT layout and schedule,
+    anchor weight 0) or ``acot``; empty: an ordinary training run."""
+    max_ant: int = 6
+    """``[ANT]`` slots of the last stage (GSM8K 2, ProntoQA and ProsQA 6); the pause tokens of ``pause``."""
+    epochs_per_stage: int = 5
+    """Epochs of each stage (GSM8K 3, ProntoQA and ProsQA 5); a single-stage arm trains the schedule's total."""
+    remove_steps: bool = False
+    """Remove one more reasoning step at each new ``[ANT]`` (ProsQA's schedule)."""
+    anchor_weight: float = 1.0
+    """The anchor cross-entropy's weight in ``acot`` (``pause_as_thought`` and the others: 0)."""
+    anchor_position: str = "at"
+    """``at``: the output at the i-th ``[ANT]`` predicts anchor i; ``before``: the output before it does."""
+    select: str = "last_stage"
+    """Which epochs the kept checkpoint is chosen among by validation accuracy: ``last_stage`` or ``all``."""
+    max_new: int = 0
+    """Tokens greedy decoding may generate; 0: the longest generated part of the split plus 8."""
+    val_rows: int = 0
+    """Validation rows decoded after every epoch (0: the whole split)."""
+
+
 SECTIONS: dict[str, type] = {
     "data": DataSection, "optim": OptimSection, "batch": BatchSection, "run": RunSection,
     "scaling": ScalingSection, "failure": FailureSection, "mlflow": MLflowSection, "distill": DistillSection,
+    "acot": AcotSection,
 }
 TOP_KEYS = ("model", *SECTIONS, "ema", "ema_warmup")
 
@@ -219,6 +250,7 @@ class TrainConfig:
     """The references' EMA warm-up, ``min(ema, (1 + n) / (10 + n))`` at update ``n`` (``adlm_model.train.ema``)."""
     mlflow: MLflowSection = field(default_factory=MLflowSection)
     distill: DistillSection = field(default_factory=DistillSection)
+    acot: AcotSection = field(default_factory=AcotSection)
 
     # ----- derived -----
     @property
@@ -287,6 +319,10 @@ class TrainConfig:
         need(self.run.clip_search_batches >= 1, "run.clip_search_batches must be >= 1")
         if self.distill.teacher:
             self._validate_distill(need)
+        if self.acot.arm:
+            from pipelines.training.acot import validate_acot
+
+            validate_acot(self)
         return self
 
     def _validate_distill(self, need: Any) -> None:
