@@ -184,7 +184,9 @@ the package's flat modules copied as they were), with a 320-entry BPE trained on
 
 def test_an_export_written_by_an_earlier_version_still_loads(one_torch_thread) -> None:
     """Both readers of an export (``load_pretrained`` and ``transformers`` with the folder's own code) load the old
-    folder with no key missing, and give the logits it was written with, bit for bit."""
+    folder with no key missing, agree with each other bit for bit, and give the logits it was written with to
+    float32 rounding: another CPU's matrix kernels round differently (seen: 2e-6 of logits up to 7.7 on an
+    AVX-512 machine against the AVX2 one that wrote the fixture)."""
     from safetensors.torch import load_file
 
     expected = load_file(str(OLD_EXPORT.parent / "export-v0.expected.safetensors"))
@@ -195,4 +197,5 @@ def test_an_export_written_by_an_earlier_version_still_loads(one_torch_thread) -
     with torch.no_grad():
         want = ours.denoiser_logits(z, torch.zeros(len(z)))
         got = hf(input_ids=z).logits
-    assert torch.equal(want, expected["logits"]) and torch.equal(got, expected["logits"])
+    assert torch.equal(got, want)
+    assert torch.allclose(want, expected["logits"], rtol=1e-5, atol=1e-5), (want - expected["logits"]).abs().max()
