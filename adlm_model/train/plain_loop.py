@@ -132,8 +132,10 @@ def save(run: Run, directory: str | Path) -> None:
     ema = run.ema.state_dict() if run.ema is not None else None
     save_checkpoint(directory, run.model, run.cfg, ema_state=ema,
                     meta={"step": run.step, "device": run.noise.device.type})
+    cuda = run.noise.device.type == "cuda"  # dropout on a GPU draws from its own generator
     save_state(directory, {"optimizer": run.train_step.opt.state_dict(), "noise": run.noise.get_state().cpu(),
                            "torch": torch.get_rng_state(), "step": run.step,
+                           "cuda": torch.cuda.get_rng_state(run.noise.device) if cuda else None,
                            "ema_updates": run.ema.num_updates if run.ema is not None else 0}, TRAINER_STATE)
 
 
@@ -164,6 +166,8 @@ def resume(run: Run, directory: str | Path) -> int | None:
         run.ema.load_state_dict(averaged.state_dict(), state["ema_updates"])
     run.noise.set_state(state["noise"])
     torch.set_rng_state(state["torch"])  # last: building the models above drew from it
+    if state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"], run.noise.device)
     run.step = int(state["step"])
     return run.step
 
