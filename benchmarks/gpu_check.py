@@ -7,7 +7,7 @@ The kinds train through the pipeline's own step (``adlm_model.train.train_step.T
 the noise drawn outside it, bf16 autocast, fused AdamW, clipping, EMA). The anchor is a GPT-2-small-shaped
 transformer written here (pre-LN, fused qkv, SDPA, tied embeddings, bidirectional, the whole model compiled) at
 each kind's length and batch; ``train_over_anchor_<kind>`` is the kind's achieved FLOP/s over the anchor's, both
-counted by ``torch.utils.flop_counter``. Goals (``GOALS``): at least 1.0 for MDLM and AR, 0.95 for ADLM and SEDD,
+counted by ``torch.utils.flop_counter``. Goals (``GOALS``): at least 1.0 for MDLM and AR, 0.95 for ADLM, SEDD and A2R,
 0.85 for BD3-LM, and MDLM at 55% of the measured matmul peak; a kind that misses gets a profiler table of its top
 kernels in the JSON.
 
