@@ -45,6 +45,10 @@ def _space(**extra) -> dict:
     ({"seeds": 2, "steps": [4, 4]}, "distinct positive step counts"),
     ({"seeds": 2, "ablations": [{"name": "mdlm", "set": {"model.dropout": 0.1}}]}, "not another arm's"),
     ({"seeds": 2, "ablations": [{"name": "x", "set": {"dropout": 0.1}}]}, "section.key"),
+    ({"seeds": 2, "ablations": [{"name": "x", "set": {"model.n_blocks": 3}, "of": "sedd"}]},
+     r"of must be the winner or the baseline arm it is confirmed against \(tuned, mdlm\), got 'sedd'"),
+    ({"seeds": 2, "against": "recipe", "ablations": [{"name": "x", "set": {"model.n_blocks": 3}, "of": "mdlm"}]},
+     r"against \(tuned\), got 'mdlm'"),
 ])
 def test_bad_confirmations_fail_with_one_line(confirm: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as e:
@@ -81,6 +85,26 @@ def test_the_recipe_checks_of_a_confirmation_come_before_ray(tiny_data: Path, wo
         err = [ln for ln in out.err.strip().splitlines() if "(pid=" not in ln[:40]]
         assert rc == 2 and len(err) == 1 and re.search(message, err[0]), err
     assert not (workdir / "ray_results").exists()
+
+
+def test_an_ablation_of_the_baseline_is_a_second_comparator_at_its_tuned_settings(tmp_path: Path) -> None:
+    """``of: <baseline>``: the baseline's winner with one change (a larger MDLM at the learning rate its search
+    chose), read against the winner with the primary's sign; a plain ablation is the winner's, against the winner."""
+    from pipelines.tuning.confirm import plan_confirmation
+
+    space = parse_space(_space(confirm={"seeds": 2, "steps": [4, 8], "ablations": [
+        {"name": "mdlm-big", "of": "mdlm", "set": {"model.n_blocks": 2}, "steps": 4},
+        {"name": "gamma0", "set": {"model.gamma": 0.0}}]}), "s.yaml")
+    assert parse_space(space.to_raw(), "s.yaml") == space
+    plan = plan_confirmation(space, str(DEMO), TINY_MODEL, workdir=str(tmp_path), tracking_uri="",
+                             winner={"gamma": 1e-3, "tau": 5}, baseline={"optim.lr": 3e-3})
+    big, gamma0 = plan.arm("mdlm-big"), plan.arm("gamma0")
+    assert big.role == gamma0.role == "ablation"
+    assert big.raw["model"]["kind"] == "mdlm" and big.raw["model"]["n_blocks"] == 2 and big.raw["optim"]["lr"] == 3e-3
+    assert big.label.startswith("MDLM (lr=0.003) with") and big.params > plan.arm("mdlm").params and big.steps == 4
+    assert gamma0.raw["model"]["kind"] == "adlm" and gamma0.raw["model"]["gamma"] == 0.0 and gamma0.steps == 8
+    pairs = {(c.arm, c.against, c.reading) for c in plan.contrasts}
+    assert {("tuned", "mdlm-big", "steps:4"), ("gamma0", "tuned", "steps:8")} <= pairs
 
 
 def _histories(uri: str, experiment: str = "adlm-demo") -> dict[str, dict[int, float]]:

@@ -8,7 +8,8 @@ retrains, after the search, at N seeds that no trial used:
   ``run.max_steps``, the run the search's shortened trials stood in for);
 - the comparator (``confirm.against``): the baseline arm's own winner (a second search with the same trial budget),
   the recipe as it is, or another recipe file;
-- ``confirm.ablations``: the winner with one change each.
+- ``confirm.ablations``: the winner with one change each, or (``of: <baseline>``) the baseline's winner with one
+  change, a second comparator of the winner (a larger model at the learning rate the baseline's search chose).
 
 Every arm trains at the same seeds (one seed: the same data order and initialisation stream) and is validated
 on the same rows with the same noise draw (``pipelines.training.loop.VALIDATION_NOISE_SEED``), so the arms are
@@ -185,10 +186,11 @@ def plan_confirmation(space: SearchSpace, config: str | os.PathLike, cli_sets: l
         arms.append(ConfirmArm(Path(spec.against).stem, "against", raw,
                                _label(TrainConfig.from_dict(json.loads(json.dumps(raw))), None, Path(spec.against).name)))
     for a in spec.ablations:
-        raw = json.loads(json.dumps(trial_raw))
+        of = arms[0] if a.of == WINNER else arms[1]  # the winner, or the baseline arm's winner (space.py checks)
+        raw = json.loads(json.dumps(of.raw))
         for k, v in a.sets.items():
             apply_override(raw, f"{k}={json.dumps(v)}")
-        arms.append(ConfirmArm(a.name, "ablation", raw, f"{arms[0].label} with " +
+        arms.append(ConfirmArm(a.name, "ablation", raw, f"{of.label} with " +
                                ", ".join(f"{k}={_fmt(v)}" for k, v in a.sets.items())))
 
     # The run the search stood in for: the recipe's own length, before the space shortened the trials.
@@ -227,7 +229,8 @@ def plan_confirmation(space: SearchSpace, config: str | os.PathLike, cli_sets: l
             r = Reading(key, {win.name: n})
             readings.append(r)
         r.step[a.name] = n
-        contrasts.append(Contrast(a.name, WINNER, key))
+        # A variant of the winner against the winner; a variant of the baseline is a comparator of the winner.
+        contrasts.append(Contrast(a.name, WINNER, key) if a.of == WINNER else Contrast(WINNER, a.name, key))
     for arm in arms:
         read = sorted({r.step[arm.name] for r in readings if arm.name in r.step})
         arm.steps = max(read)

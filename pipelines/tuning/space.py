@@ -114,6 +114,10 @@ class AblationFile:
     """``section.key: value`` over the winner's configuration (``model.anchor_init_std: 0.02``)."""
     steps: int | None = None
     """Its runs' length and the equal-steps reading it is compared at; empty: the confirmation's longest."""
+    of: str | None = None
+    """The arm the change is made to: empty or ``tuned``, the winner (compared with it: d = ln bound(winner) - ln
+    bound(variant)); the baseline arm's name, the baseline's own winner with the change (a larger MDLM at the
+    learning rate its search chose), a second comparator of the winner (d = ln bound(variant) - ln bound(winner))."""
 
 
 @dataclass
@@ -228,6 +232,8 @@ class Ablation:
     name: str
     sets: dict[str, Any]
     steps: int | None = None
+    of: str = "tuned"
+    """``tuned`` (the winner) or the baseline arm's name (``AblationFile.of``)."""
 
 
 @dataclass
@@ -315,7 +321,8 @@ class SearchSpace:
             c = self.confirm
             raw["confirm"] = {"seeds": c.seeds, "against": c.against, "steps": c.steps, "flops": c.flops,
                               "primary": c.primary,
-                              "ablations": [{"name": a.name, "set": a.sets, "steps": a.steps} for a in c.ablations]}
+                              "ablations": [{"name": a.name, "set": a.sets, "steps": a.steps, "of": a.of}
+                                            for a in c.ablations]}
         if self.hypothesis is not None:
             raw["hypothesis"] = self.hypothesis
         return raw
@@ -489,7 +496,12 @@ def parse_confirm(c: ConfirmFile, source: str, baseline: BaselineArm | None) -> 
             raise ConfigError(f"{where}.ablations[{i}].set must change something (section.key: value)")
         if a.steps is not None and a.steps < 1:
             raise ConfigError(f"{where}.ablations[{i}].steps must be a positive step count, got {a.steps}")
-        ablations.append(Ablation(a.name, _sets(a.set, f"{where}.ablations[{i}].set"), a.steps))
+        of = a.of or "tuned"
+        arms = ["tuned", *([against] if baseline is not None and against == baseline.name else [])]
+        if of not in arms:
+            raise ConfigError(f"{where}.ablations[{i}].of must be the winner or the baseline arm it is confirmed "
+                              f"against ({', '.join(arms)}), got {of!r}")
+        ablations.append(Ablation(a.name, _sets(a.set, f"{where}.ablations[{i}].set"), a.steps, of))
     names = [a.name for a in ablations]
     if len(set(names)) != len(names):
         raise ConfigError(f"{where}.ablations: arm names must be unique, got {names}")
