@@ -14,7 +14,7 @@ from adlm_model.kinds import build_model
 from adlm_model.objectives.acot import IGNORE, acot_loss, anchor_accuracy, pause_as_thought_loss
 from pipelines.data.reasoning.answers import exact_match, extract_answer
 from pipelines.data.reasoning.layout import Markers, collate, lay_out
-from pipelines.studies.stats import wilson_interval
+from pipelines.evaluation.metrics import wilson_interval
 
 MK = Markers(bos=1, eos=2, pad=0, boa=3, eoa=4, ant=5, answer=(6,))
 

@@ -277,3 +277,96 @@ def test_bad_acot_input_is_one_line_before_any_work(prosqa_work: tuple[Path, lis
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
     assert not (wd / "refused.db").exists()  # refused before the tracking store was touched
+
+
+# ---- the evaluation: python -m pipelines.evaluate --suite accuracy on the registered version ------------------
+
+@pytest.fixture(scope="module")
+def acot_version(prosqa_work: tuple[Path, list[str]]) -> tuple[Path, str, dict]:
+    """The toy fine-tuned and registered through the train command, once for this module's evaluation tests:
+    (work directory, tracking URI, the command's JSON line)."""
+    import contextlib
+    import io
+
+    from pipelines.train import main as train_main
+
+    wd, sets = prosqa_work
+    uri = f"sqlite:///{wd / 'eval-mlflow.db'}"
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        assert train_main(["--config", RECIPE, "--workdir", str(wd), *sets, "-q"]) == 0
+    return wd, uri, json.loads(out.getvalue().strip().splitlines()[-1])
+
+
+def test_accuracy_suite_scores_the_registered_version(acot_version: tuple[Path, str, dict],
+                                                      capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlflow
+
+    from pipelines.data.reasoning.answers import exact_match
+    from pipelines.evaluate import main as evaluate_main
+    from pipelines.evaluation.metrics import wilson_interval
+    from pipelines.tracking import client
+
+    wd, uri, trained = acot_version
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert evaluate_main(["--model", "models:/acot-prosqa@candidate", "--suite", "accuracy", "--workdir", str(wd),
+                          "--in-process", "--json", "-q"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    m = got["metrics"]
+    local = mlflow.artifacts.download_artifacts(run_id=got["run_id"], artifact_path="answers/validation.jsonl",
+                                                tracking_uri=uri)
+    records = [json.loads(x) for x in Path(local).read_text().splitlines()]
+    assert len(records) == m["answer_total"] == 12 and all(r["correct"] == exact_match(r["generated"], r["gold"])
+                                                           for r in records)
+    share = sum(r["correct"] for r in records) / len(records)
+    assert m["answer_accuracy"] == share and m["answer_correct"] == sum(r["correct"] for r in records)
+    assert m["answer_accuracy_lo"] <= share <= m["answer_accuracy_hi"] and m["answer_accuracy_lo"] < m["answer_accuracy_hi"]
+    assert (m["answer_accuracy_lo"], m["answer_accuracy_hi"]) == wilson_interval(int(m["answer_correct"]), 12)
+    # the suite decodes as the fine-tuning scored its kept weights: the same answers, the version's accuracy again
+    assert share == pytest.approx(trained["accuracy"])
+    c = client(uri)
+    run = c.get_run(got["run_id"])
+    assert run.data.metrics["answer_accuracy_lo"] == m["answer_accuracy_lo"]
+    tags = c.get_model_version("acot-prosqa", trained["registered_version"]).tags
+    assert float(tags["answer_accuracy"]) == pytest.approx(share) and "wilson95=" in tags["answer_accuracy.settings"]
+    assert tags["eval.run_id"] == got["run_id"]
+
+
+def _corrupt(src: Path, dst: Path, name: str, key: str, value: str) -> Path:
+    """A copy of folder ``src`` whose JSON file ``name`` has ``key`` (``a.b``) set to ``value``."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    obj = json.loads((dst / name).read_text())
+    *path, last = key.split(".")
+    node = obj
+    for k in path:
+        node = node[k]
+    node[last] = value
+    (dst / name).write_text(json.dumps(obj))
+    return dst
+
+
+def test_accuracy_suite_refuses_what_it_cannot_score(acot_version: tuple[Path, str, dict], tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A diffusion kind and a split of language-model rows: one ``error:`` line, exit 2, before any weights load
+    (the diffusion copy has no weight files at all)."""
+    from pipelines.evaluate import main as evaluate_main
+
+    wd, uri, trained = acot_version
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    ckpt = Path(trained["checkpoint_dir"])
+    diffusion = _corrupt(ckpt, tmp_path / "mdlm", "config.json", "model.kind", "mdlm")
+    for f in diffusion.iterdir():
+        if f.suffix in (".safetensors", ".pt", ".bin"):
+            f.unlink()
+    lm_rows = _corrupt(wd / "data" / "prosqa-cpu" / "validation", tmp_path / "lm" / "validation", "manifest.json",
+                       "mode", "wrap")
+    for model, extra, says in [(str(diffusion), [], "diffusion kind"),
+                               (str(ckpt), ["--set", f"accuracy_split={lm_rows}"], "not reasoning rows")]:
+        code = evaluate_main(["--model", model, "--suite", "accuracy", "--workdir", str(wd), "--in-process", *extra])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and says in err[0], err

@@ -136,6 +136,9 @@ class EvalConfig:
     entropy of at least ``long_min_entropy`` (BD3-LM's stop rule: 256 tokens)."""
     long_min_entropy: float = 4.0
     """Suite arbitrary_length: the entropy floor of that rule, in nats (BD3-LM: 4)."""
+    accuracy_split: str = "validation"
+    """Suite accuracy: the reasoning split whose rows are answered: a split name under ``data`` or a split folder
+    (every row is scored)."""
 
     def validate(self) -> EvalConfig:
         def need(ok: bool, msg: str) -> None:

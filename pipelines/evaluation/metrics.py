@@ -13,6 +13,9 @@
   ids; reported as the mean over samples, always next to gen-PPL.
 - **MAUVE** (``mauve_score``): ``mauve-text`` on features that we compute (never raw text, which makes
   the package download GPT-2), generated texts against the same number of reference texts.
+- **Answer accuracy** (the ``accuracy`` suite, ``pipelines/evaluation/accuracy.py``): the share of a reasoning
+  split's rows whose greedy answer (the text after the last ``#``) equals the gold answer exactly
+  (``pipelines/data/reasoning/answers.py``), with Wilson's 95% score interval (``wilson_interval``).
 """
 
 from __future__ import annotations
@@ -273,3 +276,21 @@ def mauve_score(p_features: np.ndarray, q_features: np.ndarray, *, featurizer: s
                               kmeans_max_iter=kmeans_max_iter, verbose=False)
     return MauveResult(mauve=float(out.mauve), frontier_integral=float(out.frontier_integral),
                        num_buckets=int(out.num_buckets), n_samples=int(p.shape[0]), featurizer=featurizer)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A proportion's interval (an accuracy over rows).
+
+
+def wilson_interval(successes: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Wilson's score interval for a proportion (an accuracy of ``successes`` out of ``n``): unlike the normal
+    approximation it stays inside [0, 1] and is not empty at 0 or ``n`` successes."""
+    if n < 1 or not 0 <= successes <= n:
+        raise ValueError(f"wilson_interval({successes}, {n}): need 0 <= successes <= n and n >= 1")
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(0.5 + level / 2)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)

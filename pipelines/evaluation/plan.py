@@ -47,6 +47,8 @@ class Plan:
     workdir: str | None = None
     lm_eval: dict[str, Any] = field(default_factory=dict)
     """The lm-eval suite's resolved tasks and settings (``lm_eval_suite.plan_lm_eval``)."""
+    accuracy: dict[str, Any] = field(default_factory=dict)
+    """The accuracy suite's split and decoding stage (``accuracy.plan_accuracy``)."""
     data: str | None = None
     """The prepared data folder (``data=`` or the checkpoint's training data)."""
 

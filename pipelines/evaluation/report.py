@@ -26,6 +26,18 @@ class EvalResult:
     ppl_keys: dict[str, str] = field(default_factory=dict)
     """Dataset label (``validation``, ``test``, ``zero_shot/NAME``) -> the identity of its perplexity figure
     (``plan.ppl_key``: same key, same number); what staged evaluation compares champions by."""
+    artifacts: dict[str, str] = field(default_factory=dict)
+    """Files kept with the evaluation run: artifact path -> text (``suites.RunState.artifacts``)."""
+
+    def write_artifacts(self, out: Path) -> list[Path]:
+        """Write ``artifacts`` under ``out`` (the folder logged as the run's artifacts); returns the files."""
+        made = []
+        for rel, text in self.artifacts.items():
+            p = out / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text, encoding="utf-8")
+            made.append(p)
+        return made
 
 
 def summary_markdown(result: EvalResult) -> str:

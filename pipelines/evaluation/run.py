@@ -90,7 +90,7 @@ def run_plan(plan: Plan, executor: Any) -> EvalResult:
                                       for d in plan.datasets}, **state.settings_out})
     return EvalResult(model=plan.ref.uri, suite=plan.suite, metrics=state.metrics, table=state.table,
                       settings=settings_out, version=plan.ref.version, samples=state.samples,
-                      ppl_keys=state.ppl_keys)
+                      ppl_keys=state.ppl_keys, artifacts=state.artifacts)
 
 
 def log_result(result: EvalResult, plan: Plan, *, stage: str | None = None, tag_version: bool = True) -> str:
@@ -136,6 +136,7 @@ def log_result(result: EvalResult, plan: Plan, *, stage: str | None = None, tag_
                 for s in result.samples:
                     f.write(json.dumps({k: s[k] for k in ("index", "text", "ids", "entropy")}) + "\n")
         plots(result, out)
+        result.write_artifacts(out)
         client.log_artifacts(rid, str(out))
     client.set_terminated(rid)
     if ref.version:

@@ -197,6 +197,8 @@ class RunState:
     ppl_keys: dict[str, str] = field(default_factory=dict)
     settings_out: dict[str, Any] = field(default_factory=dict)
     """Extra settings a suite records with the run (params, summary.json)."""
+    artifacts: dict[str, str] = field(default_factory=dict)
+    """Files a suite keeps with the evaluation run: artifact path -> text (the accuracy suite's per-row answers)."""
     _nelbo: dict[str, tuple[Any, int]] | None = None
     _sampled: bool = False
 
@@ -564,6 +566,35 @@ register_suite(Suite(
                     "lm-evaluation-harness (its own metric), scored through the adlm adapter: AR log-likelihoods "
                     "exact, the diffusion kinds' through the NELBO bound; the value ± its standard error.",
                     ("lm_eval.settings",), family=True),)))
+
+
+def _accuracy(fn: str) -> Callable[..., Any]:
+    """A function of ``accuracy`` (the reasoning suite), imported when used."""
+    def call(*args: Any) -> Any:
+        from pipelines.evaluation import accuracy
+
+        return getattr(accuracy, fn)(*args)
+
+    return call
+
+
+ACCURACY_DEFINITION = ("The share of a reasoning split's rows whose greedy answer (the text after the last `#`, "
+                       "decoded at the stage the weights were kept at) equals the gold answer exactly; Wilson's 95% "
+                       "score interval beside it.")
+
+register_suite(Suite(
+    "accuracy", "ACoT-fine-tuned versions: greedy answers of a reasoning split (accuracy_split), exact match, "
+    "its Wilson interval (level 0.95); per-row answers as an artifact", _accuracy("run_accuracy"),
+    plan=_accuracy("plan_accuracy"), tags=_accuracy("accuracy_tags"), in_stage2=False,
+    headline=("answer_accuracy", "answer_accuracy_lo", "answer_accuracy_hi"),
+    gates=(Gate("answer_accuracy", "min", "accuracy_min", "answer accuracy"),
+           Gate("answer_accuracy_lo", "min", "accuracy_lo_min", "answer accuracy's Wilson 95% lower bound")),
+    figures=(Figure("answer_accuracy", "Answer accuracy (exact match)", "", ACCURACY_DEFINITION,
+                    ("answer_accuracy.settings",)),
+             Figure("answer_accuracy_lo", "Answer accuracy, Wilson 95% lower bound", "", "The lower end of the "
+                    "answer accuracy's Wilson 95% score interval.", ("answer_accuracy.settings",)),
+             Figure("answer_accuracy_hi", "Answer accuracy, Wilson 95% upper bound", "", "The upper end of the "
+                    "answer accuracy's Wilson 95% score interval.", ("answer_accuracy.settings",)))))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -60,16 +60,3 @@ def relative_gain(arm: dict[int, float], reference: dict[int, float], level: flo
         return None
     return summarise([100.0 * (reference[s] - arm[s]) / reference[s] for s in seeds], level)
 
-
-def wilson_interval(successes: int, n: int, level: float = 0.95) -> tuple[float, float]:
-    """Wilson's score interval for a proportion (an accuracy of ``successes`` out of ``n``): unlike the normal
-    approximation it stays inside [0, 1] and is not empty at 0 or ``n`` successes."""
-    if n < 1 or not 0 <= successes <= n:
-        raise ValueError(f"wilson_interval({successes}, {n}): need 0 <= successes <= n and n >= 1")
-    from statistics import NormalDist
-
-    z = NormalDist().inv_cdf(0.5 + level / 2)
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
