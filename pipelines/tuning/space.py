@@ -3,6 +3,8 @@
 A space names the sweep, its parameters (``gamma`` and ``tau`` mean ``model.gamma`` and ``model.tau``;
 any other name is a dotted training-config key), the search algorithm, the scheduler, the trial count
 and concurrency, and overrides applied to every trial. Bad spaces fail in one line before Ray starts.
+Longer than 500 lines because it is the one schema of a space: the search, the baseline arm and the
+confirmation's arms and readings sit together, each field with its check.
 """
 
 from __future__ import annotations
