@@ -29,6 +29,11 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from pipelines.logs import setup_logging
+from pipelines.placement import placement_deadline
+from pipelines.runtime import quiet_environment
+from pipelines.settings import SettingError, check_environment
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
@@ -57,9 +62,6 @@ def run_command(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespa
                 label: str = "error") -> int:
     """Parse ``argv``, set up logging and (``environment``) the environment defaults, run ``run(args)``; a failure
     of the kinds given becomes ``{label}: <message>`` on stderr and its exit code (module docstring)."""
-    from pipelines.logs import setup_logging
-    from pipelines.settings import SettingError, check_environment
-
     args = parser.parse_args(argv)
     try:
         check_environment()  # before set-up: a bad ADLM_* setting is one line, before any work
@@ -68,11 +70,7 @@ def run_command(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespa
         return EXIT_BAD_INPUT
     setup_logging(getattr(args, "verbose", 0) - getattr(args, "quiet", 0))
     if environment:
-        from pipelines.runtime import quiet_environment
-
         quiet_environment()
-    from pipelines.placement import placement_deadline
-
     try:
         with placement_deadline():
             return run(args)

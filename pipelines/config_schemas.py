@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from adlm_model.config import PRESETS
+from pipelines.cli import run_command
 from pipelines.configlib import adapter
 from pipelines.studies.spec import StudyFile
 from pipelines.training.config import TrainConfig
@@ -78,8 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from pipelines.cli import run_command
-
     return run_command(build_parser(), _run, argv, environment=False)
 
 

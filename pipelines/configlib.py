@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import math
 import os
+import textwrap
 import types
 import typing
 from collections.abc import Sequence
@@ -439,8 +440,6 @@ def config_keys(cls: type, instance: Any = None, prefix: str = "") -> list[Confi
 
 def keys_help(keys: Sequence[ConfigKey], title: str) -> str:
     """The keys as plain text: one paragraph a key (name, type, default; its description indented below)."""
-    import textwrap
-
     lines = [f"{title}:"]
     for k in keys:
         lines.append(f"  {k.name} ({k.type}; default {k.default})")

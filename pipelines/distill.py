@@ -51,6 +51,7 @@ def train_argv(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # lazy: keeps pydantic, torch, yaml out of this module's import
     from pipelines.train import main as train_main
 
     return train_main(train_argv(build_parser().parse_args(argv)))

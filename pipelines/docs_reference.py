@@ -16,7 +16,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pipelines.cli import run_command
 from pipelines.configlib import ConfigKey, config_keys
+from pipelines.evaluation.config import EvalConfig
+from pipelines.evaluation.promotion import PromotionConfig
+from pipelines.studies.spec import StudyFile
+from pipelines.training.config import recipe_keys
+from pipelines.tuning.space import SpaceFile
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = {"commands": ROOT / "docs" / "reference" / "commands.md", "config": ROOT / "docs" / "reference" / "config.md"}
@@ -114,6 +120,7 @@ def commands_page() -> str:
 
 
 def _anchor(heading: str) -> str:
+    # lazy: keeps markdown out of this module's import
     from markdown.extensions.toc import slugify
 
     return slugify(heading, "-")
@@ -127,12 +134,6 @@ def keys_table(keys: Sequence[ConfigKey]) -> str:
 
 
 def config_page() -> str:
-    from pipelines.evaluation.config import EvalConfig
-    from pipelines.evaluation.promotion import PromotionConfig
-    from pipelines.studies.spec import StudyFile
-    from pipelines.training.config import recipe_keys
-    from pipelines.tuning.space import SpaceFile
-
     return "\n".join([
         "# Config reference", "", GENERATED, "",
         "Every key of the pipeline's config files and `--set` settings, with its type, its default and what it "
@@ -180,8 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from pipelines.cli import run_command
-
     return run_command(build_parser(), _run, argv, environment=False)
 
 

@@ -18,12 +18,22 @@ import json
 import sys
 from collections.abc import Sequence
 
+from adlm_model.config import ConfigError
+from adlm_model.interop.checkpoint import CheckpointError
 from pipelines.cli import run_command
 from pipelines.configlib import settings_help
+from pipelines.data.manifest import DataMismatchError, ManifestError
+from pipelines.data.tokenizer import TokenizerError
 from pipelines.evaluation.config import EVAL_PROFILES, EvalConfig, EvalError, apply_overrides, eval_profile
-from pipelines.evaluation.promotion import PromotionConfig
+from pipelines.evaluation.eval_lm import EvalLMError
+from pipelines.evaluation.executors import JobDeadlineError
+from pipelines.evaluation.metrics import MetricError
+from pipelines.evaluation.promotion import PromotionConfig, PromotionError, outcomes_markdown, stage_all
+from pipelines.evaluation.report import summary_markdown
+from pipelines.evaluation.run import evaluate_model
 from pipelines.evaluation.suites import suites_help
 from pipelines.logs import add_logging_flags
+from pipelines.registry import RegistryError
 
 
 def _config_help() -> str:
@@ -68,16 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from adlm_model.config import ConfigError
-    from adlm_model.interop.checkpoint import CheckpointError
-    from pipelines.data.manifest import DataMismatchError, ManifestError
-    from pipelines.data.tokenizer import TokenizerError
-    from pipelines.evaluation.eval_lm import EvalLMError
-    from pipelines.evaluation.executors import JobDeadlineError
-    from pipelines.evaluation.metrics import MetricError
-    from pipelines.evaluation.promotion import PromotionError
-    from pipelines.registry import RegistryError
-
     bad_input = (EvalError, RegistryError, CheckpointError, ConfigError, DataMismatchError, ManifestError, EvalLMError,
                  MetricError, PromotionError, TokenizerError)
     # JobDeadlineError: work that started and did not end (a Ray task past its deadline), not bad input.
@@ -85,10 +85,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipelines.evaluation.promotion import stage_all
-    from pipelines.evaluation.report import summary_markdown
-    from pipelines.evaluation.run import evaluate_model
-
     cfg, promo = (eval_profile(args.profile) if args.profile else EvalConfig()), PromotionConfig()
     apply_overrides([cfg, promo], args.overrides)
     if args.data:
@@ -103,8 +99,6 @@ def _run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=2))
         else:
-            from pipelines.evaluation.promotion import outcomes_markdown
-
             print(outcomes_markdown(outcomes))
         return 0
     result = evaluate_model(args.model, args.suite, cfg, workdir=args.workdir, in_process=args.in_process,

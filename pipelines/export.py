@@ -17,6 +17,11 @@ import json
 import sys
 from collections.abc import Sequence
 
+from pipelines.cli import run_command
+from pipelines.data.tokenizer import TokenizerError
+from pipelines.logs import add_logging_flags
+from pipelines.registry import RegistryError
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -32,18 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", help="work directory (default: $ADLM_WORKDIR or ./work): tracking store and cache")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the workdir's)")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
-    from pipelines.logs import add_logging_flags
-
     add_logging_flags(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # lazy: keeps torch out of this module's import
     from adlm_model.config import ConfigError
     from adlm_model.interop.checkpoint import CheckpointError
-    from pipelines.cli import run_command
-    from pipelines.data.tokenizer import TokenizerError
-    from pipelines.registry import RegistryError
+
+    # lazy: keeps torch out of this module's import
     from pipelines.serving.export import ExportError
 
     return run_command(build_parser(), _run, argv,
@@ -51,6 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # lazy: keeps torch out of this module's import
     from pipelines.serving.export import export_model
 
     res = export_model(args.model, args.out, tracking_uri=args.tracking_uri, workdir=args.workdir, force=args.force)

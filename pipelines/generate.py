@@ -26,14 +26,23 @@ import json
 import sys
 from collections.abc import Sequence
 
+from adlm_model.config import ConfigError
+from adlm_model.inference.limits import LimitError
 from adlm_model.inference.textgen import (
     DEFAULT_LENGTH,
     DEFAULT_NUCLEUS_P,
     DEFAULT_STEPS,
+    GenerationError,
     GenerationRequest,
     resolve_device,
     validate_request,
 )
+from adlm_model.interop.checkpoint import CheckpointError
+from pipelines.cli import CommandError, run_command
+from pipelines.data.tokenizer import TokenizerError
+from pipelines.logs import add_logging_flags
+from pipelines.registry import RegistryError
+from pipelines.serving.generate import as_json_rows, open_generator, run_generation
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,29 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", help="work directory (default: $ADLM_WORKDIR or ./work): tracking store and cache")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the workdir's)")
     p.add_argument("--json", action="store_true", help="print one JSON object per sample (a JSON list)")
-    from pipelines.logs import add_logging_flags
-
     add_logging_flags(p)  # -q: no progress bar
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from adlm_model.config import ConfigError
-    from adlm_model.inference.textgen import GenerationError
-    from adlm_model.interop.checkpoint import CheckpointError
-    from pipelines.cli import run_command
-    from pipelines.data.tokenizer import TokenizerError
-    from pipelines.registry import RegistryError
-
     return run_command(build_parser(), _run, argv,
                        bad_input=(GenerationError, RegistryError, CheckpointError, ConfigError, TokenizerError))
 
 
 def _run(args: argparse.Namespace) -> int:
-    from adlm_model.inference.limits import LimitError
-    from pipelines.cli import CommandError
-    from pipelines.serving.generate import as_json_rows, open_generator, run_generation
-
     request = GenerationRequest(prompt=args.prompt, suffix=args.suffix, length=args.length, steps=args.steps,
                                 sampler=args.sampler, nucleus_p=args.nucleus_p, seed=args.seed,
                                 num_samples=args.num_samples, threshold=args.threshold, block=args.block,

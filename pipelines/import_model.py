@@ -23,8 +23,16 @@ import json
 import sys
 from collections.abc import Sequence
 
+from pipelines.cli import run_command
+from pipelines.logs import add_logging_flags
+from pipelines.registry import RegistryError
+from pipelines.serving.importing import ImportInputError, import_model
+from pipelines.storage import resolve_workdir
+from pipelines.tracking import require_server, resolve_tracking_uri
+
 
 def build_parser() -> argparse.ArgumentParser:
+    # lazy: keeps torch out of this module's import
     from adlm_model.interop.reference_layouts import FAMILIES
 
     p = argparse.ArgumentParser(
@@ -47,29 +55,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", help="work directory (default: $ADLM_WORKDIR or ./work): tracking store and cache")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the workdir's)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    from pipelines.logs import add_logging_flags
-
     add_logging_flags(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # lazy: keeps torch out of this module's import
     from adlm_model.config import ConfigError
     from adlm_model.interop.checkpoint import CheckpointError
     from adlm_model.interop.safe_pickle import UnsafePickleError
-    from pipelines.cli import run_command
-    from pipelines.registry import RegistryError
-    from pipelines.serving.importing import ImportInputError
-
     return run_command(build_parser(), _run, argv,
                        bad_input=(ImportInputError, CheckpointError, UnsafePickleError, ConfigError, RegistryError))
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipelines.serving.importing import import_model
-    from pipelines.storage import resolve_workdir
-    from pipelines.tracking import require_server, resolve_tracking_uri
-
     if not args.inspect:  # an import registers: a tracking server that does not answer is said before any work
         require_server(args.tracking_uri or resolve_tracking_uri(resolve_workdir(args.workdir)), "an import")
     res = import_model(args.source, name=args.name, revision=args.revision, family=args.family,
@@ -84,6 +83,7 @@ def _run(args: argparse.Namespace) -> int:
         what = "imported" if res["new"] else "already imported (nothing new registered):"
         print(f"{what} {args.source} ({res['family']} -> {res['kind']}, {res['parameters']:,} parameters) as "
               f"{res['uri']}")
+        # lazy: keeps torch out of this module's import
         from adlm_model.kinds import model_kind
 
         suite = "gen_ppl" if model_kind(res["kind"]).sample_only else "ppl"  # a sample-only kind has no likelihood

@@ -210,6 +210,7 @@ class WorkerOutput:
 
     def __call__(self, data: dict[str, Any]) -> None:
         """One batch of a worker's lines (Ray's ``{"lines": [...], "pid": ..., ...}``)."""
+        # lazy: keeps ray out of this module's import
         from ray.experimental.tqdm_ray import RAY_TQDM_MAGIC
 
         node = data.get("pid") in ("raylet", "autoscaler")
@@ -231,6 +232,7 @@ class WorkerOutput:
     @contextlib.contextmanager
     def track(self, run: str, total: int, start: int = 0) -> Iterator[None]:
         """A bar of ``run``'s optimiser steps, moved by its workers' progress lines while the block runs."""
+        # lazy: keeps tqdm out of this module's import
         from tqdm import tqdm
 
         bar = tqdm(total=total, initial=start, desc=run, unit="step", file=self.stream, dynamic_ncols=True)
@@ -337,6 +339,7 @@ def quiet_ray_data() -> None:
     with ``-v``; its warning that progress bars are off never (the project turns them off on purpose: its own
     progress is shown). Ray Data's log file keeps everything. Call after ``import ray.data`` (which configures its
     logger)."""
+    # lazy: keeps ray out of this module's import
     from ray.util.debug import log_once
 
     level = logging.INFO if verbosity() > 0 else logging.WARNING

@@ -30,7 +30,10 @@ from typing import Any
 
 import adlm_model
 from adlm_model.inference.textgen import SPECIAL_TOKENS_FILE
+from adlm_model.interop.checkpoint import read_config
 from pipelines.compat import mlflow as compat_mlflow
+from pipelines.data.tokenizer import TokenizerError, load_tokenizer
+from pipelines.tracking import client
 
 CODE_FILE = Path(__file__).parent / "serving" / "pyfunc_model.py"
 """The model's code (models-from-code)."""
@@ -62,6 +65,7 @@ def signature() -> Any:
     does not name before the model sees them, so a misspelt field (``lenght``) would be answered with the
     default instead of refused. The request fields and their types are ``REQUEST_FIELDS`` (the MLmodel's
     metadata), checked by ``adlm_model.inference.textgen`` (integers, ranges, unknown fields) and ``adlm_model.inference.limits``."""
+    # lazy: keeps mlflow out of this module's import
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, Schema
 
@@ -79,9 +83,6 @@ def pip_requirements() -> list[str]:
 
 def stage_checkpoint(src: Path, dst: Path) -> Path:
     """Copy the checkpoint files the model serves into ``dst`` and add ``special_tokens.json``."""
-    from adlm_model.interop.checkpoint import read_config
-    from pipelines.data.tokenizer import TokenizerError, load_tokenizer
-
     missing = [f for f in ("config.json", "model.safetensors") if not (src / f).is_file()]
     if missing:
         raise ModelPackagingError(f"checkpoint {src} lacks {', '.join(missing)}: register a folder written by "
@@ -121,6 +122,7 @@ def using_tracking_uri(tracking_uri: str) -> Iterator[None]:
     logged model up with a default client), read the tracking store from that global, not from a client.
     Restored by hand: ``mlflow.set_tracking_uri(None)`` would also delete a ``MLFLOW_TRACKING_URI`` that the
     user's environment set."""
+    # lazy: keeps mlflow out of this module's import
     import mlflow
 
     old_global, old_env = compat_mlflow.global_tracking_uri(), os.environ.get("MLFLOW_TRACKING_URI")
@@ -138,10 +140,9 @@ def using_tracking_uri(tracking_uri: str) -> Iterator[None]:
 def log_text_model(run_id: str, checkpoint_dir: Path, tracking_uri: str, tmp: Path) -> Any:
     """Log the MLflow Model of ``checkpoint_dir`` into run ``run_id``; returns MLflow's ``ModelInfo``
     (``model_id``, ``model_uri``). ``tmp``: a scratch folder for the staged checkpoint."""
+    # lazy: keeps mlflow out of this module's import
     import mlflow
     from mlflow.models import Model
-
-    from pipelines.tracking import client
 
     staged = stage_checkpoint(checkpoint_dir, tmp / CHECKPOINT_KEY)
     c = client(tracking_uri)
@@ -161,6 +162,7 @@ def log_text_model(run_id: str, checkpoint_dir: Path, tracking_uri: str, tmp: Pa
 
 def checkpoint_in_model(model_dir: Path) -> Path | None:
     """The checkpoint folder inside a downloaded MLflow Model (from its MLmodel), None if it is not one."""
+    # lazy: keeps yaml out of this module's import
     import yaml
 
     mlmodel = model_dir / "MLmodel"

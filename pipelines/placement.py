@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -36,6 +37,8 @@ from typing import Any
 
 from pipelines.compat import ray as compat_ray
 from pipelines.logs import get_logger
+from pipelines.runtime import GPU_NODE_KIND, NODE_KIND_LABEL
+from pipelines.settings import env_number
 
 log = get_logger(__name__)
 
@@ -137,6 +140,7 @@ class PlacementWatch:
             # Ray may still be half imported by the main thread (lm-eval imports it late): no reading this time.
             if not ray.is_initialized():
                 return None
+            # lazy: imports no Ray where the command has none (checked above)
             from ray.autoscaler.v2.sdk import get_cluster_status
 
             return get_cluster_status(ray.get_runtime_context().gcs_address, timeout=10)
@@ -195,8 +199,6 @@ _active: list[PlacementWatch] = []
 def timeout_s() -> float:
     """``ADLM_PLACEMENT_TIMEOUT_S`` (seconds; 0 turns the deadline off), else 900; a ``SettingError`` (one line,
     exit 2) for anything else."""
-    from pipelines.settings import env_number
-
     return float(env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
 
 
@@ -242,6 +244,7 @@ def release_orphaned_groups() -> list[str]:
     registered in the moment after its creator died is never marked so, and outlives the job (seen: a smoke job's
     trial group still reserved after the job ended). Nothing can use a group whose creator is gone (its workers die
     with it): removing it is safe while other work runs."""
+    # lazy: keeps ray out of this module's import
     import ray
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
@@ -359,8 +362,6 @@ def without_autoscaler(report: bytes | str | None) -> bool:
     will add. That provider types every node ``node_<its id>``; an autoscaler (cluster.yaml's, KubeRay's) types
     them by its node types. False when there is no report to read (a head just started, or an autoscaler that
     writes none, such as the v2 one): a cluster that may grow."""
-    import json
-
     try:
         summary = (json.loads(report).get("autoscaler_report") or {}) if report else {}
         mapping = summary.get("node_type_mapping") or {}
@@ -377,6 +378,7 @@ def autoscaling_report() -> bytes | None:
 def own_ray() -> bool:
     """Whether this process started the Ray it is connected to: a driver (no Ray task or actor runs it) without
     ``$RAY_ADDRESS``, for which ``init_ray`` starts a local Ray."""
+    # lazy: keeps ray out of this module's import
     import ray
 
     # The worker mode, not get_task_id(): asked in a driver, that logs a warning of Ray's on the console.
@@ -390,9 +392,8 @@ def fixed_nodes(cpu_work: bool = False) -> list[dict[str, float]] | None:
     launch, which ``placement_deadline`` bounds). A Ray task or actor (a Tune trial) started no Ray, whatever its
     environment says: only the monitor's report tells. ``cpu_work``: only the nodes CPU-only work may use (not
     those labelled GPU nodes: ``pipelines.runtime.cpu_work_selector``)."""
+    # lazy: keeps ray out of this module's import
     import ray
-
-    from pipelines.runtime import GPU_NODE_KIND, NODE_KIND_LABEL
 
     if not ray.is_initialized() or not (own_ray() or without_autoscaler(autoscaling_report())):
         return None

@@ -21,7 +21,9 @@ from pipelines.configlib import descriptions
 from pipelines.data.detokenizers import DETOKENIZERS
 from pipelines.data.encoder import ENGINES
 from pipelines.data.plan import PrepareConfig, PrepareError
-from pipelines.data.sources import KNOWN_SOURCES
+from pipelines.data.prepare import prepare
+from pipelines.data.sources import KNOWN_SOURCES, SourceError
+from pipelines.data.tokenizer import TokenizerError
 from pipelines.logs import add_logging_flags
 
 FLAG_EXTRAS: dict[str, dict[str, Any]] = {
@@ -81,16 +83,11 @@ def config_of(args: argparse.Namespace) -> PrepareConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipelines.data.sources import SourceError
-    from pipelines.data.tokenizer import TokenizerError
-
     return run_command(build_parser(), _run, argv, bad_input=(PrepareError, SourceError, TokenizerError),
                        label="prepare_data: error")
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipelines.data.prepare import prepare
-
     for split, m in prepare(config_of(args), shutdown_ray=True).items():  # the result; progress went to the log
         print(f"{split}: {m.rows:,} rows x {m.length} tokens in {len(m.shards)} shards ({m.tokens:,} tokens)")
     return 0

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.storage import download_dir, is_uri, node_cache_dir
-from pipelines.tracking import client, redact_uri
+from pipelines.tracking import client, redact_uri, require_server, resolve_tracking_uri
 
 DEFAULT_MODEL_NAME = "adlm"
 CHECKPOINT_ARTIFACT = "checkpoint"
@@ -45,6 +45,7 @@ class RegistryError(ValueError):
 def training_tags(model_cfg: Any, **extra: Any) -> dict[str, Any]:
     """The tags every registered training checkpoint carries: its kind and, for the anchored kind only,
     gamma and tau (an MDLM, AR or BD3-LM version has no anchor loss to describe), plus ``extra``."""
+    # lazy: keeps torch out of this module's import
     from adlm_model.kinds import model_kind
 
     tags: dict[str, Any] = {"kind": model_cfg.kind}
@@ -62,14 +63,12 @@ def register_checkpoint(run_id: str, name: str, tags: dict[str, Any], *, trackin
     The checkpoint is the run's artifact folder ``artifact_path``; ``checkpoint_dir``, a local copy of it,
     saves the download. A checkpoint that lacks a file raises RegistryError before anything is registered.
     """
-    import tempfile
-
+    # lazy: keeps mlflow out of this module's import
     import mlflow
     from mlflow.exceptions import MlflowException
 
+    # lazy: keeps torch out of this module's import
     from pipelines.mlflow_model import ModelPackagingError, log_text_model, using_tracking_uri
-    from pipelines.tracking import resolve_tracking_uri
-
     uri = tracking_uri or resolve_tracking_uri()
     c = client(uri)
     source = c.get_run(run_id).info.artifact_uri.rstrip("/") + "/" + artifact_path
@@ -156,6 +155,7 @@ def check_names(name: str | None, aliases: Sequence[str] = ()) -> None:
 def registered_version(name: str, run_id: str, step: int, *, tracking_uri: str | None = None) -> Any:
     """The version already registered from training run ``run_id`` at ``step``, or None: what makes a rerun
     of a finished run (training, sweep, the whole pipeline) register nothing new and move no alias."""
+    # lazy: keeps mlflow out of this module's import
     from mlflow.exceptions import MlflowException
 
     c = client(tracking_uri)
@@ -177,9 +177,8 @@ def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
 
 def get_version(uri: str, tracking_uri: str | None = None):
     """The ModelVersion a ``models:/`` URI names, or a one-line RegistryError."""
+    # lazy: keeps mlflow out of this module's import
     from mlflow.exceptions import MlflowException
-
-    from pipelines.tracking import require_server
 
     name, version, alias = parse_model_uri(uri)
     require_server(tracking_uri, f"reading {uri}")  # seconds, not MLflow's minutes of retries on a dead server
@@ -199,6 +198,7 @@ def get_version(uri: str, tracking_uri: str | None = None):
 def _what_exists(c: Any, name: str) -> str:
     """`` (it has versions 1-3; aliases champion=2)`` or `` (no model of that name)``: what the message of a
     missing version offers instead (``mlflow models`` has no list command)."""
+    # lazy: keeps mlflow out of this module's import
     from mlflow.exceptions import MlflowException
 
     try:
@@ -216,6 +216,7 @@ def _what_exists(c: Any, name: str) -> str:
 def download_version(uri: str, tracking_uri: str | None = None, dst: str | os.PathLike | None = None) -> Path:
     """Download the files of the version a ``models:/`` URI names; returns the local folder (an MLflow Model,
     or a bare checkpoint folder for a version registered before versions were MLflow Models)."""
+    # lazy: keeps mlflow out of this module's import
     import mlflow
     from mlflow.exceptions import MlflowException
 
@@ -233,6 +234,7 @@ def download_version(uri: str, tracking_uri: str | None = None, dst: str | os.Pa
 
 def checkpoint_of(local: str | os.PathLike) -> Path:
     """The checkpoint folder of a downloaded version (``download_version``), or RegistryError."""
+    # lazy: keeps torch out of this module's import
     from pipelines.mlflow_model import checkpoint_in_model
 
     root = Path(local)

@@ -34,6 +34,9 @@ import time
 
 from adlm_model.config import ConfigError
 from pipelines.cli import run_command
+from pipelines.data.prepare import prepare
+from pipelines.evaluation.config import EvalConfig
+from pipelines.evaluation.promotion import PromotionConfig, outcomes_markdown, stage_all
 from pipelines.logs import add_logging_flags
 from pipelines.orchestration.profiles import PROFILES, prepare_options, profile, validate_profile
 from pipelines.orchestration.summary import write_summary
@@ -82,12 +85,11 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
     # 1. Data.
     _banner(f"1/4 prepare data ({prof.name}) -> {join(wd, 'data')}")
     t = time.time()
-    from pipelines.data.prepare import prepare
-
     prepare(prepare_options(prof, wd))
     timings["prepare"] = time.time() - t
 
     # 2. Training runs.
+    # lazy: keeps torch.distributed out of this module's import
     from pipelines.training.trainer import train
 
     results = {}
@@ -104,6 +106,7 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
     if space is not None:
         _banner(f"3/4 gamma/tau sweep {space.name} ({space.total_trials} trials, ASHA)")
         t = time.time()
+        # lazy: keeps ray out of this module's import
         from pipelines.tuning.sweep import sweep
 
         sweep_res = sweep(space, PROJECT_ROOT / "configs" / "demo.yaml", prof.sweep_overrides, workdir=wd,
@@ -115,9 +118,6 @@ def run(profile_name: str = "demo", *, workdir: str | os.PathLike | None = None,
     # 4. Staged evaluation and promotion.
     _banner("4/4 staged evaluation of every @candidate and promotion to @champion")
     t = time.time()
-    from pipelines.evaluation.config import EvalConfig
-    from pipelines.evaluation.promotion import PromotionConfig, outcomes_markdown, stage_all
-
     model_name = cfgs[0][1].mlflow.registered_model
     outcomes = stage_all(PromotionConfig(model_name=model_name, **prof.promotion), EvalConfig(**prof.eval_settings),
                          workdir=wd, tracking_uri=uri)

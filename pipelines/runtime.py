@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,7 @@ def cpu_placement(bundle: dict[str, float]) -> Any:
     """What a Tune trial reserves for its own process (``tune.with_resources``): ``bundle`` (zero amounts left
     out), one bundle that carries the CPU-work selector. A trial's driver is CPU work whatever its training
     workers use; those ask for their own resources (Ray Train's worker group)."""
+    # lazy: keeps ray out of this module's import
     from ray.tune import PlacementGroupFactory
 
     return PlacementGroupFactory([{k: v for k, v in bundle.items() if v}], bundle_label_selector=[cpu_work_selector()])
@@ -73,6 +75,7 @@ def cpu_placement(bundle: dict[str, float]) -> Any:
 def driver_resources(cpu: float) -> dict[str, float]:
     """What a long-lived driver (a Tune trial's driver function) asks for: a sliver of ``DRIVER_RESOURCE`` and no
     CPU where the cluster offers that resource, else ``cpu`` CPUs (a local Ray, a cluster without the label)."""
+    # lazy: keeps ray out of this module's import
     import ray
 
     if ray.is_initialized() and ray.cluster_resources().get(DRIVER_RESOURCE):
@@ -91,6 +94,7 @@ TOKEN_HINT = ("export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<the cluster's toke
 def _connect(address: str, env: dict | None) -> None:
     """``ray.init`` on a running cluster, its refusals turned into one line. A token the GCS refuses (or a driver
     whose RAY_AUTH_MODE is not ``token``) reads as a connection failure to Ray: the line names both causes."""
+    # lazy: keeps ray out of this module's import
     import ray
     from ray.exceptions import AuthenticationError
 
@@ -140,6 +144,7 @@ def forwarded_env() -> dict[str, str]:
 def spans_nodes() -> bool:
     """Whether this process's Ray can run work on another machine: a cluster of several nodes, or one whose
     head has no CPUs (an autoscaling cluster whose workers are not up yet: every task will run elsewhere)."""
+    # lazy: keeps ray out of this module's import
     import ray
 
     if not ray.is_initialized():
@@ -159,6 +164,7 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, dashboa
     it (``dashboard=False``: seconds faster). ``env_vars``: extra environment for a local Ray's workers
     (without it they inherit this process's and the raylet's prestarted workers serve at once).
     """
+    # lazy: keeps ray out of this module's import
     import ray
 
     if ray.is_initialized():
@@ -182,8 +188,6 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, dashboa
                  configure_logging=False, runtime_env=runtime_env, _system_config=LOCAL_SYSTEM_CONFIG)
         route_worker_output()
         return True
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -21,10 +21,15 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from pipelines.cli import run_command
+from pipelines.logs import add_logging_flags
+from pipelines.registry import RegistryError, download_version
+from pipelines.serving.server import BODY_ENV, DEFAULT_MAX_BODY_BYTES, MODEL_PATH_ENV, max_body_bytes
+from pipelines.storage import resolve_workdir
+from pipelines.tracking import resolve_tracking_uri
+
 
 def build_parser() -> argparse.ArgumentParser:
-    from pipelines.serving.server import BODY_ENV, DEFAULT_MAX_BODY_BYTES
-
     p = argparse.ArgumentParser(
         prog="python -m pipelines.serve", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Serve a registered version over HTTP (MLflow's scoring server: POST /invocations) with a "
@@ -42,22 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "one is refused with HTTP 413")
     p.add_argument("--workdir", help="work directory (default: $ADLM_WORKDIR or ./work): tracking store")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the workdir's)")
-    from pipelines.logs import add_logging_flags
-
     add_logging_flags(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from pipelines.cli import run_command
-    from pipelines.registry import RegistryError
-
     return run_command(build_parser(), _run, argv, bad_input=(RegistryError, ValueError))
 
 
 def _check(args: argparse.Namespace) -> None:
-    from pipelines.serving.server import BODY_ENV, max_body_bytes
-
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1-65535, got {args.port}")
     if args.workers < 1:
@@ -71,12 +69,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def model_folder(model: str, tracking_uri: str | None, workdir: str | None, dst: Path) -> Path:
     """The MLflow Model folder to serve: a ``models:/`` version downloaded into ``dst``, or a local folder."""
-    from pipelines.registry import RegistryError, download_version
-
     if model.startswith("models:/"):
-        from pipelines.storage import resolve_workdir
-        from pipelines.tracking import resolve_tracking_uri
-
         local = download_version(model, tracking_uri or resolve_tracking_uri(resolve_workdir(workdir)), dst)
     else:
         local = Path(model).expanduser()
@@ -87,9 +80,8 @@ def model_folder(model: str, tracking_uri: str | None, workdir: str | None, dst:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # lazy: keeps uvicorn out of this module's import
     import uvicorn
-
-    from pipelines.serving.server import MODEL_PATH_ENV
 
     _check(args)
     # uvicorn and anything the served model starts come from this environment, whatever PATH the shell had.

@@ -16,6 +16,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pipelines.faults import faults
+
 
 class SettingError(ValueError):
     """A setting of the environment that cannot be used; the message names it, its value and what it takes."""
@@ -71,8 +73,6 @@ def env_number(name: str, default: float | int, environ: Mapping[str, str] | Non
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
     """Refuse, in one line, any ``ADLM_*`` number setting or ``$ADLM_FAULT`` entry that cannot be used."""
-    from pipelines.faults import faults
-
     for s in NUMBERS:
         env_number(s.name, 0, environ)
     try:

@@ -139,6 +139,7 @@ class ResilientLogger:
 
     # -- the sender thread ------------------------------------------------------------------------------
     def _run(self) -> None:
+        # lazy: keeps mlflow out of this module's import
         from mlflow.entities import Metric
 
         delay = self.retry_s
@@ -187,6 +188,7 @@ def last_logged_step(tracking_uri: str, run_id: str, key: str = "train/loss") ->
 def send_spool(tracking_uri: str, run_id: str, spool_dir: str) -> int:
     """Send the metrics a run could not send (``ResilientLogger.close``), skipping steps already stored
     per key; the spool files are removed once sent. Returns how many metrics were sent."""
+    # lazy: keeps mlflow out of this module's import
     from mlflow.entities import Metric
 
     files = [f for f in list_dir(spool_dir) if f.endswith(".jsonl")]

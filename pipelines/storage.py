@@ -27,12 +27,14 @@ import hashlib
 import os
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from pipelines.logs import first_line, get_logger
+from pipelines.runtime import spans_nodes
 
 log = get_logger(__name__)
 
@@ -67,6 +69,7 @@ def local_path(path: str | os.PathLike) -> Path | None:
 
 def get_fs(path: str | os.PathLike) -> tuple[Any, str]:
     """(pyarrow filesystem, path inside it) for a local path, ``file://`` or an object-store URI."""
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.fs as pafs
 
     s = str(path)
@@ -109,6 +112,7 @@ def read_text(path: str | os.PathLike) -> str:
 
 
 def exists(path: str | os.PathLike) -> bool:
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.fs as pafs
 
     fs, p = get_fs(path)
@@ -116,6 +120,7 @@ def exists(path: str | os.PathLike) -> bool:
 
 
 def is_file(path: str | os.PathLike) -> bool:
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.fs as pafs
 
     fs, p = get_fs(path)
@@ -144,6 +149,7 @@ def make_dirs(path: str | os.PathLike) -> None:
 
 def list_dir(path: str | os.PathLike) -> list[str]:
     """Names of the entries directly under ``path`` (empty when it does not exist)."""
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.fs as pafs
 
     fs, p = get_fs(path)
@@ -155,6 +161,7 @@ def list_dir(path: str | os.PathLike) -> list[str]:
 def delete_dir(path: str | os.PathLike) -> None:
     """Remove a folder and everything under it (nothing when it does not exist). A folder that stays (permissions,
     a store that refuses) is a StorageError: the caller meant it gone (``--overwrite``, a stale temporary)."""
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.fs as pafs
 
     fs, p = get_fs(path)
@@ -182,6 +189,7 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 
 def upload_dir(local: str | os.PathLike, dest: str | os.PathLike) -> str:
     """Copy a local folder to ``dest`` (local or remote), replacing what was there; returns ``dest``."""
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.fs as pafs
 
     dest = str(dest)
@@ -194,6 +202,7 @@ def upload_dir(local: str | os.PathLike, dest: str | os.PathLike) -> str:
 
 def download_dir(src: str | os.PathLike, local: str | os.PathLike) -> Path:
     """Copy a folder (local or remote) to a local folder; returns it."""
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.fs as pafs
 
     fs, p = get_fs(src)
@@ -227,8 +236,6 @@ def temp_dir(prefix: str = "adlm-") -> Path:
 def _host_tag() -> str:
     """This host, as a folder-name part: process ids are only comparable on one host (a temp dir shared by
     containers with their own process ids would otherwise lose a live process's folder)."""
-    import socket
-
     return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
 
 
@@ -262,8 +269,6 @@ def warn_if_node_local(paths: list[str] | tuple[str, ...], what: str) -> bool:
     """Say so (one line) when ``paths`` include a path on this node's disk while Ray's work runs on other
     nodes: they must see it at the same path (a shared filesystem), else each node reads and writes its own
     partial copy. Returns whether it warned."""
-    from pipelines.runtime import spans_nodes
-
     local = [str(p) for p in paths if not is_uri(p)]
     if not local or not spans_nodes():
         return False
@@ -288,6 +293,7 @@ def shared_cache_entry(local: Path, build: Callable[[Path], None], complete: Cal
     Sharing is best effort: without it each node builds its own."""
 
     def share() -> None:
+        # lazy: keeps pyarrow out of this module's import
         from pyarrow.lib import ArrowException
 
         try:
@@ -329,6 +335,7 @@ def _node_lock(path: Path) -> Iterator[None]:
     however it ends). Where there is no ``fcntl``, no lock: concurrent builders then each build, and the first
     rename wins."""
     try:
+        # lazy: optional: fcntl may be absent, and that is handled
         import fcntl
     except ImportError:  # not POSIX
         yield
@@ -371,6 +378,7 @@ def cache_dir(workdir: str | os.PathLike | None = None, *parts: str) -> Path:
 def check_location(uri: str) -> None:
     """One-line StorageError unless ``uri``'s store answers: the scheme is served, the endpoint is reachable,
     the bucket exists and the credentials are accepted. Cached per process (checked once)."""
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.fs as pafs
     from pyarrow.lib import ArrowException
 
@@ -403,6 +411,7 @@ def check_location(uri: str) -> None:
 def _aws_credentials() -> bool:
     """Whether the AWS credential chain (environment, profile files, instance role) yields credentials."""
     try:
+        # lazy: optional: botocore may be absent, and that is handled
         import botocore.session
     except ImportError:  # no botocore: leave the check to the store itself
         return True

@@ -15,6 +15,7 @@ import sys
 from adlm_model.config import ConfigError
 from pipelines.cli import run_command
 from pipelines.logs import add_logging_flags
+from pipelines.tracking import TrackingAuthError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,12 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipelines.tracking import TrackingAuthError
-
     return run_command(build_parser(), _run, argv, bad_input=(ConfigError, TrackingAuthError), failed=(RuntimeError,))
 
 
 def _run(args: argparse.Namespace) -> int:
+    # lazy: keeps pydantic, torch.utils.flop_counter, yaml out of this module's import
     from pipelines.studies.runner import plan_study, run_study
     from pipelines.studies.spec import load_study
 

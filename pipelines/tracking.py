@@ -111,6 +111,7 @@ def check_tracking_uri(uri: str) -> None:
 def client(tracking_uri: str | None) -> Any:
     """An ``MlflowClient`` whose tracking and registry URIs are both ``tracking_uri`` (checked:
     ``check_tracking_uri``)."""
+    # lazy: keeps mlflow out of this module's import
     import mlflow
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
@@ -131,6 +132,7 @@ def ensure_experiment(name: str, tracking_uri: str, workdir: str | os.PathLike |
         # A local store names its artifact location; a server decides its own (--artifacts-destination).
         wd = resolve_workdir(workdir)
         artifact_location = join(wd, "mlartifacts") if is_uri(wd) else (Path(wd) / "mlartifacts").as_uri()
+    # lazy: keeps mlflow out of this module's import
     from mlflow.exceptions import MlflowException
 
     try:
@@ -145,6 +147,7 @@ def ensure_experiment(name: str, tracking_uri: str, workdir: str | os.PathLike |
 def find_or_create_run(tracking_uri: str, experiment_id: str, run_name: str, *, run_id: str | None = None,
                        tags: dict[str, str] | None = None, parent_run_id: str | None = None) -> tuple[str, bool]:
     """(run id, created). ``run_id`` (from a checkpoint) wins; else the run tagged with this name."""
+    # lazy: keeps mlflow out of this module's import
     from mlflow.exceptions import MlflowException
 
     c = client(tracking_uri)
@@ -171,6 +174,7 @@ def find_or_create_run(tracking_uri: str, experiment_id: str, run_name: str, *, 
 def log_params_once(tracking_uri: str, run_id: str, params: dict[str, Any]) -> None:
     """Log params that the run does not have yet (MLflow params are immutable); changed values of a
     resumed run (e.g. a longer max_steps) go to tags ``resumed.<key>``."""
+    # lazy: keeps mlflow out of this module's import
     from mlflow.entities import Param, RunTag
 
     c = client(tracking_uri)
@@ -203,6 +207,7 @@ def _auth_headers_and_basic(tracking_uri: str) -> tuple[dict[str, str], tuple[st
     if token:
         return {"Authorization": f"Bearer {token}"}, None
     try:
+        # lazy: keeps mlflow out of this module's import; a release without it falls back to the environment
         from mlflow.utils.credentials import read_mlflow_creds
 
         creds = read_mlflow_creds()
@@ -229,6 +234,7 @@ def probe(tracking_uri: str, timeout: float = 5.0) -> str | None:
     check_tracking_uri(tracking_uri)
     if not tracking_uri.startswith(("http://", "https://")):
         return None
+    # lazy: keeps requests out of this module's import
     import requests
 
     headers, basic = _auth_headers_and_basic(tracking_uri)
@@ -342,9 +348,11 @@ def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, 
 
 def plot_loss_curve(tracking_uri: str, run_id: str, out: str | os.PathLike) -> Path | None:
     """PNG of training loss / NLL and validation PPL against steps from the stored history."""
+    # lazy: keeps matplotlib out of this module's import
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: keeps matplotlib out of this module's import
     import matplotlib.pyplot as plt
 
     series = {k: metric_history(tracking_uri, run_id, k) for k in ("train/loss", "train/nll", "val/ppl")}

@@ -12,10 +12,14 @@ import argparse
 import json
 import sys
 
+import yaml
+
 from adlm_model.config import ConfigError
 from pipelines.cli import run_command
+from pipelines.configlib import keys_help
 from pipelines.logs import add_logging_flags
-from pipelines.training.config import load_config
+from pipelines.training.acot_run import finetune
+from pipelines.training.config import load_config, recipe_keys
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,9 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     if "--help-config" in (sys.argv[1:] if argv is None else argv):  # before --config is required
-        from pipelines.configlib import keys_help
-        from pipelines.training.config import recipe_keys
-
         print(keys_help(recipe_keys(), "Recipe keys (a YAML section's key, or --set SECTION.KEY=VALUE)"))
         return 0
     # ValueError: bad input (ConfigError and the checks before any work); RuntimeError: TrainError, training
@@ -65,16 +66,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.init:
         cfg.run.init = args.init
     if args.print_config:
-        import yaml
-
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
     if cfg.acot.arm:  # anchored chain-of-thought fine-tuning on reasoning rows: its own staged loop
-        from pipelines.training.acot_run import finetune
-
         res = finetune(cfg, workdir=args.workdir)
         print(json.dumps(res.summary()))
     else:
+        # lazy: keeps torch.distributed out of this module's import
         from pipelines.training.trainer import train
 
         res = train(cfg, workdir=args.workdir)

@@ -16,6 +16,7 @@ import sys
 from adlm_model.config import ConfigError
 from pipelines.cli import run_command
 from pipelines.logs import add_logging_flags
+from pipelines.tuning.report import table_markdown
 from pipelines.tuning.space import load_space, parse_space
 
 
@@ -67,6 +68,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.num_samples is not None:
         space = dataclasses.replace(space, num_samples=args.num_samples)
         parse_space(space.to_raw(), space.source)
+    # lazy: keeps ray, torch.utils.flop_counter out of this module's import
     from pipelines.tuning.experiment import check_lines, plan_tune, run_tune, with_confirm
 
     if args.confirm is not None:
@@ -80,8 +82,6 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     out = run_tune(space, args.config, args.overrides, workdir=args.workdir)
     res = out.main
-    from pipelines.tuning.report import table_markdown
-
     print(table_markdown(res.trials, res.best), flush=True)
     if out.baseline is not None:
         print(table_markdown(out.baseline.trials, out.baseline.best), flush=True)

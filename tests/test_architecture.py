@@ -383,3 +383,46 @@ def test_the_public_api_stays_what_users_import() -> None:
     assert sorted(adlm_model.__all__) == sorted(PUBLIC_API)
     missing = [n for n in PUBLIC_API if not hasattr(adlm_model, n)]
     assert not missing, f"adlm_model.__all__ names what the package does not have: {missing}"
+
+
+LAZY = "# lazy:"
+"""An import inside a function carries this comment (on its line, or on a comment line of the block just above it)
+saying why it is not at the top: what it keeps out of the module's import (``import torch`` out of a command's
+``--help``), or an optional dependency whose absence is handled."""
+
+
+def lazy_imports_without_a_reason(path: Path, source: str) -> list[int]:
+    """Lines of imports inside functions with no ``# lazy: <why>`` beside them."""
+    lines = source.splitlines()
+    bad = []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            i = node.lineno - 1
+            ok = LAZY in lines[i]
+            j = i - 1
+            while not ok and j >= 0 and (lines[j].strip().startswith(("#", "import ", "from ")) or
+                                         lines[j].strip().endswith((",", "(")) or lines[j].strip() == ")"):
+                ok = lines[j].strip().startswith(LAZY) and len(lines[j].strip()) > len(LAZY) + 3
+                j -= 1
+            if not ok:
+                bad.append(node.lineno)
+    return sorted(set(bad))
+
+
+def test_imports_are_at_the_top_unless_lazy_for_a_reason() -> None:
+    """``pipelines`` imports at the top of its modules; an import inside a function says why (``# lazy: <why>``)."""
+    found = [f"{p.relative_to(ROOT)}:{line}" for name, p in MODULES.items() if name.startswith("pipelines")
+             for line in lazy_imports_without_a_reason(p, p.read_text())]
+    assert not found, "imports inside functions without a '# lazy: <why>' comment (move them to the top): " + \
+        ", ".join(found)
+
+
+def test_the_lazy_import_check_is_not_blind() -> None:
+    src = "import os\n\n\ndef f():\n    import json\n    # lazy: keeps torch out of this module's import\n" \
+          "    import torch\n    return json, torch\n"
+    assert lazy_imports_without_a_reason(Path("x.py"), src) == [5]
+

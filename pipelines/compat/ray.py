@@ -41,6 +41,7 @@ class PlacementGroupRecord:
 
 def placement_groups() -> list[PlacementGroupRecord]:
     """Every placement group the GCS knows, with its creator (connected Ray only)."""
+    # lazy: keeps ray out of this module's import
     from ray.core.generated import gcs_pb2
 
     accessor = STATE.load()._connect_and_get_accessor()

@@ -41,6 +41,7 @@ def _corpus_package(module: str) -> Path:
 
 def wikipedia_documents() -> list[str]:
     """Articles of gensim's shortened enwiki dump as plain text (title, blank line, body); redirects dropped."""
+    # lazy: keeps gensim out of this module's import
     from gensim.corpora.wikicorpus import extract_pages, filter_wiki
 
     files = sorted(glob.glob(str(_corpus_package("gensim") / "test" / "test_data" / "enwiki-*-shortened.bz2")))
@@ -90,6 +91,7 @@ def split_of(i: int) -> str:
 
 def embedded_corpus(workdir: str | os.PathLike | None = None, progress: Any = None) -> dict[str, Path]:
     """Extract (once) and return ``{split: parquet file with column text}`` of the embedded corpus."""
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -116,6 +118,7 @@ def embedded_slices(out_dir: str | os.PathLike, budgets: dict[str, int]) -> dict
     object store), one document a line, whitespace collapsed and each cut at 4,000 characters,
     ``budgets[split]`` characters in all. What the smoke profile and the tests prepare their tiny data from;
     an existing file is reused."""
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.parquet as pq
 
     files = embedded_corpus()

@@ -93,6 +93,7 @@ def gpt2_tiktoken_ranks(tokenizer_json: str) -> tuple[dict[bytes, int], dict[str
 
 def tiktoken_available() -> bool:
     try:
+        # lazy: optional: tiktoken may be absent, and that is handled
         import tiktoken  # noqa: F401
     except ImportError:
         return False
@@ -126,6 +127,7 @@ class DocEncoder:
     def __init__(self, tokenizer_json: str, engine: str = "auto") -> None:
         self.engine = resolve_engine(tokenizer_json, engine)
         if self.engine == "tiktoken":
+            # lazy: keeps tiktoken out of this module's import
             import tiktoken
 
             ranks, special = gpt2_tiktoken_ranks(tokenizer_json)  # type: ignore[misc]
@@ -133,6 +135,7 @@ class DocEncoder:
                                          special_tokens=special)
             self._special = set(special)
         else:
+            # lazy: keeps tokenizers out of this module's import
             from tokenizers import Tokenizer
 
             self._tok = Tokenizer.from_str(tokenizer_json)

@@ -56,6 +56,7 @@ def hub_files(src: NamedSource, split: str, mirror: str | None) -> list[str]:
         except SourceError as e:
             raise SourceError(f"the hub mirror {mirror} has no {src.hf_path}/{pattern} for {src.name}'s {split} "
                               "split; copy the dataset's files there (same paths as in the repository)") from e
+    # lazy: keeps huggingface_hub out of this module's import
     from huggingface_hub import HfFileSystem
 
     fs = HfFileSystem()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.logs import first_line
-from pipelines.storage import exists, is_uri, join, read_bytes, sha256_file, write_bytes_atomic
+from pipelines.storage import exists, get_fs, is_uri, join, read_bytes, sha256_file, write_bytes_atomic
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -208,10 +208,9 @@ class Manifest:
         ids; and no id the manifest counted (``token_frequency``) lies outside the vocabulary. A ``ManifestError``
         naming the shard otherwise: a truncated or replaced shard, or a manifest edited by hand, would fail only
         once training reads it (in a worker, after Ray's start-up and an MLflow run)."""
+        # lazy: keeps pyarrow out of this module's import
         import pyarrow as pa
         import pyarrow.parquet as pq
-
-        from pipelines.storage import get_fs
 
         fix = "rerun prepare_data for this split (it rewrites corrupt shards) or with --overwrite"
         total = sum(s.rows for s in self.shards)
@@ -301,6 +300,7 @@ def _uses_mask(kind: str | None) -> bool:
     """Whether a model kind reads the mask id (a diffusion kind; None: assume it does)."""
     if kind is None:
         return True
+    # lazy: keeps torch out of this module's import
     from adlm_model.kinds import KINDS  # here, not at import: the data stages' workers need no model code
 
     return kind not in KINDS or KINDS[kind].diffusion

@@ -51,6 +51,7 @@ neither deterministic names and bytes nor resumption by unit.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import sys
@@ -73,6 +74,7 @@ from pipelines.data.plan import (
     make_plan,
     split_docs,
 )
+from pipelines.data.reasoning.source import is_reasoning, prepare_reasoning
 from pipelines.data.shards import (
     Progress,
     add_counts,
@@ -85,7 +87,8 @@ from pipelines.data.shards import (
     write_progress,
 )
 from pipelines.data.sources import Unit
-from pipelines.data.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
+from pipelines.data.synthetic import is_testbed, prepare_testbed
+from pipelines.data.tokenizer import TokenizerInfo, load_tokenizer, tokenizer_from_json, train_bpe
 from pipelines.data.worker import PrepareUnits
 from pipelines.faults import fault
 from pipelines.logs import get_logger, quiet_ray_data, verbosity
@@ -115,8 +118,6 @@ def resolve_tokenizer(plan: Plan) -> TokenizerInfo:
             if meta != trained_on:
                 raise PrepareError(f"{tok_path} exists but was trained on other data or with another size; "
                                    "pass --overwrite (or another --out)")
-            from pipelines.data.tokenizer import tokenizer_from_json
-
             info = tokenizer_from_json(read_bytes(tok_path).decode("utf-8"), f"bpe-{plan.train_vocab}",
                                        path=tok_path if "://" in tok_path else os.path.abspath(tok_path))
             log(cfg, f"reusing the trained tokenizer {tok_path}")
@@ -159,6 +160,7 @@ def check_pad_length(plan: Plan, sp: SplitPlan, tok: TokenizerInfo, sample: int 
 
 
 def _versions() -> dict[str, str]:
+    # lazy: keeps pyarrow, ray, tokenizers out of this module's import
     import pyarrow
     import ray
     import tokenizers
@@ -171,11 +173,10 @@ def _project_version() -> str:
     """The installed project's version, read without importing ``adlm_model`` (its torch import costs 2 s)."""
     if "adlm_model" in sys.modules:
         return sys.modules["adlm_model"].__version__
-    import importlib.metadata
-
     try:
         return importlib.metadata.version("adlm-pipeline")
     except importlib.metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        # lazy: keeps torch out of this module's import
         from adlm_model import __version__
 
         return __version__
@@ -285,6 +286,7 @@ class SplitRun:
 def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine: str) -> dict[str, Manifest]:
     """One Ray Data pipeline over the remaining units of every split (one actor pool for all of them); the
     driver receives the units' records only, in whatever order they complete."""
+    # lazy: keeps ray out of this module's import
     import ray
     import ray.data as rdata
 
@@ -311,6 +313,7 @@ def run_splits(plan: Plan, tok: TokenizerInfo, runs: dict[str, SplitRun], engine
         started = time.time()
         for r in runs.values():
             r.t0 = started
+        # lazy: keeps tqdm out of this module's import
         from tqdm import tqdm
 
         bar = tqdm(total=len(items), desc="prepare", unit="unit", disable=verbosity() < 0, dynamic_ncols=True)
@@ -386,12 +389,8 @@ def prepare(config: PrepareConfig | None = None, *, shutdown_ray: bool = False) 
     cfg = config if config is not None else PrepareConfig()
     if not isinstance(cfg, PrepareConfig):
         raise TypeError(f"prepare() takes a PrepareConfig (PrepareConfig.from_dict for a mapping), not {type(cfg)}")
-    from pipelines.data.synthetic import is_testbed, prepare_testbed
-
     if is_testbed(cfg):  # generated, not read: no tokenisation, no Ray
         return prepare_testbed(cfg)
-    from pipelines.data.reasoning.source import is_reasoning, prepare_reasoning
-
     if is_reasoning(cfg):  # rows kept as rows (their layout changes with the stage): no packing, no Ray
         return prepare_reasoning(cfg)
     t0 = time.time()
@@ -436,6 +435,7 @@ def prepare(config: PrepareConfig | None = None, *, shutdown_ray: bool = False) 
             results.update(run_splits(plan, tok, runs, engine))
         finally:
             if started and shutdown_ray:
+                # lazy: keeps ray out of this module's import
                 import ray
 
                 ray.shutdown()

@@ -25,6 +25,7 @@ from pipelines.storage import get_fs
 
 def _read_piece(uri: str, columns: list[str], start: int, stop: int) -> list[Any]:
     """Rows ``[start, stop)`` of one shard, only ``columns`` (a read task's body, on whichever node runs it)."""
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.parquet as pq
 
     fs, path = get_fs(uri)
@@ -60,6 +61,7 @@ def read_pieces(shards: list[tuple[str, int]], blocks: int) -> list[tuple[str, i
 def split_dataset(manifest: Manifest, columns: list[str], *, blocks: int, num_cpus: float) -> Any:
     """The split's rows (``columns`` only) as a Ray Dataset of at least ``blocks`` blocks, in manifest order,
     read by tasks of ``num_cpus`` CPUs each and nothing else, ``read_concurrency`` of them at a time."""
+    # lazy: keeps pyarrow, ray out of this module's import
     import pyarrow as pa
     import pyarrow.parquet as pq
     import ray.data

@@ -15,6 +15,7 @@ from pipelines.storage import get_fs
 def read_rows(split_dir: str, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """Rows ``[start, stop)`` of a prepared split (manifest order): ``input_ids`` (int64) and the attention
     mask (int8) in pad mode, else None. Only the shards that hold those rows are read."""
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.parquet as pq
 
     m = read_manifest(split_dir)
@@ -43,6 +44,7 @@ def read_rows(split_dir: str, start: int = 0, stop: int | None = None) -> tuple[
 def read_row_indices(split_dir: str, indices: np.ndarray | list[int]) -> tuple[np.ndarray, np.ndarray | None]:
     """The rows at ``indices`` (sorted, distinct, in ``[0, rows)``) of a prepared split, in that order; each
     shard that holds one of them is read once."""
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.parquet as pq
 
     m = read_manifest(split_dir)

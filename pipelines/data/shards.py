@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from pipelines.data.manifest import MANIFEST_NAME, ManifestError, read_manifest
 from pipelines.data.plan import PrepareError
 from pipelines.storage import exists, get_fs, join, read_bytes, sha256_file, write_bytes_atomic
 
@@ -87,6 +88,7 @@ class Packer:
 
 def shard_bytes(ids: np.ndarray, mask: np.ndarray | None) -> bytes:
     """Parquet bytes of one shard: fixed_size_list<int32>[L] (+ fixed_size_list<int8>[L]); deterministic."""
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -175,9 +177,8 @@ def load_progress(split_dir: str, fingerprint: str, width: int, log: Callable[[s
     Keeps every unit whose record has this fingerprint and whose shard matches its sha256 (the records are
     read one at a time and their token counts summed, so the driver holds no more than one); deletes the rest
     of our own files (stale shards, ``.tmp`` files, the tail shard and manifest of an incomplete run)."""
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.fs as pafs
-
-    from pipelines.data.manifest import MANIFEST_NAME, ManifestError, read_manifest
 
     fs, inner = get_fs(split_dir)
     counts = np.zeros(width, np.int64)

@@ -9,7 +9,9 @@ and the tests run offline.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +106,7 @@ def source_fs(path: str) -> tuple[Any, str]:
     """(pyarrow filesystem, inner path) of an input: ``pipelines.storage.get_fs`` plus ``hf://`` (the Hugging
     Face Hub's files through ``huggingface_hub.HfFileSystem``, read where the caller runs: on the workers)."""
     if path.startswith("hf://"):
+        # lazy: keeps huggingface_hub, pyarrow out of this module's import
         import pyarrow.fs as pafs
         from huggingface_hub import HfFileSystem
 
@@ -130,6 +133,7 @@ def file_kind(path: str) -> str:
 
 def expand_local(spec: str) -> list[str]:
     """Files of a local path / glob / directory or object-store URI, sorted; SourceError if none."""
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.fs as pafs
 
     if not spec.strip():  # ``--source train=``: not the working directory
@@ -141,8 +145,6 @@ def expand_local(spec: str) -> list[str]:
         if any(ch in inner for ch in "*?["):
             base = inner.split("*", 1)[0].rsplit("/", 1)[0]
             infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
-            import fnmatch
-
             files = sorted(i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, inner))
         else:
             info = fs.get_file_info(inner)
@@ -221,6 +223,7 @@ def plan_units(files: list[str], unit_bytes: int, start_index: int = 0,
     (grouped to about ``unit_bytes`` of uncompressed data) as row ranges within one file, so that a unit never
     spans two files. ``rows``: only rows ``[lo, hi)`` of the files' concatenation (Parquet only: OpenWebText's
     held-out tail); a unit that straddles a bound is cut there."""
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.parquet as pq
 
     lo, hi = rows if rows is not None else (0, None)
@@ -258,6 +261,7 @@ def plan_units(files: list[str], unit_bytes: int, start_index: int = 0,
 
 def parquet_rows(files: list[str]) -> int:
     """Rows of Parquet files, from their footers."""
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.parquet as pq
 
     n = 0
@@ -306,8 +310,7 @@ def _decode_lines(data: bytes) -> tuple[list[str], int]:
 
 def read_unit(unit: dict[str, Any], text_field: str, text_unit: str = "line", hf_dataset: Any = None) -> UnitText:
     """Documents of one unit, in order. ``text_unit``: ``line`` (one document a line) or ``file`` (text files)."""
-    import json
-
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.parquet as pq
 
     kind = unit["kind"]
@@ -389,8 +392,7 @@ def check_text_file(path: str) -> None:
 
 def check_text_field(path: str, text_field: str) -> None:
     """SourceError (before any work) when a JSONL/Parquet file lacks ``text_field``."""
-    import json
-
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.parquet as pq
 
     kind = file_kind(path)
@@ -418,6 +420,7 @@ def check_text_field(path: str, text_field: str) -> None:
 
 def load_hf_split(src: NamedSource, split: str) -> tuple[Any, int, int]:
     """(datasets.Dataset, first row, rows) of ``split`` of a named source, loaded as an online user loads it."""
+    # lazy: keeps datasets out of this module's import
     import datasets
 
     hf_split = src.splits[split]

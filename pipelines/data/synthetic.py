@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
 import time
 from typing import Any
 
@@ -49,6 +51,7 @@ def is_testbed(cfg: PrepareConfig) -> bool:
 def testbed_options(cfg: PrepareConfig) -> tuple[dict[str, Any], dict[str, int]]:
     """(TestbedConfig fields, rows per split) from ``cfg.testbed`` (``KEY=VALUE`` strings or a mapping) and
     ``--length``; PrepareError naming a bad key or value."""
+    # lazy: keeps torch out of this module's import
     from adlm_model.testbed.language import TestbedConfig, TestbedError
 
     raw = cfg.testbed or {}
@@ -83,6 +86,7 @@ def testbed_options(cfg: PrepareConfig) -> tuple[dict[str, Any], dict[str, int]]
 
 def testbed_tokenizer(names: list[str]) -> str:
     """tokenizer.json of the language: one word a symbol, split on whitespace; specials recognised by name."""
+    # lazy: keeps tokenizers out of this module's import
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel(vocab={n: i for i, n in enumerate(names)}, unk_token="<pad>"))
@@ -92,6 +96,7 @@ def testbed_tokenizer(names: list[str]) -> str:
 
 
 def _check_tokenizer(info: TokenizerInfo) -> None:
+    # lazy: keeps torch out of this module's import
     from adlm_model.testbed.language import BOS_ID, EOS_ID, MASK_ID, PAD_ID
 
     got = (info.bos_id, info.eos_id, info.pad_id, info.mask_id)
@@ -101,6 +106,7 @@ def _check_tokenizer(info: TokenizerInfo) -> None:
 
 def prepare_testbed(cfg: PrepareConfig) -> dict[str, Manifest]:
     """Write the testbed's splits (module docstring); returns ``{split: Manifest}``."""
+    # lazy: keeps torch out of this module's import
     from adlm_model.testbed.language import Testbed, TestbedConfig
 
     fields, rows = testbed_options(cfg)
@@ -148,8 +154,6 @@ def prepare_testbed(cfg: PrepareConfig) -> dict[str, Manifest]:
 
 
 def _abs(p: str) -> str:
-    import os
-
     return os.path.abspath(p)
 
 
@@ -190,11 +194,11 @@ def _write_split(tb: Any, split: str, n_rows: int, split_dir: str, info: Tokeniz
         write_bytes_atomic(join(split_dir, name), data)
         shards.append(ShardInfo(name, int(len(ids)), hashlib.sha256(data).hexdigest(), len(data)))
         log(cfg, f"{split}: shard {k} ({start + len(ids):,}/{n_rows:,} rows)")
-    import sys
-
+    # lazy: keeps pyarrow, torch out of this module's import
     import pyarrow
     import torch
 
+    # lazy: keeps torch out of this module's import
     from adlm_model import __version__
 
     m = Manifest(

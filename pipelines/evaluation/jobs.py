@@ -16,10 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
+from adlm_model import compute_loss, sample
+from adlm_model.interop.checkpoint import load_checkpoint
 from pipelines.data.reader import read_subset
 from pipelines.evaluation.config import EvalConfig
+from pipelines.evaluation.eval_lm import load_eval_lm, load_featurizer, resolve_device
+from pipelines.evaluation.metrics import PooledNLL, generative_perplexity, mauve_score
 from pipelines.logs import verbosity
+from pipelines.registry import resolve_model_ref
 from pipelines.seeds import EVAL_LONG_SAMPLES, EVAL_MAUVE, EVAL_NELBO, EVAL_SAMPLES, derive_seed
 
 
@@ -60,8 +66,6 @@ _MODELS: dict[tuple, Any] = {}
 
 
 def _device(device: str) -> Any:
-    from pipelines.evaluation.eval_lm import resolve_device
-
     return resolve_device(device)
 
 
@@ -69,9 +73,6 @@ def load_eval_model(model: str, settings: JobSettings) -> tuple[Any, Any, dict[s
     """(model in eval mode, ModelConfig, meta) of ``model`` (a ``models:/`` URI or a checkpoint location),
     resolved on this node (``registry.resolve_model_ref``: downloaded into this node's cache) and kept per process:
     a Ray worker reuses it across tasks."""
-    from adlm_model.interop.checkpoint import load_checkpoint
-    from pipelines.registry import resolve_model_ref
-
     dev = _device(settings.cfg.device)
     key = (model, settings.tracking_uri, str(dev), settings.cfg.use_ema)
     if key not in _MODELS:
@@ -91,11 +92,6 @@ def score_rows(model: Any, cfg: Any, ids: np.ndarray, mask: np.ndarray | None, *
     boundaries gives exactly the figure of one pass. ``compute_loss(train=False)`` is the training code's
     objective with the anchor term left out (docs/design/method.md, section 2: evaluation reports the pure NELBO).
     """
-    import torch
-
-    from adlm_model import compute_loss
-    from pipelines.evaluation.metrics import PooledNLL
-
     dev = next(model.parameters()).device
     pooled = PooledNLL()
     with torch.no_grad():
@@ -126,10 +122,6 @@ def ppl_job(model: str, split_dir: str, start: int, stop: int, settings: JobSett
 def sample_job(model: str, batch_index: int, n: int, settings: JobSettings,
                progress: Callable[[int, int], Any] | None = None) -> np.ndarray:
     """``n`` samples (int64 ids ``(n, length)``) of sampling batch ``batch_index``, seeded per batch."""
-    import torch
-
-    from adlm_model import sample
-
     net, cfg, _ = load_eval_model(model, settings)
     dev = next(net.parameters()).device
     g = torch.Generator(device=dev).manual_seed(sample_seed(settings.cfg.seed, batch_index))
@@ -143,10 +135,6 @@ def long_sample_job(model: str, batch_index: int, n: int, settings: JobSettings,
                     progress: Callable[[int, int], Any] | None = None) -> dict[str, Any]:
     """``sample_job`` for the arbitrary-length suite: ``n`` samples of ``settings.length`` tokens, seeded per batch on
     a stream of their own, with the network calls the batch took (``ids``, ``network_calls``)."""
-    import torch
-
-    from adlm_model import sample
-
     net, cfg, _ = load_eval_model(model, settings)
     dev = next(net.parameters()).device
     g = torch.Generator(device=dev).manual_seed(derive_seed(settings.cfg.seed, EVAL_LONG_SAMPLES, batch_index))
@@ -173,10 +161,8 @@ def gen_ppl_job(texts: list[list[str]], settings: JobSettings, max_length: int =
     """Load the evaluation LM and compute gen-PPL (docs/design/method.md, section 6) of the samples ``texts`` (each a list
     of its documents' texts). ``long``: truncated to ``max_length`` tokens and scored in windows of the LM's
     context moved by half of it (BD3-LM's arbitrary-length table: 1024 and 512 for gpt2-large)."""
+    # lazy: keeps tqdm out of this module's import
     from tqdm.auto import tqdm
-
-    from pipelines.evaluation.eval_lm import load_eval_lm
-    from pipelines.evaluation.metrics import generative_perplexity
 
     lm = _cached("lm", (settings.cfg.eval_lm, settings.cfg.device), lambda: load_eval_lm(
         settings.cfg.eval_lm, device=settings.cfg.device, tracking_uri=settings.tracking_uri,
@@ -195,9 +181,6 @@ def gen_ppl_job(texts: list[list[str]], settings: JobSettings, max_length: int =
 
 def mauve_job(sample_texts: list[str], reference_texts: list[str], settings: JobSettings) -> dict[str, Any]:
     """Featurise both sets with the configured featurizer, then MAUVE (docs/design/method.md, section 6)."""
-    from pipelines.evaluation.eval_lm import load_featurizer
-    from pipelines.evaluation.metrics import mauve_score
-
     feat = _cached("featurizer", (settings.cfg.mauve_featurizer, settings.cfg.device), lambda: load_featurizer(
         settings.cfg.mauve_featurizer, device=settings.cfg.device, shared_cache=settings.shared_cache))
     p = feat.features(sample_texts)

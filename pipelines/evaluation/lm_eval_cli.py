@@ -17,16 +17,22 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from pipelines.logs import setup_logging
+from pipelines.registry import RegistryError, get_version
+from pipelines.settings import SettingError, check_environment
+from pipelines.storage import resolve_workdir
+from pipelines.tracking import resolve_tracking_uri
+
 
 def _precheck(argv: list[str]) -> str | None:
     """One line saying what is wrong with an ``adlm`` run's settings or tasks, or None."""
+    # lazy: keeps lm_eval out of this module's import
     from lm_eval.utils import simple_parse_args_string
 
+    # lazy: keeps lm_eval, pydantic, torch, tqdm, yaml out of this module's import
     from pipelines.evaluation.config import EvalConfig, EvalError
     from pipelines.evaluation.lm_eval_model import MODEL_NAME, AdapterSettings
     from pipelines.evaluation.lm_eval_suite import check_lm_eval
-    from pipelines.registry import RegistryError
-
     p = argparse.ArgumentParser(add_help=False)
     for flag in ("--model", "--model_args", "--tasks", "--include_path"):
         p.add_argument(flag, default=None)
@@ -44,10 +50,6 @@ def _precheck(argv: list[str]) -> str | None:
                 args.pop("batch_size")
             AdapterSettings.from_kwargs(args).validate()
             if pretrained.startswith("models:/"):  # a missing version: one line before the harness starts
-                from pipelines.registry import get_version
-                from pipelines.storage import resolve_workdir
-                from pipelines.tracking import resolve_tracking_uri
-
                 get_version(pretrained, tracking or resolve_tracking_uri(resolve_workdir(None)))
         if known.tasks:
             check_lm_eval(EvalConfig(lm_eval_tasks=tuple(t for t in known.tasks.split(",") if t),
@@ -58,9 +60,6 @@ def _precheck(argv: list[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from pipelines.logs import setup_logging
-    from pipelines.settings import SettingError, check_environment
-
     try:
         check_environment()  # a bad ADLM_* setting: one line, as every command says it (pipelines.cli)
     except SettingError as e:
@@ -74,8 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if error:
             print(f"error: {error}", file=sys.stderr)
             return 2
+    # lazy: keeps lm_eval out of this module's import
     from lm_eval.__main__ import cli_evaluate
 
+    # lazy: keeps lm_eval, pydantic, torch, tqdm, yaml out of this module's import
     from pipelines.evaluation.lm_eval_model import AdapterSettings  # importing it registers the adlm model
     from pipelines.evaluation.lm_eval_suite import TASK_DIR, single_process_harness
 

@@ -28,6 +28,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from pipelines.data.embedded import embedded_corpus
+from pipelines.storage import node_cache_dir
+
 TASKS_VERSION = "lm_eval_tasks-v2"
 ROWS = {"lastword": 200, "choice": 100, "generate": 50}
 """Rows per task file (the suite's ``lm_eval_limit`` takes fewer)."""
@@ -85,10 +88,8 @@ def build_rows(texts: list[str]) -> dict[str, list[dict[str, Any]]]:
 
 def task_files(cache: str | os.PathLike | None = None) -> dict[str, Path]:
     """``{task: JSONL file}``, written once into ``cache`` (default: this node's cache)."""
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.parquet as pq
-
-    from pipelines.data.embedded import embedded_corpus
-    from pipelines.storage import node_cache_dir
 
     d = Path(cache) if cache else node_cache_dir() / TASKS_VERSION
     files = {name: d / f"{name}.jsonl" for name in ROWS}
@@ -105,6 +106,7 @@ def task_files(cache: str | os.PathLike | None = None) -> dict[str, Path]:
 
 def load_task(name: str) -> Any:
     """The ``datasets.DatasetDict`` (split ``test``) of one task, from its local JSONL file."""
+    # lazy: keeps datasets out of this module's import
     import datasets
 
     return datasets.load_dataset("json", data_files={"test": str(task_files()[name])})

@@ -22,6 +22,7 @@ is seeded by the request's text and ``seed``: a request gets the same figure in 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import zlib
 from dataclasses import dataclass, field
@@ -32,10 +33,27 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
-from adlm_model.inference.likelihood import MASK_DRAWS, ContinuationScorer, LikelihoodError, check_draws
-from adlm_model.kinds import model_kind
-from pipelines.evaluation.config import EvalError
+from adlm_model import compute_loss
+from adlm_model.config import ConfigError
+from adlm_model.inference.infill import infill
+from adlm_model.inference.likelihood import (
+    MASK_DRAWS,
+    ContinuationScorer,
+    LikelihoodError,
+    check_draws,
+    model_logp_fn,
+    model_nll_fn,
+)
+from adlm_model.interop.checkpoint import load_checkpoint
+from adlm_model.kinds import check_sampler_kind, check_sampler_options, get_sampler, model_kind
+from adlm_model.sampling.samplers import SamplerError
+from pipelines.configlib import coerce_fields
+from pipelines.evaluation.config import EvalError, resolve_sampler, sampler_options
+from pipelines.evaluation.eval_lm import checkpoint_tokenizer, resolve_device
+from pipelines.registry import resolve_model_ref
 from pipelines.seeds import derive_seed
+from pipelines.storage import cache_dir, is_uri, resolve_workdir
+from pipelines.tracking import resolve_tracking_uri
 
 MODEL_NAME = "adlm"
 """The name the harness knows the adapter by (``lm_eval --model adlm``)."""
@@ -96,9 +114,6 @@ class AdapterSettings:
             if not ok:
                 raise EvalError(f"lm-eval adapter: {msg}")
         if self.sampler != "auto":
-            from adlm_model.kinds import check_sampler_options
-            from adlm_model.sampling.samplers import SamplerError
-
             try:
                 check_sampler_options(self.sampler, dict(self.sampler_kwargs))
             except SamplerError as e:
@@ -108,9 +123,6 @@ class AdapterSettings:
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> AdapterSettings:
         """Typed settings from ``--model_args`` values (unknown keys refused in one line)."""
-        from adlm_model.config import ConfigError
-        from pipelines.configlib import coerce_fields
-
         try:
             return cls(**coerce_fields(cls, {k: v for k, v in kwargs.items() if v is not None}, "lm-eval adapter"))
         except ConfigError as e:
@@ -135,10 +147,6 @@ class ADLMEvalLM(LM):
         if str(settings.get("batch_size", "")).startswith("auto"):
             settings.pop("batch_size")  # the harness's automatic batch size: ours is a setting
         self.settings = AdapterSettings.from_kwargs(settings).validate()
-        from adlm_model.interop.checkpoint import load_checkpoint
-        from pipelines.evaluation.eval_lm import checkpoint_tokenizer, resolve_device
-        from pipelines.registry import resolve_model_ref
-
         s = self.settings
         self._device = resolve_device(s.device)
         if s.dtype != "float32" and self._device.type != "cuda":
@@ -146,28 +154,19 @@ class ADLMEvalLM(LM):
                             "slower than float32); use dtype=float32")
         # The harness is this adapter's entry point: the work directory is resolved here, once ($ADLM_WORKDIR >
         # ./work), for the tracking store and the node's cache of downloaded versions.
-        from pipelines.storage import cache_dir, is_uri, resolve_workdir
-
         cache = None
         if pretrained.startswith("models:/") or is_uri(pretrained):  # a local folder needs no work directory
             wd = resolve_workdir(None)
             cache = None if is_uri(wd) else cache_dir(wd)
             if tracking_uri is None and pretrained.startswith("models:/"):
-                from pipelines.tracking import resolve_tracking_uri
-
                 tracking_uri = resolve_tracking_uri(wd)
         self.ref = resolve_model_ref(pretrained, tracking_uri, cache)
         self.model, self.cfg, meta = load_checkpoint(self.ref.local_dir, use_ema=s.use_ema, map_location=self._device)
         self.model.eval()
-        from adlm_model.kinds import model_kind
-
         if model_kind(self.cfg.kind).sample_only:  # the harness's tasks score likelihoods, which it has none of
             raise EvalError(f"lm-eval adapter: model kind {self.cfg.kind} is sample-only (no likelihood to score); "
                             "evaluate its samples with --suite gen_ppl or entropy")
         if s.sampler != "auto":  # a sampler that does not run on this kind: one line now, not at the first request
-            from adlm_model.kinds import check_sampler_kind
-            from adlm_model.sampling.samplers import SamplerError
-
             try:
                 check_sampler_kind(s.sampler, self.cfg.kind)
             except SamplerError as e:
@@ -179,8 +178,6 @@ class ADLMEvalLM(LM):
 
     # -- the model ------------------------------------------------------------------------------------
     def _scorer(self) -> ContinuationScorer:
-        from adlm_model.inference.likelihood import model_logp_fn, model_nll_fn
-
         s, cfg = self.settings, self.cfg
         common = dict(seq_len=cfg.seq_len, mask_id=cfg.mask_id, bos_id=self.tok.bos_id, samples=s.mc_samples,
                       scheme=s.mask_draws, batch_size=s.batch_size, greedy_max_tokens=s.greedy_max_tokens,
@@ -202,8 +199,6 @@ class ADLMEvalLM(LM):
         return 0
 
     def _autocast(self) -> Any:
-        import contextlib
-
         if self.settings.dtype == "float32":
             return contextlib.nullcontext()
         return torch.autocast(device_type="cuda", dtype=DTYPES[self.settings.dtype])
@@ -241,8 +236,6 @@ class ADLMEvalLM(LM):
         return out
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-        from adlm_model import compute_loss
-
         cfg, s = self.cfg, self.settings
         out = []
         for r in tqdm(requests, desc="lm-eval loglikelihood_rolling (NELBO bound)", unit="document",
@@ -267,10 +260,6 @@ class ADLMEvalLM(LM):
         return out
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        from adlm_model.inference.infill import infill
-        from adlm_model.kinds import get_sampler
-        from pipelines.evaluation.config import resolve_sampler, sampler_options
-
         cfg, s = self.cfg, self.settings
         sampler = resolve_sampler(s.sampler, cfg.kind)
         options = sampler_options(sampler, s.sampler_kwargs, self.tok)

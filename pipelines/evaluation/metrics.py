@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any, Protocol
 
 import numpy as np
@@ -269,6 +270,7 @@ def mauve_score(p_features: np.ndarray, q_features: np.ndarray, *, featurizer: s
         raise MetricError(f"MAUVE compares equal numbers of texts: {p.shape[0]} generated vs {q.shape[0]} reference")
     if p.ndim != 2 or p.shape[1] != q.shape[1]:
         raise MetricError(f"MAUVE features must be (n, d) arrays of one width, got {p.shape} and {q.shape}")
+    # lazy: keeps mauve out of this module's import
     import mauve
 
     out = mauve.compute_mauve(p_features=p, q_features=q, device_id=-1, num_buckets=num_buckets, seed=seed,
@@ -287,8 +289,6 @@ def wilson_interval(successes: int, n: int, level: float = 0.95) -> tuple[float,
     approximation it stays inside [0, 1] and is not empty at 0 or ``n`` successes."""
     if n < 1 or not 0 <= successes <= n:
         raise ValueError(f"wilson_interval({successes}, {n}): need 0 <= successes <= n and n >= 1")
-    from statistics import NormalDist
-
     z = NormalDist().inv_cdf(0.5 + level / 2)
     p = successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)

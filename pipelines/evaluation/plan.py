@@ -13,6 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from adlm_model.interop.checkpoint import read_config
+from adlm_model.kinds import model_kind
+from pipelines.data.manifest import read_manifest
 from pipelines.evaluation.config import EvalConfig, EvalError
 from pipelines.evaluation.datasets import (  # noqa: F401 - re-exported: the datasets' helpers lived here
     Dataset,
@@ -24,6 +27,7 @@ from pipelines.evaluation.datasets import (  # noqa: F401 - re-exported: the dat
 from pipelines.evaluation.suites import SUITES, check_suites, parse_suite
 from pipelines.registry import ModelRef, resolve_model_ref
 from pipelines.storage import cache_dir, is_uri, resolve_workdir
+from pipelines.tracking import require_server, resolve_tracking_uri
 
 
 @dataclass
@@ -61,8 +65,6 @@ class Plan:
 
     def add_dataset(self, label: str, split_dir: str) -> None:
         """Plan scoring ``split_dir`` as ``label``; its manifest must fit the model."""
-        from pipelines.data.manifest import read_manifest
-
         m = read_manifest(split_dir)
         m.check_fits(self.model_cfg, self.meta.get("tokenizer_hash"))
         m.check_shards()
@@ -72,8 +74,6 @@ class Plan:
 
 def _refuse_likelihood(suite: Sequence[str], kind: str) -> None:
     """A sample-only kind (``ModelKind.sample_only``: SSD-LM) has no likelihood here: its suites are refused."""
-    from adlm_model.kinds import model_kind
-
     bad = [n for n in suite if SUITES[n].likelihood]
     if bad and model_kind(kind).sample_only:
         sample = ", ".join(n for n, s in SUITES.items() if not s.likelihood and s.auto is None)
@@ -85,9 +85,6 @@ def plan_evaluation(model: str, suite: str | Sequence[str], cfg: EvalConfig, *, 
                     tracking_uri: str | None = None) -> Plan:
     """Every check that can fail on bad input, before any weights are loaded or Ray starts: the settings, each
     suite's model-free checks, then the model and each suite's checks against it (``suites.Suite.plan``)."""
-    from adlm_model.interop.checkpoint import read_config
-    from pipelines.tracking import require_server, resolve_tracking_uri
-
     cfg.validate()
     require_server(tracking_uri or resolve_tracking_uri(workdir), "an evaluation (it logs its results as a run)")
     suite = parse_suite(suite)

@@ -32,11 +32,17 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from adlm_model.interop.checkpoint import CheckpointError
+from pipelines.data.manifest import DataMismatchError, ManifestError
+from pipelines.data.tokenizer import TokenizerError
 from pipelines.evaluation.config import EvalConfig, EvalError
+from pipelines.evaluation.eval_lm import EvalLMError
+from pipelines.evaluation.metrics import MetricError
 from pipelines.evaluation.plan import Plan, plan_evaluation
 from pipelines.evaluation.report import EvalResult
 from pipelines.evaluation.run import log_result, make_executor, run_plan
 from pipelines.evaluation.suites import SUITES, check_suites, default_stage2, parse_suite
+from pipelines.registry import RegistryError
 from pipelines.storage import parent_of
 from pipelines.tracking import client as tracking_client
 from pipelines.tracking import redact_uri, require_server, resolve_tracking_uri
@@ -146,6 +152,7 @@ def _now() -> str:
 
 
 def alias_version(client: Any, name: str, alias: str) -> str | None:
+    # lazy: keeps mlflow out of this module's import
     from mlflow.exceptions import MlflowException
 
     try:
@@ -220,13 +227,6 @@ class _Stager:
 
     # -- the stages ---------------------------------------------------------------------------------------
     def process(self, version: str) -> StageOutcome:
-        from adlm_model.interop.checkpoint import CheckpointError
-        from pipelines.data.manifest import DataMismatchError, ManifestError
-        from pipelines.data.tokenizer import TokenizerError
-        from pipelines.evaluation.eval_lm import EvalLMError
-        from pipelines.evaluation.metrics import MetricError
-        from pipelines.registry import RegistryError
-
         bad_input = (EvalError, CheckpointError, DataMismatchError, ManifestError, EvalLMError, MetricError,
                      RegistryError, TokenizerError)
         champion = alias_version(self.client, self.name, CHAMPION)
@@ -315,6 +315,7 @@ class _Stager:
 
 def check_stage_all(promo: PromotionConfig, cfg: EvalConfig, tracking_uri: str) -> None:
     """Bad settings or a missing registered model fail here, before any version is touched."""
+    # lazy: keeps mlflow out of this module's import
     from mlflow.exceptions import MlflowException
 
     promo.validate()

@@ -56,9 +56,11 @@ def summary_markdown(result: EvalResult) -> str:
 
 
 def plots(result: EvalResult, out: Path) -> list[Path]:
+    # lazy: keeps matplotlib out of this module's import
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: keeps matplotlib out of this module's import
     import matplotlib.pyplot as plt
 
     made = []

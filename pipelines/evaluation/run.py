@@ -38,22 +38,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from adlm_model.kinds import parameter_count
 from pipelines.evaluation.config import EvalConfig
 from pipelines.evaluation.executors import JobDeadlineError, LocalExecutor, RayExecutor
 from pipelines.evaluation.jobs import JobSettings
 from pipelines.evaluation.plan import Plan, plan_evaluation
 from pipelines.evaluation.report import EvalResult, plots, summary_markdown, version_tags
 from pipelines.evaluation.suites import SUITES, RunState
+from pipelines.placement import check_task
+from pipelines.runtime import init_ray
 from pipelines.storage import cache_dir, is_uri, join
+from pipelines.tracking import client as mlflow_client
+from pipelines.tracking import ensure_experiment, resolve_tracking_uri
 
 
 def make_executor(cfg: EvalConfig, *, in_process: bool, ray_address: str | None = None) -> Any:
     """In this process, or one Ray task per job (``ray_address`` > ``$RAY_ADDRESS`` > a local Ray)."""
     if in_process:
         return LocalExecutor()
-    from pipelines.placement import check_task
-    from pipelines.runtime import init_ray
-
     init_ray(ray_address)
     # A task no node can take would wait for good on a Ray that will not grow: refused now, in one line.
     check_task({"CPU": float(cfg.cpus_per_task), "GPU": max(float(cfg.gpus_per_task), 0.0)}, "the evaluation",
@@ -72,8 +74,6 @@ def job_settings(plan: Plan) -> JobSettings:
 def run_plan(plan: Plan, executor: Any) -> EvalResult:
     """The expensive part: each chosen suite of the table (``suites.SUITES``) in canonical order; the NELBO of
     the planned datasets and the samples are computed once, by the first suite that needs them."""
-    from adlm_model.kinds import parameter_count
-
     cfg = plan.cfg
     state = RunState(plan=plan, executor=executor, settings=job_settings(plan),
                      large_model=parameter_count(plan.model_cfg) >= cfg.gpu_min_params)
@@ -99,9 +99,6 @@ def log_result(result: EvalResult, plan: Plan, *, stage: str | None = None, tag_
     The run is tagged with the model name/version/URI; a registry version gets ``eval.run_id`` (or
     ``eval.stageN.run_id``) and, when ``tag_version``, the headline figures.
     """
-    from pipelines.tracking import client as mlflow_client
-    from pipelines.tracking import ensure_experiment, resolve_tracking_uri
-
     plan.tracking_uri = plan.tracking_uri or resolve_tracking_uri(plan.workdir)
     client = mlflow_client(plan.tracking_uri)
     exp = ensure_experiment(plan.cfg.experiment, plan.tracking_uri, plan.workdir)
@@ -117,6 +114,7 @@ def log_result(result: EvalResult, plan: Plan, *, stage: str | None = None, tag_
         tags["eval.stage"] = stage
     run = client.create_run(exp, run_name=f"eval-{label}" + (f"-stage{stage}" if stage else ""), tags=tags)
     rid = run.info.run_id
+    # lazy: keeps mlflow out of this module's import
     from mlflow.entities import Metric, Param
 
     now = int(time.time() * 1000)

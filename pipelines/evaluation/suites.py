@@ -15,6 +15,8 @@ beside the others, so that a new metric is one place to read and one to add.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -23,7 +25,40 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.evaluation.config import PPL_METRIC_NAMES, EvalConfig, EvalError
+from adlm_model.kinds import KINDS, SAMPLERS, check_sampler_kind, check_sampler_options, model_kind, sampler_fits
+from adlm_model.sampling.samplers import SamplerError
+from pipelines.data.manifest import read_manifest
+from pipelines.data.reader import read_subset
+from pipelines.evaluation import accuracy, lm_eval_suite
+from pipelines.evaluation.config import (
+    PPL_METRIC_NAMES,
+    EvalConfig,
+    EvalError,
+    resolve_sampler,
+    sampler_options,
+    sampling_steps,
+)
+from pipelines.evaluation.datasets import discover_zero_shot, has_manifest, ppl_key
+from pipelines.evaluation.eval_lm import check_eval_lm, check_featurizer, checkpoint_tokenizer, is_hub_model
+from pipelines.evaluation.jobs import (
+    gen_ppl_job,
+    long_sample_job,
+    mauve_job,
+    ppl_job,
+    sample_job,
+    sample_segments,
+    sample_text,
+)
+from pipelines.evaluation.metrics import (
+    GEN_PPL_DEFINITIONS,
+    MAUVE_MIN_SAMPLES,
+    PooledNLL,
+    check_mauve_inputs,
+    reached_length,
+    unigram_entropy,
+)
+from pipelines.evaluation.truth import bound_rows, plan_truth, sample_rows, skips_first, truth_of
+from pipelines.storage import join, name_of
 
 
 @dataclass(frozen=True)
@@ -220,9 +255,6 @@ class RunState:
         """Dataset label -> (``metrics.PooledNLL``, rows) of every planned dataset, scored in one wave of jobs."""
         if self._nelbo is not None:
             return self._nelbo
-        from pipelines.evaluation.jobs import ppl_job
-        from pipelines.evaluation.metrics import PooledNLL
-
         cfg = self.cfg
         jobs, owners = [], []
         for ds in self.plan.datasets:
@@ -250,9 +282,6 @@ class RunState:
 
     def report_ppl(self, select: Callable[[str], bool]) -> None:
         """Figures and rows of the planned datasets whose label ``select`` accepts."""
-        from adlm_model.kinds import model_kind
-        from pipelines.evaluation.datasets import ppl_key
-
         cfg = self.cfg
         bound = model_kind(self.plan.model_cfg.kind).diffusion  # diffusion figures are upper bounds (docs/design/method.md, section 1)
         scored = self.nelbo()
@@ -272,9 +301,6 @@ class RunState:
         """``num_samples`` samples (ids, decoded text, documents, unigram entropy), drawn once."""
         if self._sampled:
             return self.samples
-        from pipelines.evaluation.jobs import sample_job, sample_segments
-        from pipelines.evaluation.metrics import unigram_entropy
-
         cfg, plan = self.cfg, self.plan
         sizes = [min(cfg.sample_batch_size, cfg.num_samples - s) for s in range(0, cfg.num_samples, cfg.sample_batch_size)]
         jobs = [{"model": self.model, "batch_index": i, "n": n, "settings": self.settings} for i, n in enumerate(sizes)]
@@ -293,8 +319,6 @@ class RunState:
 def gen_ppl_definition(cfg: EvalConfig) -> str:
     """The definition printed next to every gen-PPL figure (docs/design/method.md, section 6): the evaluation LM, the
     pooling, the truncation and the first-token convention."""
-    from pipelines.evaluation.metrics import GEN_PPL_DEFINITIONS
-
     return (f"token-pooled NLL under {cfg.eval_lm}, EOS targets excluded, truncated to {cfg.gen_ppl_max_length}, "
             f"{GEN_PPL_DEFINITIONS[cfg.gen_ppl_first_token]}")
 
@@ -308,9 +332,6 @@ def _is_zero_shot(label: str) -> bool:
 
 
 def _plan_ppl(plan: Any) -> None:
-    from pipelines.evaluation.datasets import has_manifest
-    from pipelines.storage import join
-
     data = plan.data_dir()
     splits = list(plan.cfg.splits)
     if splits == ["auto"]:
@@ -332,8 +353,6 @@ def _ppl_tags(result: Any, cfg: EvalConfig) -> dict[str, str]:
 
 
 def _plan_zero_shot(plan: Any) -> None:
-    from pipelines.evaluation.datasets import discover_zero_shot
-
     if not plan.cfg.zero_shot:
         raise EvalError("suite zero_shot needs the prepared zero-shot sets: --set zero_shot=NAME=DIR,... "
                         "(python -m pipelines.prepare_data --source wikitext2 ... --out DIR)")
@@ -347,11 +366,6 @@ def _zero_shot_tags(result: Any, cfg: EvalConfig) -> dict[str, str]:
 
 
 def _plan_generate(plan: Any) -> None:
-    from adlm_model.kinds import check_sampler_kind, check_sampler_options
-    from adlm_model.sampling.samplers import SamplerError
-    from pipelines.evaluation.config import resolve_sampler, sampler_options, sampling_steps
-    from pipelines.evaluation.eval_lm import checkpoint_tokenizer
-
     cfg, model_cfg = plan.cfg, plan.model_cfg
     plan.tokenizer = checkpoint_tokenizer(plan.ref.local_dir, plan.meta)
     plan.sampler = resolve_sampler(cfg.sampler, model_cfg.kind)
@@ -378,8 +392,6 @@ def _run_generate(state: RunState) -> None:
 
 
 def _generate_tags(result: Any, cfg: EvalConfig) -> dict[str, str]:
-    import json
-
     s = result.settings
     return {"gen.settings": (f"sampler={s['sampler']} T={s['steps']} p={s['nucleus_p']} n={len(result.samples)} "
                              f"length={s['length']} seed={s['seed']}"
@@ -387,16 +399,10 @@ def _generate_tags(result: Any, cfg: EvalConfig) -> dict[str, str]:
 
 
 def _check_gen_ppl(cfg: EvalConfig, tracking_uri: str | None) -> None:
-    from pipelines.evaluation.eval_lm import check_eval_lm
-
     check_eval_lm(cfg.eval_lm, tracking_uri=tracking_uri)
 
 
 def _run_gen_ppl(state: RunState) -> None:
-    from pipelines.evaluation.eval_lm import is_hub_model
-    from pipelines.evaluation.jobs import gen_ppl_job
-    from pipelines.evaluation.metrics import GEN_PPL_DEFINITIONS
-
     cfg, plan, samples = state.cfg, state.plan, state.draw_samples()
     r = state.executor.run(gen_ppl_job, [{"texts": [s["segments"] for s in samples], "settings": state.settings}],
                            f"gen-PPL ({cfg.eval_lm})", large=is_hub_model(cfg.eval_lm))[0]
@@ -410,19 +416,11 @@ def _run_gen_ppl(state: RunState) -> None:
 
 
 def _check_mauve(cfg: EvalConfig, tracking_uri: str | None) -> None:
-    from pipelines.evaluation.eval_lm import check_featurizer
-    from pipelines.evaluation.metrics import check_mauve_inputs
-
     check_mauve_inputs(cfg.num_samples, cfg.num_samples, cfg.mauve_min_samples)
     check_featurizer(cfg.mauve_featurizer)
 
 
 def _plan_mauve(plan: Any) -> None:
-    from pipelines.data.manifest import read_manifest
-    from pipelines.evaluation.datasets import has_manifest
-    from pipelines.evaluation.metrics import check_mauve_inputs
-    from pipelines.storage import join
-
     data = plan.data_dir()
     ref_dir = plan.cfg.mauve_reference_split
     ref_dir = ref_dir if has_manifest(ref_dir) else join(data, ref_dir)
@@ -434,19 +432,12 @@ def _plan_mauve(plan: Any) -> None:
 
 
 def _run_mauve(state: RunState) -> None:
-    from pipelines.data.reader import read_subset
-    from pipelines.evaluation.eval_lm import is_hub_model
-    from pipelines.evaluation.jobs import mauve_job, sample_text
-    from pipelines.storage import name_of
-
     cfg, plan, samples = state.cfg, state.plan, state.draw_samples()
     ref_ids, _ = read_subset(plan.reference_split, len(samples), 0, len(samples))  # spread over the split
     refs = [sample_text(row, plan.tokenizer) for row in ref_ids]
     r = state.executor.run(mauve_job, [{"sample_texts": [s["text"] for s in samples], "reference_texts": refs,
                                         "settings": state.settings}], f"MAUVE ({cfg.mauve_featurizer})",
                            large=is_hub_model(cfg.mauve_featurizer))[0]
-    from pipelines.evaluation.metrics import MAUVE_MIN_SAMPLES
-
     state.metrics.update({"mauve": r["mauve"], "mauve_frontier_integral": r["frontier_integral"],
                           "mauve_samples": float(r["n_samples"])})
     # Allowed below the floor (mauve_min_samples lowered: the demo's 16) but said: a handful of histogram
@@ -498,8 +489,6 @@ register_suite(Suite(
 
 
 def _plan_truth(plan: Any) -> None:
-    from pipelines.evaluation.truth import plan_truth
-
     if plan_truth(plan) is None:
         raise EvalError("suite truth needs testbed data (python -m pipelines.prepare_data --source testbed): "
                         f"no split of {plan.data_dir()} carries the language in its manifest")
@@ -507,16 +496,12 @@ def _plan_truth(plan: Any) -> None:
 
 def _auto_truth(plan: Any) -> bool:
     """On testbed data, the figures against the truth come beside the bound and the samples."""
-    from pipelines.evaluation.truth import plan_truth
-
     return any(s in plan.suite for s in ("ppl", "zero_shot", "generate")) and plan_truth(plan) is not None
 
 
 def _run_truth(state: RunState) -> None:
     """The bound's excess over the exact entropy for every testbed split scored, and the samples under the
     language's exact likelihood (``evaluation/truth.py``)."""
-    from pipelines.evaluation.truth import bound_rows, plan_truth, sample_rows, skips_first, truth_of
-
     plan = state.plan
     if any(s in plan.suite for s in ("ppl", "zero_shot")):
         scored = state.nelbo()
@@ -550,8 +535,6 @@ register_suite(Suite(
 def _lm_eval(fn: str) -> Callable[..., Any]:
     """A function of ``lm_eval_suite``, imported when used (the harness is imported only by this suite)."""
     def call(*args: Any) -> Any:
-        from pipelines.evaluation import lm_eval_suite
-
         return getattr(lm_eval_suite, fn)(*args)
 
     return call
@@ -571,8 +554,6 @@ register_suite(Suite(
 def _accuracy(fn: str) -> Callable[..., Any]:
     """A function of ``accuracy`` (the reasoning suite), imported when used."""
     def call(*args: Any) -> Any:
-        from pipelines.evaluation import accuracy
-
         return getattr(accuracy, fn)(*args)
 
     return call
@@ -617,19 +598,12 @@ LONG_DEFINITION = ("samples of long_length tokens drawn with an any-length sampl
 
 
 def _check_long(cfg: EvalConfig, tracking_uri: str | None) -> None:
-    from pipelines.evaluation.eval_lm import check_eval_lm
-
     check_eval_lm(cfg.eval_lm, tracking_uri=tracking_uri)
 
 
 def _plan_long(plan: Any) -> None:
     """The sampler of ``generate`` (resolved here when that suite is not chosen), which must fit the model and, past
     the model's context, generate any length."""
-    from adlm_model.kinds import KINDS, SAMPLERS, check_sampler_kind, check_sampler_options, sampler_fits
-    from adlm_model.sampling.samplers import SamplerError
-    from pipelines.evaluation.config import resolve_sampler, sampler_options, sampling_steps
-    from pipelines.evaluation.eval_lm import checkpoint_tokenizer
-
     cfg, model_cfg = plan.cfg, plan.model_cfg
     if plan.tokenizer is None:
         plan.tokenizer = checkpoint_tokenizer(plan.ref.local_dir, plan.meta)
@@ -651,12 +625,6 @@ def _plan_long(plan: Any) -> None:
 
 
 def _run_long(state: RunState) -> None:
-    import dataclasses
-
-    from pipelines.evaluation.eval_lm import is_hub_model
-    from pipelines.evaluation.jobs import gen_ppl_job, long_sample_job, sample_segments
-    from pipelines.evaluation.metrics import reached_length, unigram_entropy
-
     cfg, plan = state.cfg, state.plan
     settings = dataclasses.replace(state.settings, length=cfg.long_length)
     sizes = [min(cfg.sample_batch_size, cfg.long_num_samples - s)
@@ -690,8 +658,6 @@ def _run_long(state: RunState) -> None:
 
 
 def _long_tags(result: Any, cfg: EvalConfig) -> dict[str, str]:
-    import json
-
     s = result.settings
     return {"long.settings": (f"length={cfg.long_length} n={cfg.long_num_samples} sampler={s['sampler']} "
                               f"T={s['steps']} p={s['nucleus_p']} seed={s['seed']} reach=window {cfg.long_window} >= "

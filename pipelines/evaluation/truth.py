@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from pipelines.data.manifest import ManifestError, read_manifest
+from pipelines.storage import join
 
 
 def truth_of(split_dir: str | None) -> dict[str, Any] | None:
@@ -39,8 +40,6 @@ def truth_of(split_dir: str | None) -> dict[str, Any] | None:
 def plan_truth(plan: Any) -> dict[str, Any] | None:
     """The truth of an evaluation's data, if it is the testbed: its MAUVE reference split, its perplexity splits,
     else the model's own data folder (``data=`` or the checkpoint's training data)."""
-    from pipelines.storage import join
-
     dirs = [plan.reference_split, *(d.split_dir for d in plan.datasets)]
     if plan.data:
         dirs += [join(plan.data, "validation"), join(plan.data, "train")]
@@ -49,6 +48,7 @@ def plan_truth(plan: Any) -> dict[str, Any] | None:
 
 def skips_first(model_cfg: Any) -> bool:
     """Whether a kind's bound leaves position 0 out (AR: no target there; BD3-LM: ``ignore_bos``)."""
+    # lazy: keeps torch out of this module's import
     from adlm_model.kinds import model_kind
 
     return not model_kind(model_cfg.kind).diffusion or bool(getattr(model_cfg, "skips_bos", False))
@@ -74,8 +74,10 @@ def samples_vs_truth(ids: np.ndarray, truth: dict[str, Any], reference_rows: int
     positions, as ``entropy_per_token``), its distance from the exact entropy, the fraction it cannot emit, and
     the mean unigram entropy of the samples and of ``reference_rows`` true rows. Raises ValueError when the
     samples' length is not the language's."""
+    # lazy: keeps torch out of this module's import
     import torch
 
+    # lazy: keeps torch out of this module's import
     from adlm_model.sampling.samplers import unigram_entropy
     from adlm_model.testbed.language import Testbed
 

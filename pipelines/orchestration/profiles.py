@@ -8,8 +8,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from adlm_model.config import ConfigError
+from pipelines.data.embedded import embedded_slices
+from pipelines.data.plan import PrepareConfig
 from pipelines.evaluation.config import EVAL_PROFILES
 from pipelines.storage import join
+from pipelines.training.config import load_config
+from pipelines.tuning.space import load_space
 
 if TYPE_CHECKING:
     from pipelines.data.plan import PrepareConfig
@@ -92,11 +96,7 @@ def profile(name: str) -> Profile:
 
 def prepare_options(prof: Profile, wd: str) -> PrepareConfig:
     """``pipelines.data.prepare.prepare``'s config for the profile's data under the work directory."""
-    from pipelines.data.plan import PrepareConfig
-
     if prof.name == "smoke":
-        from pipelines.data.embedded import embedded_slices
-
         # Small slices of the embedded corpus as local text files, with a 512-entry BPE trained on them.
         files = embedded_slices(join(wd, "data", "smoke-text"), {"train": 60_000, "validation": 12_000})
         return PrepareConfig(source=[f"{split}={p}" for split, p in files.items()], out=join(wd, "data", "smoke"),
@@ -108,12 +108,10 @@ def validate_profile(prof: Profile, root: Any, wd: str, skip_sweep: bool = False
     """Load every recipe and the sweep's space of ``prof`` (paths under the project ``root``) and plan the sweep,
     before any work starts: a bad one fails in one line. Returns ``[(label, TrainConfig)]`` and the space (or
     None when the profile has no sweep or it is skipped)."""
-    from pipelines.training.config import load_config
-
     cfgs = [(label, load_config(root / recipe, sets)) for label, recipe, sets in prof.train_runs]
     space = None
     if prof.sweep and not skip_sweep:
-        from pipelines.tuning.space import load_space
+        # lazy: keeps ray out of this module's import
         from pipelines.tuning.sweep import plan_sweep
 
         space = load_space(root / "tune_spaces" / f"{prof.sweep}.yaml")

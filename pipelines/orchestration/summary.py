@@ -26,12 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from adlm_model.kinds import KINDS
+from pipelines.cli import run_command
 from pipelines.evaluation.metrics import MAUVE_MIN_SAMPLES
+from pipelines.evaluation.promotion import CHAMPION, alias_version
 from pipelines.evaluation.suites import PPL, figures, figures_of
-from pipelines.logs import get_logger
+from pipelines.logs import add_logging_flags, get_logger
 from pipelines.orchestration.profiles import DemoGoals, Profile
 from pipelines.runtime import PROJECT_ROOT
-from pipelines.storage import join, write_text
+from pipelines.serving.generate import open_generator, run_generation
+from pipelines.storage import exists, join, read_text, resolve_workdir, write_text
 from pipelines.tracking import client, redact_uri
 
 log = get_logger(__name__)
@@ -40,8 +43,6 @@ log = get_logger(__name__)
 def summarize(prof: Profile, uri: str, model_name: str, vocab_size: int, results: dict, sweep_res: Any,
               timings: dict[str, float]) -> dict:
     """The summary as a dict (``summary.json``); ``results``: label -> ``TrainResult``."""
-    from pipelines.evaluation.promotion import CHAMPION, alias_version
-
     c = client(uri)
     rows = []
     entries = [(label, r.registered_version) for label, r in results.items()]
@@ -111,8 +112,6 @@ def champion_samples(s: dict, wd: str, uri: str, length: int, n: int = 2) -> lis
     further seeded batches are drawn, ``SAMPLE_DRAWS`` at most, and fewer than ``n`` is what the summary says."""
     if not s.get("champion"):
         return []
-    from pipelines.serving.generate import open_generator, run_generation
-
     texts: list[str] = []
     try:
         loaded = open_generator(f"models:/{s['model_name']}@champion", tracking_uri=uri, workdir=wd, device="cpu")
@@ -252,8 +251,6 @@ def replace_block(readme: str, new_block: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pipelines.logs import add_logging_flags
-
     p = argparse.ArgumentParser(prog="python -m pipelines.orchestration.summary",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", default=None, help="the demo's work directory (default: $ADLM_WORKDIR or ./work)")
@@ -264,8 +261,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipelines.storage import exists, join, read_text, resolve_workdir
-
     readme = Path(args.readme)
     text = readme.read_text(encoding="utf-8")
     replace_block(text, "")  # the markers are there before anything runs
@@ -289,8 +284,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipelines.cli import run_command
-
     return run_command(build_parser(), _run, argv, bad_input=(OSError, SummaryError))
 
 

@@ -23,6 +23,7 @@ Uploading it to the Hugging Face Hub is one command (docs/usage/generation-and-s
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import shutil
@@ -33,9 +34,11 @@ from typing import Any
 
 import adlm_model
 from adlm_model.interop.checkpoint import CheckpointError, load_checkpoint
-from adlm_model.interop.pretrained import HF_CODE, PRETRAINED_FILES, load_pretrained, save_pretrained
+from adlm_model.interop.pretrained import HF_CODE, MODEL_TYPE, PRETRAINED_FILES, load_pretrained, save_pretrained
 from adlm_model.kinds import count_parameters, model_kind
-from pipelines.registry import ModelRef
+from pipelines.registry import ModelRef, get_version
+from pipelines.serving.generate import checkpoint_folder, special_tokens_of
+from pipelines.tracking import client, resolve_tracking_uri
 
 log = logging.getLogger("adlm.export")
 
@@ -80,13 +83,8 @@ class _Source(ModelRef):
 
 
 def _source(uri: str, tracking_uri: str | None, workdir: str | os.PathLike | None) -> _Source:
-    from pipelines.serving.generate import checkpoint_folder
-
     if not uri.startswith("models:/"):
         return _Source(uri, str(checkpoint_folder(uri)))
-    from pipelines.registry import get_version
-    from pipelines.tracking import client, resolve_tracking_uri
-
     turi = tracking_uri or resolve_tracking_uri(workdir)
     mv = get_version(uri, turi)
     aliases = sorted(a for a, v in (client(turi).get_registered_model(mv.name).aliases or {}).items()
@@ -133,10 +131,6 @@ def _move_into(staged: Path, dst: Path) -> None:
 
 
 def _is_export(d: Path) -> bool:
-    import json
-
-    from adlm_model.interop.pretrained import MODEL_TYPE
-
     try:
         return d.is_dir() and json.loads((d / "config.json").read_text()).get("model_type") == MODEL_TYPE
     except (OSError, ValueError):
@@ -146,6 +140,7 @@ def _is_export(d: Path) -> bool:
 def figures_of(tags: dict[str, str]) -> dict[str, str]:
     """The evaluation figures among a version's tags (tag -> value), in the suites' order
     (``pipelines.evaluation.suites.figures_of``)."""
+    # lazy: keeps pydantic, yaml out of this module's import
     from pipelines.evaluation.suites import figures_of as described
 
     return {k: tags[k] for k in described(tags)}
@@ -179,6 +174,7 @@ def model_card(src: _Source, cfg: Any, meta: dict[str, Any], parameters: int) ->
               f"| validation data | {data.get('validation', 'unknown')} |",
               f"| data manifest hash | {meta.get('data_manifest_hash') or src.tags.get('data_manifest_hash', 'unknown')} |",
               "", "## Evaluation", ""]
+    # lazy: keeps pydantic, yaml out of this module's import
     from pipelines.evaluation.suites import PPL
     from pipelines.evaluation.suites import figures_of as described
 
@@ -221,8 +217,6 @@ def model_card(src: _Source, cfg: Any, meta: dict[str, Any], parameters: int) ->
 def export_model(uri: str, out: str | os.PathLike, *, tracking_uri: str | None = None,
                  workdir: str | os.PathLike | None = None, force: bool = False) -> ExportResult:
     """Export the version (or checkpoint folder) ``uri`` into ``out`` (module docstring)."""
-    from pipelines.serving.generate import special_tokens_of
-
     dst = Path(out).expanduser()
     _check_out(dst, force)
     src = _source(uri, tracking_uri, workdir)

@@ -28,6 +28,10 @@ from adlm_model.inference.textgen import (
     TextGenerator,
     read_special_tokens,
 )
+from pipelines.data.tokenizer import load_tokenizer
+from pipelines.registry import RegistryError, checkpoint_of, resolve_model_ref
+from pipelines.storage import cache_dir, is_uri, resolve_workdir
+from pipelines.tracking import resolve_tracking_uri
 
 
 @dataclass(frozen=True)
@@ -44,13 +48,7 @@ class LoadedModel:
 def checkpoint_folder(model: str, *, tracking_uri: str | None = None,
                       workdir: str | os.PathLike | None = None) -> Path:
     """The local checkpoint folder of a ``models:/`` URI or a folder (module docstring), or a one-line error."""
-    from pipelines.registry import RegistryError, checkpoint_of
-
     if model.startswith("models:/"):
-        from pipelines.registry import resolve_model_ref
-        from pipelines.storage import cache_dir, is_uri, resolve_workdir
-        from pipelines.tracking import resolve_tracking_uri
-
         wd = resolve_workdir(workdir)  # once: the tracking store's default and the cache of downloaded versions
         uri = tracking_uri or resolve_tracking_uri(wd)
         cache = None if is_uri(wd) else cache_dir(wd)
@@ -66,8 +64,6 @@ def special_tokens_of(d: Path) -> SpecialTokens | None:
     """The folder's recorded special ids, else those ``pipelines.data.tokenizer`` finds in its tokenizer.json."""
     specials = read_special_tokens(d)
     if specials is None and (d / "tokenizer.json").is_file():
-        from pipelines.data.tokenizer import load_tokenizer
-
         tok = load_tokenizer(str(d / "tokenizer.json"))
         specials = SpecialTokens(bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id, mask_id=tok.mask_id)
     return specials
@@ -82,6 +78,7 @@ def open_generator(model: str, *, tracking_uri: str | None = None, workdir: str 
 
 def progress_bar(enabled: bool) -> tuple[Callable[[int, int], None], Callable[[], None]]:
     """A tqdm bar over sampling steps (diffusion steps, AR tokens or BD3-LM blocks) as ``(update, close)``."""
+    # lazy: keeps tqdm out of this module's import
     from tqdm.auto import tqdm
 
     bar: dict[str, Any] = {}

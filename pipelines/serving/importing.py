@@ -14,6 +14,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pipelines.data.tokenizer import TokenizerError, bpe_from_files, load_tokenizer
+from pipelines.registry import DEFAULT_MODEL_NAME, check_names, register_checkpoint, training_tags
+from pipelines.storage import (
+    StorageError,
+    download_dir,
+    exists,
+    get_fs,
+    hub_errors,
+    is_file,
+    is_uri,
+    local_path,
+    resolve_workdir,
+    sha256_file,
+)
+from pipelines.tracking import client, ensure_experiment, find_or_create_run, resolve_tracking_uri
+
 log = logging.getLogger("adlm.import")
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -36,8 +52,6 @@ class ImportInputError(ValueError):
 
 def fetch_source(source: str, revision: str | None, tmp: Path) -> tuple[Path, str]:
     """A local path for ``source`` and what kind it was (``local``, ``uri``, ``hub``)."""
-    from pipelines.storage import StorageError, download_dir, exists, get_fs, is_file, is_uri, local_path
-
     if is_uri(source):
         try:
             if is_file(source):
@@ -85,9 +99,8 @@ def looks_like_path(source: str) -> bool:
 def hub_snapshot(repo: str, revision: str | None) -> Path:
     """The Hub folder of ``repo`` (the Hugging Face cache, HF_HOME: a second import of the same revision
     downloads nothing): config and safetensors; ``pytorch_model.bin`` too when the folder has no safetensors."""
+    # lazy: keeps huggingface_hub out of this module's import
     from huggingface_hub import snapshot_download
-
-    from pipelines.storage import hub_errors
 
     try:
         path = Path(snapshot_download(repo_id=repo, revision=revision, allow_patterns=HUB_FILES))
@@ -103,8 +116,6 @@ def hub_snapshot(repo: str, revision: str | None) -> Path:
 
 
 def _sha256(files: list[Path]) -> dict[str, str]:
-    from pipelines.storage import sha256_file
-
     return {f.name: sha256_file(f) for f in files}
 
 
@@ -119,8 +130,6 @@ def _tokenizer_from_files(spec: str | None, fam: Any, local: Path, source: str) 
     """The tokenizer of a family that ships its own files (``Family.tokenizer_files``): from ``--tokenizer`` (a
     folder holding them, or a tokenizer.json), else from the released folder, else one line naming what to pass;
     with the files it was read from."""
-    from pipelines.data.tokenizer import TokenizerError, bpe_from_files, load_tokenizer
-
     files = " + ".join(fam.tokenizer_files)
     folder = Path(spec).expanduser() if spec else (local if local.is_dir() else local.parent)
     try:
@@ -140,8 +149,6 @@ def _tokenizer(spec: str | None, src: Any, width: int, local: Path, fam: Any = N
                source: str = "") -> tuple[Any, list[Path]]:
     """The tokenizer the model was trained with and the files it was read from (none for a named one such as
     gpt2, which comes from an installed package)."""
-    from pipelines.data.tokenizer import TokenizerError, load_tokenizer
-
     if fam is not None and fam.tokenizer_files:
         tok, read = _tokenizer_from_files(spec, fam, local, source)
         if tok.width != width:
@@ -168,6 +175,7 @@ def _tokenizer(spec: str | None, src: Any, width: int, local: Path, fam: Any = N
 
 
 def inspect_lines(src: Any, fam: Any | None, files: list[Path]) -> list[str]:
+    # lazy: keeps torch out of this module's import
     from adlm_model.interop.reference_layouts import key_tree
 
     lines = [f"layout: {src.layout}; files: {', '.join(str(f) for f in files)}",
@@ -189,11 +197,10 @@ def import_model(source: str, *, name: str | None = None, revision: str | None =
     """Import ``source``; returns what was registered (or, with ``inspect``, what was read: ``lines`` is the key
     tree, shapes and hyper-parameters, which the command prints). Raises ImportInputError /
     ImportRefused / UnsafePickleError (one line each) before any registry write."""
+    # lazy: keeps torch out of this module's import
     from adlm_model.interop import reference_layouts as rl
     from adlm_model.interop.checkpoint import save_checkpoint
     from adlm_model.kinds import parameter_count
-    from pipelines.registry import check_names
-
     check_names(name, aliases or ())  # before anything is fetched, read or registered
     with tempfile.TemporaryDirectory(prefix="adlm-import-") as tmp_s:
         tmp = Path(tmp_s)
@@ -232,12 +239,9 @@ def _register(ckpt: Path, cfg: Any, provenance: dict[str, Any], *, name: str | N
               workdir: str | None, tracking_uri: str | None, parameters: int) -> dict[str, Any]:
     """An MLflow run in the experiment ``imports`` holding the checkpoint folder, registered as a version. The
     run is named after the family and the files' sha256: importing the same files again registers nothing new."""
+    # lazy: keeps mlflow out of this module's import
     from mlflow.entities import Param
     from mlflow.exceptions import MlflowException
-
-    from pipelines.registry import DEFAULT_MODEL_NAME, register_checkpoint, training_tags
-    from pipelines.storage import resolve_workdir
-    from pipelines.tracking import client, ensure_experiment, find_or_create_run, resolve_tracking_uri
 
     wd = resolve_workdir(workdir)
     uri = tracking_uri or resolve_tracking_uri(wd)

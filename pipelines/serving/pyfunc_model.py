@@ -119,6 +119,7 @@ class ADLMTextModel(mlflow.pyfunc.PythonModel):
 
     # model_input is hinted pd.DataFrame, a hint MLflow derives no schema from: the signature validates.
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
+        # lazy: keeps torch out of this module's import
         from adlm_model.inference.limits import LimitError
         from adlm_model.inference.textgen import load_generator
 

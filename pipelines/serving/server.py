@@ -29,6 +29,8 @@ import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from pipelines.settings import env_number
+
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 """1 MiB: 16 rows (``ADLM_MAX_ROWS``) of prompts and suffixes of tens of kilobytes each."""
 BODY_ENV = "ADLM_MAX_BODY_BYTES"
@@ -59,8 +61,6 @@ class BodyError(ValueError):
 def max_body_bytes(environ: MutableMapping[str, str] | None = None) -> int:
     """``ADLM_MAX_BODY_BYTES`` (a positive integer), default ``DEFAULT_MAX_BODY_BYTES``; a one-line
     ``SettingError`` for anything else (``pipelines.settings``)."""
-    from pipelines.settings import env_number
-
     return int(env_number(BODY_ENV, DEFAULT_MAX_BODY_BYTES, os.environ if environ is None else environ))
 
 
@@ -140,6 +140,7 @@ FORMAT_KEYS = ("dataframe_records", "dataframe_split", "inputs", "instances", "p
 def known_words() -> frozenset[str]:
     """The server's own vocabulary, which a message may name though a request sent it too: the request fields, the
     formats' keys, the samplers and the cache modes (a message naming ``length`` echoes nothing of the client's)."""
+    # lazy: keeps torch out of this module's import
     from adlm_model.kinds import SAMPLERS
     from adlm_model.sampling.confidence import KV_MODES
     from pipelines.mlflow_model import REQUEST_FIELDS
@@ -287,6 +288,7 @@ MODEL_PATH_ENV = "MLFLOW_MODEL_PATH_FOR_ADLM_SERVER"
 def create_app() -> RequestGuard:
     """MLflow's scoring app for the model folder ``$MLFLOW_MODEL_PATH_FOR_ADLM_SERVER`` behind the guard (the
     factory each uvicorn worker calls)."""
+    # lazy: keeps mlflow out of this module's import
     from mlflow.pyfunc import scoring_server
 
     model = scoring_server.load_model_with_mlflow_config(os.environ[MODEL_PATH_ENV])

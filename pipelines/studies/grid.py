@@ -9,12 +9,14 @@ validation curve is read back from MLflow by its run name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from pipelines.logs import verbosity
 from pipelines.runtime import cpu_placement
 from pipelines.storage import join
 from pipelines.tracking import RUN_NAME_TAG, client
+from pipelines.training.checkpoints import latest_checkpoint
 from pipelines.training.config import TrainConfig
 
 METRIC = "val/ppl"
@@ -49,8 +51,10 @@ class TrialContext:
 
 def run_one(config: dict[str, Any], *, ctx: TrialContext) -> None:
     """One (arm, seed), in its Tune actor: a ``pipelines.train`` run nested under its arm's run."""
+    # lazy: keeps ray out of this module's import
     from ray import tune
 
+    # lazy: keeps torch.distributed out of this module's import
     from pipelines.training.trainer import train
 
     rp = ctx.runs[config["run"]]
@@ -63,7 +67,7 @@ def run_one(config: dict[str, Any], *, ctx: TrialContext) -> None:
 
 def trained(workdir: str, rp: RunPlan) -> bool:
     """Whether the run's latest checkpoint is at its last step."""
-    from pipelines.training.checkpoints import latest_checkpoint
+    # lazy: keeps torch.distributed out of this module's import
     from pipelines.training.trainer import storage_root
 
     last = latest_checkpoint(join(storage_root(TrainConfig.from_dict(rp.raw), workdir), rp.run_name))
@@ -86,8 +90,7 @@ def fit_grid(name: str, todo: list[RunPlan], ctx: TrialContext, *, max_concurren
     """Train ``todo`` as the trials of the Tune grid ``name`` (``<workdir>/ray_results/tune/<name>``), longest first
     (``cost``: an arm's cost of one step) so that the slots finish together; a failed run raises RuntimeError naming
     the runs (``what``: the grid's owner, for the message), after the others have run."""
-    from functools import partial
-
+    # lazy: keeps ray out of this module's import
     from ray import tune
     from ray.tune import RunConfig, TuneConfig, Tuner
 

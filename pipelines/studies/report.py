@@ -15,6 +15,7 @@ from pipelines.studies.stats import Summary
 def _scores_every_position(kind: str) -> bool:
     """A diffusion kind whose bound counts all L positions (the floor line drawn is theirs; the kinds table decides,
     not kind names)."""
+    # lazy: keeps torch out of this module's import
     from adlm_model.kinds import model_kind
 
     k = model_kind(kind)
@@ -141,9 +142,11 @@ def plot_curves(spec: Any, arms: list[ArmResult], out: Path) -> Path | None:
     seeds, band = min..max over seeds; dashed lines mark the two budgets."""
     if not any(a.curves for a in arms):
         return None
+    # lazy: keeps matplotlib out of this module's import
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: keeps matplotlib out of this module's import
     import matplotlib.pyplot as plt
 
     truth = any(a.excess_curves for a in arms)

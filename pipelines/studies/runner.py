@@ -23,6 +23,7 @@ What happens, in order:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -34,8 +35,19 @@ from typing import Any
 from adlm_model.config import ConfigError
 from adlm_model.kinds import parameter_count
 from adlm_model.train.flops import training_flops_per_row
+from pipelines.data.prepare import prepare
+from pipelines.evaluation.truth import exact_entropy, skips_first, truth_of
 from pipelines.logs import get_logger
-from pipelines.storage import join, resolve_workdir, write_text
+from pipelines.runtime import init_ray, quiet_environment
+from pipelines.storage import (
+    is_uri,
+    join,
+    resolve_workdir,
+    temp_dir,
+    warn_if_node_local,
+    write_bytes_atomic,
+    write_text,
+)
 from pipelines.studies.comparisons import compare, comparisons_markdown, excess_curves, truth_markdown
 from pipelines.studies.grid import RunPlan, TrialContext, fit_grid, history, trained
 from pipelines.studies.report import ArmResult, plot_curves, results_csv, table_markdown
@@ -46,6 +58,9 @@ from pipelines.tracking import (
     best_effort,
     client,
     ensure_experiment,
+    find_or_create_run,
+    log_artifact_safely,
+    log_params_once,
     require_tracking,
     resolve_tracking_uri,
     tracking_reachable,
@@ -113,8 +128,6 @@ def plan_study(spec: StudySpec, *, workdir: str | os.PathLike | None = None, tra
 
 def _mlflow_runs(plan: StudyPlan) -> tuple[str | None, dict[str, str | None]]:
     """The parent run and a child per arm (created, or found on a rerun); Nones if MLflow is down."""
-    from pipelines.tracking import find_or_create_run, log_params_once
-
     spec = plan.spec
     with best_effort(plan.tracking_uri, "the study runs without its parent and arm runs"):  # refused: stops here
         require_tracking(plan.tracking_uri)
@@ -155,8 +168,6 @@ class StudyResult:
 def run_study(spec: StudySpec, *, workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
               root: Path = PROJECT_ROOT) -> StudyResult:
     """Plan, prepare, train every (arm, seed) through Ray Tune, then tabulate, plot and log (module docstring)."""
-    from pipelines.runtime import init_ray, quiet_environment
-
     quiet_environment()
     t0 = time.time()
     plan = plan_study(spec, workdir=workdir, tracking_uri=tracking_uri, root=root)
@@ -171,14 +182,8 @@ def run_study(spec: StudySpec, *, workdir: str | os.PathLike | None = None, trac
                  f"{plan.flops_per_step[arm.name] / 1e9:7.2f} GFLOP/step  "
                  f"runs to {max(r.max_steps for r in plan.runs if r.arm == arm.name)} steps  seeds {arm.seeds}")
     init_ray()
-    from pipelines.storage import warn_if_node_local
-
     warn_if_node_local([plan.workdir], "the study's work directory")
     if spec.data is not None:
-        import dataclasses
-
-        from pipelines.data.prepare import prepare
-
         prepare(dataclasses.replace(spec.data, out=join(wd, spec.data.out)))
     parent, arm_runs = _mlflow_runs(plan)
     todo = [rp for rp in plan.runs if not trained(plan.workdir, rp)]
@@ -199,16 +204,12 @@ def _fit(plan: StudyPlan, todo: list[RunPlan], arm_runs: dict[str, str | None]) 
 
 def _truth(plan: StudyPlan) -> dict[str, Any] | None:
     """The validation data's ``manifest.truth`` when the study runs on the testbed, else None."""
-    from pipelines.evaluation.truth import truth_of
-
     cfg = plan.configs[plan.spec.arms[0].name]
     return truth_of(cfg.resolve_path(cfg.data.validation, plan.workdir))
 
 
 def _read_truth(plan: StudyPlan, a: ArmResult, truth: dict[str, Any]) -> None:
     """The arm's bounds as excess over the exact entropy on the positions its kind scores."""
-    from pipelines.evaluation.truth import exact_entropy, skips_first
-
     skip = skips_first(plan.configs[a.name].model)
     a.entropy = exact_entropy(truth, skip)[0]
     a.floor_excess = float(truth["floors_skip_first" if skip else "floors"]["unigram_position"]) - a.entropy
@@ -260,8 +261,6 @@ def _tabulate(plan: StudyPlan, parent: str | None, seconds: float) -> StudyResul
                                                       "arms": [a.as_dict() for a in arms], "truth": truth,
                                                       "hypothesis": spec.hypothesis,
                                                       "comparisons": [r.as_dict() for r in compared]}, indent=2))
-    from pipelines.storage import is_uri, temp_dir, write_bytes_atomic
-
     local_out = Path(temp_dir("study-plot")) if is_uri(out) else Path(out)
     png = plot_curves(spec, arms, local_out / "curves.png")
     if png is not None:
@@ -274,8 +273,6 @@ def _tabulate(plan: StudyPlan, parent: str | None, seconds: float) -> StudyResul
 
 
 def _log_results(plan: StudyPlan, parent: str | None, arms: list[ArmResult], local_files: list[Path]) -> None:
-    from pipelines.tracking import log_artifact_safely
-
     if parent is None:
         return
     # After the runs: the table is on disk and stays; refused credentials are a warning here.

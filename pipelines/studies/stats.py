@@ -32,6 +32,7 @@ class Summary:
 
 def t_quantile(p: float, dof: int) -> float:
     """The ``p`` quantile of Student's t with ``dof`` degrees of freedom."""
+    # lazy: keeps scipy out of this module's import
     from scipy.stats import t
 
     return float(t.ppf(p, dof))

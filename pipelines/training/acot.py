@@ -12,6 +12,7 @@ same on both sides.
 
 from __future__ import annotations
 
+import io
 import math
 import random
 from collections.abc import Iterator, Sequence
@@ -22,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from adlm_model.config import ConfigError
+from adlm_model.kinds import KINDS
 from adlm_model.sampling.greedy import greedy_decode
 from adlm_model.train.stages import ARMS, SELECTS, Batch, Stage
 from pipelines.data.manifest import Manifest, ManifestError, read_manifest
@@ -61,8 +63,7 @@ class ReasoningSplit:
 
 def read_split(split_dir: str, what: str) -> ReasoningSplit:
     """The reasoning split in ``split_dir``; ConfigError (one line, naming ``what``) when it is none."""
-    import io
-
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow.parquet as pq
 
     try:
@@ -166,8 +167,6 @@ def answer_accuracy(model: nn.Module, split: ReasoningSplit, stage: Stage, arm: 
 
 def validate_acot(cfg: Any) -> None:
     """The ``acot`` section's checks that need no data (``TrainConfig.validate``); ConfigError with one line."""
-    from adlm_model.kinds import KINDS
-
     a = cfg.acot
 
     def need(ok: bool, msg: str) -> None:

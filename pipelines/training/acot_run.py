@@ -34,17 +34,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from adlm_model.config import ConfigError
+from adlm_model.interop.checkpoint import save_checkpoint
+from adlm_model.kinds import build_model
+from adlm_model.train.stages import ARMS, StagedFineTuning, arm_stages
 from pipelines.logs import first_line, get_logger
+from pipelines.registry import register_checkpoint, registered_version, training_tags
 from pipelines.storage import join, publish_dir, read_bytes, resolve_workdir, temp_dir
 from pipelines.tracking import (
     best_effort,
     client,
     ensure_experiment,
+    find_or_create_run,
+    log_artifact_safely,
+    log_params_once,
     redact_uri,
     resolve_tracking_uri,
     tracking_reachable,
 )
+from pipelines.training.acot import answer_accuracy, read_split, stage_batches
 
 log = get_logger(__name__)
 
@@ -80,8 +90,6 @@ class AcotResult:
 
 
 def _splits(cfg: Any, wd: str) -> tuple[Any, Any]:
-    from pipelines.training.acot import read_split
-
     train = read_split(cfg.resolve_path(cfg.data.train, wd), "data.train")
     val = read_split(cfg.resolve_path(cfg.data.validation, wd), "data.validation")
     if train.manifest.tokenizer.get("hash") != val.manifest.tokenizer.get("hash"):
@@ -98,6 +106,7 @@ def _log_metrics(uri: str, run_id: str | None, metrics: dict[str, float], step: 
     """Finite metrics at ``step`` (a tracking outage warns and training goes on)."""
     if run_id is None:
         return
+    # lazy: keeps mlflow out of this module's import
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
@@ -109,12 +118,7 @@ def _log_metrics(uri: str, run_id: str | None, metrics: dict[str, float], step: 
 def finetune(cfg: Any, *, workdir: str | os.PathLike | None = None, tracking_uri: str | None = None,
              register: bool | None = None) -> AcotResult:
     """Run the fine-tuning of ``cfg.acot.arm`` (module docstring); returns what it produced."""
-    import torch
-
-    from adlm_model.interop.checkpoint import save_checkpoint
-    from adlm_model.kinds import build_model
-    from adlm_model.train.stages import ARMS, StagedFineTuning, arm_stages
-    from pipelines.training.acot import answer_accuracy, stage_batches
+    # lazy: keeps pydantic, yaml out of this module's import
     from pipelines.training.config import flatten
 
     t0 = time.time()
@@ -140,8 +144,6 @@ def finetune(cfg: Any, *, workdir: str | os.PathLike | None = None, tracking_uri
 
     run_id = None
     with best_effort(uri, "fine-tuning without an MLflow run: nothing is logged or registered"):
-        from pipelines.tracking import find_or_create_run, log_params_once
-
         exp = ensure_experiment(cfg.mlflow.experiment, uri, wd)
         run_id, _ = find_or_create_run(uri, exp, cfg.run.name, tags={
             "kind": cfg.model.kind, "arm": a.arm, "task": train.task, "data_manifest_hash": manifest_hash})
@@ -231,9 +233,6 @@ def finetune(cfg: Any, *, workdir: str | os.PathLike | None = None, tracking_uri
 def _finish(cfg: Any, uri: str, run_id: str, local: Path, answers: Path, do_register: bool,
             tags: dict[str, Any]) -> tuple[str | None, str | None]:
     """The answers and the checkpoint as artifacts, the version registered; (version, why not registered)."""
-    from pipelines.registry import register_checkpoint, registered_version, training_tags
-    from pipelines.tracking import log_artifact_safely
-
     log_artifact_safely(uri, run_id, answers, ANSWERS_ARTIFACT)
     logged = log_artifact_safely(uri, run_id, local, "checkpoint")
     version, failure = None, None

@@ -99,6 +99,7 @@ def forget_missing_checkpoints(run_dir: str | Path, resume: tuple[int, str] | No
     record is dropped (its bookkeeping starts again; the run resumes from that checkpoint, as it does from the
     folder anyway), with a warning; with none left, a one-line ``ConfigError``: the run cannot resume, and
     starting it again under its name would mix two runs in one MLflow run."""
+    # lazy: keeps torch out of this module's import
     from adlm_model.config import ConfigError
 
     missing = missing_recorded_checkpoints(run_dir)
@@ -182,6 +183,7 @@ def gather_state(raw: Any, ema: Any, opt: Any, fsdp: bool) -> tuple[dict | None,
     """
     if not fsdp:
         return None, ema.state_dict(), opt.state_dict()
+    # lazy: keeps torch out of this module's import
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -199,14 +201,17 @@ def gather_state(raw: Any, ema: Any, opt: Any, fsdp: bool) -> tuple[dict | None,
 def load_weights_and_optimizer(d: Path, raw: Any, ema: Any, opt: Any, fsdp: bool, device: Any) -> dict[str, Any]:
     """Load model, EMA and optimiser state from checkpoint ``d`` into the live objects; returns the trainer
     state (step, scheduler, data position, world)."""
+    # lazy: keeps safetensors out of this module's import
     from safetensors.torch import load_file
 
+    # lazy: keeps torch out of this module's import
     from adlm_model.interop.checkpoint import load_state
 
     state = load_state(d, TRAINER_STATE)
     model_sd = load_file(str(d / "model.safetensors"))
     ema_sd = load_file(str(d / "ema.safetensors"))
     if fsdp:
+        # lazy: keeps torch out of this module's import
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,

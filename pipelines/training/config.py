@@ -29,8 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from adlm_model.config import MODEL_KINDS, PRESETS, ConfigError, ModelConfig, preset, refuse_unknown
+from adlm_model.kinds import KINDS
+from adlm_model.train.distill import DIVERGENCES
 from pipelines.configlib import ConfigKey, coerce, config_keys, read_yaml_file, set_nested, validate
+from pipelines.data.sources import KNOWN_SOURCES
 from pipelines.storage import join
+from pipelines.training.acot import validate_acot
 
 
 @dataclass
@@ -277,8 +281,6 @@ class TrainConfig:
                 raise ConfigError(msg)
 
         self.model.validate()
-        from adlm_model.kinds import KINDS
-
         need(not KINDS[self.model.kind].sample_only, f"model.kind {self.model.kind}: {KINDS[self.model.kind].sample_only}")
         o, b, r, s = self.optim, self.batch, self.run, self.scaling
         need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
@@ -312,23 +314,16 @@ class TrainConfig:
         need(self.data.shuffle_buffer >= 0, "data.shuffle_buffer must be >= 0")
         need(0 < self.data.read_cpus <= 64, f"data.read_cpus must be in (0, 64], got {self.data.read_cpus}")
         need(self.data.mode in ("", "wrap", "pad"), f"data.mode must be wrap, pad or empty, got {self.data.mode!r}")
-        from pipelines.data.sources import KNOWN_SOURCES
-
         need(not self.data.source or self.data.source in KNOWN_SOURCES,
              f"data.source {self.data.source!r} is no named source; use one of {', '.join(KNOWN_SOURCES)} or leave it empty")
         need(self.run.clip_search_batches >= 1, "run.clip_search_batches must be >= 1")
         if self.distill.teacher:
             self._validate_distill(need)
         if self.acot.arm:
-            from pipelines.training.acot import validate_acot
-
             validate_acot(self)
         return self
 
     def _validate_distill(self, need: Any) -> None:
-        from adlm_model.kinds import KINDS
-        from adlm_model.train.distill import DIVERGENCES
-
         d = self.distill
         can = [k.name for k in KINDS.values() if k.distillable]
         need(KINDS[self.model.kind].distillable, f"distill: SDTT distils the ancestral sampler of {' or '.join(can)} "

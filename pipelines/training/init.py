@@ -23,7 +23,10 @@ import torch
 
 from adlm_model.config import ConfigError, ModelConfig
 from adlm_model.interop.checkpoint import load_checkpoint, read_config
+from adlm_model.kinds import build_model, model_kind
 from pipelines.logs import get_logger
+from pipelines.registry import RegistryError, resolve_model_ref
+from pipelines.tracking import redact_uri, tracking_reachable
 from pipelines.training.config import TrainConfig
 
 log = get_logger(__name__)
@@ -36,16 +39,12 @@ ARCHITECTURE = ("vocab_size", "mask_id", "hidden", "heads", "n_blocks", "denoise
 
 
 def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    from adlm_model.kinds import build_model
-
     with torch.device("meta"):
         return {k: tuple(v.shape) for k, v in build_model(cfg).state_dict().items()}
 
 
 def architecture_mismatch(version: ModelConfig, recipe: ModelConfig) -> str | None:
     """Why weights of a ``version`` network cannot start a ``recipe`` network (None: they fit)."""
-    from adlm_model.kinds import model_kind
-
     theirs, ours = model_kind(version.kind).network, model_kind(recipe.kind).network
     if theirs is not ours:
         return (f"it is a {version.kind} model (network {theirs.__name__}) and the recipe's is {recipe.kind} (network "
@@ -65,8 +64,6 @@ def pin_init(cfg: TrainConfig, prev_meta: dict[str, Any] | None, tracking_uri: s
     """``cfg`` with ``run.init`` pinned (a fresh run) or set to what the resumed run started from (``prev_meta``:
     the latest checkpoint's meta, None for a fresh run). Raises ConfigError (one line) for a version that does
     not exist or does not fit."""
-    from pipelines.registry import RegistryError, resolve_model_ref
-
     asked = cfg.run.init
     if prev_meta is not None:  # resume wins: the run keeps the weights (and the lineage) it has
         started = prev_meta.get(INIT_TAG) or ""
@@ -76,9 +73,8 @@ def pin_init(cfg: TrainConfig, prev_meta: dict[str, Any] | None, tracking_uri: s
         return _with_init(cfg, started)
     if not asked:
         return cfg
+    # lazy: keeps mlflow out of this module's import
     from mlflow.exceptions import MlflowException
-
-    from pipelines.tracking import redact_uri, tracking_reachable
 
     store = tracking_uri[len("sqlite:///"):] if tracking_uri.startswith("sqlite:///") else None
     if asked.startswith("models:/") and store is not None and not Path(store).is_file():  # not created by asking
@@ -112,8 +108,6 @@ def _with_init(cfg: TrainConfig, init: str) -> TrainConfig:
 def load_init(raw: torch.nn.Module, init: str, tracking_uri: str) -> None:
     """Load the EMA weights of the pinned version ``init`` into ``raw`` (a worker, before its EMA and optimiser
     exist); the version resolves on this node (the registry's cache)."""
-    from pipelines.registry import resolve_model_ref
-
     model, _, _ = load_checkpoint(resolve_model_ref(init, tracking_uri).local_dir)  # EMA weights when present
     device = next(raw.parameters()).device
     raw.load_state_dict({k: v.to(device) for k, v in model.state_dict().items()})

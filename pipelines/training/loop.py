@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from adlm_model import gamma_at
-from adlm_model.interop.checkpoint import save_checkpoint, save_state
+from adlm_model.baselines.bd3lm import block_loss_moments, choose_clip, clip_intervals
+from adlm_model.interop.checkpoint import atomic_safetensors, save_checkpoint, save_state
 from adlm_model.kinds import model_kind
 from adlm_model.objectives.losses import LossOutput
 from pipelines.data.reader import read_subset
@@ -52,6 +53,7 @@ from pipelines.storage import (
     temp_dir,
     write_text,
 )
+from pipelines.training import distill
 from pipelines.training.checkpoints import (
     TRAINER_STATE,
     checkpoint_name,
@@ -60,6 +62,7 @@ from pipelines.training.checkpoints import (
     publish_best,
     step_of,
 )
+from pipelines.training.distill import advance, save_teacher, version_facts
 from pipelines.training.worker import LoopConfig, Worker, build, reset_window, resume, set_training_clip
 
 log = get_logger(__name__)
@@ -150,8 +153,6 @@ def log_window(w: Worker) -> dict[str, float]:
         metrics["train/anchor_frac"] = tot[4] / max(tot[2], 1.0)
         metrics["train/gamma_k"] = gamma_at(w.step - 1, mc.gamma, mc.gamma_beta, mc.gamma_horizon)
     if w.teacher is not None:  # a distillation: train/loss is SDTT's divergence; its round, dt, step count
-        from pipelines.training import distill
-
         metrics.update(distill.metrics(w))
     reset_window(w)
     return metrics
@@ -207,8 +208,6 @@ def search_clip(w: Worker, rows: dict[str, torch.Tensor]) -> tuple[float, float]
     first ``run.clip_search_batches`` validation micro-batches of every worker (EMA weights, common random
     numbers), pool the moments of the per-block mean loss over workers, take the interval of lowest variance,
     and train on it until the next search."""
-    from adlm_model.baselines.bd3lm import block_loss_moments, choose_clip, clip_intervals
-
     cfg, micro = w.cfg, w.cfg.batch.micro_batch
     intervals = clip_intervals(eps=cfg.model.sampling_eps)
     n = min(rows["input_ids"].shape[0], cfg.run.clip_search_batches * micro)
@@ -233,13 +232,9 @@ def _write_weights(w: Worker, directory: Path, model_sd: dict | None, ema_sd: di
     if cfg.run.init:  # the lineage (pipelines/training/init.py): what the run started from, pinned
         meta["init_from"] = cfg.run.init
     if cfg.distill.teacher:  # a distillation's teacher (lineage) and the student's default step count
-        from pipelines.training.distill import version_facts
-
         meta.update(version_facts(cfg))
     save_checkpoint(directory, w.raw, cfg.model, ema_state=ema_sd, meta=meta)
     if model_sd is not None:
-        from adlm_model.interop.checkpoint import atomic_safetensors
-
         atomic_safetensors(directory / "model.safetensors", model_sd)
     if lc.tokenizer_path:
         (directory / "tokenizer.json").write_bytes(read_bytes(lc.tokenizer_path))
@@ -271,8 +266,6 @@ def write_checkpoint(w: Worker, directory: Path, metrics: dict[str, Any]) -> Non
                                "ema_updates": w.ema.num_updates, "best_val": w.best_val,
                                "clip": list(w.clip) if w.clip else None}, TRAINER_STATE)
         if w.teacher is not None:
-            from pipelines.training.distill import save_teacher
-
             save_teacher(w, directory)
     rng = {"torch": torch.get_rng_state(), "noise": w.noise.get_state().cpu(),
            "cuda": torch.cuda.get_rng_state() if w.use_gpu else None}
@@ -310,6 +303,7 @@ class TrialSession:
         return self.datasets[name]
 
     def report(self, metrics: dict[str, Any], checkpoint: Any = None, checkpoint_dir_name: str | None = None) -> None:
+        # lazy: keeps ray out of this module's import
         from ray import tune
         from ray.tune.integration.ray_train import CHECKPOINT_PATH_KEY
 
@@ -321,6 +315,7 @@ def _report_checkpoint(w: Worker, metrics: dict[str, Any], api: Any) -> None:
     """Write this step's checkpoint and hand it to Ray Train with the metrics (kept only with a checkpoint);
     Ray persists it to its storage (local or an object store) through the Checkpoint API. ``api``: ``ray.train``
     or a ``TrialSession``."""
+    # lazy: keeps ray out of this module's import
     from ray.train import Checkpoint
 
     lc, name = w.lc, checkpoint_name(w.step)
@@ -402,6 +397,7 @@ def validation_step(w: Worker, rows: dict[str, torch.Tensor], tracker: Resilient
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """The training loop every Ray Train worker runs (or the driver, in local mode; or a Tune trial's process, with
     ``config["session"]`` a ``TrialSession``)."""
+    # lazy: keeps ray out of this module's import
     import ray.train
 
     lc: LoopConfig = config["loop"]
@@ -435,8 +431,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     while w.step < r.max_steps:
         _maybe_crash(w)
         if w.teacher is not None:  # a distillation: a new round's first step promotes the student to teacher
-            from pipelines.training.distill import advance
-
             advance(w)
         optimiser_step(w, stream)
         if lc.step_pause_ms:

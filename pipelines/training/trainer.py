@@ -29,14 +29,18 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from adlm_model.config import ConfigError
+from adlm_model.kinds import model_kind
 from pipelines.compat import ray as compat_ray
+from pipelines.data.ray_source import split_dataset
 from pipelines.faults import fault
 from pipelines.logs import first_line, get_logger, quiet_ray_data, run_progress, verbosity, worker_console
 from pipelines.placement import check_run
+from pipelines.registry import register_checkpoint, registered_version, training_tags
 from pipelines.runtime import cpu_work_selector, environ, init_ray, quiet_environment
 from pipelines.spool import send_spool
 from pipelines.storage import (
@@ -55,6 +59,10 @@ from pipelines.tracking import (
     best_effort,
     client,
     ensure_experiment,
+    find_or_create_run,
+    log_artifact_safely,
+    log_params_once,
+    plot_loss_curve,
     redact_uri,
     require_tracking,
     resolve_tracking_uri,
@@ -163,8 +171,6 @@ def open_run(ctx: RunContext, prev_id: str | None, without: str | None) -> str |
     """The MLflow run of this run name (``prev_id``, the checkpoint's run id, else found by name, else created)
     with the config as params; None when the tracking store is out (``without``: what the warning says goes on;
     refused credentials raise ``TrackingAuthError``: ``best_effort``)."""
-    from pipelines.tracking import find_or_create_run, log_params_once
-
     cfg, plan, uri = ctx.cfg, ctx.plan, ctx.tracking_uri
     run_id = None
     with best_effort(uri, without):  # a tracking outage must not stop training
@@ -174,8 +180,6 @@ def open_run(ctx: RunContext, prev_id: str | None, without: str | None) -> str |
                 **({INIT_TAG: cfg.run.init} if cfg.run.init else {})}
         run_id, _ = find_or_create_run(uri, exp_id, cfg.run.name, run_id=prev_id, tags=tags,
                                        parent_run_id=ctx.parent_run_id)
-        from adlm_model.kinds import model_kind
-
         params = {**flatten(cfg.to_dict()), "data_manifest_hash": plan.manifest_hash,
                   "accumulation": cfg.accumulation, "tokenizer": plan.tokenizer_spec}
         if model_kind(cfg.model.kind).anchored:  # the sweep's knobs, under their paper names
@@ -190,10 +194,8 @@ def _finish_tracking(ctx: RunContext, export: Export, do_register: bool, tags: d
     (``tags``: its step, validation bound, which checkpoint it is, ...; reused when this step is already
     registered: a rerun registers nothing new). Returns the version; raises ``RegistrationError`` when
     registration was asked for and failed (the checkpoint is safe in storage: the rerun registers it)."""
+    # lazy: keeps mlflow out of this module's import
     from mlflow.exceptions import MlflowException
-
-    from pipelines.registry import register_checkpoint, registered_version, training_tags
-    from pipelines.tracking import log_artifact_safely, plot_loss_curve
 
     cfg, plan, uri, run_id, local_export = ctx.cfg, ctx.plan, ctx.tracking_uri, ctx.run_id, export.local_dir
     version = None
@@ -243,8 +245,6 @@ def storage_root(cfg: TrainConfig, workdir: str) -> str:
 
 def _in_tune() -> bool:
     """Whether this process runs a Ray Tune trial (Ray not imported: no)."""
-    import sys
-
     if "ray.tune" not in sys.modules:
         return False
     return compat_ray.in_tune_trial()
@@ -254,6 +254,7 @@ def _tune_trial_cpus() -> float | None:
     """The CPUs of the Tune trial this process runs (its resource request), or None outside a trial."""
     if not _in_tune():
         return None
+    # lazy: keeps ray out of this module's import
     from ray import tune
 
     return float(tune.get_context().get_trial_resources().required_resources.get("CPU", 1.0))
@@ -263,6 +264,7 @@ def training_dataset(cfg: TrainConfig, plan: DataPlan) -> Any:
     """The training split as the Ray Dataset the workers stream: read from its manifest in at least two blocks a
     worker, in a block order seeded by ``run.seed``, its order preserved (the driver's Ray Data context is set
     for it: the order local mode reads). Ray must be running."""
+    # lazy: keeps ray out of this module's import
     import ray.data
 
     # A CPU run is CPU work from end to end: its Ray Train workers and its Ray Data reads never go to a GPU node
@@ -277,8 +279,6 @@ def training_dataset(cfg: TrainConfig, plan: DataPlan) -> Any:
     # of Ray 2.60): on nodes whose CPUs placement groups hold in part (a trial's driver, fractional workers) they
     # never start and the run waits for good. The split is read from its manifest instead: read tasks of
     # data.read_cpus and nothing else (pipelines.data.ray_source).
-    from pipelines.data.ray_source import split_dataset
-
     ds = split_dataset(plan.train_manifest, plan.columns, blocks=max(len(plan.train_uris), 2 * cfg.world),
                        num_cpus=cfg.data.read_cpus)
     return ds.randomize_block_order(seed=cfg.run.seed)
@@ -311,6 +311,7 @@ def loop_config(ctx: RunContext, trial_cpus: float | None) -> LoopConfig:
 def _fit(ctx: RunContext, callbacks: list | None) -> dict[str, Any]:
     """Train: a Ray Train ``TorchTrainer`` over the training split, or the loop in this process inside a Tune
     trial (local mode). Returns the last metrics reported."""
+    # lazy: keeps ray out of this module's import
     import ray.data
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer

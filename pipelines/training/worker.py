@@ -34,6 +34,8 @@ from pipelines.training.checkpoints import (
     step_of,
 )
 from pipelines.training.config import TrainConfig
+from pipelines.training.distill import DistillLoss, load_teacher, make_teacher
+from pipelines.training.init import load_init
 from pipelines.training.optim import build_optimizer, build_schedule
 
 log = get_logger(__name__)
@@ -194,19 +196,16 @@ def build(lc: LoopConfig, rank: int, world: int, device: torch.device) -> Worker
     torch.manual_seed(r.seed)
     raw = build_model(cfg.model).to(device)
     if r.init and lc.resume_dir is None:  # a fresh run starts from the version's weights (a resume has its own)
-        from pipelines.training.init import load_init
-
         load_init(raw, r.init, lc.tracking_uri)
     teacher = None
     if cfg.distill.teacher:  # SDTT (training/distill.py): the round-0 teacher is the student as initialised
-        from pipelines.training.distill import DistillLoss, make_teacher
-
         teacher = make_teacher(raw)
         module: torch.nn.Module = DistillLoss(raw, cfg.model, teacher, cfg.distill)
     else:
         module = Objective(raw, cfg.model)
     fsdp = distributed and cfg.scaling.strategy == "fsdp"
     if fsdp:
+        # lazy: keeps torch.distributed.fsdp out of this module's import
         from torch.distributed.fsdp import fully_shard
 
         for blk in [m for m in raw.modules() if isinstance(m, DiTBlock)]:
@@ -214,6 +213,7 @@ def build(lc: LoopConfig, rank: int, world: int, device: torch.device) -> Worker
         fully_shard(module)
         net: torch.nn.Module = module
     elif distributed:
+        # lazy: keeps torch.nn.parallel out of this module's import
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         # The only buffers are rotary caches, identical on every rank: synced once at init, never per forward.
@@ -258,8 +258,6 @@ def resume(w: Worker, ray_checkpoint_dir: str | None, ray_checkpoint_step: int =
         set_training_clip(w, tuple(state["clip"]))
     w.step, w.epoch, w.position = int(state["step"]), int(state["data"]["epoch"]), int(state["data"]["position"])
     if w.teacher is not None:  # a distillation: the teacher of the round the checkpoint is in
-        from pipelines.training.distill import load_teacher
-
         load_teacher(w, d)
     rng_file = d / f"rng_rank{w.rank}.json"
     if rng_file.is_file() and int(state.get("world", w.world)) == w.world:

@@ -34,12 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from adlm_model.config import ConfigError
-from adlm_model.kinds import model_kind
+from adlm_model.kinds import model_kind, parameter_count
 from adlm_model.train.flops import training_flops_per_row
 from pipelines.logs import get_logger
 from pipelines.studies.comparisons import nats
 from pipelines.studies.grid import RunPlan, TrialContext, fit_grid, history, trained
 from pipelines.studies.stats import Summary, summarise
+from pipelines.tracking import best_effort, ensure_experiment, find_or_create_run, log_params_once, require_tracking
 from pipelines.training.config import TrainConfig, apply_override, load_raw
 from pipelines.tuning.report import TrialRow
 from pipelines.tuning.space import SearchSpace
@@ -209,8 +210,6 @@ def plan_confirmation(space: SearchSpace, config: str | os.PathLike, cli_sets: l
         except ConfigError as e:
             raise ConfigError(f"search space {space.source}: confirmation arm {arm.name!r}: {e}") from None
         arm.flops_per_step = training_flops_per_row(cfg.model) * cfg.batch.global_batch
-        from adlm_model.kinds import parameter_count
-
         arm.params = parameter_count(cfg.model)
     win, against = arms[0], arms[1]
     readings: list[Reading] = [Reading(f"steps:{s}", {win.name: s, against.name: s}) for s in steps]
@@ -320,8 +319,6 @@ def summary_line(plan: ConfirmPlan, c: Contrast, n: int) -> str:
 
 def _arm_runs(plan: ConfirmPlan, parent: str | None) -> dict[str, str | None]:
     """An MLflow run per arm, ``confirm/<arm>`` under the sweep's parent (created, or found on a rerun)."""
-    from pipelines.tracking import best_effort, ensure_experiment, find_or_create_run, log_params_once, require_tracking
-
     out: dict[str, str | None] = {a.name: None for a in plan.arms}
     if parent is None:
         return out

@@ -8,28 +8,29 @@ import csv
 import io
 import json
 import math
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
-from pipelines.storage import join
+from pipelines.evaluation.truth import exact_entropy, skips_first, truth_of
+from pipelines.registry import register_checkpoint, registered_version, training_tags
+from pipelines.storage import join, read_text, temp_dir, write_bytes_atomic
 from pipelines.studies.comparisons import nats
 from pipelines.studies.stats import Summary, summarise
+from pipelines.tracking import RUN_NAME_TAG, best_effort, client, log_artifact_safely
 from pipelines.training.config import TrainConfig
 from pipelines.tuning.confirm import ConfirmPlan, ConfirmResult, Contrast
-from pipelines.tuning.report import TrialRow
+from pipelines.tuning.report import TrialRow, plot_confirmation, plot_search
 
 
 def _truth(plan: ConfirmPlan) -> dict[str, Any] | None:
-    from pipelines.evaluation.truth import truth_of
-
     cfg = plan.arms[0].config
     return truth_of(cfg.resolve_path(cfg.data.validation, plan.workdir))
 
 
 def confirm_markdown(plan: ConfirmPlan, bounds: dict[str, dict[str, dict[int, float]]], line: str) -> str:
     """The confirmation's report: the arms, their search budgets, each reading's bounds and every contrast."""
-    from pipelines.evaluation.truth import exact_entropy, skips_first
-
     space = plan.space
     truth = _truth(plan)
     out = [f"## Confirmation of sweep `{space.name}`", "", f"**{line}**", "",
@@ -98,9 +99,6 @@ def report(result: ConfirmResult, parent: str | None, register: bool, rows: list
     """The files beside the sweep's report (``<workdir>/sweeps/<name>/``: confirm.md, .csv, .json, .png and the
     search's picture again, the confirmed winner ringed), the parent run's metrics, tags and artifacts, and the
     registered versions."""
-    from pipelines.storage import temp_dir, write_bytes_atomic
-    from pipelines.tuning.report import plot_confirmation, plot_search
-
     plan = result.plan
     result.markdown = confirm_markdown(plan, result.bounds, result.summary)
     out = temp_dir("adlm-confirm-")
@@ -119,17 +117,12 @@ def report(result: ConfirmResult, parent: str | None, register: bool, rows: list
     for f in local:
         write_bytes_atomic(join(dest, f.name), f.read_bytes())
         result.artifacts[f.name] = join(dest, f.name)
-    import shutil
-
     shutil.rmtree(out, ignore_errors=True)
 
 
 def _log(result: ConfirmResult, parent: str, files: list[Path], register: bool) -> None:
-    import time
-
+    # lazy: keeps mlflow out of this module's import
     import mlflow
-
-    from pipelines.tracking import best_effort, client, log_artifact_safely
 
     plan = result.plan
     with best_effort(plan.tracking_uri, "the confirmation's results are not logged to MLflow (they are on disk)",
@@ -160,10 +153,6 @@ def _log(result: ConfirmResult, parent: str, files: list[Path], register: bool) 
 def _register(result: ConfirmResult, p: Contrast) -> list[str]:
     """The winner's and the comparator's confirmation runs as versions, tagged with the primary interval (once: a
     rerun finds them); no alias moves."""
-    from pipelines.registry import register_checkpoint, registered_version, training_tags
-    from pipelines.storage import read_text
-    from pipelines.tracking import RUN_NAME_TAG, client
-
     plan = result.plan
     c = client(plan.tracking_uri)
     d = p.difference

@@ -15,11 +15,26 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from adlm_model.config import ConfigError
+from adlm_model.kinds import build_model
+from adlm_model.train.flops import training_flops_per_row
+from adlm_model.train.train_step import Objective, TrainStep
 from pipelines.logs import get_logger
-from pipelines.tuning.confirm import ConfirmPlan, ConfirmResult, budget_text, plan_confirmation, run_confirmation
+from pipelines.runtime import driver_resources
+from pipelines.training.config import TrainConfig
+from pipelines.training.optim import build_optimizer
+from pipelines.tuning.confirm import (
+    ConfirmPlan,
+    ConfirmResult,
+    budget_text,
+    plan_confirmation,
+    run_confirmation,
+    search_steps,
+)
 from pipelines.tuning.confirm_report import report
-from pipelines.tuning.space import ConfirmSpec, SearchSpace
+from pipelines.tuning.space import ConfirmFile, ConfirmSpec, SearchSpace, parse_confirm
 from pipelines.tuning.sweep import SweepPlan, SweepResult, plan_sweep, sweep
 
 log = get_logger(__name__)
@@ -42,8 +57,6 @@ class TunePlan:
 
 def with_confirm(space: SearchSpace, seeds: int) -> SearchSpace:
     """The space with ``confirm.seeds = seeds`` (``--confirm N``), its other confirm settings kept (or defaults)."""
-    from pipelines.tuning.space import ConfirmFile, parse_confirm
-
     base = space.confirm or parse_confirm(ConfirmFile(), space.source, space.baseline)
     if seeds == 1 or seeds < 0:
         raise ConfigError(f"--confirm {seeds}: give 0 (no confirmation) or at least 2 seeds (an interval needs two)")
@@ -76,14 +89,6 @@ def plan_tune(space: SearchSpace, config: str | None, sets: list[str] | tuple[st
 def step_seconds(raw: dict[str, Any], repeats: int = 3) -> float | None:
     """Seconds of one optimiser step of this recipe here (CPU, one torch thread, random tokens), or None for a GPU
     recipe or one too large to time on this machine in a few seconds."""
-    import torch
-
-    from adlm_model.kinds import build_model
-    from adlm_model.train.flops import training_flops_per_row
-    from adlm_model.train.train_step import Objective, TrainStep
-    from pipelines.training.config import TrainConfig
-    from pipelines.training.optim import build_optimizer
-
     cfg = TrainConfig.from_dict(json.loads(json.dumps(raw)))
     if cfg.scaling.use_gpu or training_flops_per_row(cfg.model) * cfg.batch.global_batch > 2e11:
         return None
@@ -116,9 +121,6 @@ def _validation_s(raw: dict[str, Any], per_step: float) -> float:
 
 def check_lines(tp: TunePlan, timed: bool = True) -> list[str]:
     """What ``--check`` prints: the searches' and the confirmation's sizes and, timed here, their cost."""
-    from adlm_model.train.flops import training_flops_per_row
-    from pipelines.tuning.confirm import search_steps
-
     lines = []
     total_cpu = 0.0
     concurrency = tp.space.max_concurrent
@@ -190,8 +192,6 @@ def run_tune(space: SearchSpace, config: str | None, sets: list[str] | tuple[str
              workdir: str | os.PathLike | None = None, tracking_uri: str | None = None) -> TuneOutcome:
     """The search, then the baseline arm's search, then the confirmation; an interrupted or undecided search stops
     what follows (its rerun resumes)."""
-    from pipelines.runtime import driver_resources
-
     tp = plan_tune(space, config, sets, workdir=workdir, tracking_uri=tracking_uri)
     main = sweep(space, tp.config, tp.sets, workdir=tp.main.workdir, tracking_uri=tp.main.tracking_uri)
     out = TuneOutcome(main)

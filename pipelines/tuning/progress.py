@@ -29,6 +29,7 @@ class TrialBar(Callback):
 
     def _bar(self) -> Any:
         if self.bar is None:
+            # lazy: keeps tqdm out of this module's import
             from tqdm import tqdm
 
             self.bar = tqdm(total=self.total, desc=f"sweep {self.name}", unit="trial", dynamic_ncols=True)

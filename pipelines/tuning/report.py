@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,9 +52,11 @@ def table_markdown(rows: list[TrialRow], best: TrialRow | None) -> str:
 
 
 def _pyplot() -> Any:
+    # lazy: keeps matplotlib out of this module's import
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: keeps matplotlib out of this module's import
     import matplotlib.pyplot as plt
 
     return plt
@@ -70,6 +73,7 @@ def plot_search(rows: list[TrialRow], out: Path, title: str, *, best: TrialRow |
     if not pts:
         return None
     plt = _pyplot()
+    # lazy: keeps matplotlib out of this module's import
     import matplotlib
 
     anchored = "gamma" in names and "tau" in names
@@ -148,6 +152,7 @@ def plot_search(rows: list[TrialRow], out: Path, title: str, *, best: TrialRow |
 def plot_confirmation(result: Any, out: Path) -> Path | None:
     """Each reading's bounds per seed (nats/token; one line a seed across the arms: the pairing) and, last, every
     contrast's difference with its 95% interval, the primary one in red."""
+    # lazy: keeps pydantic out of this module's import
     from pipelines.studies.comparisons import nats
 
     plan = result.plan
@@ -187,8 +192,6 @@ def plot_confirmation(result: Any, out: Path) -> Path | None:
     ax.set_xlabel("d = bound(against) - bound(arm), nats/token\n(> 0: the arm is lower; 95% interval)")
     ax.set_title(f"paired over fresh seeds {plan.seeds}", fontsize=9)
     ax.grid(alpha=0.3, axis="x")
-    import textwrap
-
     fig.suptitle("\n".join(textwrap.wrap(result.summary, width=int(12 * fig.get_figwidth()))), fontsize=9)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

@@ -205,6 +205,7 @@ class ParamSpec:
         return [self.low, self.high]
 
     def to_tune(self) -> Any:
+        # lazy: keeps ray out of this module's import
         from ray import tune
 
         d = self.distribution

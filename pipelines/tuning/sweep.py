@@ -38,15 +38,36 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from ray import tune
+from ray.tune import FailureConfig, RunConfig, TuneConfig, Tuner
+from ray.tune.integration.ray_train import TuneReportCallback
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+from ray.tune.search import ConcurrencyLimiter
+from ray.tune.search.basic_variant import BasicVariantGenerator
+from ray.tune.search.optuna import OptunaSearch
 
 from adlm_model.config import ConfigError
 from adlm_model.kinds import model_kind
 from pipelines import placement
 from pipelines.logs import get_logger
+from pipelines.registry import register_checkpoint, training_tags
 from pipelines.runtime import cpu_placement, driver_resources, init_ray, quiet_environment
 from pipelines.storage import join, publish_dir, resolve_workdir, temp_dir, warn_if_node_local
-from pipelines.tracking import client, ensure_experiment, redact_uri, resolve_tracking_uri, tracking_reachable
+from pipelines.tracking import (
+    best_effort,
+    client,
+    ensure_experiment,
+    find_or_create_run,
+    log_artifact_safely,
+    log_params_once,
+    redact_uri,
+    require_tracking,
+    resolve_tracking_uri,
+    tracking_reachable,
+)
 from pipelines.training.config import TrainConfig, apply_override, load_raw
+from pipelines.training.data import plan_data
+from pipelines.training.init import pin_init
 from pipelines.tuning.progress import progress_callbacks, tune_output, tune_verbosity
 from pipelines.tuning.report import TrialRow, plot_search, table_markdown
 from pipelines.tuning.space import METRIC, TIME_ATTR, SearchSpace, parse_space
@@ -85,8 +106,6 @@ def plan_sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[st
                check_data: bool = True) -> SweepPlan:
     """Apply the space to the recipe and check every corner; check the data. Raises ConfigError /
     ValueError with one line, before any Ray or MLflow work."""
-    from pipelines.training.data import plan_data
-
     raw = load_raw(config)
     for a in overrides:
         apply_override(raw, a)
@@ -126,6 +145,7 @@ def plan_sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[st
                           "ASHA would decide before the first validation")
     if space.algorithm == "optuna":
         try:
+            # lazy: optional: optuna may be absent, and that is handled
             import optuna  # noqa: F401
         except ImportError:
             raise ConfigError("search.algorithm optuna needs the optuna extra: pip install -e '.[optuna]'") from None
@@ -133,8 +153,6 @@ def plan_sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[st
     data = plan_data(base, wd) if check_data else None  # the data must exist and fit the model
     uri = tracking_uri or resolve_tracking_uri(wd)
     if base.run.init:  # the version every trial starts from must exist and fit, as train checks it
-        from pipelines.training.init import pin_init
-
         pin_init(base, None, uri, data.tokenizer_hash if data else None)
     return SweepPlan(space=space, base_raw=raw, base=base, workdir=wd, tracking_uri=uri,
                      storage=join(wd, "ray_results", "tune"), max_t=max_t)
@@ -160,9 +178,7 @@ class TrialPlan:
 
 def run_trial(config: dict[str, Any], *, plan: TrialPlan) -> None:
     """One trial, in its Tune actor: the recipe plus this trial's params, trained by ``pipelines.train``."""
-    from ray import tune
-    from ray.tune.integration.ray_train import TuneReportCallback
-
+    # lazy: keeps torch.distributed out of this module's import
     from pipelines.training.trainer import train
 
     space = parse_space(plan.space_raw, plan.space_source)
@@ -197,8 +213,6 @@ class SweepResult:
 
 
 def _parent_run(plan: SweepPlan) -> str | None:
-    from pipelines.tracking import best_effort, find_or_create_run, log_params_once, require_tracking
-
     with best_effort(plan.tracking_uri, "sweeping without a parent run"):  # refused credentials stop it here
         require_tracking(plan.tracking_uri)
         exp = ensure_experiment(plan.base.mlflow.experiment, plan.tracking_uri, plan.workdir)
@@ -220,22 +234,13 @@ def _search_alg(space: SearchSpace) -> Any:
     # The concurrency limit lives in the searcher: Tune ignores max_concurrent_trials for a
     # BasicVariantGenerator, and on 2 cores unlimited trials starve each other's worker groups.
     if space.algorithm == "optuna":
-        from ray.tune.search import ConcurrencyLimiter
-        from ray.tune.search.optuna import OptunaSearch
-
         return ConcurrencyLimiter(OptunaSearch(seed=space.seed), max_concurrent=space.max_concurrent)
-    from ray.tune.search.basic_variant import BasicVariantGenerator
-
     return BasicVariantGenerator(random_state=space.seed, max_concurrent=space.max_concurrent)
 
 
 def _scheduler(space: SearchSpace, max_t: int) -> Any:
     if space.scheduler == "fifo":
-        from ray.tune.schedulers import FIFOScheduler
-
         return FIFOScheduler()
-    from ray.tune.schedulers import ASHAScheduler
-
     # ASHA (Li et al.): rungs at grace_period * rf^k optimiser steps; a trial is stopped at a rung
     # when its validation PPL is worse than the top 1/rf of the trials recorded there.
     # stop_last_trials=False: a trial that reaches max_t is left to finish on its own, so that its
@@ -329,10 +334,8 @@ def _bookkeeping(plan: SweepPlan, parent: str, rows: list[TrialRow], best: Trial
     """Child-run status tags, the parent's artifacts and figures, the best trial registered (once)."""
     space = plan.space
 
+    # lazy: keeps mlflow out of this module's import
     import mlflow
-
-    from pipelines.registry import register_checkpoint, training_tags
-    from pipelines.tracking import best_effort, log_artifact_safely
 
     c = client(plan.tracking_uri)
     version = None
@@ -396,9 +399,6 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     quiet_environment()
     plan = plan_sweep(space, config, overrides, workdir=workdir, tracking_uri=tracking_uri)
     tracking_reachable(plan.tracking_uri)  # refused credentials (401/403) fail here in one line, before Ray
-
-    from ray import tune
-    from ray.tune import FailureConfig, RunConfig, TuneConfig, Tuner
 
     init_ray()
     warn_if_node_local([plan.storage], "the sweep's Tune storage")

@@ -12,6 +12,9 @@ import json
 from typing import Any
 
 from pipelines.logs import get_logger
+from pipelines.spool import SPOOL, send_spool
+from pipelines.storage import join, list_dir
+from pipelines.tracking import client
 from pipelines.training.config import TrainConfig, apply_override
 from pipelines.tuning.report import TrialRow
 from pipelines.tuning.space import SearchSpace
@@ -43,9 +46,7 @@ def finish_trial_runs(base_raw: dict[str, Any], space: SearchSpace, workdir: str
     no run at all when the outage spanned its start) gets the end of its run as a rerun of its command does it:
     ``train`` on a finished run trains nothing, sends the spool, logs the checkpoint. A trial the scheduler stopped
     only has its spool sent. Returns whether any trial was finished here."""
-    from pipelines.spool import SPOOL, send_spool
-    from pipelines.storage import join, list_dir
-    from pipelines.tracking import client
+    # lazy: keeps torch.distributed out of this module's import
     from pipelines.training.trainer import storage_root, train
 
     done = False

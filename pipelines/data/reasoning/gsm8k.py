@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from pipelines.data.reasoning.rows import ReasoningError, Row
+from pipelines.storage import hub_errors
 
 HF_PATH = "openai/gsm8k"
 HF_NAME = "main"
@@ -43,9 +44,8 @@ def parse_example(rec: dict[str, Any], where: str = "GSM8K row") -> Row:
 
 def load_gsm8k(split: str, data_files: str | list[str] | None = None) -> list[Row]:
     """A split of GSM8K from the hub (``data_files`` None), or local JSON/JSONL files in its format."""
+    # lazy: keeps datasets out of this module's import
     import datasets
-
-    from pipelines.storage import hub_errors
 
     if data_files is None and split not in SPLITS:
         raise ReasoningError(f"gsm8k has no split {split!r}; it has {', '.join(SPLITS)}")

@@ -27,16 +27,21 @@ machine; a rerun verifies and reuses them; other options are refused unless ``--
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
+import io
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from pipelines.data.manifest import Manifest, ManifestError, ShardInfo, read_manifest
 from pipelines.data.plan import PrepareConfig, PrepareError, log
 from pipelines.data.reasoning import gsm8k, prontoqa, prosqa
 from pipelines.data.reasoning.anchors import ANCHORS, anchors_of
-from pipelines.data.reasoning.rows import ReasoningError, Row, read_rows
+from pipelines.data.reasoning.rows import ReasoningError, Row, parse_rows, read_rows
 from pipelines.data.shards import shard_name
 from pipelines.data.tokenizer import TokenizerInfo, load_tokenizer, tokenizer_from_json
 from pipelines.seeds import derive_seed
@@ -140,8 +145,6 @@ def load_splits(cfg: PrepareConfig, opts: dict[str, Any]) -> tuple[str, str, dic
 
 def _gsm8k_rows(path: str) -> list[Row]:
     """A local GSM8K file: rows in Coconut's format, or GSM8K's own (``answer`` with ``#### N``, no steps)."""
-    from pipelines.data.reasoning.rows import parse_rows
-
     text = Path(path).read_text(encoding="utf-8")
     if '"steps"' in text:
         return read_rows(path)
@@ -154,6 +157,7 @@ def _gsm8k_rows(path: str) -> list[Row]:
 def word_tokenizer(rows: list[Row]) -> str:
     """tokenizer.json of a word-level vocabulary over the rows' words, numbers and punctuation runs (the
     ``Whitespace`` pre-tokenizer's pieces), after ``SPECIALS``; unknown pieces are ``<unk>``."""
+    # lazy: keeps tokenizers out of this module's import
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
     pre = pre_tokenizers.Whitespace()
@@ -189,8 +193,7 @@ def encode_rows(task: str, rows: list[Row], info: TokenizerInfo) -> dict[str, li
 
 def shard_table_bytes(cols: dict[str, list[Any]], lo: int, hi: int) -> bytes:
     """Parquet bytes of rows ``[lo, hi)`` of the columns; deterministic (no timestamps, no statistics)."""
-    import io
-
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -293,8 +296,6 @@ def _existing(split_dir: str, fingerprint: str, cfg: PrepareConfig) -> Manifest 
 
 def _project_version() -> str:
     """The installed project's version, read without importing ``adlm_model`` (its torch import costs 2 s)."""
-    import importlib.metadata
-
     try:
         return importlib.metadata.version("adlm-pipeline")
     except importlib.metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
@@ -303,9 +304,7 @@ def _project_version() -> str:
 
 def _write_split(task: str, label: str, split: str, rows: list[Row], split_dir: str, info: TokenizerInfo,
                  options: dict[str, Any], fingerprint: str, cfg: PrepareConfig) -> Manifest:
-    import sys
-
-    import numpy as np
+    # lazy: keeps pyarrow out of this module's import
     import pyarrow
 
     fs, inner = get_fs(split_dir)
