@@ -93,8 +93,8 @@ def run(args: argparse.Namespace, cfg: TrainConfig) -> float:
     import ray.data
     from train_throughput import prepare_demo_data
 
+    from pipelines.core.runtime import init_ray
     from pipelines.data.ray_source import split_dataset
-    from pipelines.runtime import init_ray
     from pipelines.training.data import plan_data
     from pipelines.training.loop import batch_stream, optimiser_step
 

@@ -556,7 +556,7 @@ def _log_mlflow(args: argparse.Namespace, doc: dict, said: list, files: list[Pat
     try:
         import mlflow
 
-        from pipelines.tracking import resolve_tracking_uri
+        from pipelines.tracking.runs import resolve_tracking_uri
 
         mlflow.set_tracking_uri(args.tracking_uri or resolve_tracking_uri(None))
         mlflow.set_experiment("adlm-fast-sampling")

@@ -51,7 +51,7 @@ def sample():
     while not done.is_set():
         peak["mb"] = max(peak["mb"], rss_mb())
         time.sleep(0.02)
-from pipelines.runtime import init_ray
+from pipelines.core.runtime import init_ray
 from pipelines.data.prepare import PrepareConfig, prepare
 from pipelines.data.sources import NAMED_SOURCES
 from tests.support_hub import stand_in_source

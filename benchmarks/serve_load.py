@@ -11,7 +11,7 @@ second, and that the server's memory after the load (after a few seconds' rest) 
     python benchmarks/serve_load.py [--model MLFLOW_MODEL_DIR_OR_URI] [--requests 300] [--concurrency 4]
 
 Without ``--model`` it builds a tiny untrained MDLM (context 32) on the test suite's 384-entry BPE and saves it
-as the MLflow Model every registered version is (``pipelines.mlflow_model``).
+as the MLflow Model every registered version is (``pipelines.tracking.mlflow_model``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def tiny_model(root: Path) -> Path:
 
     import adlm_model
     from adlm_model import build_model
-    from pipelines.mlflow_model import CODE_FILE, REQUEST_FIELDS, signature, stage_checkpoint
+    from pipelines.tracking.mlflow_model import CODE_FILE, REQUEST_FIELDS, signature, stage_checkpoint
     from tests.support_eval import make_data, save_ckpt, tiny_config
 
     data, tok, tok_path = make_data(root)

@@ -55,7 +55,7 @@ def measure(args: argparse.Namespace) -> None:
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
 
-    from pipelines.runtime import init_ray
+    from pipelines.core.runtime import init_ray
     from pipelines.training.config import load_config
     from pipelines.training.trainer import train
     from tests.support_cluster import MLflowServer, outage_step_rates, tracking_outage

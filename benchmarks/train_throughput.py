@@ -95,7 +95,7 @@ def ray_train_rates(args: argparse.Namespace, workdir: Path) -> list[float]:
     import mlflow
     import ray
 
-    from pipelines.runtime import init_ray
+    from pipelines.core.runtime import init_ray
     from pipelines.training.trainer import train
 
     started = not ray.is_initialized()

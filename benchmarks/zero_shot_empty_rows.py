@@ -52,13 +52,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(args: argparse.Namespace) -> int:
     from adlm_model.interop.checkpoint import read_config
+    from pipelines.core.runtime import init_ray
+    from pipelines.core.storage import cache_dir, resolve_workdir
     from pipelines.data.prepare import PrepareConfig, prepare
     from pipelines.evaluation.config import EvalConfig
     from pipelines.evaluation.run import evaluate_model
-    from pipelines.registry import resolve_model_ref
-    from pipelines.runtime import init_ray
-    from pipelines.storage import cache_dir, resolve_workdir
-    from pipelines.tracking import resolve_tracking_uri
+    from pipelines.tracking.registry import resolve_model_ref
+    from pipelines.tracking.runs import resolve_tracking_uri
 
     wd = resolve_workdir(args.workdir)
     uri = resolve_tracking_uri(wd)

@@ -1,11 +1,12 @@
-"""Orchestration of the ADLM pipeline: Ray Data, Ray Train, Ray Tune and MLflow.
+"""The ADLM pipeline's commands, on Ray Data, Ray Train, Ray Tune and MLflow.
 
-The stage entry points are thin modules (argument parsing, the plan, the calls, the exit code):
-``prepare_data``, ``train``, ``tune``, ``evaluate``, ``run_all``. Their machinery lives in ``data/``,
-``training/``, ``tuning/`` and ``evaluation/``; the pieces every stage shares are ``storage`` (work
-directory URIs and filesystems), ``tracking`` (MLflow runs), ``registry`` (the registered-model contract),
-``runtime`` (environment defaults, starting Ray), ``overrides`` (``--set``), ``seeds``, ``assets`` (offline
-files of pip packages) and ``faults`` (fault injection for the recovery tests).
+Each top-level module is a command, ``python -m pipelines.<name>``, and stays thin (argument parsing, the plan,
+the calls, the exit code): ``prepare_data``, ``train``, ``tune``, ``evaluate``, ``run_all``, ``generate``,
+``serve``, ``export``, ``import_model``, ``distill`` and ``study``. Their machinery lives in subpackages named for
+what they are: ``data/``, ``training/``, ``tuning/``, ``evaluation/``, ``serving/``, ``studies/`` and
+``orchestration/`` for the stages; ``core/`` for what every command shares (the command runner, logging, settings,
+configs, storage, starting Ray, placement); ``tracking/`` for MLflow (runs, the spool, the registry, the MLflow
+Model); ``compat/`` for the private names of Ray and MLflow.
 """
 
 import sys as _sys

@@ -15,7 +15,7 @@ import argparse
 import re
 import sys
 
-from pipelines.logs import add_logging_flags
+from pipelines.core.logs import add_logging_flags
 
 
 def build_parser() -> argparse.ArgumentParser:

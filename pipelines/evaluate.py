@@ -20,8 +20,9 @@ from collections.abc import Sequence
 
 from adlm_model.config import ConfigError
 from adlm_model.interop.checkpoint import CheckpointError
-from pipelines.cli import run_command
-from pipelines.configlib import settings_help
+from pipelines.core.cli import run_command
+from pipelines.core.configlib import settings_help
+from pipelines.core.logs import add_logging_flags
 from pipelines.data.manifest import DataMismatchError, ManifestError
 from pipelines.data.tokenizer import TokenizerError
 from pipelines.evaluation.config import EVAL_PROFILES, EvalConfig, EvalError, apply_overrides, eval_profile
@@ -32,8 +33,7 @@ from pipelines.evaluation.promotion import PromotionConfig, PromotionError, outc
 from pipelines.evaluation.report import summary_markdown
 from pipelines.evaluation.run import evaluate_model
 from pipelines.evaluation.suites import suites_help
-from pipelines.logs import add_logging_flags
-from pipelines.registry import RegistryError
+from pipelines.tracking.registry import RegistryError
 
 
 def _config_help() -> str:

@@ -17,10 +17,10 @@ import json
 import sys
 from collections.abc import Sequence
 
-from pipelines.cli import run_command
+from pipelines.core.cli import run_command
+from pipelines.core.logs import add_logging_flags
 from pipelines.data.tokenizer import TokenizerError
-from pipelines.logs import add_logging_flags
-from pipelines.registry import RegistryError
+from pipelines.tracking.registry import RegistryError
 
 
 def build_parser() -> argparse.ArgumentParser:

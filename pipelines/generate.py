@@ -38,11 +38,11 @@ from adlm_model.inference.textgen import (
     validate_request,
 )
 from adlm_model.interop.checkpoint import CheckpointError
-from pipelines.cli import CommandError, run_command
+from pipelines.core.cli import CommandError, run_command
+from pipelines.core.logs import add_logging_flags
 from pipelines.data.tokenizer import TokenizerError
-from pipelines.logs import add_logging_flags
-from pipelines.registry import RegistryError
 from pipelines.serving.generate import as_json_rows, open_generator, run_generation
+from pipelines.tracking.registry import RegistryError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,12 +23,12 @@ import json
 import sys
 from collections.abc import Sequence
 
-from pipelines.cli import run_command
-from pipelines.logs import add_logging_flags
-from pipelines.registry import RegistryError
+from pipelines.core.cli import run_command
+from pipelines.core.logs import add_logging_flags
+from pipelines.core.storage import resolve_workdir
 from pipelines.serving.importing import ImportInputError, import_model
-from pipelines.storage import resolve_workdir
-from pipelines.tracking import require_server, resolve_tracking_uri
+from pipelines.tracking.registry import RegistryError
+from pipelines.tracking.runs import require_server, resolve_tracking_uri
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,15 +16,15 @@ import sys
 import typing
 from typing import Any
 
-from pipelines.cli import run_command
-from pipelines.configlib import descriptions
+from pipelines.core.cli import run_command
+from pipelines.core.configlib import descriptions
+from pipelines.core.logs import add_logging_flags
 from pipelines.data.detokenizers import DETOKENIZERS
 from pipelines.data.encoder import ENGINES
 from pipelines.data.plan import PrepareConfig, PrepareError
 from pipelines.data.prepare import prepare
 from pipelines.data.sources import KNOWN_SOURCES, SourceError
 from pipelines.data.tokenizer import TokenizerError
-from pipelines.logs import add_logging_flags
 
 FLAG_EXTRAS: dict[str, dict[str, Any]] = {
     "source": {"metavar": "NAME|PATH|SPLIT=PATH"},

@@ -33,16 +33,16 @@ import sys
 import time
 
 from adlm_model.config import ConfigError
-from pipelines.cli import run_command
+from pipelines.core.cli import run_command
+from pipelines.core.logs import add_logging_flags
+from pipelines.core.runtime import PROJECT_ROOT, init_ray, quiet_environment
+from pipelines.core.storage import join, resolve_workdir
 from pipelines.data.prepare import prepare
 from pipelines.evaluation.config import EvalConfig
 from pipelines.evaluation.promotion import PromotionConfig, outcomes_markdown, stage_all
-from pipelines.logs import add_logging_flags
 from pipelines.orchestration.profiles import PROFILES, prepare_options, profile, validate_profile
 from pipelines.orchestration.summary import write_summary
-from pipelines.runtime import PROJECT_ROOT, init_ray, quiet_environment
-from pipelines.storage import join, resolve_workdir
-from pipelines.tracking import require_server, resolve_tracking_uri
+from pipelines.tracking.runs import require_server, resolve_tracking_uri
 
 
 class Unregistered(RuntimeError):
@@ -50,7 +50,7 @@ class Unregistered(RuntimeError):
     message is the one line that finishes it (rerun the same command)."""
 
     exit_code = 3
-    """Trained, not registered: every stage resumes, so the rerun finishes it (``pipelines.cli``)."""
+    """Trained, not registered: every stage resumes, so the rerun finishes it (``pipelines.core.cli``)."""
 
 
 def _banner(msg: str) -> None:

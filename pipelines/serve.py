@@ -21,12 +21,12 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipelines.cli import run_command
-from pipelines.logs import add_logging_flags
-from pipelines.registry import RegistryError, download_version
+from pipelines.core.cli import run_command
+from pipelines.core.logs import add_logging_flags
+from pipelines.core.storage import resolve_workdir
 from pipelines.serving.server import BODY_ENV, DEFAULT_MAX_BODY_BYTES, MODEL_PATH_ENV, max_body_bytes
-from pipelines.storage import resolve_workdir
-from pipelines.tracking import resolve_tracking_uri
+from pipelines.tracking.registry import RegistryError, download_version
+from pipelines.tracking.runs import resolve_tracking_uri
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,9 +13,9 @@ import argparse
 import sys
 
 from adlm_model.config import ConfigError
-from pipelines.cli import run_command
-from pipelines.logs import add_logging_flags
-from pipelines.tracking import TrackingAuthError
+from pipelines.core.cli import run_command
+from pipelines.core.logs import add_logging_flags
+from pipelines.tracking.runs import TrackingAuthError
 
 
 def build_parser() -> argparse.ArgumentParser:

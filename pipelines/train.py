@@ -15,9 +15,9 @@ import sys
 import yaml
 
 from adlm_model.config import ConfigError
-from pipelines.cli import run_command
-from pipelines.configlib import keys_help
-from pipelines.logs import add_logging_flags
+from pipelines.core.cli import run_command
+from pipelines.core.configlib import keys_help
+from pipelines.core.logs import add_logging_flags
 from pipelines.training.acot_run import finetune
 from pipelines.training.config import load_config, recipe_keys
 

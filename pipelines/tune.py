@@ -14,8 +14,8 @@ import json
 import sys
 
 from adlm_model.config import ConfigError
-from pipelines.cli import run_command
-from pipelines.logs import add_logging_flags
+from pipelines.core.cli import run_command
+from pipelines.core.logs import add_logging_flags
 from pipelines.tuning.report import table_markdown
 from pipelines.tuning.space import load_space, parse_space
 

@@ -107,7 +107,7 @@ def _no_leaked_tracking_uri() -> None:
     """Each test starts with MLflow's process-wide tracking URI unset (its environment decides), whatever ran before
     it in this worker. Seen once with the modules in another order: a test_serving test read another test's store
     ("Registered Model with name=adlm not found"). The leak's source is not pinned down; a suspect is a block of
-    ``pipelines.mlflow_model.using_tracking_uri`` in a thread that outlived its test, restoring another's URI."""
+    ``pipelines.tracking.mlflow_model.using_tracking_uri`` in a thread that outlived its test, restoring another's URI."""
     import sys
 
     if "mlflow" in sys.modules:
@@ -123,7 +123,7 @@ def start_session_ray() -> None:
     test on this Ray needs its state API (Ray Train under Tune does: the cluster tests' heads have one)."""
     import ray
 
-    from pipelines.runtime import init_ray
+    from pipelines.core.runtime import init_ray
 
     # Its raylet once missed Ray's start-up window under the suite's load, on the way back from a module's own cluster.
     start_ray_once_more_if_late(lambda: init_ray(num_cpus=2, dashboard=False), undo=ray.shutdown)

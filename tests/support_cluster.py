@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipelines.runtime import environ
+from pipelines.core.runtime import environ
 from tests.conftest import RAY_LATE, free_port, start_ray_once_more_if_late
 
 
@@ -433,7 +433,7 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, head_resources: dict[str, float] 
     one (as on one machine) garbage-collect each other's job working directories."""
     from ray.cluster_utils import Cluster
 
-    from pipelines.runtime import LOCAL_SYSTEM_CONFIG, environ  # idle workers reused, as in a local Ray
+    from pipelines.core.runtime import LOCAL_SYSTEM_CONFIG, environ  # idle workers reused, as in a local Ray
 
     # A killed node found dead by the GCS's health checks every second (default 3 s; 5 missed in a row), as the
     # autoscaler's cluster below: with the default, the node-loss test waited about 25 s doing nothing.
@@ -917,7 +917,7 @@ def autoscaling_cluster(env: dict[str, str], token: str, log: Path, without: tup
     import yaml
     from ray.util import get_node_ip_address
 
-    from pipelines.runtime import LOCAL_SYSTEM_CONFIG
+    from pipelines.core.runtime import LOCAL_SYSTEM_CONFIG
 
     # Short: Ray's Unix socket paths live under it (at most 107 characters).
     temp = Path(tempfile.mkdtemp(prefix="adlm-as-", dir="/tmp"))

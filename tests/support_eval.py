@@ -156,8 +156,8 @@ def register(ckpt: Path, tracking_uri: str, name: str = "adlm", kind: str = "mdl
     """Log the checkpoint folder as the run artifact ``checkpoint`` and register it (alias candidate)."""
     import mlflow
 
-    from pipelines.registry import register_checkpoint
-    from pipelines.tracking import ensure_experiment
+    from pipelines.tracking.registry import register_checkpoint
+    from pipelines.tracking.runs import ensure_experiment
 
     client = mlflow.MlflowClient(tracking_uri)
     exp = ensure_experiment("adlm", tracking_uri)

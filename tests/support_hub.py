@@ -34,7 +34,7 @@ def stand_in_source(holdout: int = 0) -> NamedSource:
 def write_stand_in(mirror: Path | str, docs: list[str], files: int = 3, row_group: int = 7) -> list[str]:
     """``docs`` in ``files`` Parquet files (row groups of ``row_group`` rows, an extra column as the hub's have)
     under ``<mirror>/<REPO>/plain_text/``; a local folder or an object-store URI. Returns the files in order."""
-    from pipelines.storage import get_fs, join
+    from pipelines.core.storage import get_fs, join
 
     per = -(-len(docs) // files)
     out = []

@@ -228,7 +228,7 @@ def test_train_command_fine_tunes_and_registers_with_accuracy(prosqa_work: tuple
 
     from adlm_model.interop.checkpoint import read_config
     from pipelines.data.reasoning.answers import exact_match
-    from pipelines.tracking import client
+    from pipelines.tracking.runs import client
     from pipelines.train import main as train_main
 
     wd, sets = prosqa_work
@@ -307,7 +307,7 @@ def test_accuracy_suite_scores_the_registered_version(acot_version: tuple[Path, 
     from pipelines.data.reasoning.answers import exact_match
     from pipelines.evaluate import main as evaluate_main
     from pipelines.evaluation.metrics import wilson_interval
-    from pipelines.tracking import client
+    from pipelines.tracking.runs import client
 
     wd, uri, trained = acot_version
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)

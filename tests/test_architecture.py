@@ -93,9 +93,9 @@ def test_every_project_import_names_something_that_exists() -> None:
 
 def test_no_import_circle() -> None:
     """No circle between modules, nor between the packages and shared modules of ``pipelines``
-    (``pipelines.registry`` and ``pipelines.serving`` once imported each other inside functions: the registry
+    (``pipelines.tracking.registry`` and ``pipelines.serving`` once imported each other inside functions: the registry
     packaged versions with ``serving``'s module, ``serving`` resolved them with the registry's; the packaging now
-    sits beside the registry, ``pipelines.mlflow_model``)."""
+    sits beside the registry, ``pipelines.tracking.mlflow_model``)."""
     graph = _graph()
     cycles = _cycles(graph)
     assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
@@ -282,10 +282,10 @@ def test_the_readme_layout_table_names_every_module() -> None:
     assert not missing, f"files the layout table of {ARCHITECTURE.name} names that do not exist: {', '.join(missing)}"
 
 
-PRINTS_RESULTS = {("pipelines.cli", "run_command"),  # the one `error:` line of every command
+PRINTS_RESULTS = {("pipelines.core.cli", "run_command"),  # the one `error:` line of every command
                   ("pipelines.evaluation.eval_lm", "run"),  # the eval-LM command's body (`--prepare` prints a path)
                   ("pipelines.run_all", "run"), ("pipelines.run_all", "_banner"),  # the demo's stage titles and tables
-                  ("pipelines.placement", "last_resort")}  # the command's `error:` line when the driver cannot say it
+                  ("pipelines.core.placement", "last_resort")}  # the command's `error:` line when the driver cannot say it
 """Functions outside a command's ``main``/``_run`` that print: the result-printing ones, named one by one."""
 
 
@@ -306,7 +306,7 @@ def test_library_code_never_prints() -> None:
 
     for name, path in MODULES.items():
         walk(name, ast.parse(path.read_text()), None)
-    assert not found, "print( outside a command's main/_run: log it (pipelines.logs.get_logger) or return it: " + \
+    assert not found, "print( outside a command's main/_run: log it (pipelines.core.logs.get_logger) or return it: " + \
         ", ".join(found)
     assert PRINTS_RESULTS <= printing, f"allowed but printing nothing (drop them): {PRINTS_RESULTS - printing}"
 
@@ -426,3 +426,17 @@ def test_the_lazy_import_check_is_not_blind() -> None:
           "    import torch\n    return json, torch\n"
     assert lazy_imports_without_a_reason(Path("x.py"), src) == [5]
 
+
+def test_every_top_level_module_of_pipelines_is_a_command() -> None:
+    """``ls pipelines/`` lists the commands: each top-level module has ``main`` and a ``__main__`` block; the
+    machinery lives in subpackages."""
+    not_commands = []
+    for path in sorted((ROOT / "pipelines").glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        has_main = any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body)
+        has_block = any(isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in tree.body)
+        if not (has_main and has_block):
+            not_commands.append(path.name)
+    assert not not_commands, f"top-level modules of pipelines that are not commands: {not_commands}"

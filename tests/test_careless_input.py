@@ -124,9 +124,9 @@ def test_a_tracking_uri_no_store_can_be_made_of_is_one_line(workdir: Path, tmp_p
 
 def test_an_evaluation_task_no_node_can_take_is_refused(ray_session) -> None:
     """``evaluate --set cpus_per_task=1000`` waited for over 400 s on a Ray that will not grow."""
+    from pipelines.core.placement import Unplaceable
     from pipelines.evaluation.config import EvalConfig
     from pipelines.evaluation.run import make_executor
-    from pipelines.placement import Unplaceable
 
     with pytest.raises(Unplaceable, match=r"the evaluation asks for \{'CPU': 1000.0.*cpus_per_task") as e:
         make_executor(EvalConfig(cpus_per_task=1000), in_process=False)
@@ -137,7 +137,7 @@ def test_an_evaluation_task_no_node_can_take_is_refused(ray_session) -> None:
 def test_the_placement_watch_reads_nothing_from_a_half_imported_ray(monkeypatch: pytest.MonkeyPatch) -> None:
     """lm-eval imports Ray in the main thread while the watch polls: the module is in ``sys.modules`` without its
     attributes yet ("partially initialized module 'ray'"), and the watch's thread printed a traceback."""
-    from pipelines.placement import PlacementWatch
+    from pipelines.core.placement import PlacementWatch
 
     monkeypatch.setitem(sys.modules, "ray", types.ModuleType("ray"))
     assert PlacementWatch(60, lambda w: None)._status() is None
@@ -160,7 +160,7 @@ def test_bad_set_values_are_one_line(assignment: str, says: str, workdir: Path,
 
 def test_evaluation_settings_refuse_bad_yaml_and_non_finite_numbers_but_keep_inf_thresholds() -> None:
     from adlm_model.config import ConfigError
-    from pipelines.configlib import apply_to
+    from pipelines.core.configlib import apply_to
     from pipelines.evaluation.config import EvalConfig
     from pipelines.evaluation.promotion import PromotionConfig
 

@@ -1,4 +1,4 @@
-"""The one CLI runner (pipelines/cli.py): every command's parse / logging / error block is written once."""
+"""The one CLI runner (pipelines/core/cli.py): every command's parse / logging / error block is written once."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.cli import CommandError, run_command
-from pipelines.logs import add_logging_flags
+from pipelines.core.cli import CommandError, run_command
+from pipelines.core.logs import add_logging_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,7 @@ def test_every_command_runs_under_the_placement_deadline(capsys: pytest.CaptureF
     """The runner, not each command, puts the work under ``placement_deadline``: the watch is up while ``run``
     runs (and gone after), and a wait that the watch ends is the command's one ``error:`` line, exit 1, whatever
     the command's own error tuples say."""
-    from pipelines import placement
+    from pipelines.core import placement
 
     monkeypatch.setenv(placement.TIMEOUT_ENV, "600")
     seen = []

@@ -289,9 +289,9 @@ def test_ray_autoscaler_launches_replaces_and_retires_the_nodes_of_a_sweep_and_a
     import ray
 
     from adlm_model.interop.checkpoint import load_state
+    from pipelines.core.runtime import NODE_KIND_LABEL
+    from pipelines.core.storage import download_dir, upload_dir
     from pipelines.data.manifest import read_manifest
-    from pipelines.runtime import NODE_KIND_LABEL
-    from pipelines.storage import download_dir, upload_dir
     from pipelines.training.config import load_config
     from pipelines.training.trainer import train
     from tests.support_cluster import autoscaling_cluster, node_type

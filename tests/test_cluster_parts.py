@@ -14,7 +14,7 @@ from tests.support_cluster import ROOT, s3_server
 
 def test_uris_lose_their_secrets_in_everything_the_pipeline_prints() -> None:
     from pipelines.orchestration.summary import summary_markdown
-    from pipelines.tracking import redact_uri
+    from pipelines.tracking.runs import redact_uri
 
     assert redact_uri("postgresql://mlflow:hunter2@db:5432/mlflow") == "postgresql://mlflow:***@db:5432/mlflow"
     assert redact_uri("https://alice:p%40ss@mlflow.internal") == "https://alice:***@mlflow.internal"
@@ -28,7 +28,7 @@ def test_uris_lose_their_secrets_in_everything_the_pipeline_prints() -> None:
 
 
 def test_drivers_forward_no_credential_to_a_clusters_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipelines.runtime import FORWARDED_ENV, forwarded_env
+    from pipelines.core.runtime import FORWARDED_ENV, forwarded_env
 
     secrets = {"AWS_SECRET_ACCESS_KEY": "s", "AWS_ACCESS_KEY_ID": "a", "AWS_SESSION_TOKEN": "t", "HF_TOKEN": "h",
                "MLFLOW_TRACKING_PASSWORD": "p", "MLFLOW_TRACKING_TOKEN": "t", "RAY_AUTH_TOKEN": "r",
@@ -80,7 +80,7 @@ def test_evaluation_asks_for_a_gpu_for_large_work_even_before_one_is_up(ray_sess
 
 
 def test_a_one_node_ray_needs_no_shared_storage(ray_session, tmp_path) -> None:
-    from pipelines.storage import warn_if_node_local
+    from pipelines.core.storage import warn_if_node_local
 
     assert not warn_if_node_local([str(tmp_path)], "test")  # every task runs here: a local path is fine
 
@@ -89,7 +89,7 @@ def test_a_cache_entry_is_built_once_per_cluster_through_the_work_directorys_sto
     """What the converted evaluation LM goes through (a GGUF file dequantised once: about a minute of CPU): with
     a remote work directory the entry goes to ``<workdir>/cache`` in the store, and a node without it fetches it
     there instead of building it again."""
-    from pipelines.storage import SHARED_DONE, shared_cache_entry
+    from pipelines.core.storage import SHARED_DONE, shared_cache_entry
 
     built: list[str] = []
 
@@ -128,7 +128,7 @@ def test_a_cache_entry_is_built_once_per_cluster_through_the_work_directorys_sto
 _BUILD_ONCE = """
 import sys, time
 from pathlib import Path
-from pipelines.storage import shared_cache_entry
+from pipelines.core.storage import shared_cache_entry
 
 log, entry = Path(sys.argv[1]), Path(sys.argv[2])
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.runtime import environ
+from pipelines.core.runtime import environ
 from tests.conftest import free_port, load_script
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,9 +13,9 @@ import pytest
 from adlm_model.compat import PrivateName
 
 ROOT = Path(__file__).resolve().parents[1]
-SCANNED = ("adlm_model", "pipelines", "benchmarks")
+SCANNED = ("adlm_model", "pipelines", "benchmarks", "tools")
 ADAPTERS = ("adlm_model.compat.torch", "adlm_model.compat.stdlib", "pipelines.compat.ray", "pipelines.compat.mlflow")
-FIRST_PARTY = {"adlm_model", "pipelines", "tests"}
+FIRST_PARTY = {"adlm_model", "pipelines", "tests", "tools"}
 DOCUMENTED = {"_thread"}
 """Standard-library modules whose names start with an underscore but are documented public API."""
 STDLIB = frozenset(sys.stdlib_module_names) - {n for n in sys.stdlib_module_names if n.startswith("_")}
@@ -85,8 +85,8 @@ def test_no_private_name_of_another_package_outside_the_adapters() -> None:
 
 
 def test_a_private_import_put_back_in_the_registry_is_found() -> None:
-    """The check is not blind: the import MLflow 3.18 broke, put back into ``pipelines/registry.py``."""
-    path = ROOT / "pipelines" / "registry.py"
+    """The check is not blind: the import MLflow 3.18 broke, put back into ``pipelines/tracking/registry.py``."""
+    path = ROOT / "pipelines" / "tracking" / "registry.py"
     source = path.read_text() + "\n\ndef check():\n    from mlflow.utils.validation import _validate_model_name\n"
     assert [what for _, what in private_uses(path, source)] == [
         "from mlflow.utils.validation import _validate_model_name"]
@@ -135,10 +135,10 @@ def test_a_missing_private_name_says_which_adapter_to_update(where: str) -> None
 
 
 def test_the_pipelines_adapters_import_no_torch() -> None:
-    """A command's ``--help`` and the data stage import ``pipelines.logs``, and so its Ray adapter: no torch there."""
+    """A command's ``--help`` and the data stage import ``pipelines.core.logs``, and so its Ray adapter: no torch there."""
     import subprocess
 
-    code = "import sys, pipelines.logs, pipelines.compat.ray, pipelines.compat.mlflow; print('torch' in sys.modules)"
+    code = "import sys, pipelines.core.logs, pipelines.compat.ray, pipelines.compat.mlflow; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False"
 

@@ -1,4 +1,4 @@
-"""The one config library (pipelines/configlib.py): every shipped YAML loads to the values it names over the
+"""The one config library (pipelines/core/configlib.py): every shipped YAML loads to the values it names over the
 declared defaults, unknown keys fail in one line with a did-you-mean, and the committed JSON Schemas are current
 and accept every shipped file."""
 
@@ -13,14 +13,15 @@ import pytest
 import yaml
 
 from adlm_model.config import PRESETS, ConfigError, ModelConfig
-from pipelines import config_schemas, configlib
-from pipelines.configlib import settings_help
+from pipelines.core import configlib
+from pipelines.core.configlib import settings_help
 from pipelines.data.plan import PrepareConfig
 from pipelines.evaluation.config import EvalConfig, apply_overrides
 from pipelines.studies.comparisons import Comparison
 from pipelines.studies.spec import Arm, load_study, parse_study
 from pipelines.training.config import SECTIONS, TrainConfig, load_config
 from pipelines.tuning.space import load_space, parse_space
+from tools import config_schemas
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
@@ -159,16 +160,16 @@ def test_set_help_is_the_field_descriptions() -> None:
     text = settings_help(EvalConfig, "EvalConfig")
     assert "  t_draws (default 1): Draws of ``t`` per sequence (>1 lowers the variance of the bound;" in text
     assert configlib.descriptions(ModelConfig)["tau"].startswith("ADLM and A2R: a token is an anchor")
-    assert "import ast" not in (ROOT / "pipelines" / "configlib.py").read_text()
+    assert "import ast" not in (ROOT / "pipelines" / "core" / "configlib.py").read_text()
 
 
 @pytest.mark.parametrize("kind", ["recipe", "search_space", "study"])
 def test_the_committed_schemas_are_current(kind: str) -> None:
     """Adding, removing or redocumenting a config field changes the generated schema: regenerate and commit it."""
     committed = ROOT / "schemas" / f"{kind}.schema.json"
-    assert committed.is_file(), "run python -m pipelines.config_schemas --write-schemas"
+    assert committed.is_file(), "run python tools/config_schemas.py --write-schemas"
     assert committed.read_text() == config_schemas.schema_text(config_schemas.schemas()[kind]), (
-        f"{committed.name} is out of date; run python -m pipelines.config_schemas --write-schemas")
+        f"{committed.name} is out of date; run python tools/config_schemas.py --write-schemas")
 
 
 def test_a_new_field_changes_the_schema() -> None:

@@ -1,5 +1,5 @@
 """CPU work never lands on a GPU node, even one whose CPUs are idle: the CPU-work label selector
-(``pipelines.runtime.cpu_work_selector``) on a cluster whose GPU node carries ``adlm.io/node-kind=gpu``.
+(``pipelines.core.runtime.cpu_work_selector``) on a cluster whose GPU node carries ``adlm.io/node-kind=gpu``.
 
 One Ray cluster on this machine (tests/support_cluster.py): a 0-CPU head; a CPU node (1 CPU, labelled ``cpu``); a
 "GPU" node (2 CPUs and a GPU Ray schedules on, with no device behind it) labelled ``gpu``; and its twin without the
@@ -36,11 +36,11 @@ def test_cpu_stages_never_run_on_a_gpu_labelled_node_with_idle_cpus(tiny_data: P
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
 
-    import pipelines.runtime as runtime
+    import pipelines.core.runtime as runtime
+    from pipelines.core.placement import Unplaceable, check_run, fixed_nodes, run_demand, unplaceable
     from pipelines.data.embedded import embedded_slices
     from pipelines.data.prepare import PrepareConfig, prepare
     from pipelines.evaluation.executors import RayExecutor
-    from pipelines.placement import Unplaceable, check_run, fixed_nodes, run_demand, unplaceable
     from pipelines.training.config import load_config
     from pipelines.training.trainer import train
     from tests.support_data import TINY_MODEL, data_overrides
@@ -109,7 +109,7 @@ import json, sys, time
 
 import ray
 
-import pipelines.runtime as runtime
+import pipelines.core.runtime as runtime
 from pipelines.evaluation.executors import RayExecutor
 
 

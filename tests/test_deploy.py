@@ -31,7 +31,7 @@ def test_cluster_yaml_validates_with_rays_schema() -> None:
     nodes = cfg["available_node_types"]
     head = nodes[cfg["head_node_type"]]
     assert head["resources"]["CPU"] == 0  # nothing of a job runs on the head (but the drivers: adlm_driver)
-    from pipelines.runtime import DRIVER_RESOURCE
+    from pipelines.core.runtime import DRIVER_RESOURCE
 
     assert head["resources"][DRIVER_RESOURCE] >= 100 and "InstanceMarketOptions" not in head["node_config"]
     for name, node in nodes.items():
@@ -205,7 +205,7 @@ def test_iam_policies_grant_every_action_the_cluster_uses_and_nothing_on_everyth
     profiles = {n["node_config"]["IamInstanceProfile"]["Name"] for n in _cluster()["available_node_types"].values()}
     assert profiles == {"adlm-ray-head", "adlm-ray-worker"}
     for policy in (head, worker):
-        # The work directory through pyarrow's S3 filesystem (pipelines/storage.py): list, read, write, delete.
+        # The work directory through pyarrow's S3 filesystem (pipelines/core/storage.py): list, read, write, delete.
         bucket, key = f"arn:aws:s3:::{VALUES['BUCKET']}", f"arn:aws:s3:::{VALUES['BUCKET']}/adlm/ray_results/x"
         assert _allowed(policy, "s3:ListBucket", bucket, {"s3:prefix": "adlm/ray_results/"})
         # HeadBucket (the storage layer's bucket check): ListBucket with no prefix in the request, as AWS
@@ -256,9 +256,9 @@ def _recipes() -> list[Path]:
 @pytest.mark.parametrize("recipe", _recipes(), ids=lambda p: p.name)
 def test_every_recipe_fits_one_node_type_of_the_cluster(recipe: Path) -> None:
     """A trainer's worker group (and a Ray Data read task beside it) placed on cluster.yaml's node types by Ray's
-    autoscaler's own bin packing (``pipelines.placement.unplaceable``): nothing left over, so the autoscaler can
+    autoscaler's own bin packing (``pipelines.core.placement.unplaceable``): nothing left over, so the autoscaler can
     launch what runs it. Its worker bundles also share one node type (Ray Train packs them)."""
-    from pipelines.placement import node_types, run_demand, unplaceable
+    from pipelines.core.placement import node_types, run_demand, unplaceable
     from pipelines.training.config import load_config
 
     cfg = load_config(recipe)
@@ -346,7 +346,7 @@ def _pods(cluster: dict, job: dict) -> list[dict]:
 def test_kuberay_cluster_has_a_0_cpu_head_and_autoscaling_gpu_and_cpu_groups() -> None:
     import ray
 
-    from pipelines.runtime import DRIVER_RESOURCE
+    from pipelines.core.runtime import DRIVER_RESOURCE
 
     cluster, job = _kuberay()
     spec = cluster["spec"]
@@ -380,7 +380,7 @@ def _kuberay_nodes(cluster: dict) -> list[dict[str, float]]:
 
 @pytest.mark.parametrize("recipe", _recipes(), ids=lambda p: p.name)
 def test_every_recipe_fits_a_kuberay_worker_group(recipe: Path) -> None:
-    from pipelines.placement import run_demand, unplaceable
+    from pipelines.core.placement import run_demand, unplaceable
     from pipelines.training.config import load_config
 
     cfg = load_config(recipe)

@@ -20,7 +20,7 @@ def _gpu_nodes_for_cpu_work(cluster: dict) -> list[tuple[int, dict[str, float]]]
     # private: the autoscaler's scheduler and KubeRay config reader have no public API
     from ray.autoscaler._private.resource_demand_scheduler import _default_utilization_scorer, get_nodes_for
 
-    from pipelines.placement import run_demand
+    from pipelines.core.placement import run_demand
     from pipelines.training.config import load_config
 
     types = {n: {"resources": {k: float(v) for k, v in t["resources"].items()}, "max_workers": t.get("max_workers", 0)}
@@ -85,7 +85,7 @@ def test_node_types_say_what_they_are_for_and_cpu_work_selects_against_gpu_nodes
     # private: the autoscaler's scheduler and KubeRay config reader have no public API
     from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
 
-    from pipelines.runtime import GPU_NODE_KIND, NODE_KIND_LABEL, cpu_work_selector
+    from pipelines.core.runtime import GPU_NODE_KIND, NODE_KIND_LABEL, cpu_work_selector
 
     assert cpu_work_selector() == {NODE_KIND_LABEL: f"!{GPU_NODE_KIND}"}
     cluster, _ = _kuberay()
@@ -109,7 +109,7 @@ def test_cpu_only_work_never_makes_the_v2_autoscaler_launch_a_gpu_node() -> None
     # private: the autoscaler's scheduler and KubeRay config reader have no public API
     from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
 
-    from pipelines.runtime import cpu_work_selector
+    from pipelines.core.runtime import cpu_work_selector
 
     cluster, _ = _kuberay()
     kuberay = _derive_autoscaling_config_from_ray_cr({**cluster, "metadata": {**cluster["metadata"], "namespace": "n"}})

@@ -17,7 +17,7 @@ import torch
 
 import pipelines.training.trainer as train_mod
 from adlm_model import load_checkpoint
-from pipelines.faults import ENV as FAULT_ENV
+from pipelines.core.faults import ENV as FAULT_ENV
 from pipelines.training.config import load_config
 from tests.support_data import TINY_MODEL, data_overrides
 

@@ -316,12 +316,12 @@ def test_the_records_written_from_raw_files_are_current() -> None:
 # ---- the reference pages, generated from the code -------------------------------------------------------------
 
 def test_the_reference_pages_are_current() -> None:
-    """docs/reference/commands.md and config.md are what ``python -m pipelines.docs_reference --write`` makes of
+    """docs/reference/commands.md and config.md are what ``python tools/docs_reference.py --write`` makes of
     the code now: a new flag, key or docstring without the regenerated page fails here."""
-    from pipelines.docs_reference import stale
+    from tools.docs_reference import stale
 
     old = [p.relative_to(ROOT).as_posix() for p in stale()]
-    assert not old, f"out of date: {old}; run python -m pipelines.docs_reference --write"
+    assert not old, f"out of date: {old}; run python tools/docs_reference.py --write"
 
 
 def test_the_reference_pages_name_every_flag_and_key() -> None:
@@ -330,8 +330,8 @@ def test_the_reference_pages_name_every_flag_and_key() -> None:
     import dataclasses
     import importlib
 
-    from pipelines.docs_reference import COMMANDS, PAGES
     from pipelines.training.config import SECTIONS, TrainConfig, recipe_keys
+    from tools.docs_reference import COMMANDS, PAGES
 
     commands = PAGES["commands"].read_text()
     for name in COMMANDS:

@@ -177,7 +177,7 @@ def test_shared_cache_never_confuses_version_1_of_two_stores(art, tmp_path, monk
     shared box): each URI must resolve to its own weights (a cache keyed by name and number mixed them up)."""
     from safetensors.torch import load_file
 
-    from pipelines.registry import resolve_model_ref
+    from pipelines.tracking.registry import resolve_model_ref
 
     monkeypatch.setenv("ADLM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("ADLM_WORKDIR", str(tmp_path / "work"))  # the registered files, not under ./work

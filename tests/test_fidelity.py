@@ -14,7 +14,7 @@ from adlm_model.config import MODEL_KINDS, ModelConfig
 def test_only_anchored_versions_carry_gamma_and_tau(kind: str) -> None:
     """An MDLM, AR or BD3-LM version has no anchor loss to describe: tagging it with gamma/tau would put it in
     a gamma/tau comparison it does not belong to; ADLM and A2R train with the anchor term."""
-    from pipelines.registry import training_tags
+    from pipelines.tracking.registry import training_tags
 
     tags = training_tags(ModelConfig(kind=kind, gamma=0.01, tau=7), run_name="r")
     assert tags["kind"] == kind and tags["run_name"] == "r"

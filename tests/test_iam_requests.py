@@ -1,5 +1,5 @@
 """The node policies (deploy/iam) against the S3 requests the storage layer really sends: every request that
-pipelines/storage.py (pyarrow's S3 filesystem, over the AWS C++ SDK) and MLflow's S3 artifact client (boto3) make
+pipelines/core/storage.py (pyarrow's S3 filesystem, over the AWS C++ SDK) and MLflow's S3 artifact client (boto3) make
 for a stage's work, recorded on the S3 server (tests/support_iam.py), mapped to what AWS authorises and allowed by
 head.json, worker.json and pods.json; the same requests outside the work prefix are refused. The control: with an
 ``s3:prefix`` condition put back on every ``s3:ListBucket`` grant, the bucket check (HeadBucket) is refused.
@@ -43,7 +43,7 @@ def _stage_work(root: str, tmp: Path) -> None:
     import pyarrow.parquet as pq
     from mlflow.store.artifact.s3_artifact_repo import S3ArtifactRepository
 
-    from pipelines import storage
+    from pipelines.core import storage
 
     storage.check_location.cache_clear()
     assert storage.resolve_workdir(root) == root

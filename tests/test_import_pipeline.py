@@ -48,12 +48,12 @@ def test_an_imported_version_is_evaluated_staged_sampled_served_and_lm_evaluated
     import mlflow
     from lm_eval.api.instance import Instance
 
+    from pipelines.core.storage import sha256_file
     from pipelines.evaluation.config import EvalConfig
     from pipelines.evaluation.lm_eval_model import ADLMEvalLM
     from pipelines.evaluation.promotion import PromotionConfig, stage_all
     from pipelines.generate import main as generate
     from pipelines.serving.importing import import_model
-    from pipelines.storage import sha256_file
 
     workdir = tmp_path / "work"
     tracking = f"sqlite:///{workdir / 'mlflow.db'}"

@@ -329,8 +329,8 @@ def test_exported_version_reimports_to_the_same_weights(kind: str, tmp_path: Pat
 def test_object_store_sources_are_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A .ckpt file and a Hub-layout folder in an object store (a real S3 server on loopback) are downloaded and
     read like local ones (``--inspect``: nothing registered); a missing key is one line."""
+    from pipelines.core.storage import upload_dir
     from pipelines.import_model import main
-    from pipelines.storage import upload_dir
     from tests.support_cluster import s3_server
 
     with s3_server("imports") as srv:

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from pipelines.logs import add_logging_flags, get_logger, setup_logging
+from pipelines.core.logs import add_logging_flags, get_logger, setup_logging
 
 
 def _run(verbosity: int) -> str:
@@ -74,7 +74,7 @@ def test_a_process_that_never_set_up_logging_still_shows_the_projects_lines() ->
     import sys
     from pathlib import Path
 
-    code = ("from pipelines.logs import get_logger; log = get_logger('pipelines.training.loop'); "
+    code = ("from pipelines.core.logs import get_logger; log = get_logger('pipelines.training.loop'); "
             "log.info('progress line'); log.warning('warn line')")
     root = str(Path(__file__).resolve().parents[1])
     for verbosity, shown in (("0", ["INFO adlm.training.loop: progress line", "WARNING adlm.training.loop: warn line"]),
@@ -84,7 +84,7 @@ def test_a_process_that_never_set_up_logging_still_shows_the_projects_lines() ->
         assert r.returncode == 0 and r.stderr.splitlines() == shown, r.stderr
 
 
-# ---- What the driver's console shows of Ray's workers (pipelines.logs.WorkerOutput) ----
+# ---- What the driver's console shows of Ray's workers (pipelines.core.logs.WorkerOutput) ----
 
 RAY_NOISE = [
     "[2026-11-28 15:46:32,402 E 23055 23252] core_worker.cc:2465: Actor with class name: 'PreemptionWatcher' and "
@@ -99,7 +99,7 @@ RAY_NOISE = [
 
 
 def test_the_console_keeps_of_ray_workers_only_the_projects_warnings_and_a_tracked_runs_bar() -> None:
-    from pipelines.logs import WorkerOutput
+    from pipelines.core.logs import WorkerOutput
 
     out = io.StringIO()
     printer = WorkerOutput(out)
@@ -129,7 +129,7 @@ def test_a_ray_workers_noise_stays_off_the_drivers_console_but_its_warning_arriv
 
     import ray
 
-    from pipelines.logs import route_worker_output
+    from pipelines.core.logs import route_worker_output
 
     assert route_worker_output(1) is None  # -v: Ray's printer is kept
     assert route_worker_output(0) is not None
@@ -142,7 +142,7 @@ def test_a_ray_workers_noise_stays_off_the_drivers_console_but_its_warning_arriv
         # private: the handler Ray installs on its loggers, checked for what it prints
         from ray._private.log import PlainRayHandler
 
-        from pipelines.logs import get_logger, worker_console
+        from pipelines.core.logs import get_logger, worker_console
 
         root = logging.getLogger()
         plain = PlainRayHandler()

@@ -60,7 +60,7 @@ outages are over, and its last steps wait for that: it ends with everything up."
 
 
 def _client(stack: TrackingStack):
-    from pipelines.tracking import client
+    from pipelines.tracking.runs import client
 
     return client(stack.url)
 
@@ -111,7 +111,7 @@ def test_the_recipe_serves_from_postgresql_with_artifacts_in_s3_and_users_authen
     # A run of the pipeline's user: its artifact goes through the server into the bucket.
     for k, v in stack.client_env.items():
         monkeypatch.setenv(k, v)
-    from pipelines.tracking import ensure_experiment, find_or_create_run
+    from pipelines.tracking.runs import ensure_experiment, find_or_create_run
 
     run_id, _ = find_or_create_run(stack.url, ensure_experiment("recipe", stack.url, tmp_path), "recipe-run")
     note = tmp_path / "note.txt"

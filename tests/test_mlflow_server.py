@@ -107,7 +107,7 @@ def test_training_logs_and_registers_through_the_server(server, tiny_data: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     import mlflow
 
-    from pipelines.registry import get_version, resolve_model
+    from pipelines.tracking.registry import get_version, resolve_model
 
     url, artifact_root = server
     wd = tmp_path / "work"

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipelines import placement
+from pipelines.core import placement
 from pipelines.data.ray_source import READ_TASK_BYTES, read_concurrency, read_pieces
 
 
@@ -67,7 +67,7 @@ def test_the_split_is_read_where_only_a_sliver_of_cpu_is_free(ray_session, tiny_
 _NOWHERE = """
 import json, sys, time
 import ray
-from pipelines import placement
+from pipelines.core import placement
 placement.POLL_S = 0.5
 placement.REINTERRUPT_S = 2.0
 ray.init(address=sys.argv[1], log_to_driver=False)
@@ -191,8 +191,8 @@ def test_the_smoke_sweep_fits_where_it_ran_and_not_on_a_one_cpu_head() -> None:
     (a 0.5-CPU worker and a 0.25-CPU read task each) fit two 1-CPU nodes with their drivers on them (0.01 CPU
     each, no adlm_driver on the head) or on the head's adlm_driver; on a head of one CPU with adlm_driver and no
     other node, two trials' workers fill the CPU and their reads are left over: refused (it waited for good)."""
+    from pipelines.core.placement import sweep_demand, unplaceable
     from pipelines.orchestration.profiles import profile
-    from pipelines.placement import sweep_demand, unplaceable
     from pipelines.training.config import load_config
     from pipelines.tuning.space import load_space
 

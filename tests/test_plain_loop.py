@@ -13,7 +13,7 @@ import torch
 
 from adlm_model import load_checkpoint
 from adlm_model.train.plain_loop import PlainConfig, micro_batches, saved_step, train
-from pipelines.seeds import TRAIN_DROPOUT, TRAIN_NOISE, derive_seed
+from pipelines.core.seeds import TRAIN_DROPOUT, TRAIN_NOISE, derive_seed
 from pipelines.training.config import TrainConfig, load_config
 from tests.conftest import ROOT
 from tests.support_data import TINY_MODEL, data_overrides

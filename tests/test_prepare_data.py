@@ -9,12 +9,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from pipelines.core.faults import ENV as FAULT_ENV
 from pipelines.data.embedded import bible_documents
 from pipelines.data.manifest import DataMismatchError, read_manifest
 from pipelines.data.prepare import PrepareConfig, PrepareError, prepare
 from pipelines.data.sources import SourceError
 from pipelines.data.tokenizer import TokenizerError, load_tokenizer
-from pipelines.faults import ENV as FAULT_ENV
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +300,7 @@ def test_the_cli_flags_are_the_config_fields_with_their_docstrings() -> None:
     type and default the field's; a parse gives the typed config (no hand-written copy to drift)."""
     import dataclasses
 
-    from pipelines.configlib import descriptions
+    from pipelines.core.configlib import descriptions
     from pipelines.prepare_data import build_parser, config_of
 
     p = build_parser()

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from pipelines.core.runtime import PROJECT_ROOT
 from pipelines.orchestration.summary import BEGIN, END, main, summary_markdown
-from pipelines.runtime import PROJECT_ROOT
 
 SUMMARY = {
     "profile": "demo", "model_name": "adlm", "champion": "2", "vocab_size": 8192, "comparable": False,

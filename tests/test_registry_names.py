@@ -1,4 +1,4 @@
-"""The registry's own check of model names and aliases (``pipelines.registry.check_names``) agrees with what a real
+"""The registry's own check of model names and aliases (``pipelines.tracking.registry.check_names``) agrees with what a real
 MLflow registry accepts and refuses: the rules are the project's (MLflow's validators are private and were renamed in
 3.18), so a release that changes MLflow's rules fails here."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.registry import RegistryError, alias_problem, check_names, name_problem
+from pipelines.tracking.registry import RegistryError, alias_problem, check_names, name_problem
 
 NAMES = ["adlm", "a model", "a.b", "x-1_y", "", "  ", "a/b", "team:adlm", "..", ".", "a/../b", "./a"]
 ALIASES = ["champion", "candidate", "fast-1", "_x", "", "bad alias!", "a.b", "latest", "LATEST", "v3", "V12", "v",

@@ -11,9 +11,11 @@ modules per worker).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -236,8 +238,8 @@ def test_a_registered_version_is_an_mlflow_model(registry) -> None:
     import mlflow
     import yaml
 
-    from pipelines.mlflow_model import pip_requirements
-    from pipelines.registry import download_version, get_version, resolve_model
+    from pipelines.tracking.mlflow_model import pip_requirements
+    from pipelines.tracking.registry import download_version, get_version, resolve_model
 
     mv = get_version("models:/adlm@candidate", registry["uri"])
     assert mv.run_id == registry["run_id"] and mv.tags["kind"] == "mdlm" and "checkpoint_uri" in mv.tags
@@ -248,6 +250,16 @@ def test_a_registered_version_is_an_mlflow_model(registry) -> None:
     assert pyfunc["loader_module"] == "mlflow.pyfunc.loaders.code_model"  # models-from-code, not a pickle
     assert not list(root.rglob("*.pkl")) and not list(root.rglob("*.pickle"))
     assert (root / "code" / "adlm_model" / "inference" / "textgen.py").is_file() and not (root / "code" / "pipelines").exists()
+    # Nothing in a version names a module of ``pipelines`` (its code is a file copied in, its checkpoint safetensors
+    # and JSON): moving the package's modules cannot break a version registered before the move.
+    for f in [p for p in root.rglob("*") if p.is_file() and p.suffix in ("", ".json", ".yaml", ".txt", ".py")]:
+        text = f.read_text(errors="replace")
+        if f.suffix == ".py":
+            imported = [n.module or "" for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ImportFrom)]
+            imported += [a.name for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Import) for a in n.names]
+            assert not [m for m in imported if m.split(".")[0] == "pipelines"], f
+        else:
+            assert not re.search(r"\bpipelines\.\w", text), f
     # No enforced input schema (MLflow's drops unknown columns silently); the typed request fields are metadata.
     assert not spec["signature"].get("inputs")
     fields = spec["metadata"]["request_fields"]
@@ -280,8 +292,8 @@ def test_registering_leaves_the_process_tracking_settings_alone(registry) -> Non
 def test_a_checkpoint_missing_a_file_registers_nothing(registry, tmp_path) -> None:
     import shutil
 
-    from pipelines.registry import RegistryError
-    from pipelines.tracking import client
+    from pipelines.tracking.registry import RegistryError
+    from pipelines.tracking.runs import client
 
     broken = tmp_path / "broken"
     shutil.copytree(registry["mdlm"], broken)
@@ -293,8 +305,8 @@ def test_a_checkpoint_missing_a_file_registers_nothing(registry, tmp_path) -> No
 
 
 def test_an_old_bare_folder_version_still_resolves(registry) -> None:
-    from pipelines.registry import resolve_model
-    from pipelines.tracking import client
+    from pipelines.tracking.registry import resolve_model
+    from pipelines.tracking.runs import client
 
     c = client(registry["uri"])
     source = c.get_run(registry["run_id"]).info.artifact_uri + "/checkpoint"  # how versions were registered before
@@ -465,8 +477,8 @@ def test_export_reloads_bit_for_bit_and_its_card_lists_the_registry_figures(regi
     from adlm_model.interop.pretrained import HF_CODE, PRETRAINED_FILES
     from pipelines.evaluation.suites import figures as described
     from pipelines.export import main as export
-    from pipelines.registry import get_version, resolve_model
     from pipelines.serving.export import figures_of
+    from pipelines.tracking.registry import get_version, resolve_model
 
     out = tmp_path / "exported"
     assert export(["models:/adlm@candidate", "--out", str(out), "--json"]) == 0
@@ -517,9 +529,9 @@ def test_a_version_whose_files_were_deleted_is_one_line_in_every_command(registr
     from pipelines.evaluate import main as evaluate
     from pipelines.export import main as export
     from pipelines.generate import main as generate
-    from pipelines.registry import register_checkpoint
     from pipelines.serve import main as serve
-    from pipelines.tracking import ensure_experiment
+    from pipelines.tracking.registry import register_checkpoint
+    from pipelines.tracking.runs import ensure_experiment
 
     monkeypatch.setenv("PATH", os.environ["PATH"])  # serve puts the venv first on it
     uri = registry["uri"]

@@ -32,8 +32,8 @@ def imported(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_the_released_layout_imports_as_a_sample_only_version(imported) -> None:
     import mlflow
 
-    from pipelines.registry import resolve_model
-    from pipelines.storage import sha256_file
+    from pipelines.core.storage import sha256_file
+    from pipelines.tracking.registry import resolve_model
 
     res, tracking = imported["res"], imported["tracking"]
     assert (res["kind"], res["family"], res["new"]) == ("ssdlm", "ssdlm", True)
@@ -97,7 +97,7 @@ def test_generate_conditions_on_the_prompt_alone_as_the_reference(imported, caps
     from adlm_model.inference.infill import infill
     from adlm_model.inference.textgen import TextGenerator
     from pipelines.generate import main as generate
-    from pipelines.registry import resolve_model
+    from pipelines.tracking.registry import resolve_model
 
     fixture = json.loads((FIXTURE / "prompt_alone.json").read_text())
     s = fixture["settings"]
@@ -192,7 +192,7 @@ def test_the_tokenizer_is_part_of_an_imports_identity_and_aliases_are_checked_fi
     import mlflow
 
     from pipelines.import_model import main
-    from pipelines.registry import resolve_model
+    from pipelines.tracking.registry import resolve_model
 
     d = tmp_path / "swapped"
     shutil.copytree(HUB, d)

@@ -1,4 +1,4 @@
-"""The one storage layer (``pipelines/storage.py``) behaves the same on a plain path, a ``file://`` URI and an
+"""The one storage layer (``pipelines/core/storage.py``) behaves the same on a plain path, a ``file://`` URI and an
 ``s3://`` URI (a real S3 server on loopback): what a stage writes it reads back, folders list, publish, download
 and delete alike, a reader never sees a half-written file, and the run's checkpoint scan and export work on
 either. An export that lacks its weights is an error, never an empty folder."""
@@ -30,7 +30,7 @@ def base(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def test_what_is_written_is_read_back_listed_published_and_deleted_alike(base: str, tmp_path: Path) -> None:
-    from pipelines import storage as st
+    from pipelines.core import storage as st
 
     f = st.join(base, "data", "manifest.json")
     assert not st.exists(f) and st.list_dir(st.join(base, "data")) == []
@@ -61,7 +61,7 @@ def test_what_is_written_is_read_back_listed_published_and_deleted_alike(base: s
 
 
 def test_the_checkpoint_scan_and_export_read_a_run_folder_in_any_store(base: str, tmp_path: Path) -> None:
-    from pipelines import storage as st
+    from pipelines.core import storage as st
     from pipelines.training.checkpoints import (
         TRAINER_STATE,
         checkpoint_name,
@@ -93,7 +93,7 @@ def test_the_checkpoint_scan_and_export_read_a_run_folder_in_any_store(base: str
 
 
 def test_a_scheme_no_filesystem_serves_is_one_clear_error() -> None:
-    from pipelines.storage import StorageError, get_fs
+    from pipelines.core.storage import StorageError, get_fs
 
     with pytest.raises(StorageError, match="no filesystem serves the scheme 'ftp'"):
         get_fs("ftp://host/run")
@@ -108,13 +108,13 @@ def test_a_scratch_folder_whose_process_was_killed_goes_with_the_next_one(tmp_pa
     import sys
     import tempfile
 
-    from pipelines.storage import scratch_root, temp_dir
+    from pipelines.core.storage import scratch_root, temp_dir
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     mine = temp_dir("adlm-best-")
     (mine / "model.safetensors").write_bytes(b"x")
     killed = subprocess.run([sys.executable, "-c", (
-        "import os, signal; from pipelines.storage import temp_dir; d = temp_dir('adlm-best-'); "
+        "import os, signal; from pipelines.core.storage import temp_dir; d = temp_dir('adlm-best-'); "
         "(d / 'model.safetensors').write_bytes(b'x'); print(d, flush=True); os.kill(os.getpid(), signal.SIGKILL)")],
         capture_output=True, text=True, env={**os.environ, "TMPDIR": str(tmp_path)}, timeout=120)
     orphan = Path(killed.stdout.strip())

@@ -11,11 +11,11 @@ import torch
 
 from adlm_model import ModelConfig
 from adlm_model.testbed.language import Testbed, TestbedConfig
+from pipelines.core.seeds import derive_seed
 from pipelines.data.manifest import read_manifest
 from pipelines.data.plan import PrepareError
 from pipelines.data.prepare import PrepareConfig, prepare
 from pipelines.data.tokenizer import load_tokenizer
-from pipelines.seeds import derive_seed
 
 OPTS = {"length": 16, "entropy_rows": 400, "train_rows": 300, "validation_rows": 64, "test_rows": 32, "seed": 5}
 

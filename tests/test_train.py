@@ -18,8 +18,8 @@ import torch
 
 import pipelines.training.trainer as train_mod
 from adlm_model import ConfigError, load_checkpoint
+from pipelines.core.faults import ENV as FAULT_ENV
 from pipelines.data.manifest import DataMismatchError
-from pipelines.faults import ENV as FAULT_ENV
 from pipelines.training.checkpoints import list_checkpoints
 from pipelines.training.config import load_config
 from pipelines.training.optim import lr_factor
@@ -71,7 +71,7 @@ def env(shared, monkeypatch: pytest.MonkeyPatch):
 def test_two_worker_run_trains_validates_checkpoints_and_registers(env) -> None:
     import mlflow
 
-    from pipelines.registry import get_version, resolve_model
+    from pipelines.tracking.registry import get_version, resolve_model
 
     res, uri = env["full"], env["uri"]
     assert res.step == 20 and res.registered_version is not None
@@ -242,8 +242,8 @@ def test_tracker_never_waits_on_a_dead_server_and_the_spool_delivers_later(tmp_p
     delivers them once a store answers, and a restarted logger sends no stored step twice."""
     import mlflow
 
-    from pipelines.spool import ResilientLogger, send_spool
-    from pipelines.tracking import ensure_experiment, find_or_create_run
+    from pipelines.tracking.runs import ensure_experiment, find_or_create_run
+    from pipelines.tracking.spool import ResilientLogger, send_spool
 
     good = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_id, created = find_or_create_run(good, ensure_experiment("outage", good, tmp_path), "r")
@@ -275,8 +275,8 @@ def test_a_checkpoint_makes_the_queued_metrics_outlive_the_process(tmp_path, mon
     checkpoint (a restart replays only later steps) loses no step: the spool sends them."""
     import mlflow
 
-    from pipelines.spool import ResilientLogger, send_spool
-    from pipelines.tracking import ensure_experiment, find_or_create_run
+    from pipelines.tracking.runs import ensure_experiment, find_or_create_run
+    from pipelines.tracking.spool import ResilientLogger, send_spool
 
     good = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_id, _ = find_or_create_run(good, ensure_experiment("persist", good, tmp_path), "r")

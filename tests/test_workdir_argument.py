@@ -12,9 +12,9 @@ import pytest
 
 def test_a_stage_with_an_explicit_workdir_ignores_a_different_adlm_workdir(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipelines.core.runtime import forwarded_env
     from pipelines.prepare_data import main
-    from pipelines.runtime import forwarded_env
-    from pipelines.tracking import resolve_tracking_uri
+    from pipelines.tracking.runs import resolve_tracking_uri
 
     explicit, elsewhere = tmp_path / "explicit", tmp_path / "elsewhere"
     monkeypatch.setenv("ADLM_WORKDIR", str(elsewhere))
@@ -53,7 +53,7 @@ def test_a_workdir_under_a_regular_file_is_one_line(command: str, tmp_path: Path
     every command: one ``error:`` line naming the folder, exit code 2, and nothing written beside the file."""
     import importlib
 
-    from pipelines.storage import resolve_workdir
+    from pipelines.core.storage import resolve_workdir
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

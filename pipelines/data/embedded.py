@@ -23,9 +23,9 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from pipelines.assets import package_dir
+from pipelines.core.assets import package_dir
+from pipelines.core.storage import cache_dir, exists, join, write_text
 from pipelines.data.sources import EMBEDDED, SourceError
-from pipelines.storage import cache_dir, exists, join, write_text
 
 EMBEDDED_VERSION = "embedded-v1"
 EMBEDDED_SPLITS = tuple(EMBEDDED.splits)

@@ -25,8 +25,8 @@ import os
 import shutil
 import urllib.request
 
+from pipelines.core.storage import exists, get_fs, hub_errors, join, name_of
 from pipelines.data.sources import NamedSource, SourceError, expand_local, parquet_rows
-from pipelines.storage import exists, get_fs, hub_errors, join, name_of
 
 CONVERSION_REVISION = "refs%2Fconvert%2Fparquet"
 """The hub's automatic Parquet conversion of every dataset (URL-encoded for ``HfFileSystem`` paths)."""

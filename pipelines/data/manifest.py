@@ -6,7 +6,7 @@ and ``DIR/<split>/manifest.json``. Training and evaluation call ``read_manifest(
 ``Manifest.check_fits(model_cfg)`` so that data made with another tokenizer, mask id or length is refused
 with one clear line instead of training on garbage.
 
-Paths may be local or object-store URIs (``s3://``, ``file://``) through ``pipelines.storage``.
+Paths may be local or object-store URIs (``s3://``, ``file://``) through ``pipelines.core.storage``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from pipelines.logs import first_line
-from pipelines.storage import exists, get_fs, is_uri, join, read_bytes, sha256_file, write_bytes_atomic
+from pipelines.core.logs import first_line
+from pipelines.core.storage import exists, get_fs, is_uri, join, read_bytes, sha256_file, write_bytes_atomic
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1

@@ -23,6 +23,19 @@ from typing import Any
 
 from pydantic import with_config
 
+from pipelines.core.logs import get_logger
+from pipelines.core.pydantic_config import PYDANTIC_CONFIG
+from pipelines.core.storage import (
+    check_location,
+    exists,
+    get_fs,
+    is_uri,
+    join,
+    local_path,
+    name_of,
+    resolve_workdir,
+    sha256_file,
+)
 from pipelines.data.detokenizers import DETOKENIZERS, get_detokenizer
 from pipelines.data.embedded import embedded_corpus
 from pipelines.data.encoder import ENGINES
@@ -46,19 +59,6 @@ from pipelines.data.sources import (
     source_fs,
 )
 from pipelines.data.tokenizer import TokenizerInfo, check_trained_vocab
-from pipelines.logs import get_logger
-from pipelines.pydantic_config import PYDANTIC_CONFIG
-from pipelines.storage import (
-    check_location,
-    exists,
-    get_fs,
-    is_uri,
-    join,
-    local_path,
-    name_of,
-    resolve_workdir,
-    sha256_file,
-)
 
 logger = get_logger(__name__)
 

@@ -61,6 +61,11 @@ from typing import Any
 
 import numpy as np
 
+from pipelines.core.faults import fault
+from pipelines.core.logs import get_logger, quiet_ray_data, verbosity
+from pipelines.core.placement import own_ray
+from pipelines.core.runtime import cpu_work_selector, init_ray
+from pipelines.core.storage import delete_dir, exists, get_fs, join, read_bytes, warn_if_node_local, write_bytes_atomic
 from pipelines.data.encoder import EncoderError, resolve_engine
 from pipelines.data.manifest import Manifest, ShardInfo, read_manifest
 from pipelines.data.plan import (
@@ -90,11 +95,6 @@ from pipelines.data.sources import Unit
 from pipelines.data.synthetic import is_testbed, prepare_testbed
 from pipelines.data.tokenizer import TokenizerInfo, load_tokenizer, tokenizer_from_json, train_bpe
 from pipelines.data.worker import PrepareUnits
-from pipelines.faults import fault
-from pipelines.logs import get_logger, quiet_ray_data, verbosity
-from pipelines.placement import own_ray
-from pipelines.runtime import cpu_work_selector, init_ray
-from pipelines.storage import delete_dir, exists, get_fs, join, read_bytes, warn_if_node_local, write_bytes_atomic
 
 _log = get_logger(__name__)
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from pipelines.core.storage import get_fs
 from pipelines.data.manifest import Manifest
-from pipelines.storage import get_fs
 
 
 def _read_piece(uri: str, columns: list[str], start: int, stop: int) -> list[Any]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipelines.core.storage import get_fs
 from pipelines.data.manifest import read_manifest
-from pipelines.storage import get_fs
 
 
 def read_rows(split_dir: str, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:

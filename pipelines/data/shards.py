@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from pipelines.core.storage import exists, get_fs, join, read_bytes, sha256_file, write_bytes_atomic
 from pipelines.data.manifest import MANIFEST_NAME, ManifestError, read_manifest
 from pipelines.data.plan import PrepareError
-from pipelines.storage import exists, get_fs, join, read_bytes, sha256_file, write_bytes_atomic
 
 PROGRESS_NAME = "_progress.json"
 

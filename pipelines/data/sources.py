@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines.storage import get_fs, hub_errors
+from pipelines.core.storage import get_fs, hub_errors
 
 READS = {"units": 0, "max_rows": 0}
 """Parquet units this process read through ``read_unit`` and the most rows it held from one read (a probe:
@@ -103,7 +103,7 @@ KNOWN_SOURCES = ("embedded", *NAMED_SOURCES, "testbed", "prosqa", "prontoqa", "g
 
 
 def source_fs(path: str) -> tuple[Any, str]:
-    """(pyarrow filesystem, inner path) of an input: ``pipelines.storage.get_fs`` plus ``hf://`` (the Hugging
+    """(pyarrow filesystem, inner path) of an input: ``pipelines.core.storage.get_fs`` plus ``hf://`` (the Hugging
     Face Hub's files through ``huggingface_hub.HfFileSystem``, read where the caller runs: on the workers)."""
     if path.startswith("hf://"):
         # lazy: keeps huggingface_hub, pyarrow out of this module's import

@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 
+from pipelines.core.seeds import derive_seed
+from pipelines.core.storage import exists, get_fs, join, resolve_workdir, write_bytes_atomic
 from pipelines.data.manifest import Manifest, ManifestError, ShardInfo, read_manifest
 from pipelines.data.plan import PrepareConfig, PrepareError, log
 from pipelines.data.shards import shard_bytes, shard_name
 from pipelines.data.tokenizer import TokenizerInfo, tokenizer_from_json
-from pipelines.seeds import derive_seed
-from pipelines.storage import exists, get_fs, join, resolve_workdir, write_bytes_atomic
 
 SOURCE = "testbed"
 SPLITS = {"train": 1, "validation": 2, "test": 3}

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines.assets import package_dir
-from pipelines.logs import get_logger
-from pipelines.storage import hub_errors, is_uri, join, read_text
+from pipelines.core.assets import package_dir
+from pipelines.core.logs import get_logger
+from pipelines.core.storage import hub_errors, is_uri, join, read_text
 
 log = get_logger(__name__)
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from pipelines.core.logs import get_logger
+from pipelines.core.storage import join, write_bytes_atomic
 from pipelines.data.detokenizers import get_detokenizer
 from pipelines.data.encoder import DocEncoder
 from pipelines.data.shards import (
@@ -32,8 +34,6 @@ from pipelines.data.shards import (
     unit_record_path,
 )
 from pipelines.data.sources import read_unit
-from pipelines.logs import get_logger
-from pipelines.storage import join, write_bytes_atomic
 
 log = get_logger(__name__)
 

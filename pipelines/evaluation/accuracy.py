@@ -25,11 +25,11 @@ from typing import Any
 
 from adlm_model.kinds import model_kind
 from adlm_model.train.stages import ARMS, Stage
+from pipelines.core.storage import join
 from pipelines.evaluation.config import EvalError
 from pipelines.evaluation.datasets import has_manifest, under_workdir
 from pipelines.evaluation.jobs import load_eval_model
 from pipelines.evaluation.metrics import wilson_interval
-from pipelines.storage import join
 from pipelines.training.acot import answer_accuracy, decode_limit, read_split
 
 ANSWERS_DIR = "answers"

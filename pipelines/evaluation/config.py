@@ -14,7 +14,7 @@ from typing import Any
 
 from adlm_model.config import ConfigError
 from adlm_model.kinds import get_sampler, model_kind
-from pipelines.configlib import apply_to
+from pipelines.core.configlib import apply_to
 
 EVAL_EXPERIMENT = "adlm-eval"
 PPL_METRIC_NAMES = {"validation": "val", "test": "test"}
@@ -176,7 +176,7 @@ class EvalConfig:
 def apply_overrides(configs: Sequence[Any], assignments: Sequence[str]) -> None:
     """``--set KEY=VALUE`` on the evaluation (and promotion) settings; ``sampler.NAME=VALUE`` goes into
     ``EvalConfig.sampler_kwargs``, ``steps.KIND=T`` into ``steps_by_kind``, ``gate.NAME=BOUND`` into
-    ``PromotionConfig.bounds`` (``pipelines.configlib``)."""
+    ``PromotionConfig.bounds`` (``pipelines.core.configlib``)."""
     apply_to(configs, assignments, dict_prefixes={"sampler": "sampler_kwargs", "steps": "steps_by_kind",
                                                   "gate": "bounds"})
 

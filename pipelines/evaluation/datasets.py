@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipelines.core.storage import exists, is_uri, join, list_dir, name_of, parent_of, resolve_workdir
 from pipelines.data.manifest import MANIFEST_NAME
 from pipelines.evaluation.config import EvalConfig, EvalError
-from pipelines.storage import exists, is_uri, join, list_dir, name_of, parent_of, resolve_workdir
 
 
 @dataclass

@@ -40,12 +40,12 @@ import torch.nn as nn
 from adlm_model.interop.checkpoint import load_checkpoint, read_config
 from adlm_model.kinds import model_kind
 from adlm_model.objectives.losses import suppress_mask
-from pipelines.assets import package_dir
-from pipelines.cli import run_command
+from pipelines.core.assets import package_dir
+from pipelines.core.cli import run_command
+from pipelines.core.logs import add_logging_flags
+from pipelines.core.storage import hub_errors, join, node_cache_dir, shared_cache_entry
 from pipelines.data.tokenizer import load_tokenizer
-from pipelines.logs import add_logging_flags
-from pipelines.registry import get_version, resolve_model
-from pipelines.storage import hub_errors, join, node_cache_dir, shared_cache_entry
+from pipelines.tracking.registry import get_version, resolve_model
 
 DEFAULT_EVAL_LM = "gpt2-large"
 DEFAULT_FEATURIZER = "gpt2-large"

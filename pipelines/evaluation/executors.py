@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipelines.logs import verbosity
-from pipelines.runtime import cpu_work_options
+from pipelines.core.logs import verbosity
+from pipelines.core.runtime import cpu_work_options
 
 
 class JobDeadlineError(RuntimeError):

@@ -20,13 +20,13 @@ import torch
 
 from adlm_model import compute_loss, sample
 from adlm_model.interop.checkpoint import load_checkpoint
+from pipelines.core.logs import verbosity
+from pipelines.core.seeds import EVAL_LONG_SAMPLES, EVAL_MAUVE, EVAL_NELBO, EVAL_SAMPLES, derive_seed
 from pipelines.data.reader import read_subset
 from pipelines.evaluation.config import EvalConfig
 from pipelines.evaluation.eval_lm import load_eval_lm, load_featurizer, resolve_device
 from pipelines.evaluation.metrics import PooledNLL, generative_perplexity, mauve_score
-from pipelines.logs import verbosity
-from pipelines.registry import resolve_model_ref
-from pipelines.seeds import EVAL_LONG_SAMPLES, EVAL_MAUVE, EVAL_NELBO, EVAL_SAMPLES, derive_seed
+from pipelines.tracking.registry import resolve_model_ref
 
 
 def batch_seed(seed: int, batch_index: int, draw: int = 0) -> int:

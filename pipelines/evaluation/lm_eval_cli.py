@@ -17,11 +17,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pipelines.logs import setup_logging
-from pipelines.registry import RegistryError, get_version
-from pipelines.settings import SettingError, check_environment
-from pipelines.storage import resolve_workdir
-from pipelines.tracking import resolve_tracking_uri
+from pipelines.core.logs import setup_logging
+from pipelines.core.settings import SettingError, check_environment
+from pipelines.core.storage import resolve_workdir
+from pipelines.tracking.registry import RegistryError, get_version
+from pipelines.tracking.runs import resolve_tracking_uri
 
 
 def _precheck(argv: list[str]) -> str | None:
@@ -61,7 +61,7 @@ def _precheck(argv: list[str]) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        check_environment()  # a bad ADLM_* setting: one line, as every command says it (pipelines.cli)
+        check_environment()  # a bad ADLM_* setting: one line, as every command says it (pipelines.core.cli)
     except SettingError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -28,8 +28,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from pipelines.core.storage import node_cache_dir
 from pipelines.data.embedded import embedded_corpus
-from pipelines.storage import node_cache_dir
 
 TASKS_VERSION = "lm_eval_tasks-v2"
 ROWS = {"lastword": 200, "choice": 100, "generate": 50}

@@ -47,18 +47,18 @@ from adlm_model.inference.likelihood import (
 from adlm_model.interop.checkpoint import load_checkpoint
 from adlm_model.kinds import check_sampler_kind, check_sampler_options, get_sampler, model_kind
 from adlm_model.sampling.samplers import SamplerError
-from pipelines.configlib import coerce_fields
+from pipelines.core.configlib import coerce_fields
+from pipelines.core.seeds import derive_seed
+from pipelines.core.storage import cache_dir, is_uri, resolve_workdir
 from pipelines.evaluation.config import EvalError, resolve_sampler, sampler_options
 from pipelines.evaluation.eval_lm import checkpoint_tokenizer, resolve_device
-from pipelines.registry import resolve_model_ref
-from pipelines.seeds import derive_seed
-from pipelines.storage import cache_dir, is_uri, resolve_workdir
-from pipelines.tracking import resolve_tracking_uri
+from pipelines.tracking.registry import resolve_model_ref
+from pipelines.tracking.runs import resolve_tracking_uri
 
 MODEL_NAME = "adlm"
 """The name the harness knows the adapter by (``lm_eval --model adlm``)."""
 LM_EVAL_SEEDS = 26
-"""Purpose part of the adapter's seeds (``pipelines.seeds``: the streams 10-12 are the evaluation's)."""
+"""Purpose part of the adapter's seeds (``pipelines.core.seeds``: the streams 10-12 are the evaluation's)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

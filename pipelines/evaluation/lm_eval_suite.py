@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from adlm_model.kinds import get_sampler
+from pipelines.core.runtime import environ
 from pipelines.evaluation.config import EvalConfig, EvalError, resolve_sampler, sampling_steps
-from pipelines.runtime import environ
 
 TASK_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 """The offline tasks (YAML over local files made by ``lm_eval_data``)."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from adlm_model.interop.checkpoint import read_config
 from adlm_model.kinds import model_kind
+from pipelines.core.storage import cache_dir, is_uri, resolve_workdir
 from pipelines.data.manifest import read_manifest
 from pipelines.evaluation.config import EvalConfig, EvalError
 from pipelines.evaluation.datasets import (  # noqa: F401 - re-exported: the datasets' helpers lived here
@@ -25,9 +26,8 @@ from pipelines.evaluation.datasets import (  # noqa: F401 - re-exported: the dat
     ppl_key,
 )
 from pipelines.evaluation.suites import SUITES, check_suites, parse_suite
-from pipelines.registry import ModelRef, resolve_model_ref
-from pipelines.storage import cache_dir, is_uri, resolve_workdir
-from pipelines.tracking import require_server, resolve_tracking_uri
+from pipelines.tracking.registry import ModelRef, resolve_model_ref
+from pipelines.tracking.runs import require_server, resolve_tracking_uri
 
 
 @dataclass

@@ -33,6 +33,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from adlm_model.interop.checkpoint import CheckpointError
+from pipelines.core.storage import parent_of
 from pipelines.data.manifest import DataMismatchError, ManifestError
 from pipelines.data.tokenizer import TokenizerError
 from pipelines.evaluation.config import EvalConfig, EvalError
@@ -42,10 +43,9 @@ from pipelines.evaluation.plan import Plan, plan_evaluation
 from pipelines.evaluation.report import EvalResult
 from pipelines.evaluation.run import log_result, make_executor, run_plan
 from pipelines.evaluation.suites import SUITES, check_suites, default_stage2, parse_suite
-from pipelines.registry import RegistryError
-from pipelines.storage import parent_of
-from pipelines.tracking import client as tracking_client
-from pipelines.tracking import redact_uri, require_server, resolve_tracking_uri
+from pipelines.tracking.registry import RegistryError
+from pipelines.tracking.runs import client as tracking_client
+from pipelines.tracking.runs import redact_uri, require_server, resolve_tracking_uri
 
 FINAL_STATUSES = ("promoted", "rejected")
 CHAMPION = "champion"

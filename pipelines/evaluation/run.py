@@ -39,17 +39,17 @@ from pathlib import Path
 from typing import Any
 
 from adlm_model.kinds import parameter_count
+from pipelines.core.placement import check_task
+from pipelines.core.runtime import init_ray
+from pipelines.core.storage import cache_dir, is_uri, join
 from pipelines.evaluation.config import EvalConfig
 from pipelines.evaluation.executors import JobDeadlineError, LocalExecutor, RayExecutor
 from pipelines.evaluation.jobs import JobSettings
 from pipelines.evaluation.plan import Plan, plan_evaluation
 from pipelines.evaluation.report import EvalResult, plots, summary_markdown, version_tags
 from pipelines.evaluation.suites import SUITES, RunState
-from pipelines.placement import check_task
-from pipelines.runtime import init_ray
-from pipelines.storage import cache_dir, is_uri, join
-from pipelines.tracking import client as mlflow_client
-from pipelines.tracking import ensure_experiment, resolve_tracking_uri
+from pipelines.tracking.runs import client as mlflow_client
+from pipelines.tracking.runs import ensure_experiment, resolve_tracking_uri
 
 
 def make_executor(cfg: EvalConfig, *, in_process: bool, ray_address: str | None = None) -> Any:

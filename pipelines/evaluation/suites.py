@@ -27,6 +27,7 @@ import numpy as np
 
 from adlm_model.kinds import KINDS, SAMPLERS, check_sampler_kind, check_sampler_options, model_kind, sampler_fits
 from adlm_model.sampling.samplers import SamplerError
+from pipelines.core.storage import join, name_of
 from pipelines.data.manifest import read_manifest
 from pipelines.data.reader import read_subset
 from pipelines.evaluation import accuracy, lm_eval_suite
@@ -58,7 +59,6 @@ from pipelines.evaluation.metrics import (
     unigram_entropy,
 )
 from pipelines.evaluation.truth import bound_rows, plan_truth, sample_rows, skips_first, truth_of
-from pipelines.storage import join, name_of
 
 
 @dataclass(frozen=True)

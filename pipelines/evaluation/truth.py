@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from pipelines.core.storage import join
 from pipelines.data.manifest import ManifestError, read_manifest
-from pipelines.storage import join
 
 
 def truth_of(split_dir: str | None) -> dict[str, Any] | None:

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from adlm_model.config import ConfigError
+from pipelines.core.storage import join
 from pipelines.data.embedded import embedded_slices
 from pipelines.data.plan import PrepareConfig
 from pipelines.evaluation.config import EVAL_PROFILES
-from pipelines.storage import join
 from pipelines.training.config import load_config
 from pipelines.tuning.space import load_space
 

@@ -26,16 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from adlm_model.kinds import KINDS
-from pipelines.cli import run_command
+from pipelines.core.cli import run_command
+from pipelines.core.logs import add_logging_flags, get_logger
+from pipelines.core.runtime import PROJECT_ROOT
+from pipelines.core.storage import exists, join, read_text, resolve_workdir, write_text
 from pipelines.evaluation.metrics import MAUVE_MIN_SAMPLES
 from pipelines.evaluation.promotion import CHAMPION, alias_version
 from pipelines.evaluation.suites import PPL, figures, figures_of
-from pipelines.logs import add_logging_flags, get_logger
 from pipelines.orchestration.profiles import DemoGoals, Profile
-from pipelines.runtime import PROJECT_ROOT
 from pipelines.serving.generate import open_generator, run_generation
-from pipelines.storage import exists, join, read_text, resolve_workdir, write_text
-from pipelines.tracking import client, redact_uri
+from pipelines.tracking.runs import client, redact_uri
 
 log = get_logger(__name__)
 
@@ -152,7 +152,7 @@ def summary_markdown(s: dict) -> str:
            "|---|---|---|---|---|" + "---|" * len(cols) + "---|"]
     for r in s["rows"]:
         status = (r["status"] or "-") + (" **champion**" if r["champion"] else "")
-        # gamma and tau are tagged on anchored (ADLM) versions only (pipelines.registry.training_tags)
+        # gamma and tau are tagged on anchored (ADLM) versions only (pipelines.tracking.registry.training_tags)
         anchor = (f"{float(r['gamma']):.3g}", _fmt(r["tau"])) if r["gamma"] is not None else ("-", "-")
         out.append(f"| {r['model']} | {_fmt(r['kind'])} | {_fmt(r['version'])} | {anchor[0]} | {anchor[1]} | "
                    + " | ".join(_cell(r, f) for f in cols) + f" | {status} |")

@@ -36,9 +36,9 @@ import adlm_model
 from adlm_model.interop.checkpoint import CheckpointError, load_checkpoint
 from adlm_model.interop.pretrained import HF_CODE, MODEL_TYPE, PRETRAINED_FILES, load_pretrained, save_pretrained
 from adlm_model.kinds import count_parameters, model_kind
-from pipelines.registry import ModelRef, get_version
 from pipelines.serving.generate import checkpoint_folder, special_tokens_of
-from pipelines.tracking import client, resolve_tracking_uri
+from pipelines.tracking.registry import ModelRef, get_version
+from pipelines.tracking.runs import client, resolve_tracking_uri
 
 log = logging.getLogger("adlm.export")
 

@@ -3,7 +3,7 @@
 ``open_generator`` accepts what users have at hand:
 
 - ``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``: the version is downloaded once into the cache that
-  evaluation uses (``pipelines.registry.resolve_model_ref``) and its checkpoint loaded;
+  evaluation uses (``pipelines.tracking.registry.resolve_model_ref``) and its checkpoint loaded;
 - a checkpoint folder written by training, a downloaded MLflow Model folder (holds ``MLmodel``), or a folder
   written by ``python -m pipelines.export``.
 
@@ -28,10 +28,10 @@ from adlm_model.inference.textgen import (
     TextGenerator,
     read_special_tokens,
 )
+from pipelines.core.storage import cache_dir, is_uri, resolve_workdir
 from pipelines.data.tokenizer import load_tokenizer
-from pipelines.registry import RegistryError, checkpoint_of, resolve_model_ref
-from pipelines.storage import cache_dir, is_uri, resolve_workdir
-from pipelines.tracking import resolve_tracking_uri
+from pipelines.tracking.registry import RegistryError, checkpoint_of, resolve_model_ref
+from pipelines.tracking.runs import resolve_tracking_uri
 
 
 @dataclass(frozen=True)

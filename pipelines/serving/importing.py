@@ -14,9 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipelines.data.tokenizer import TokenizerError, bpe_from_files, load_tokenizer
-from pipelines.registry import DEFAULT_MODEL_NAME, check_names, register_checkpoint, training_tags
-from pipelines.storage import (
+from pipelines.core.storage import (
     StorageError,
     download_dir,
     exists,
@@ -28,7 +26,9 @@ from pipelines.storage import (
     resolve_workdir,
     sha256_file,
 )
-from pipelines.tracking import client, ensure_experiment, find_or_create_run, resolve_tracking_uri
+from pipelines.data.tokenizer import TokenizerError, bpe_from_files, load_tokenizer
+from pipelines.tracking.registry import DEFAULT_MODEL_NAME, check_names, register_checkpoint, training_tags
+from pipelines.tracking.runs import client, ensure_experiment, find_or_create_run, resolve_tracking_uri
 
 log = logging.getLogger("adlm.import")
 

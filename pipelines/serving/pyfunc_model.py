@@ -5,7 +5,7 @@ It imports only ``mlflow``, ``pandas`` (and its ``numpy``) and ``adlm_model`` (s
 the rest of ``pipelines``, so ``mlflow models serve`` and ``mlflow.pyfunc.load_model`` need no more than the
 model's ``requirements.txt``.
 
-- Input: a DataFrame, one row per request (``pipelines.mlflow_model.REQUEST_FIELDS``): ``prompt``, and optionally
+- Input: a DataFrame, one row per request (``pipelines.tracking.mlflow_model.REQUEST_FIELDS``): ``prompt``, and optionally
   ``suffix``, ``length``, ``steps``, ``sampler``, ``nucleus_p``, ``seed``, the confidence sampler's
   ``threshold``, ``block``, ``refresh``, ``kv_cache``, and ``stop_at_eos``; a missing value takes
   ``adlm_model.inference.textgen``'s default. A field the model does not know is refused with the known ones listed

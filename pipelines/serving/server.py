@@ -29,7 +29,7 @@ import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from pipelines.settings import env_number
+from pipelines.core.settings import env_number
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 """1 MiB: 16 rows (``ADLM_MAX_ROWS``) of prompts and suffixes of tens of kilobytes each."""
@@ -60,7 +60,7 @@ class BodyError(ValueError):
 
 def max_body_bytes(environ: MutableMapping[str, str] | None = None) -> int:
     """``ADLM_MAX_BODY_BYTES`` (a positive integer), default ``DEFAULT_MAX_BODY_BYTES``; a one-line
-    ``SettingError`` for anything else (``pipelines.settings``)."""
+    ``SettingError`` for anything else (``pipelines.core.settings``)."""
     return int(env_number(BODY_ENV, DEFAULT_MAX_BODY_BYTES, os.environ if environ is None else environ))
 
 
@@ -143,7 +143,7 @@ def known_words() -> frozenset[str]:
     # lazy: keeps torch out of this module's import
     from adlm_model.kinds import SAMPLERS
     from adlm_model.sampling.confidence import KV_MODES
-    from pipelines.mlflow_model import REQUEST_FIELDS
+    from pipelines.tracking.mlflow_model import REQUEST_FIELDS
 
     return frozenset([*REQUEST_FIELDS, "num_samples", *FORMAT_KEYS, *SAMPLERS, *KV_MODES])
 

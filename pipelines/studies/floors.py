@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.cli import run_command
+from pipelines.core.cli import run_command
+from pipelines.core.logs import add_logging_flags
 from pipelines.data.manifest import ManifestError, read_manifest
 from pipelines.data.reader import read_rows
-from pipelines.logs import add_logging_flags
 
 
 def _counts(ids: np.ndarray, mask: np.ndarray | None, width: int, first: int) -> tuple[np.ndarray, np.ndarray]:

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from pipelines.logs import verbosity
-from pipelines.runtime import cpu_placement
-from pipelines.storage import join
-from pipelines.tracking import RUN_NAME_TAG, client
+from pipelines.core.logs import verbosity
+from pipelines.core.runtime import cpu_placement
+from pipelines.core.storage import join
+from pipelines.tracking.runs import RUN_NAME_TAG, client
 from pipelines.training.checkpoints import latest_checkpoint
 from pipelines.training.config import TrainConfig
 

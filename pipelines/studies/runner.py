@@ -35,11 +35,9 @@ from typing import Any
 from adlm_model.config import ConfigError
 from adlm_model.kinds import parameter_count
 from adlm_model.train.flops import training_flops_per_row
-from pipelines.data.prepare import prepare
-from pipelines.evaluation.truth import exact_entropy, skips_first, truth_of
-from pipelines.logs import get_logger
-from pipelines.runtime import init_ray, quiet_environment
-from pipelines.storage import (
+from pipelines.core.logs import get_logger
+from pipelines.core.runtime import init_ray, quiet_environment
+from pipelines.core.storage import (
     is_uri,
     join,
     resolve_workdir,
@@ -48,12 +46,14 @@ from pipelines.storage import (
     write_bytes_atomic,
     write_text,
 )
+from pipelines.data.prepare import prepare
+from pipelines.evaluation.truth import exact_entropy, skips_first, truth_of
 from pipelines.studies.comparisons import compare, comparisons_markdown, excess_curves, truth_markdown
 from pipelines.studies.grid import RunPlan, TrialContext, fit_grid, history, trained
 from pipelines.studies.report import ArmResult, plot_curves, results_csv, table_markdown
 from pipelines.studies.spec import StudySpec, validate_arms
 from pipelines.studies.stats import relative_gain, summarise
-from pipelines.tracking import (
+from pipelines.tracking.runs import (
     RUN_NAME_TAG,
     best_effort,
     client,

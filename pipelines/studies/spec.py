@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from adlm_model.config import ConfigError
-from pipelines.configlib import read_yaml_file, validate
+from pipelines.core.configlib import read_yaml_file, validate
 from pipelines.data.plan import PrepareConfig
 from pipelines.studies.comparisons import Comparison, check_comparisons
 from pipelines.training.config import TOP_KEYS, TrainConfig, apply_override, load_raw

@@ -26,11 +26,11 @@ from adlm_model.config import ConfigError
 from adlm_model.kinds import KINDS
 from adlm_model.sampling.greedy import greedy_decode
 from adlm_model.train.stages import ARMS, SELECTS, Batch, Stage
+from pipelines.core.storage import read_bytes
 from pipelines.data.manifest import Manifest, ManifestError, read_manifest
 from pipelines.data.reasoning.answers import exact_match, extract_answer
 from pipelines.data.reasoning.layout import ANCHOR_POSITIONS, Laid, Markers, collate, lay_out
 from pipelines.data.tokenizer import TokenizerInfo, load_tokenizer
-from pipelines.storage import read_bytes
 
 COLUMNS = ("question", "answer", "question_ids", "step_ids", "answer_ids", "anchor_ids")
 

@@ -40,10 +40,10 @@ from adlm_model.config import ConfigError
 from adlm_model.interop.checkpoint import save_checkpoint
 from adlm_model.kinds import build_model
 from adlm_model.train.stages import ARMS, StagedFineTuning, arm_stages
-from pipelines.logs import first_line, get_logger
-from pipelines.registry import register_checkpoint, registered_version, training_tags
-from pipelines.storage import join, publish_dir, read_bytes, resolve_workdir, temp_dir
-from pipelines.tracking import (
+from pipelines.core.logs import first_line, get_logger
+from pipelines.core.storage import join, publish_dir, read_bytes, resolve_workdir, temp_dir
+from pipelines.tracking.registry import register_checkpoint, registered_version, training_tags
+from pipelines.tracking.runs import (
     best_effort,
     client,
     ensure_experiment,

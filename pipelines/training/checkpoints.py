@@ -22,8 +22,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pipelines.logs import get_logger
-from pipelines.storage import (
+from pipelines.core.logs import get_logger
+from pipelines.core.storage import (
     delete_dir,
     exists,
     get_fs,

@@ -31,9 +31,9 @@ from typing import Any
 from adlm_model.config import MODEL_KINDS, PRESETS, ConfigError, ModelConfig, preset, refuse_unknown
 from adlm_model.kinds import KINDS
 from adlm_model.train.distill import DIVERGENCES
-from pipelines.configlib import ConfigKey, coerce, config_keys, read_yaml_file, set_nested, validate
+from pipelines.core.configlib import ConfigKey, coerce, config_keys, read_yaml_file, set_nested, validate
+from pipelines.core.storage import join
 from pipelines.data.sources import KNOWN_SOURCES
-from pipelines.storage import join
 from pipelines.training.acot import validate_acot
 
 

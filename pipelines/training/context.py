@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines.spool import SPOOL
-from pipelines.storage import join
+from pipelines.core.storage import join
+from pipelines.tracking.spool import SPOOL
 from pipelines.training.config import TrainConfig
 from pipelines.training.data import DataPlan
 
@@ -48,7 +48,7 @@ class RunContext:
 
     @property
     def spool(self) -> str:
-        """Where rank 0's metrics wait while tracking is out (``pipelines.spool``)."""
+        """Where rank 0's metrics wait while tracking is out (``pipelines.tracking.spool``)."""
         return join(self.run_dir, SPOOL)
 
 

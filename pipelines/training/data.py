@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from adlm_model.config import ConfigError
+from pipelines.core.storage import exists, is_file
 from pipelines.data.manifest import Manifest, ManifestError, read_manifest
-from pipelines.storage import exists, is_file
 from pipelines.training.config import TrainConfig
 
 

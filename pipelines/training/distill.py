@@ -26,7 +26,7 @@ from adlm_model import compute_loss
 from adlm_model.interop.checkpoint import load_state, save_state
 from adlm_model.objectives.losses import LossOutput
 from adlm_model.train.distill import round_dt, sdtt_objective, student_steps
-from pipelines.logs import get_logger
+from pipelines.core.logs import get_logger
 
 log = get_logger(__name__)
 

@@ -24,9 +24,9 @@ import torch
 from adlm_model.config import ConfigError, ModelConfig
 from adlm_model.interop.checkpoint import load_checkpoint, read_config
 from adlm_model.kinds import build_model, model_kind
-from pipelines.logs import get_logger
-from pipelines.registry import RegistryError, resolve_model_ref
-from pipelines.tracking import redact_uri, tracking_reachable
+from pipelines.core.logs import get_logger
+from pipelines.tracking.registry import RegistryError, resolve_model_ref
+from pipelines.tracking.runs import redact_uri, tracking_reachable
 from pipelines.training.config import TrainConfig
 
 log = get_logger(__name__)

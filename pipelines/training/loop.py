@@ -39,11 +39,9 @@ from adlm_model.baselines.bd3lm import block_loss_moments, choose_clip, clip_int
 from adlm_model.interop.checkpoint import atomic_safetensors, save_checkpoint, save_state
 from adlm_model.kinds import model_kind
 from adlm_model.objectives.losses import LossOutput
-from pipelines.data.reader import read_subset
-from pipelines.logs import get_logger
-from pipelines.seeds import TRAIN_DATA_ORDER, TRAIN_VALIDATION, derive_seed
-from pipelines.spool import SPOOL, ResilientLogger
-from pipelines.storage import (
+from pipelines.core.logs import get_logger
+from pipelines.core.seeds import TRAIN_DATA_ORDER, TRAIN_VALIDATION, derive_seed
+from pipelines.core.storage import (
     delete_dir,
     exists,
     get_fs,
@@ -53,6 +51,8 @@ from pipelines.storage import (
     temp_dir,
     write_text,
 )
+from pipelines.data.reader import read_subset
+from pipelines.tracking.spool import SPOOL, ResilientLogger
 from pipelines.training import distill
 from pipelines.training.checkpoints import (
     TRAINER_STATE,

@@ -16,7 +16,7 @@ directory, the tracking URI, the run folder, the latest checkpoint and the MLflo
    finished run is not fitted again.
 5. ``choose_export``: the best checkpoint by validation bound (else the latest) is copied out.
 6. ``register_or_spool``: it is logged as the run artifact ``checkpoint`` and registered (alias ``candidate``)
-   as an MLflow Model logged into the run (``pipelines.registry``), with a loss-curve plot; with tracking
+   as an MLflow Model logged into the run (``pipelines.tracking.registry``), with a loss-curve plot; with tracking
    down, the metrics stay in the run's spool and the rerun registers.
 7. ``publish_export``: the checkpoint goes to ``<workdir>/checkpoints/<run name>``.
 
@@ -36,14 +36,11 @@ from typing import Any
 from adlm_model.config import ConfigError
 from adlm_model.kinds import model_kind
 from pipelines.compat import ray as compat_ray
-from pipelines.data.ray_source import split_dataset
-from pipelines.faults import fault
-from pipelines.logs import first_line, get_logger, quiet_ray_data, run_progress, verbosity, worker_console
-from pipelines.placement import check_run
-from pipelines.registry import register_checkpoint, registered_version, training_tags
-from pipelines.runtime import cpu_work_selector, environ, init_ray, quiet_environment
-from pipelines.spool import send_spool
-from pipelines.storage import (
+from pipelines.core.faults import fault
+from pipelines.core.logs import first_line, get_logger, quiet_ray_data, run_progress, verbosity, worker_console
+from pipelines.core.placement import check_run
+from pipelines.core.runtime import cpu_work_selector, environ, init_ray, quiet_environment
+from pipelines.core.storage import (
     check_location,
     is_uri,
     join,
@@ -54,7 +51,9 @@ from pipelines.storage import (
     warn_if_node_local,
     write_bytes_atomic,
 )
-from pipelines.tracking import (
+from pipelines.data.ray_source import split_dataset
+from pipelines.tracking.registry import register_checkpoint, registered_version, training_tags
+from pipelines.tracking.runs import (
     TrackingAuthError,
     best_effort,
     client,
@@ -68,6 +67,7 @@ from pipelines.tracking import (
     resolve_tracking_uri,
     tracking_reachable,
 )
+from pipelines.tracking.spool import send_spool
 from pipelines.training.checkpoints import (
     best_checkpoint,
     fetch_export,
@@ -268,7 +268,7 @@ def training_dataset(cfg: TrainConfig, plan: DataPlan) -> Any:
     import ray.data
 
     # A CPU run is CPU work from end to end: its Ray Train workers and its Ray Data reads never go to a GPU node
-    # (pipelines.runtime.cpu_work_selector). A GPU run's workers go where the GPUs are, and its reads may use any
+    # (pipelines.core.runtime.cpu_work_selector). A GPU run's workers go where the GPUs are, and its reads may use any
     # node's CPUs, the GPU nodes' own included.
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # deterministic order (the driver's context: local mode)
@@ -367,7 +367,7 @@ def _ppl(v: Any) -> str:
 
 def _worker_loop(config: dict[str, Any]) -> None:
     """What each Ray Train worker runs: the training loop, its log lines in the project's format on the console (the
-    driver tells a warning from a progress line by it: ``pipelines.logs.WorkerOutput``)."""
+    driver tells a warning from a progress line by it: ``pipelines.core.logs.WorkerOutput``)."""
     worker_console()
     train_loop_per_worker(config)
 

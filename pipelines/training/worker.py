@@ -23,9 +23,9 @@ from adlm_model.interop.checkpoint import load_state
 from adlm_model.nn.backbone import DiTBlock
 from adlm_model.objectives.losses import LossOutput
 from adlm_model.train.train_step import Objective, TrainStep
-from pipelines.logs import get_logger
-from pipelines.seeds import TRAIN_DROPOUT, TRAIN_NOISE, derive_seed
-from pipelines.storage import (
+from pipelines.core.logs import get_logger
+from pipelines.core.seeds import TRAIN_DROPOUT, TRAIN_NOISE, derive_seed
+from pipelines.core.storage import (
     download_dir,
     local_path,
 )
@@ -70,7 +70,7 @@ class LoopConfig:
     """The driver's latest checkpoint of this run (used when Ray Train hands none, or an older one); a local
     path or a URI."""
     crash_at_step: int | None = None
-    """Fault injection (``pipelines.faults``): the last worker exits at this step, once."""
+    """Fault injection (``pipelines.core.faults``): the last worker exits at this step, once."""
     crash_marker: str | None = None
     crash_writing_best: int | None = None
     """Fault injection (``ADLM_FAULT=train.crash_writing_best=N``): rank 0 dies mid-upload of step N's best."""

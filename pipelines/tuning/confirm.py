@@ -36,11 +36,17 @@ from typing import Any
 from adlm_model.config import ConfigError
 from adlm_model.kinds import model_kind, parameter_count
 from adlm_model.train.flops import training_flops_per_row
-from pipelines.logs import get_logger
+from pipelines.core.logs import get_logger
 from pipelines.studies.comparisons import nats
 from pipelines.studies.grid import RunPlan, TrialContext, fit_grid, history, trained
 from pipelines.studies.stats import Summary, summarise
-from pipelines.tracking import best_effort, ensure_experiment, find_or_create_run, log_params_once, require_tracking
+from pipelines.tracking.runs import (
+    best_effort,
+    ensure_experiment,
+    find_or_create_run,
+    log_params_once,
+    require_tracking,
+)
 from pipelines.training.config import TrainConfig, apply_override, load_raw
 from pipelines.tuning.report import TrialRow
 from pipelines.tuning.space import SearchSpace

@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipelines.core.storage import join, read_text, temp_dir, write_bytes_atomic
 from pipelines.evaluation.truth import exact_entropy, skips_first, truth_of
-from pipelines.registry import register_checkpoint, registered_version, training_tags
-from pipelines.storage import join, read_text, temp_dir, write_bytes_atomic
 from pipelines.studies.comparisons import nats
 from pipelines.studies.stats import Summary, summarise
-from pipelines.tracking import RUN_NAME_TAG, best_effort, client, log_artifact_safely
+from pipelines.tracking.registry import register_checkpoint, registered_version, training_tags
+from pipelines.tracking.runs import RUN_NAME_TAG, best_effort, client, log_artifact_safely
 from pipelines.training.config import TrainConfig
 from pipelines.tuning.confirm import ConfirmPlan, ConfirmResult, Contrast
 from pipelines.tuning.report import TrialRow, plot_confirmation, plot_search

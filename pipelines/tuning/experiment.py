@@ -21,8 +21,8 @@ from adlm_model.config import ConfigError
 from adlm_model.kinds import build_model
 from adlm_model.train.flops import training_flops_per_row
 from adlm_model.train.train_step import Objective, TrainStep
-from pipelines.logs import get_logger
-from pipelines.runtime import driver_resources
+from pipelines.core.logs import get_logger
+from pipelines.core.runtime import driver_resources
 from pipelines.training.config import TrainConfig
 from pipelines.training.optim import build_optimizer
 from pipelines.tuning.confirm import (

@@ -11,7 +11,7 @@ from typing import Any
 
 from ray.tune import Callback
 
-from pipelines.logs import verbosity
+from pipelines.core.logs import verbosity
 from pipelines.tuning.space import METRIC
 
 

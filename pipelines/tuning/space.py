@@ -19,7 +19,7 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from adlm_model.config import ConfigError
-from pipelines.configlib import read_yaml_file, validate
+from pipelines.core.configlib import read_yaml_file, validate
 from pipelines.training.config import TOP_KEYS
 
 DISTRIBUTIONS = ("loguniform", "uniform", "choice", "randint", "grid")

@@ -48,12 +48,12 @@ from ray.tune.search.optuna import OptunaSearch
 
 from adlm_model.config import ConfigError
 from adlm_model.kinds import model_kind
-from pipelines import placement
-from pipelines.logs import get_logger
-from pipelines.registry import register_checkpoint, training_tags
-from pipelines.runtime import cpu_placement, driver_resources, init_ray, quiet_environment
-from pipelines.storage import join, publish_dir, resolve_workdir, temp_dir, warn_if_node_local
-from pipelines.tracking import (
+from pipelines.core import placement
+from pipelines.core.logs import get_logger
+from pipelines.core.runtime import cpu_placement, driver_resources, init_ray, quiet_environment
+from pipelines.core.storage import join, publish_dir, resolve_workdir, temp_dir, warn_if_node_local
+from pipelines.tracking.registry import register_checkpoint, training_tags
+from pipelines.tracking.runs import (
     best_effort,
     client,
     ensure_experiment,
@@ -420,7 +420,7 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     # Each trial's driver (and the Ray Train controller, which attaches to its driver's node) asks for what only
     # never-preempted nodes offer on a cluster (cluster.yaml's head), so a spot preemption takes only training
     # workers, which Ray Train restarts from the bucket's checkpoint (failure.max_failures of the recipe); never on a
-    # GPU node (pipelines.runtime.cpu_work_selector).
+    # GPU node (pipelines.core.runtime.cpu_work_selector).
     trainable = tune.with_resources(tune.with_parameters(run_trial, plan=trial_plan),
                                     cpu_placement(driver_resources(space.trial_cpu)))
     if resuming:
@@ -446,7 +446,7 @@ def sweep(space: SearchSpace, config: str | os.PathLike, overrides: list[str] | 
     except Exception as e:  # re-raised with the rerun line: anything a trial or Tune raises ends here
         raise TuneError(f"sweep {space.name!r} failed: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}; "
                         f"rerun the same command to resume from {exp_dir}") from e
-    placement.check()  # Tune stops on the interrupt of a wait that cannot end (pipelines.placement): say which
+    placement.check()  # Tune stops on the interrupt of a wait that cannot end (pipelines.core.placement): say which
     # A stopped trial's Ray Train controller, killed while restarting its workers, can leave a worker group's
     # placement group that Ray keeps until this job ends: nothing of the sweep may outlive it.
     placement.release_orphaned_groups()

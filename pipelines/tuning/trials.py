@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pipelines.logs import get_logger
-from pipelines.spool import SPOOL, send_spool
-from pipelines.storage import join, list_dir
-from pipelines.tracking import client
+from pipelines.core.logs import get_logger
+from pipelines.core.storage import join, list_dir
+from pipelines.tracking.runs import client
+from pipelines.tracking.spool import SPOOL, send_spool
 from pipelines.training.config import TrainConfig, apply_override
 from pipelines.tuning.report import TrialRow
 from pipelines.tuning.space import SearchSpace

@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from pipelines.core.storage import hub_errors
 from pipelines.data.reasoning.rows import ReasoningError, Row
-from pipelines.storage import hub_errors
 
 HF_PATH = "openai/gsm8k"
 HF_NAME = "main"

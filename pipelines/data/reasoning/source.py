@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from pipelines.core.seeds import derive_seed
+from pipelines.core.storage import exists, get_fs, join, read_bytes, resolve_workdir, write_bytes_atomic
 from pipelines.data.manifest import Manifest, ManifestError, ShardInfo, read_manifest
 from pipelines.data.plan import PrepareConfig, PrepareError, log
 from pipelines.data.reasoning import gsm8k, prontoqa, prosqa
@@ -44,8 +46,6 @@ from pipelines.data.reasoning.anchors import ANCHORS, anchors_of
 from pipelines.data.reasoning.rows import ReasoningError, Row, parse_rows, read_rows
 from pipelines.data.shards import shard_name
 from pipelines.data.tokenizer import TokenizerInfo, load_tokenizer, tokenizer_from_json
-from pipelines.seeds import derive_seed
-from pipelines.storage import exists, get_fs, join, read_bytes, resolve_workdir, write_bytes_atomic
 
 SOURCES = ("prosqa", "prontoqa", "gsm8k")
 GENERATED = ("prosqa", "prontoqa")

@@ -36,9 +36,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipelines.compat import ray as compat_ray
-from pipelines.logs import get_logger
-from pipelines.runtime import GPU_NODE_KIND, NODE_KIND_LABEL
-from pipelines.settings import env_number
+from pipelines.core.logs import get_logger
+from pipelines.core.runtime import GPU_NODE_KIND, NODE_KIND_LABEL
+from pipelines.core.settings import env_number
 
 log = get_logger(__name__)
 
@@ -50,13 +50,13 @@ POLL_S = 5.0
 class PlacementError(RuntimeError):
     """Work that Ray could not place within the deadline (the message is the one line to print)."""
 
-    exit_code = 1  # the work failed after it started (pipelines.cli)
+    exit_code = 1  # the work failed after it started (pipelines.core.cli)
 
 
 class Unplaceable(PlacementError):
     """Pre-flight: a run or a sweep that a fixed cluster's nodes cannot place, refused before any work starts."""
 
-    exit_code = 2  # bad input, found before any work (pipelines.cli)
+    exit_code = 2  # bad input, found before any work (pipelines.core.cli)
 
 
 def _demands(status: Any) -> list[tuple[tuple[tuple[str, float], ...], int]]:
@@ -391,7 +391,7 @@ def fixed_nodes(cpu_work: bool = False) -> list[dict[str, float]] | None:
     (``without_autoscaler``); None where nodes may still be added (an autoscaling cluster: its demands wait for a
     launch, which ``placement_deadline`` bounds). A Ray task or actor (a Tune trial) started no Ray, whatever its
     environment says: only the monitor's report tells. ``cpu_work``: only the nodes CPU-only work may use (not
-    those labelled GPU nodes: ``pipelines.runtime.cpu_work_selector``)."""
+    those labelled GPU nodes: ``pipelines.core.runtime.cpu_work_selector``)."""
     # lazy: keeps ray out of this module's import
     import ray
 

@@ -1,7 +1,7 @@
 """The ``ADLM_*`` settings a command reads from its environment: one parser, and one ``error:`` line for a bad one.
 
 A number is read by ``env_number`` (whole or not, finite, within its bounds); ``check_environment`` reads every
-number setting below, and ``$ADLM_FAULT``, before a command does any work (``pipelines.cli.run_command``), so that
+number setting below, and ``$ADLM_FAULT``, before a command does any work (``pipelines.core.cli.run_command``), so that
 ``ADLM_PLACEMENT_TIMEOUT_S=abc`` is refused at once instead of in a traceback, or after minutes of work, and
 ``ADLM_MAX_WORK=nan`` cannot turn a limit off (every comparison with NaN is false).
 
@@ -16,13 +16,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pipelines.faults import faults
+from pipelines.core.faults import faults
 
 
 class SettingError(ValueError):
     """A setting of the environment that cannot be used; the message names it, its value and what it takes."""
 
-    exit_code = 2  # bad input, found before any work (pipelines.cli)
+    exit_code = 2  # bad input, found before any work (pipelines.core.cli)
 
 
 @dataclass(frozen=True)

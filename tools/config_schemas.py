@@ -1,10 +1,10 @@
-"""The JSON Schema of every YAML kind, generated from the config dataclasses through ``pipelines.configlib`` and
+"""The JSON Schema of every YAML kind, generated from the config dataclasses through ``pipelines.core.configlib`` and
 committed under ``schemas/`` so that an editor validates ``configs/*.yaml``, ``tune_spaces/*.yaml`` and
 ``studies/*.yaml`` as you type (docs/usage/configs.md); ``tests/test_configlib.py`` fails when one is
 out of date.
 
-    python -m pipelines.config_schemas --write-schemas     # regenerate after changing a config field
-    python -m pipelines.config_schemas --check-schemas     # exit 1 when a committed schema is out of date
+    python tools/config_schemas.py --write-schemas     # regenerate after changing a config field
+    python tools/config_schemas.py --check-schemas     # exit 1 when a committed schema is out of date
 
 Its own module, not part of ``configlib``: the kinds it describes (``TrainConfig``, ``SpaceFile``,
 ``StudyFile``) are parsed by ``configlib``, so generating their schemas there would be an import circle.
@@ -19,9 +19,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository first
+
 from adlm_model.config import PRESETS
-from pipelines.cli import run_command
-from pipelines.configlib import adapter
+from pipelines.core.cli import run_command
+from pipelines.core.configlib import adapter
 from pipelines.studies.spec import StudyFile
 from pipelines.training.config import TrainConfig
 from pipelines.tuning.space import SpaceFile
@@ -69,7 +71,7 @@ def write_schemas(out: Path = SCHEMA_DIR) -> list[Path]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m pipelines.config_schemas",
+    ap = argparse.ArgumentParser(prog="python tools/config_schemas.py",
                                  description="Write or check the JSON Schemas of the config files "
                                              "(schemas/*.schema.json), generated from the config dataclasses.")
     g = ap.add_mutually_exclusive_group(required=True)
@@ -91,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
              if not (SCHEMA_DIR / f"{n}.schema.json").is_file()
              or (SCHEMA_DIR / f"{n}.schema.json").read_text() != schema_text(s)]
     if stale:
-        print(f"schemas out of date: {', '.join(stale)}; run python -m pipelines.config_schemas --write-schemas",
+        print(f"schemas out of date: {', '.join(stale)}; run python tools/config_schemas.py --write-schemas",
               file=sys.stderr)
         return 1
     return 0

@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pipelines.logs import first_line, get_logger
-from pipelines.runtime import spans_nodes
+from pipelines.core.logs import first_line, get_logger
+from pipelines.core.runtime import spans_nodes
 
 log = get_logger(__name__)
 
@@ -48,7 +48,7 @@ class StorageError(ValueError):
 
 class WorkdirError(StorageError):
     """A work directory that cannot be used (a path under a regular file, no permission, an unreachable store):
-    bad input to every command, one line and exit code 2 (``pipelines.cli``)."""
+    bad input to every command, one line and exit code 2 (``pipelines.core.cli``)."""
 
     exit_code = 2
 

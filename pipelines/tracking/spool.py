@@ -14,9 +14,9 @@ import threading
 import time
 from collections import deque
 
-from pipelines.logs import first_line, get_logger
-from pipelines.storage import delete_dir, join, list_dir, read_text, write_text
-from pipelines.tracking import TrackingAuthError, client, redact_uri, tracking_reachable
+from pipelines.core.logs import first_line, get_logger
+from pipelines.core.storage import delete_dir, join, list_dir, read_text, write_text
+from pipelines.tracking.runs import TrackingAuthError, client, redact_uri, tracking_reachable
 
 log = get_logger("tracking")  # has a handler in a Ray worker too (the metric sender runs there)
 

@@ -4,7 +4,7 @@
 - ``init_ray``: connect to ``$RAY_ADDRESS`` (a cluster, ``ray job submit``) or start a local Ray. A cluster
   that refuses this driver (no token, a wrong one, token mode off on this side) fails in one line naming what
   to set (``RayAuthError``), before any work. The workers' output reaches this console through
-  ``pipelines.logs.WorkerOutput`` (every line of it with ``-v``).
+  ``pipelines.core.logs.WorkerOutput`` (every line of it with ``-v``).
 - ``cpu_work_selector`` / ``cpu_work_options`` / ``cpu_placement``: where the CPU stages' work may run (never on a
   node labelled a GPU node).
 """
@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipelines.logs import route_worker_output
+from pipelines.core.logs import route_worker_output
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 FORWARDED_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM",
                  "HF_HOME", "HF_DATASETS_CACHE", "ADLM_CACHE", "MLFLOW_DISABLE_TELEMETRY", "ADLM_VERBOSITY")

@@ -10,7 +10,7 @@ that turns YAML or command-line text into those dataclasses:
   loaded are the dataclasses themselves), after :func:`_prepare` has applied the command-line conventions
   pydantic lacks (comma lists, ``none``); a type error is one line naming the key and the type it expects;
 - field docstrings become field descriptions (``use_attribute_docstrings``): the ``--set`` help text and the
-  committed JSON Schemas (``schemas/*.schema.json``, ``pipelines/config_schemas.py``) read them.
+  committed JSON Schemas (``schemas/*.schema.json``, ``tools/config_schemas.py``) read them.
 
 Each kind's own semantic rules (ranges, names, cross-field checks) stay with the kind (``validate()`` methods,
 ``parse_space``, ``parse_study``).
@@ -33,7 +33,7 @@ import yaml
 from pydantic import TypeAdapter, ValidationError, with_config
 
 from adlm_model.config import ConfigError, refuse_unknown
-from pipelines.pydantic_config import PYDANTIC_CONFIG
+from pipelines.core.pydantic_config import PYDANTIC_CONFIG
 
 __all__ = ["ConfigError", "refuse_unknown", "check_tree", "validate", "coerce", "coerce_fields", "read_yaml_file",
            "load_yaml", "check_finite", "split_assignment", "set_nested", "apply_to", "descriptions", "settings_help",

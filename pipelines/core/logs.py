@@ -2,7 +2,7 @@
 
 The project's own messages go through ``logging.getLogger("adlm.<area>")`` so that they can be filtered,
 levelled and routed like Ray's and MLflow's. A CLI calls ``add_logging_flags(parser)``; its runner
-(``pipelines.cli.run_command``), once the arguments are parsed, ``setup_logging(args.verbose - args.quiet)``:
+(``pipelines.core.cli.run_command``), once the arguments are parsed, ``setup_logging(args.verbose - args.quiet)``:
 
 - ``0`` (default): the project's INFO and up; Ray, MLflow and the HTTP/filesystem libraries at WARNING; MLflow's
   artifact download bar off (it printed on every ``generate`` call, even for a cached version); of what Ray's worker

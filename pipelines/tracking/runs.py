@@ -6,7 +6,7 @@
 - ``find_or_create_run``: one MLflow run per training run name. The run id is fixed when the run
   starts, stored in every checkpoint (meta ``mlflow_run_id``) and reopened on resume, so that a
   resumed or restarted run keeps logging into the same run.
-- ``pipelines.spool``: rank 0's asynchronous metric logger and the run's spool, which a tracking outage of any
+- ``pipelines.tracking.spool``: rank 0's asynchronous metric logger and the run's spool, which a tracking outage of any
   length leaves training with.
 - ``tracking_reachable``: a quick probe of a tracking server before the first (retrying) MLflow call. A
   server that refuses this client's credentials (401/403) is not an outage: ``TrackingAuthError``, one line
@@ -30,8 +30,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pipelines.logs import first_line, get_logger
-from pipelines.storage import StorageError, is_uri, join, resolve_workdir
+from pipelines.core.logs import first_line, get_logger
+from pipelines.core.storage import StorageError, is_uri, join, resolve_workdir
 
 log = get_logger("tracking")  # has a handler in a Ray worker too (the metric sender runs there)
 
@@ -73,7 +73,7 @@ SQLITE_HEADER = b"SQLite format 3\x00"
 class TrackingConfigError(ValueError):
     """A tracking URI no store can be made of (an unknown scheme, an sqlite file that is no database)."""
 
-    exit_code = 2  # bad input, found before any work (pipelines.cli)
+    exit_code = 2  # bad input, found before any work (pipelines.core.cli)
 
 
 _checked: set[str] = set()
@@ -278,7 +278,7 @@ def require_tracking(tracking_uri: str, timeout: float = 5.0) -> None:
 class TrackingUnavailableError(ValueError):
     """A command that needs the tracking store to do anything, started against a server that does not answer."""
 
-    exit_code = 2  # nothing was done (pipelines.cli)
+    exit_code = 2  # nothing was done (pipelines.core.cli)
 
 
 def require_server(tracking_uri: str | None, what: str, timeout: float = 5.0) -> None:

@@ -33,9 +33,9 @@ from adlm_model.inference.textgen import SPECIAL_TOKENS_FILE
 from adlm_model.interop.checkpoint import read_config
 from pipelines.compat import mlflow as compat_mlflow
 from pipelines.data.tokenizer import TokenizerError, load_tokenizer
-from pipelines.tracking import client
+from pipelines.tracking.runs import client
 
-CODE_FILE = Path(__file__).parent / "serving" / "pyfunc_model.py"
+CODE_FILE = Path(__file__).parents[1] / "serving" / "pyfunc_model.py"
 """The model's code (models-from-code)."""
 MODEL_NAME = "model"
 """Name of the logged model inside the run."""

@@ -14,11 +14,11 @@ command:
 - an error class may carry its own ``exit_code`` (``CommandError`` and its subclasses, ``run_all.Unregistered``:
   3, ``JobDeadlineError`` and ``PlacementError``: 1), which wins over the tuples.
 
-Every command's work runs under ``pipelines.placement.placement_deadline``: whichever of them starts or joins a
+Every command's work runs under ``pipelines.core.placement.placement_deadline``: whichever of them starts or joins a
 Ray, a wait Ray cannot satisfy (work no node can take, for ``ADLM_PLACEMENT_TIMEOUT_S``) ends in that one line
 instead of waiting for ever. Written here once, not in each command.
 
-A bad ``ADLM_*`` setting of the environment (``pipelines.settings``) is refused the same way before anything runs.
+A bad ``ADLM_*`` setting of the environment (``pipelines.core.settings``) is refused the same way before anything runs.
 
 An exception that is none of these is a bug: it keeps its traceback.
 """
@@ -29,10 +29,10 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from pipelines.logs import setup_logging
-from pipelines.placement import placement_deadline
-from pipelines.runtime import quiet_environment
-from pipelines.settings import SettingError, check_environment
+from pipelines.core.logs import setup_logging
+from pipelines.core.placement import placement_deadline
+from pipelines.core.runtime import quiet_environment
+from pipelines.core.settings import SettingError, check_environment
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 

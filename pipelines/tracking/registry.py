@@ -5,7 +5,7 @@ Contract shared by training, tuning, evaluation and serving:
 - Training logs its exported checkpoint folder (``adlm_model.interop.checkpoint`` layout: ``config.json``,
   ``model.safetensors``, ``ema.safetensors``, ``tokenizer.json``) as the run artifact ``checkpoint``.
 - ``register_checkpoint`` turns it into an MLflow Model logged into that run (pyfunc, models-from-code:
-  ``pipelines.mlflow_model``) and registers that model as a new version, with the run id, tags
+  ``pipelines.tracking.mlflow_model``) and registers that model as a new version, with the run id, tags
   (``kind``, ``gamma``, ``tau``, ``data_manifest_hash``, ``val_ppl``, ``checkpoint_uri``, ...) and aliases
   (``candidate``, ``champion``); stages are never used. ``mlflow.pyfunc.load_model("models:/adlm@champion")``
   and ``mlflow models serve`` work on every version.
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipelines.storage import download_dir, is_uri, node_cache_dir
-from pipelines.tracking import client, redact_uri, require_server, resolve_tracking_uri
+from pipelines.core.storage import download_dir, is_uri, node_cache_dir
+from pipelines.tracking.runs import client, redact_uri, require_server, resolve_tracking_uri
 
 DEFAULT_MODEL_NAME = "adlm"
 CHECKPOINT_ARTIFACT = "checkpoint"
@@ -68,7 +68,7 @@ def register_checkpoint(run_id: str, name: str, tags: dict[str, Any], *, trackin
     from mlflow.exceptions import MlflowException
 
     # lazy: keeps torch out of this module's import
-    from pipelines.mlflow_model import ModelPackagingError, log_text_model, using_tracking_uri
+    from pipelines.tracking.mlflow_model import ModelPackagingError, log_text_model, using_tracking_uri
     uri = tracking_uri or resolve_tracking_uri()
     c = client(uri)
     source = c.get_run(run_id).info.artifact_uri.rstrip("/") + "/" + artifact_path
@@ -235,7 +235,7 @@ def download_version(uri: str, tracking_uri: str | None = None, dst: str | os.Pa
 def checkpoint_of(local: str | os.PathLike) -> Path:
     """The checkpoint folder of a downloaded version (``download_version``), or RegistryError."""
     # lazy: keeps torch out of this module's import
-    from pipelines.mlflow_model import checkpoint_in_model
+    from pipelines.tracking.mlflow_model import checkpoint_in_model
 
     root = Path(local)
     inner = checkpoint_in_model(root)
