@@ -64,7 +64,7 @@ class RequestLimits:
         for field, var in ENV.items():
             raw = env.get(var, "").strip()
             if raw:
-                # The same rules and words as the commands' settings (pipelines.settings): a NaN or an infinity
+                # The same rules and words as the commands' settings (pipelines.core.settings): a NaN or an infinity
                 # would turn the limit off (every comparison with NaN is false).
                 kind = "a finite number" if field == "max_work" else "a whole number"
                 try:

@@ -5,7 +5,7 @@ It runs on one device with no Ray and no MLflow, and it uses the same pieces as 
 the kind's objective (``Objective``), AdamW (``fused_adamw``), the learning rate of ``lr_factor``, the ``EMA``,
 the optimiser step (``TrainStep``: noise, loss, backward, clipping, AdamW, EMA) and the checkpoint
 (``adlm_model.interop.checkpoint``: safetensors and JSON). Given the same rows in the same order and the seeds
-the pipeline derives for rank 0 (``pipelines/seeds.py``), its per-step losses equal a one-process run of
+the pipeline derives for rank 0 (``pipelines/core/seeds.py``), its per-step losses equal a one-process run of
 ``python -m pipelines.train`` (``tests/test_plain_loop.py`` holds it to that). What the pipeline adds around
 these steps is distribution, validation, tracking and registration.
 
