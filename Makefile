@@ -59,8 +59,11 @@ lock: $(STAMP)
 test-newest: $(STAMP)
 	$(BIN)/python benchmarks/newest_versions.py --record
 
+# The tiers without clusters and servers (tests/e2e), and without the tests marked slow.
+FAST_TESTS := tests/model tests/pipelines tests/repo
+
 test-fast: $(STAMP)
-	PYTHONDONTWRITEBYTECODE= PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -m "not slow" tests
+	PYTHONDONTWRITEBYTECODE= PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -m "not slow" $(FAST_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check adlm_model pipelines tests benchmarks tools

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(table))
         env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}", "ADLM_NEWEST_VERSIONS": "1",
                "PYTHONDONTWRITEBYTECODE": ""}
-        tests = args.pytest_args or ["-m", "not slow", "tests"]
+        tests = args.pytest_args or ["-m", "not slow", "tests/model", "tests/pipelines", "tests/repo"]
         r = subprocess.run([str(py), "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider",
                             *tests], cwd=ROOT, env=env, capture_output=True, text=True)
         out = r.stdout + r.stderr

@@ -1,4 +1,4 @@
-"""A Ray cluster (``tests.support_cluster.ray_cluster``) run by a process of its own, for a cluster with token
+"""A Ray cluster (``tests.support.cluster.ray_cluster``) run by a process of its own, for a cluster with token
 authentication: Ray reads its authentication mode and token once per process, so a test process that has used a
 local Ray without authentication cannot also start, or be a client of, a cluster that has it. This process starts
 the cluster with this environment's ``RAY_AUTH_MODE`` and ``RAY_AUTH_TOKEN_PATH``, prints one JSON line (GCS
@@ -19,7 +19,7 @@ def main() -> None:
     # environment's back, which the nodes take (as cluster.yaml's nodes take them from their containers).
     kept = {k: os.environ[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "ADLM_WORKDIR", "MLFLOW_TRACKING_URI")
             if k in os.environ}
-    from tests.support_cluster import ray_cluster
+    from tests.support.cluster import ray_cluster
 
     os.environ.update(kept)
     with ray_cluster(**json.loads(sys.argv[1])) as rc:

@@ -207,7 +207,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory, ray_session) -> Path:
     """Tiny real shards (embedded-corpus text, a 512-entry BPE, rows of 32) shared by the train/tune tests."""
-    from tests.support_data import make_tiny_data
+    from tests.support.data import make_tiny_data
 
     return make_tiny_data(tmp_path_factory.mktemp("tiny-data"))
 
@@ -215,10 +215,10 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory, ray_session) -> Path:
 @pytest.fixture(scope="session")
 def pg_tracking(tmp_path_factory: pytest.TempPathFactory):
     """The tracking server a cluster runs, for the whole session: a throwaway PostgreSQL, S3 on loopback (moto) and
-    ``mlflow/server.sh`` with basic authentication on them (tests/support_postgres.py), stopped whatever happens.
+    ``mlflow/server.sh`` with basic authentication on them (tests/support/postgres.py), stopped whatever happens.
     Skipped with the reason on a machine without PostgreSQL; CI installs it and sets ``ADLM_REQUIRE_POSTGRES``, which
     makes a missing one a failure instead."""
-    from tests.support_postgres import missing, tracking_stack
+    from tests.support.postgres import missing, tracking_stack
 
     why = missing()
     if why:

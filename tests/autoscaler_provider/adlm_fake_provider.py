@@ -8,7 +8,7 @@ the job's driver and the other nodes' workers run in whenever a node is launched
 training workers failing in ``os.getcwd()`` after the autoscaler added a node).
 
 The autoscaler's monitor loads it as ``provider: {type: external, module: adlm_fake_provider.OwnDiskFakeProvider}``;
-``tests/support_cluster.py`` puts this folder (this module alone, not the project) on the monitor's PYTHONPATH.
+``tests/support/cluster.py`` puts this folder (this module alone, not the project) on the monitor's PYTHONPATH.
 """
 
 from __future__ import annotations
