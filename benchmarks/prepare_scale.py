@@ -54,7 +54,7 @@ def sample():
 from pipelines.core.runtime import init_ray
 from pipelines.data.prepare import PrepareConfig, prepare
 from pipelines.data.sources import NAMED_SOURCES
-from tests.support_hub import stand_in_source
+from tests.support.hub import stand_in_source
 NAMED_SOURCES["standin"] = stand_in_source()
 init_ray(num_cpus=2)
 before = rss_mb()
@@ -88,7 +88,7 @@ def build(work: Path, size_mb: float, file_mb: float, lines: list[str]) -> tuple
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tests.support_hub import REPO
+    from tests.support.hub import REPO
 
     text = work / "corpus.txt"
     mirror = work / "mirror"

@@ -47,7 +47,7 @@ def tiny_model(root: Path) -> Path:
     import adlm_model
     from adlm_model import build_model
     from pipelines.tracking.mlflow_model import CODE_FILE, REQUEST_FIELDS, signature, stage_checkpoint
-    from tests.support_eval import make_data, save_ckpt, tiny_config
+    from tests.support.eval import make_data, save_ckpt, tiny_config
 
     data, tok, tok_path = make_data(root)
     cfg = tiny_config(tok, "mdlm")

@@ -4,7 +4,7 @@ processes, MLflow servers, the pytest workers, ...). Made for the test suite's t
 cores, and what costs is processes starting more than work.
 
     python benchmarks/suite_cpu.py -- .venv/bin/python -m pytest -q -n 2 --dist loadfile tests
-    python benchmarks/suite_cpu.py --top 20 -- .venv/bin/python -m pytest -q tests/test_cluster.py -k autoscaler
+    python benchmarks/suite_cpu.py --top 20 -- .venv/bin/python -m pytest -q tests/e2e/test_cluster.py -k autoscaler
 
 Processes shorter than an interval are missed, and a process's CPU is counted up to its last sample: a lower
 bound. The machine's own CPU (every process, from /proc/stat) is the reference the ratio is taken against.

@@ -2,7 +2,7 @@
 metric batches from N = 1, 4 and 16 concurrent clients, run by hand (about 5 minutes).
 
 Two servers of the recipe (``mlflow/server.sh``, basic authentication on, the users in the same database) run at once
-on loopback: one on a throwaway PostgreSQL (tests/support_postgres.py), one on sqlite. ``--clients`` processes (one per
+on loopback: one on a throwaway PostgreSQL (tests/support/postgres.py), one on sqlite. ``--clients`` processes (one per
 concurrent trial: a trial is a process of its own) each import MLflow once; then, for every N and repeat, N of them log
 to one server for ``--seconds``, then to the other (the order alternates between repeats), each into a run of its own:
 one ``log_batch`` of a training window's nine metrics after another, as fast as the server answers (MLflow's client,
@@ -102,7 +102,7 @@ def main() -> None:
     ns = sorted({int(n) for n in args.clients.split(",")})
     if not ns or ns[0] < 1 or args.seconds <= 0 or args.repeats < 1:
         raise SystemExit("error: --clients must be positive integers, --seconds above 0, --repeats 1 or more")
-    from tests.support_postgres import missing
+    from tests.support.postgres import missing
 
     if why := missing():
         raise SystemExit(f"error: {why}")
@@ -116,7 +116,7 @@ def measure(args: argparse.Namespace, ns: list[int], rec) -> None:
     import psutil
     import requests
 
-    from tests.support_postgres import RecipeServer, postgres
+    from tests.support.postgres import RecipeServer, postgres
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     base = Path(tempfile.mkdtemp(prefix="adlm-bench-tracking-"))

@@ -12,7 +12,7 @@ server late (the background sender keeps them) with the time they were measured.
 
 RESULT ``outage_step_rate_ratio``: median tokens/s of the windows measured while the server was down over the
 median of those measured while it was up (before and after; the first window is warm-up). Goal >= 0.95.
-The test suite (tests/test_tracking_outage.py) runs the same scenario and asserts only that nothing stalls.
+The test suite (tests/e2e/test_tracking_outage.py) runs the same scenario and asserts only that nothing stalls.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def measure(args: argparse.Namespace) -> None:
     from pipelines.core.runtime import init_ray
     from pipelines.training.config import load_config
     from pipelines.training.trainer import train
-    from tests.support_cluster import MLflowServer, outage_step_rates, tracking_outage
-    from tests.support_data import TINY_MODEL, data_overrides, make_tiny_data
+    from tests.support.cluster import MLflowServer, outage_step_rates, tracking_outage
+    from tests.support.data import TINY_MODEL, data_overrides, make_tiny_data
 
     init_ray(num_cpus=2)
     data = make_tiny_data(args.workdir / "data")

@@ -1,6 +1,6 @@
 """The JSON Schema of every YAML kind, generated from the config dataclasses through ``pipelines.core.configlib`` and
 committed under ``schemas/`` so that an editor validates ``configs/*.yaml``, ``tune_spaces/*.yaml`` and
-``studies/*.yaml`` as you type (docs/usage/configs.md); ``tests/test_configlib.py`` fails when one is
+``studies/*.yaml`` as you type (docs/usage/configs.md); ``tests/pipelines/test_configlib.py`` fails when one is
 out of date.
 
     python tools/config_schemas.py --write-schemas     # regenerate after changing a config field

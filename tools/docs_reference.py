@@ -1,6 +1,6 @@
 """The reference pages of the documentation, generated from the code: every command's flags (from its argument
 parser) and every config key with its type, default and description (from the config dataclasses, whose field
-docstrings are the descriptions). ``tests/test_docs.py`` fails when a committed page differs from what the code
+docstrings are the descriptions). ``tests/repo/test_docs.py`` fails when a committed page differs from what the code
 gives.
 
     python tools/docs_reference.py --write     # regenerate docs/reference/commands.md and config.md

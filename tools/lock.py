@@ -11,7 +11,7 @@ and torch wheel the installs use, for Linux x86-64 and CPython 3.11: the machine
 It pins versions, not files: the CPU venvs and the CUDA image take different wheels of the same torch, and the
 CUDA wheel's own runtime (``nvidia-*``, ``triton``), which torch's metadata pins exactly, is left out.
 
-The check (also ``tests/test_lock.py``) fails where a range of pyproject.toml excludes the locked version, where a
+The check (also ``tests/repo/test_lock.py``) fails where a range of pyproject.toml excludes the locked version, where a
 dependency of pyproject, or of a locked package as installed here, is missing from the lock or outside its range.
 """
 

@@ -15,7 +15,7 @@ The forward process is MDLM's (docs/design/method.md, section 1): each token ind
   It is an upper bound on the NLL (the reference's Theorem); since ``dsigma / (e^sigma - 1) = 1 / t`` for this noise
   it reads ``(1/t) [Z - 1 - log p(x | z_t)]`` with ``p = s (e^sigma - 1)`` and ``Z = sum_y p_y``: MDLM's NELBO term
   with the normalised denoiser ``p / Z`` plus ``(1/t) (Z - 1 - log Z) >= 0``. With the exact score (``Z = 1``) both
-  coincide, so SEDD's bound is tight exactly where MDLM's is (``tests/test_sedd.py``).
+  coincide, so SEDD's bound is tight exactly where MDLM's is (``tests/model/test_sedd.py``).
 
 The implied denoiser at a masked position is the score normalised over the non-mask states, i.e. SUBS on the raw
 output ``o`` (the shift is constant over ``y``): ``denoiser_logits`` returns ``o``, so code that reads a diffusion

@@ -4,8 +4,8 @@ A private name (a leading underscore, ``_private``, ``_internal``) can change in
 MLflow 3.18 renamed a validator the registry imported. Each package gets one module here that imports its private
 names, says why no public API serves, and fails with one clear line when a name has gone (``PrivateName.load``; ``pipelines.compat`` keeps a twin of it
 that imports no torch).
-``tests/test_compat.py`` loads every listed name, so a release that drops one is found by the suite, not by a user;
-``tests/test_architecture.py`` refuses a private import anywhere else in ``adlm_model``, ``pipelines`` and
+``tests/repo/test_compat.py`` loads every listed name, so a release that drops one is found by the suite, not by a user;
+``tests/repo/test_compat.py`` also refuses a private import anywhere else in ``adlm_model``, ``pipelines`` and
 ``benchmarks``. This subpackage imports torch and the standard library only: the model layers may use it.
 """
 

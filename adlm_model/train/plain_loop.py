@@ -6,7 +6,7 @@ the kind's objective (``Objective``), AdamW (``fused_adamw``), the learning rate
 the optimiser step (``TrainStep``: noise, loss, backward, clipping, AdamW, EMA) and the checkpoint
 (``adlm_model.interop.checkpoint``: safetensors and JSON). Given the same rows in the same order and the seeds
 the pipeline derives for rank 0 (``pipelines/core/seeds.py``), its per-step losses equal a one-process run of
-``python -m pipelines.train`` (``tests/test_plain_loop.py`` holds it to that). What the pipeline adds around
+``python -m pipelines.train`` (``tests/pipelines/test_plain_loop.py`` holds it to that). What the pipeline adds around
 these steps is distribution, validation, tracking and registration.
 
     python -c "from adlm_model.train.plain_loop import demo; demo()"

@@ -64,7 +64,7 @@ class Sizes:
     train: dict[str, Any]
     """Preset overrides of the training / correctness configurations (on the ``small`` preset)."""
     micro: dict[str, Any]
-    """The sampler equalities' two-block model (tests/support_models.py's ``micro``)."""
+    """The sampler equalities' two-block model (tests/support/models.py's ``micro``)."""
     correct_rows: int
     train_batch: int
     """The compiled items' and the anchor's batch (halved on out-of-memory)."""

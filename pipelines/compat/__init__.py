@@ -1,7 +1,7 @@
 """Adapters for the private names of Ray and MLflow: the only modules of ``pipelines`` that may import one.
 
 One module per package (``ray``, ``mlflow``), each naming why no public API serves and failing in one line when a
-name has gone (``PrivateName.load``); ``tests/test_compat.py`` loads every one of them. Nothing here imports Ray or
+name has gone (``PrivateName.load``); ``tests/repo/test_compat.py`` loads every one of them. Nothing here imports Ray or
 MLflow until a function is called, nor torch at all: a command's ``--help`` and the data stage stay light. That is
 also why ``PrivateName`` is defined here as well as in ``adlm_model.compat`` (importing any ``adlm_model`` module
 imports torch).

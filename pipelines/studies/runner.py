@@ -10,7 +10,7 @@ What happens, in order:
    readings because a run's first ``s`` steps *are* a run of ``s`` steps: the learning rate is constant after
    warm-up (required, checked), the gamma ramp's horizon is fixed (``model.gamma_horizon``, default
    ``steps``), and data order, validation rows and noise do not depend on ``run.max_steps``
-   (``tests/test_study.py`` checks the bounds match).
+   (``tests/pipelines/test_study.py`` checks the bounds match).
 3. The data (``data:``) is prepared once (resumable) and the runs go to Ray Tune as a grid, ``max_concurrent``
    at a time, each a ``pipelines.train`` run of one Ray Train worker with one torch thread. A run already trained to its
    steps is skipped; an interrupted one resumes from its checkpoint: rerun the same command.

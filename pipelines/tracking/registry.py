@@ -106,7 +106,7 @@ def register_checkpoint(run_id: str, name: str, tags: dict[str, Any], *, trackin
 
 # MLflow's documented rules for registered model names and aliases (docs: "Registered model aliases"), checked
 # here rather than through MLflow's private validators, whose names change between releases (3.18 renamed them).
-# tests/test_registry_names.py holds these rules against what a real registry accepts and refuses.
+# tests/pipelines/test_registry_names.py holds these rules against what a real registry accepts and refuses.
 ALIAS_PATTERN = re.compile(r"[\w\-]*")
 VERSION_ALIAS = re.compile(r"[vV]\d+")
 MAX_ALIAS_LENGTH = 255

@@ -14,7 +14,7 @@ graph deep and the answer far (the released rows' shortest path is 3.8 on averag
 labels mostly pure, as the released rows' are (6% of their nodes reach both roots).
 
 Statistics against Coconut's 300 released validation rows (``graph_stats``; measured in
-``tests/test_reasoning_tasks.py``): those rows have 22.8 nodes, 36.3 edges, a shortest path of 3.75 and 5.1 paths
+``tests/pipelines/test_reasoning_tasks.py``): those rows have 22.8 nodes, 36.3 edges, a shortest path of 3.75 and 5.1 paths
 from the root to the target on average; this generator at its defaults about 23, 32, 3.7 and 6. Names: people
 for roots, concepts for the rest, drawn from an ``Inventory`` (Coconut's own names via ``inventory_from_rows``,
 or the small built-in one). ``nodes`` is the size knob (``ProsQAConfig(nodes=10, min_path=2)`` for CPU runs).
