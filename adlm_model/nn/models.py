@@ -33,6 +33,24 @@ def config_dit(cfg: ModelConfig, n_blocks: int, **kw) -> DiT:
                mlp_ratio=cfg.mlp_ratio, dropout=cfg.dropout, adaln=cfg.uses_adaln, **kw)
 
 
+
+FusedCache = tuple[tuple, torch.Tensor, torch.Tensor] | None
+"""``(key, weight, bias)`` of a fused affine map, the key naming the weights (storage, version, dtype, device)."""
+
+
+def fused_affine(out: nn.Linear, inp: nn.Linear, cache: FusedCache) -> tuple[tuple, torch.Tensor, torch.Tensor]:
+    """``inp(out(h))`` as one affine map, ``h (W_in W_out)^T + (W_in b_out + b_in)``, computed in float64 and
+    cast back; ``cache`` is returned as it is while it was made from the same weights (an optimiser step bumps
+    their version), else the map is computed anew."""
+    tensors = (out.weight, out.bias, inp.weight, inp.bias)
+    key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in tensors)
+    if cache is not None and cache[0] == key:
+        return cache
+    with torch.no_grad():
+        w = (inp.weight.double() @ out.weight.double()).to(out.weight.dtype)
+        b = (inp.weight.double() @ out.bias.double() + inp.bias.double()).to(out.bias.dtype)
+    return key, w, b
+
 class MDLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -75,14 +93,7 @@ class ADLM(nn.Module):
 
         (h W_out^T + b_out) W_in^T + b_in = h (W_in W_out)^T + (W_in b_out + b_in).
         """
-        out, inp = self.anchor.output_layer.linear, self.denoiser.dense_in
-        tensors = (out.weight, out.bias, inp.weight, inp.bias)
-        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in tensors)
-        if self._fused is None or self._fused[0] != key:
-            with torch.no_grad():
-                w = (inp.weight.double() @ out.weight.double()).to(out.weight.dtype)
-                b = (inp.weight.double() @ out.bias.double() + inp.bias.double()).to(out.bias.dtype)
-            self._fused = (key, w, b)
+        self._fused = fused_affine(self.anchor.output_layer.linear, self.denoiser.dense_in, self._fused)
         return self._fused[1], self._fused[2]
 
     def denoiser_logits(self, z_t: torch.Tensor, sigma: torch.Tensor, fused: bool | None = None, **kw) -> torch.Tensor:
@@ -172,14 +183,7 @@ class A2R(nn.Module):
     def fused_projection(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The anchor's output layer followed by ``projection`` as one ``hidden x hidden`` affine map (exact, as
         ``ADLM.fused_projection``), computed once per weights."""
-        out, inp = self.anchor.output_layer.linear, self.projection
-        tensors = (out.weight, out.bias, inp.weight, inp.bias)
-        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in tensors)
-        if self._fused is None or self._fused[0] != key:
-            with torch.no_grad():
-                w = (inp.weight.double() @ out.weight.double()).to(out.weight.dtype)
-                b = (inp.weight.double() @ out.bias.double() + inp.bias.double()).to(out.bias.dtype)
-            self._fused = (key, w, b)
+        self._fused = fused_affine(self.anchor.output_layer.linear, self.projection, self._fused)
         return self._fused[1], self._fused[2]
 
     def _lm_input(self, x: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
