@@ -72,6 +72,27 @@ class PrepareError(ValueError):
     """Bad input for data preparation; the message names the problem and the fix."""
 
 
+def key_values(raw: Any, flag: str, example: str) -> dict[str, Any]:
+    """A source's options (``--testbed``, ``--reasoning``) as a mapping: a mapping as it is, or ``KEY=VALUE``
+    strings with each value read as JSON where it parses (``n=16`` is a number, ``task=prosqa`` a string).
+    PrepareError names a string without ``=`` (with ``example``) or anything else."""
+    raw = raw or {}
+    if isinstance(raw, (list, tuple)):
+        pairs: dict[str, Any] = {}
+        for item in raw:
+            if "=" not in str(item):
+                raise PrepareError(f"--{flag} {item!r}: use KEY=VALUE (e.g. {example})")
+            k, v = str(item).split("=", 1)
+            try:
+                pairs[k.strip()] = json.loads(v)
+            except json.JSONDecodeError:
+                pairs[k.strip()] = v
+        raw = pairs
+    if not isinstance(raw, dict):
+        raise PrepareError(f"{flag} options must be a mapping or KEY=VALUE strings, got {raw!r}")
+    return dict(raw)
+
+
 @with_config(PYDANTIC_CONFIG)  # the field docstrings are the CLI's --help (pipelines.prepare_data)
 @dataclass
 class PrepareConfig:

@@ -31,7 +31,7 @@ import numpy as np
 from pipelines.core.seeds import derive_seed
 from pipelines.core.storage import exists, get_fs, join, resolve_workdir, write_bytes_atomic
 from pipelines.data.manifest import Manifest, ManifestError, ShardInfo, read_manifest
-from pipelines.data.plan import PrepareConfig, PrepareError, log
+from pipelines.data.plan import PrepareConfig, PrepareError, key_values, log
 from pipelines.data.shards import shard_bytes, shard_name
 from pipelines.data.tokenizer import TokenizerInfo, tokenizer_from_json
 
@@ -54,20 +54,7 @@ def testbed_options(cfg: PrepareConfig) -> tuple[dict[str, Any], dict[str, int]]
     # lazy: keeps torch out of this module's import
     from adlm_model.testbed.language import TestbedConfig, TestbedError
 
-    raw = cfg.testbed or {}
-    if isinstance(raw, (list, tuple)):
-        pairs = {}
-        for item in raw:
-            if "=" not in str(item):
-                raise PrepareError(f"--testbed {item!r}: use KEY=VALUE (e.g. n_classes=16 or train_rows=50000)")
-            k, v = str(item).split("=", 1)
-            try:
-                pairs[k.strip()] = json.loads(v)
-            except json.JSONDecodeError:
-                pairs[k.strip()] = v
-        raw = pairs
-    if not isinstance(raw, dict):
-        raise PrepareError(f"testbed options must be a mapping or KEY=VALUE strings, got {raw!r}")
+    raw = key_values(cfg.testbed, "testbed", "n_classes=16 or train_rows=50000")
     rows = {k: int(raw.get(k, d)) for k, d in ROW_OPTIONS.items()}
     fields = {k: v for k, v in raw.items() if k not in ROW_OPTIONS}
     if cfg.length is not None:

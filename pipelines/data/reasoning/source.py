@@ -40,7 +40,7 @@ import numpy as np
 from pipelines.core.seeds import derive_seed
 from pipelines.core.storage import exists, get_fs, join, read_bytes, resolve_workdir, write_bytes_atomic
 from pipelines.data.manifest import Manifest, ManifestError, ShardInfo, read_manifest
-from pipelines.data.plan import PrepareConfig, PrepareError, log
+from pipelines.data.plan import PrepareConfig, PrepareError, key_values, log
 from pipelines.data.reasoning import gsm8k, prontoqa, prosqa
 from pipelines.data.reasoning.anchors import ANCHORS, anchors_of
 from pipelines.data.reasoning.rows import ReasoningError, Row, parse_rows, read_rows
@@ -66,21 +66,7 @@ def is_reasoning(cfg: PrepareConfig) -> bool:
 
 def reasoning_options(cfg: PrepareConfig) -> dict[str, Any]:
     """``cfg.reasoning`` as a mapping (``KEY=VALUE`` strings, values read as JSON where they parse)."""
-    raw = cfg.reasoning or {}
-    if isinstance(raw, (list, tuple)):
-        pairs: dict[str, Any] = {}
-        for item in raw:
-            if "=" not in str(item):
-                raise PrepareError(f"--reasoning {item!r}: use KEY=VALUE (e.g. train_rows=2000 or task=prosqa)")
-            k, v = str(item).split("=", 1)
-            try:
-                pairs[k.strip()] = json.loads(v)
-            except json.JSONDecodeError:
-                pairs[k.strip()] = v
-        raw = pairs
-    if not isinstance(raw, dict):
-        raise PrepareError(f"reasoning options must be a mapping or KEY=VALUE strings, got {raw!r}")
-    return dict(raw)
+    return key_values(cfg.reasoning, "reasoning", "train_rows=2000 or task=prosqa")
 
 
 def _generator_config(task: str, knobs: dict[str, Any]) -> Any:
