@@ -37,6 +37,7 @@ def test_cpu_stages_never_run_on_a_gpu_labelled_node_with_idle_cpus(tiny_data: P
     import ray
 
     import pipelines.core.runtime as runtime
+    import pipelines.evaluation.executors as executors
     from pipelines.core.placement import Unplaceable, check_run, fixed_nodes, run_demand, unplaceable
     from pipelines.data.embedded import embedded_slices
     from pipelines.data.prepare import PrepareConfig, prepare
@@ -96,7 +97,7 @@ def test_cpu_stages_never_run_on_a_gpu_labelled_node_with_idle_cpus(tiny_data: P
 
             # The control: the same tasks without the selector, as many as the three nodes have CPUs, all at once:
             # some land on the labelled node's idle CPUs.
-            monkeypatch.setattr(runtime, "cpu_work_options", lambda gpus=0.0: {})
+            monkeypatch.setattr(executors, "cpu_work_options", lambda gpus=0.0: {})  # where the executor reads it
             ran = RayExecutor(cpus=1, gpus=0).run(_where, [{"job": i, "seconds": 3.0} for i in range(5)],
                                                   desc="unplaced")
             assert gpu in ran, ran
@@ -109,7 +110,7 @@ import json, sys, time
 
 import ray
 
-import pipelines.core.runtime as runtime
+import pipelines.evaluation.executors as executors
 from pipelines.evaluation.executors import RayExecutor
 
 
@@ -120,7 +121,7 @@ def where(seconds):
 
 ray.init()
 if sys.argv[1] == "control":  # the selector left off
-    runtime.cpu_work_options = lambda gpus=0.0: {}
+    executors.cpu_work_options = lambda gpus=0.0: {}
 # GPU work that leaves its node's CPU idle; then, while it runs, two CPU tasks of the evaluation's executor.
 held = ray.remote(where).options(num_cpus=0, num_gpus=1).remote(float(sys.argv[2]))
 while not [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")]:
