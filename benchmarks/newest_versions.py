@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         rec.note("Failures:\n\n" + ("\n".join(f"- `{f}`" for f in failures) if failures else "none"))
         rec.note(f"pytest exit code {r.returncode}; its last line: `{out.strip().splitlines()[-1] if out.strip() else ''}`")
         if args.record:
-            stem = Path(args.record) / f"{dt.date.today()}_{machine_slug()}_{rec.topic}"
+            pinned = "".join(f"-{re.sub(r'[^a-z0-9.]+', '-', p.lower()).strip('-')}" for p in args.pins)
+            stem = Path(args.record) / f"{dt.date.today()}_{machine_slug()}_{rec.topic}{pinned}"
             frozen, log = stem.with_name(stem.name + "-freeze.txt"), stem.with_name(stem.name + "-pytest.txt")
             frozen.write_text("".join(f"{n}=={v}\n" for n, v in sorted(newest.items())))
             log.write_text("\n".join(out.splitlines()[-300:]) + "\n")  # the failures' summary and the counts
