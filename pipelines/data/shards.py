@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from pipelines.core.storage import exists, get_fs, join, read_bytes, sha256_file, write_bytes_atomic
-from pipelines.data.manifest import MANIFEST_NAME, ManifestError, read_manifest
-from pipelines.data.plan import PrepareError
+from pipelines.data.manifest import MANIFEST_NAME, Manifest, ManifestError, read_manifest
+from pipelines.data.plan import PrepareError, log
 
 PROGRESS_NAME = "_progress.json"
 
@@ -248,3 +248,28 @@ def load_progress(split_dir: str, fingerprint: str, width: int, log: Callable[[s
 def write_progress(split_dir: str, fingerprint: str, complete: bool) -> None:
     doc = {"fingerprint": fingerprint, "complete": complete}
     write_bytes_atomic(join(split_dir, PROGRESS_NAME), json.dumps(doc).encode())
+
+
+def existing_split(split_dir: str, cfg: Any, fingerprint: str, tokenizer_hash: str | None = None,
+                   what: str = "data") -> Manifest | None:
+    """A split written whole by an earlier run, for a source that writes its splits in one go (the testbed, the
+    reasoning tasks): its manifest when it was made with these options (``fingerprint``, and ``tokenizer_hash``
+    where given) and its shards verify; None to (re)write it (absent, unreadable, damaged, or other options with
+    ``--overwrite``). Other options without ``--overwrite``: PrepareError naming the fix."""
+    if not exists(join(split_dir, MANIFEST_NAME)):
+        return None
+    try:
+        m = read_manifest(split_dir)
+    except ManifestError:
+        return None
+    same = m.options.get("fingerprint") == fingerprint
+    if not same or (tokenizer_hash is not None and m.tokenizer.get("hash") != tokenizer_hash):
+        if not cfg.overwrite:
+            raise PrepareError(f"{split_dir} holds {what} made with other options; pass --overwrite (or another --out)")
+        return None
+    try:
+        m.verify()
+    except ManifestError as e:
+        log(cfg, f"{split_dir}: {e}; rewriting it", force=True)
+        return None
+    return m

@@ -30,9 +30,9 @@ import numpy as np
 
 from pipelines.core.seeds import derive_seed
 from pipelines.core.storage import exists, get_fs, join, resolve_workdir, write_bytes_atomic
-from pipelines.data.manifest import Manifest, ManifestError, ShardInfo, read_manifest
+from pipelines.data.manifest import Manifest, ShardInfo
 from pipelines.data.plan import PrepareConfig, PrepareError, key_values, log
-from pipelines.data.shards import shard_bytes, shard_name
+from pipelines.data.shards import existing_split, shard_bytes, shard_name
 from pipelines.data.tokenizer import TokenizerInfo, tokenizer_from_json
 
 SOURCE = "testbed"
@@ -122,7 +122,7 @@ def prepare_testbed(cfg: PrepareConfig) -> dict[str, Manifest]:
                    "shard_rows": rows["shard_rows"], "format": FORMAT}
         fingerprint = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()
         split_dir = join(out, split)
-        done = _existing(split_dir, fingerprint, info, cfg)
+        done = existing_split(split_dir, cfg, fingerprint, info.content_hash, "testbed data")
         if done is not None:
             results[split] = done
             log(cfg, f"{split}: up to date ({len(done.shards)} shards verified) -> {split_dir}", force=True)
@@ -142,27 +142,6 @@ def prepare_testbed(cfg: PrepareConfig) -> dict[str, Manifest]:
 
 def _abs(p: str) -> str:
     return os.path.abspath(p)
-
-
-def _existing(split_dir: str, fingerprint: str, info: TokenizerInfo, cfg: PrepareConfig) -> Manifest | None:
-    """The split's manifest when it was made with these options and its shards verify; None to (re)write it."""
-    if not exists(join(split_dir, "manifest.json")):
-        return None
-    try:
-        m = read_manifest(split_dir)
-    except ManifestError:
-        return None
-    if m.options.get("fingerprint") != fingerprint or m.tokenizer.get("hash") != info.content_hash:
-        if not cfg.overwrite:
-            raise PrepareError(f"{split_dir} holds testbed data made with other options; pass --overwrite (or "
-                               "another --out)")
-        return None
-    try:
-        m.verify()
-    except ManifestError as e:
-        log(cfg, f"{split_dir}: {e}; rewriting it", force=True)
-        return None
-    return m
 
 
 def _write_split(tb: Any, split: str, n_rows: int, split_dir: str, info: TokenizerInfo, options: dict[str, Any],

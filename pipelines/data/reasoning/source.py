@@ -39,12 +39,12 @@ import numpy as np
 
 from pipelines.core.seeds import derive_seed
 from pipelines.core.storage import exists, get_fs, join, read_bytes, resolve_workdir, write_bytes_atomic
-from pipelines.data.manifest import Manifest, ManifestError, ShardInfo, read_manifest
+from pipelines.data.manifest import Manifest, ShardInfo
 from pipelines.data.plan import PrepareConfig, PrepareError, key_values, log
 from pipelines.data.reasoning import gsm8k, prontoqa, prosqa
 from pipelines.data.reasoning.anchors import ANCHORS, anchors_of
 from pipelines.data.reasoning.rows import ReasoningError, Row, parse_rows, read_rows
-from pipelines.data.shards import shard_name
+from pipelines.data.shards import existing_split, shard_name
 from pipelines.data.tokenizer import TokenizerInfo, load_tokenizer, tokenizer_from_json
 
 SOURCES = ("prosqa", "prontoqa", "gsm8k")
@@ -249,7 +249,7 @@ def prepare_reasoning(cfg: PrepareConfig) -> dict[str, Manifest]:
                    "tokenizer": info.content_hash, "markers": markers}
         fingerprint = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()
         split_dir = join(out, split)
-        done = _existing(split_dir, fingerprint, cfg)
+        done = existing_split(split_dir, cfg, fingerprint)
         if done is not None:
             results[split] = done
             log(cfg, f"{split}: up to date ({len(done.shards)} shards verified) -> {split_dir}", force=True)
@@ -258,26 +258,6 @@ def prepare_reasoning(cfg: PrepareConfig) -> dict[str, Manifest]:
     log(cfg, f"done in {time.time() - t0:.1f}s: " + ", ".join(f"{s} {m.rows:,} rows" for s, m in results.items()),
         force=True)
     return results
-
-
-def _existing(split_dir: str, fingerprint: str, cfg: PrepareConfig) -> Manifest | None:
-    """The split's manifest when it was made with these options and its shards verify; None to (re)write it."""
-    if not exists(join(split_dir, "manifest.json")):
-        return None
-    try:
-        m = read_manifest(split_dir)
-    except ManifestError:
-        return None
-    if m.options.get("fingerprint") != fingerprint:
-        if not cfg.overwrite:
-            raise PrepareError(f"{split_dir} holds data made with other options; pass --overwrite (or another --out)")
-        return None
-    try:
-        m.verify()
-    except ManifestError as e:
-        log(cfg, f"{split_dir}: {e}; rewriting it", force=True)
-        return None
-    return m
 
 
 def _project_version() -> str:
