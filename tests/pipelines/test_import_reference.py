@@ -298,16 +298,17 @@ def test_inspect_prints_tree_and_hyper_parameters(tmp_path: Path, capsys: pytest
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("kind", ["mdlm", "bd3lm"])
+@pytest.mark.parametrize("kind", ["mdlm", "bd3lm", "a2r"])
 def test_exported_version_reimports_to_the_same_weights(kind: str, tmp_path: Path, one_torch_thread) -> None:
     """Our own Hub layout (python -m pipelines.export's folder, model_type adlm) is a source too: an exported
-    MDLM-family checkpoint re-imports bit for bit, with its tokenizer."""
+    MDLM-family or A2R checkpoint re-imports bit for bit, with its tokenizer."""
     from adlm_model.interop.checkpoint import save_checkpoint
     from pipelines.serving.export import export_model
     from pipelines.serving.importing import _tokenizer
 
-    cfg = ModelConfig(kind=kind, vocab_size=64, mask_id=64, seq_len=16, hidden=16, heads=2, n_blocks=1, cond_dim=8,
-                      block_size=4)
+    blocks = {"n_blocks": 2, "denoiser_blocks": 1} if kind == "a2r" else {"n_blocks": 1}  # A2R: anchor and AR model
+    cfg = ModelConfig(kind=kind, vocab_size=64, mask_id=64, seq_len=16, hidden=16, heads=2, cond_dim=8, block_size=4,
+                      **blocks)
     torch.manual_seed(3)
     model = build_model(cfg)
     with torch.no_grad():
