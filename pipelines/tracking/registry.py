@@ -167,6 +167,16 @@ def registered_version(name: str, run_id: str, step: int, *, tracking_uri: str |
     return min(same, key=lambda v: int(v.version)) if same else None
 
 
+def register_once(run_id: str, name: str, step: int, tags: dict[str, Any], **kwargs: Any) -> tuple[Any, bool]:
+    """The version of ``name`` registered from run ``run_id`` at ``step``: the one already there
+    (``registered_version``: a rerun registers nothing new and moves no alias), else a new one from
+    ``register_checkpoint(run_id, name, tags, **kwargs)``. Returns (the version, whether it is new)."""
+    mv = registered_version(name, run_id, step, tracking_uri=kwargs.get("tracking_uri"))
+    if mv is not None:
+        return mv, False
+    return register_checkpoint(run_id, name, tags, **kwargs), True
+
+
 def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
     """``models:/name@alias`` -> (name, None, alias); ``models:/name/3`` -> (name, "3", None)."""
     m = re.fullmatch(r"models:/([^/@]+)(?:@([\w\-.]+)|/(\d+))", uri)

@@ -42,7 +42,7 @@ from adlm_model.kinds import build_model
 from adlm_model.train.stages import ARMS, StagedFineTuning, arm_stages
 from pipelines.core.logs import first_line, get_logger
 from pipelines.core.storage import join, publish_dir, read_bytes, resolve_workdir, temp_dir
-from pipelines.tracking.registry import register_checkpoint, registered_version, training_tags
+from pipelines.tracking.registry import register_once, training_tags
 from pipelines.tracking.runs import (
     best_effort,
     client,
@@ -240,11 +240,9 @@ def _finish(cfg: Any, uri: str, run_id: str, local: Path, answers: Path, do_regi
         failure = "the checkpoint artifact could not be logged"
     elif do_register:
         try:
-            mv = registered_version(cfg.mlflow.registered_model, run_id, tags["step"], tracking_uri=uri)
-            if mv is None:
-                mv = register_checkpoint(run_id, cfg.mlflow.registered_model, training_tags(cfg.model, **tags),
-                                         tracking_uri=uri, checkpoint_dir=local)
-            else:
+            mv, new = register_once(run_id, cfg.mlflow.registered_model, tags["step"], training_tags(cfg.model, **tags),
+                                    tracking_uri=uri, checkpoint_dir=local)
+            if not new:
                 log.info(f"[{cfg.run.name}] step {tags['step']} is already registered as "
                          f"{cfg.mlflow.registered_model} v{mv.version}")
             version = str(mv.version)

@@ -52,7 +52,7 @@ from pipelines.core.storage import (
     write_bytes_atomic,
 )
 from pipelines.data.ray_source import split_dataset
-from pipelines.tracking.registry import register_checkpoint, registered_version, training_tags
+from pipelines.tracking.registry import register_once, training_tags
 from pipelines.tracking.runs import (
     TrackingAuthError,
     best_effort,
@@ -217,15 +217,13 @@ def _finish_tracking(ctx: RunContext, export: Export, do_register: bool, tags: d
     if do_register and logged:
         try:
             step = tags["step"]
-            mv = registered_version(cfg.mlflow.registered_model, run_id, step, tracking_uri=uri)
-            if mv is not None:  # a rerun of a finished run: nothing new, no alias moves
+            tags = training_tags(cfg.model, data_manifest_hash=plan.manifest_hash,
+                                 tokenizer_hash=plan.tokenizer_hash, run_name=cfg.run.name, **tags)
+            mv, new = register_once(run_id, cfg.mlflow.registered_model, step, tags, tracking_uri=uri,
+                                    checkpoint_dir=local_export)
+            if not new:  # a rerun of a finished run: nothing new, no alias moves
                 log.info(f"[{cfg.run.name}] step {step} is already registered as {cfg.mlflow.registered_model} "
                          f"v{mv.version}")
-            else:
-                tags = training_tags(cfg.model, data_manifest_hash=plan.manifest_hash,
-                                     tokenizer_hash=plan.tokenizer_hash, run_name=cfg.run.name, **tags)
-                mv = register_checkpoint(run_id, cfg.mlflow.registered_model, tags, tracking_uri=uri,
-                                         checkpoint_dir=local_export)
             version = str(mv.version)
         except Exception as e:  # noqa: BLE001 - the checkpoint is safe in storage; say how to register it
             failure = f"registration failed ({type(e).__name__}: {first_line(e)})"

@@ -17,7 +17,7 @@ from pipelines.core.storage import join, read_text, temp_dir, write_bytes_atomic
 from pipelines.evaluation.truth import exact_entropy, skips_first, truth_of
 from pipelines.studies.comparisons import nats
 from pipelines.studies.stats import Summary, summarise
-from pipelines.tracking.registry import register_checkpoint, registered_version, training_tags
+from pipelines.tracking.registry import register_once, training_tags
 from pipelines.tracking.runs import RUN_NAME_TAG, best_effort, client, log_artifact_safely
 from pipelines.training.config import TrainConfig
 from pipelines.tuning.confirm import ConfirmPlan, ConfirmResult, Contrast
@@ -171,15 +171,13 @@ def _register(result: ConfirmResult, p: Contrast) -> list[str]:
         run_id = found[0].info.run_id
         meta = json.loads(read_text(join(plan.workdir, "checkpoints", rp.run_name, "config.json"))).get("meta", {})
         step = int(meta.get("step", rp.max_steps))
-        mv = registered_version(name, run_id, step, tracking_uri=plan.tracking_uri)
-        if mv is None:
-            tags = training_tags(cfg.model, run_name=rp.run_name, step=step, val_ppl=meta.get("val_ppl"),
-                                 sweep=plan.space.name, **{
-                                     "confirm.arm": arm.name, "confirm.role": arm.role, "confirm.seed": rp.seed,
-                                     "confirm.against": p.against, "confirm.reading": p.reading,
-                                     "confirm.verdict": p.verdict, "confirm.seeds": json.dumps(plan.seeds),
-                                     "confirm.d_mean": d.mean if d else "", "confirm.d_lo": d.lo if d else "",
-                                     "confirm.d_hi": d.hi if d else ""})
-            mv = register_checkpoint(run_id, name, tags, tracking_uri=plan.tracking_uri, aliases=())
+        tags = training_tags(cfg.model, run_name=rp.run_name, step=step, val_ppl=meta.get("val_ppl"),
+                             sweep=plan.space.name, **{
+                                 "confirm.arm": arm.name, "confirm.role": arm.role, "confirm.seed": rp.seed,
+                                 "confirm.against": p.against, "confirm.reading": p.reading,
+                                 "confirm.verdict": p.verdict, "confirm.seeds": json.dumps(plan.seeds),
+                                 "confirm.d_mean": d.mean if d else "", "confirm.d_lo": d.lo if d else "",
+                                 "confirm.d_hi": d.hi if d else ""})
+        mv, _ = register_once(run_id, name, step, tags, tracking_uri=plan.tracking_uri, aliases=())
         versions.append(str(mv.version))
     return versions
